@@ -1,0 +1,3 @@
+//! Model layers. Only PLE for now.
+
+pub mod ple;

@@ -1,0 +1,123 @@
+//! The one interface the PLE layer uses to reach table rows.
+//!
+//! A [`RowTable`] turns row ids into device-readable [`RowRef`]s. Rows handed
+//! out under a [`Lease`] stay where they are (never evicted or overwritten)
+//! until the lease is released *and* the event given with the release has
+//! completed, i.e. until the gather that reads them has actually run.
+//!
+//! Invariants:
+//! - `resolve` never returns a reference to a row id `>= rows()`; such an id
+//!   is an error naming it;
+//! - a failed `resolve` holds no pins and leaves the table as it was (the
+//!   slots of a failed batch are unmapped, never half-filled);
+//! - `resolve` accepts at most `max_resolve()` distinct ids; callers split
+//!   larger batches (see `gather_split` in the layer).
+
+use anyhow::Result;
+use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
+
+/// The element type of table rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowDType {
+    /// `head_dim` BF16 values, 2 bytes each.
+    Bf16,
+    /// `head_dim` FP8 E4M3 values, 1 byte each, times a per-row f32 scale.
+    Fp8E4M3,
+}
+
+impl RowDType {
+    /// Bytes of one element.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            RowDType::Bf16 => 2,
+            RowDType::Fp8E4M3 => 1,
+        }
+    }
+}
+
+/// Shape of a table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableInfo {
+    /// Rows addressable by ids (ids are `0..rows`).
+    pub rows: u64,
+    /// Values per row.
+    pub head_dim: usize,
+    /// Element type.
+    pub dtype: RowDType,
+}
+
+impl TableInfo {
+    /// Bytes of one row's values (without the FP8 scale).
+    pub fn row_bytes(&self) -> usize {
+        self.head_dim * self.dtype.elem_bytes()
+    }
+}
+
+/// Where one resolved row can be read by a kernel. `#[repr(C)]` because
+/// arrays of it are uploaded to the device as-is.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowRef {
+    /// Device address of the row's values.
+    pub data: u64,
+    /// Device address of the row's f32 scale (FP8), or 0 (BF16).
+    pub scale: u64,
+}
+
+/// Pins held on resolved rows. Give it back with [`RowTable::release`].
+#[derive(Debug)]
+#[must_use = "a lease must be released, or its rows stay pinned"]
+pub struct Lease {
+    /// Table-private identifier.
+    pub id: u64,
+    /// Number of rows pinned.
+    pub pinned: usize,
+}
+
+impl Lease {
+    /// A lease that pins nothing (resident and mapped tables).
+    pub fn empty() -> Self {
+        Lease { id: 0, pinned: 0 }
+    }
+}
+
+/// Counters every table keeps. Tables without a cache report zeros for the
+/// cache fields.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TableStats {
+    /// Ids found in place.
+    pub hits: u64,
+    /// Ids that had to be read.
+    pub misses: u64,
+    /// Slots taken from other rows.
+    pub evictions: u64,
+    /// Bytes read from disk.
+    pub bytes_read: u64,
+    /// Read calls issued.
+    pub read_calls: u64,
+    /// Rows that shared a page with another row of the same read.
+    pub pages_coalesced: u64,
+    /// Nanoseconds spent waiting for reads.
+    pub io_wait_ns: u64,
+}
+
+/// A source of table rows; see the module docs for the lease rules.
+pub trait RowTable: Send + Sync {
+    /// The table's shape.
+    fn info(&self) -> TableInfo;
+    /// The most distinct ids one `resolve` accepts.
+    fn max_resolve(&self) -> usize;
+    /// Resolve `ids` to row references, writing `out[i]` for `ids[i]`.
+    /// `out.len()` must equal `ids.len()`.
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease>;
+    /// Release a lease. When `after` is given the pins are dropped only
+    /// once that event has completed, and the table destroys the event
+    /// then; without it they are dropped now.
+    fn release(&self, lease: Lease, gpu: &dyn GpuBackend, after: Option<EventHandle>)
+    -> Result<()>;
+    /// Start reading rows that will be resolved soon. A no-op for tables
+    /// that hold every row in place.
+    fn prefetch(&self, ids: &[u64]) -> Result<()>;
+    /// Counters so far.
+    fn stats(&self) -> TableStats;
+}
