@@ -46,7 +46,11 @@ pub fn ple_ngram_ids(dims: &PleIdDims, tokens: &[u32]) -> Vec<Vec<u64>> {
         let mut row = Vec::with_capacity(dims.ngram_heads());
         let mut mixed = 0u64;
         for p in 0..n {
-            let t = if i >= p && i - p >= seg_start { tokens[i - p] } else { eos };
+            let t = if i >= p && i - p >= seg_start {
+                tokens[i - p]
+            } else {
+                eos
+            };
             mixed ^= (t as u64).wrapping_mul(dims.multipliers[p]);
             if p >= 1 {
                 let order = p + 1;
