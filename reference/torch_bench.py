@@ -82,6 +82,11 @@ class Model:
         times[3] += time.perf_counter() - t0
 
 
+def summary(steps):
+    s = sorted(steps)
+    return s[len(s) // 2], s[0]
+
+
 def shares(times):
     tot = sum(times)
     names = ["gather", "project", "gate", "conv"]
@@ -109,20 +114,28 @@ def main():
         ids = lambda n: torch.randint(0, m.rows, (n * HEADS,), generator=gen)
         m.prefill(ids(t), highway, state, [0.0] * 4)
         times = [0.0] * 4
+        steps = []
         for _ in range(a.reps):
+            before = sum(times)
             m.prefill(ids(t), highway, state, times)
-        per = sum(times) / a.reps
-        print(f"prefill chunk {t}: {t / per:9.1f} tokens/s  ({per * 1e3:.1f} ms/chunk; {shares(times)})")
+            steps.append(sum(times) - before)
+        med, best = summary(steps)
+        print(f"prefill chunk {t}: median {t / med:8.1f} tokens/s, best {t / best:8.1f} tokens/s  "
+              f"({med * 1e3:.1f} ms/chunk median; {shares(times)})")
         for b in (1, 32, 64):
             highway = torch.rand(b, C, generator=gen) * 2 - 1
             states = torch.rand(b, S, C, generator=gen) * 2 - 1
             steps = min(max(a.reps * 64 // b, a.reps), 200)
             m.decode(ids(b), highway, states, [0.0] * 4)
             times = [0.0] * 4
+            per_step = []
             for _ in range(steps):
+                before = sum(times)
                 m.decode(ids(b), highway, states, times)
-            per = sum(times) / steps
-            print(f"decode batch {b:3d}: {b / per:9.1f} tokens/s  ({per * 1e3:.2f} ms/step; {shares(times)})")
+                per_step.append(sum(times) - before)
+            med, best = summary(per_step)
+            print(f"decode batch {b:3d}: median {b / med:8.1f} tokens/s, best {b / best:8.1f} tokens/s  "
+                  f"({med * 1e3:.2f} ms/step median; {shares(times)})")
 
 
 if __name__ == "__main__":

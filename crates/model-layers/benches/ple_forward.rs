@@ -52,7 +52,10 @@ impl Rng {
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Per-stage time of one forward.
@@ -102,8 +105,28 @@ struct Scratch {
 
 impl Scratch {
     fn new(t: usize) -> Self {
-        Scratch { emb: vec![0.0; t * E], kv: vec![0.0; t * O], gated: vec![0.0; t * C], xn: vec![0.0; t * C] }
+        Scratch {
+            emb: vec![0.0; t * E],
+            kv: vec![0.0; t * O],
+            gated: vec![0.0; t * C],
+            xn: vec![0.0; t * C],
+        }
     }
+}
+
+/// Median and best step time in seconds, and the stage shares over all
+/// steps.
+fn summarize(runs: &[Stages]) -> (f64, f64, String) {
+    let mut tot: Vec<f64> = runs.iter().map(|s| s.total().as_secs_f64()).collect();
+    tot.sort_by(f64::total_cmp);
+    let mut sum = Stages::default();
+    for r in runs {
+        sum.gather += r.gather;
+        sum.project += r.project;
+        sum.gate += r.gate;
+        sum.conv += r.conv;
+    }
+    (tot[tot.len() / 2], tot[0], sum.share())
 }
 
 fn time<R>(acc: &mut Duration, f: impl FnOnce() -> R) -> R {
@@ -115,33 +138,89 @@ fn time<R>(acc: &mut Duration, f: impl FnOnce() -> R) -> R {
 
 /// One prefill chunk (`states.len() == 1`, `t` rows) or one decode step
 /// (`t == states.len()` sequences, one row each) through the kernel chain.
-fn step(m: &Model, ids: &[u64], t: usize, highway: &mut [f32], states: &mut [Vec<f32>], sc: &mut Scratch, st: &mut Stages) {
+fn step(
+    m: &Model,
+    ids: &[u64],
+    t: usize,
+    highway: &mut [f32],
+    states: &mut [Vec<f32>],
+    sc: &mut Scratch,
+    st: &mut Stages,
+) {
     let rows: Vec<RowSrc> = ids
         .iter()
         .map(|&id| {
             let off = id as usize * HEAD_DIM;
-            // SAFETY-free view: u16 slice to bytes via to_le on the fly is
-            // too slow, so the table is kept as u16 and viewed as bytes.
+            // The table holds BF16 bits as u16, viewed as little-endian bytes.
             let r = &m.table[off..off + HEAD_DIM];
-            // The table is little-endian BF16 bits.
-            RowSrc { data: bytes_of(r), scale: 0.0 }
+            RowSrc {
+                data: bytes_of(r),
+                scale: 0.0,
+            }
         })
         .collect();
     let emb = &mut sc.emb[..t * E];
-    time(&mut st.gather, || gather_rows(&rows, HEAD_DIM, GatherDType::Bf16, emb).unwrap());
+    time(&mut st.gather, || {
+        gather_rows(&rows, HEAD_DIM, GatherDType::Bf16, emb).unwrap()
+    });
     let kv = &mut sc.kv[..t * O];
-    time(&mut st.project, || project(&sc.emb[..t * E], packed_as_bf16(&m.packed), kv, t, E, O).unwrap());
+    time(&mut st.project, || {
+        project(&sc.emb[..t * E], packed_as_bf16(&m.packed), kv, t, E, O).unwrap()
+    });
     let (gated, xn) = (&mut sc.gated[..t * C], &mut sc.xn[..t * C]);
-    let inp = GateInputs { highway, kv: &sc.kv[..t * O], norm_q: &m.norm_q, norm_k: &m.norm_k, norm_conv: &m.norm_conv };
-    time(&mut st.gate, || gate(GateDims { t, h: H, hc: HC, eps: EPS }, inp, gated, xn).unwrap());
+    let inp = GateInputs {
+        highway,
+        kv: &sc.kv[..t * O],
+        norm_q: &m.norm_q,
+        norm_k: &m.norm_k,
+        norm_conv: &m.norm_conv,
+    };
+    time(&mut st.gate, || {
+        gate(
+            GateDims {
+                t,
+                h: H,
+                hc: HC,
+                eps: EPS,
+            },
+            inp,
+            gated,
+            xn,
+        )
+        .unwrap()
+    });
     time(&mut st.conv, || {
         if states.len() == 1 {
-            conv(ConvDims { t, c: C, k: KSIZE, d: DIL }, &sc.xn[..t * C], &sc.gated[..t * C], &mut states[0], &m.conv_w, highway)
-                .unwrap()
+            conv(
+                ConvDims {
+                    t,
+                    c: C,
+                    k: KSIZE,
+                    d: DIL,
+                },
+                &sc.xn[..t * C],
+                &sc.gated[..t * C],
+                &mut states[0],
+                &m.conv_w,
+                highway,
+            )
+            .unwrap()
         } else {
             let mut refs: Vec<&mut [f32]> = states.iter_mut().map(|s| s.as_mut_slice()).collect();
-            conv_batch(ConvDims { t, c: C, k: KSIZE, d: DIL }, &sc.xn[..t * C], &sc.gated[..t * C], &mut refs, &m.conv_w, highway)
-                .unwrap()
+            conv_batch(
+                ConvDims {
+                    t,
+                    c: C,
+                    k: KSIZE,
+                    d: DIL,
+                },
+                &sc.xn[..t * C],
+                &sc.gated[..t * C],
+                &mut refs,
+                &m.conv_w,
+                highway,
+            )
+            .unwrap()
         }
     });
 }
@@ -169,7 +248,10 @@ fn naive_project(x: &[f32], w: &[u16], y: &mut [f32], t: usize) {
 }
 
 fn main() {
-    assert!(cfg!(target_endian = "little"), "this bench assumes little-endian BF16 rows");
+    assert!(
+        cfg!(target_endian = "little"),
+        "this bench assumes little-endian BF16 rows"
+    );
     let rows = env_usize("PLE_BENCH_ROWS", 3_000_000);
     let reps = env_usize("PLE_BENCH_REPS", 5).max(1);
     println!(
@@ -195,7 +277,9 @@ fn main() {
     };
     println!("setup {:.1} s", t0.elapsed().as_secs_f64());
 
-    let ids_for = |rng: &mut Rng, t: usize| -> Vec<u64> { (0..t * HEADS).map(|_| rng.next() % m.rows as u64).collect() };
+    let ids_for = |rng: &mut Rng, t: usize| -> Vec<u64> {
+        (0..t * HEADS).map(|_| rng.next() % m.rows as u64).collect()
+    };
 
     // Prefill: one 512-token chunk per step of one sequence.
     let t = 512;
@@ -203,31 +287,71 @@ fn main() {
     let mut highway: Vec<f32> = (0..t * C).map(|_| rng.f(1.0)).collect();
     let mut state = vec![vec![0.0f32; S * C]];
     let ids = ids_for(&mut rng, t);
-    step(&m, &ids, t, &mut highway, &mut state, &mut sc, &mut Stages::default()); // warm-up
-    let mut st = Stages::default();
-    for _ in 0..reps {
-        let ids = ids_for(&mut rng, t);
-        step(&m, &ids, t, &mut highway, &mut state, &mut sc, &mut st);
-    }
-    let per = st.total().as_secs_f64() / reps as f64;
-    let prefill_proj = st.project.as_secs_f64() / reps as f64 / t as f64;
-    println!("prefill chunk {t}: {:>9.1} tokens/s  ({:.1} ms/chunk; {})", t as f64 / per, per * 1e3, st.share());
+    step(
+        &m,
+        &ids,
+        t,
+        &mut highway,
+        &mut state,
+        &mut sc,
+        &mut Stages::default(),
+    ); // warm-up
+    let runs: Vec<Stages> = (0..reps)
+        .map(|_| {
+            let ids = ids_for(&mut rng, t);
+            let mut st = Stages::default();
+            step(&m, &ids, t, &mut highway, &mut state, &mut sc, &mut st);
+            st
+        })
+        .collect();
+    let (med, best, share) = summarize(&runs);
+    let prefill_proj = runs
+        .iter()
+        .map(|s| s.project)
+        .min()
+        .unwrap_or_default()
+        .as_secs_f64()
+        / t as f64;
+    println!(
+        "prefill chunk {t}: median {:>8.1} tokens/s, best {:>8.1} tokens/s  ({:.1} ms/chunk median; {share})",
+        t as f64 / med,
+        t as f64 / best,
+        med * 1e3
+    );
 
     // Decode: B sequences, one token each, per step.
     for b in [1usize, 32, 64] {
         let mut sc = Scratch::new(b);
         let mut highway: Vec<f32> = (0..b * C).map(|_| rng.f(1.0)).collect();
-        let mut states: Vec<Vec<f32>> = (0..b).map(|_| (0..S * C).map(|_| rng.f(1.0)).collect()).collect();
+        let mut states: Vec<Vec<f32>> = (0..b)
+            .map(|_| (0..S * C).map(|_| rng.f(1.0)).collect())
+            .collect();
         let steps = (reps * 64 / b).clamp(reps, 200);
         let ids = ids_for(&mut rng, b);
-        step(&m, &ids, b, &mut highway, &mut states, &mut sc, &mut Stages::default());
-        let mut st = Stages::default();
-        for _ in 0..steps {
-            let ids = ids_for(&mut rng, b);
-            step(&m, &ids, b, &mut highway, &mut states, &mut sc, &mut st);
-        }
-        let per = st.total().as_secs_f64() / steps as f64;
-        println!("decode batch {b:>3}: {:>9.1} tokens/s  ({:.2} ms/step; {})", b as f64 / per, per * 1e3, st.share());
+        step(
+            &m,
+            &ids,
+            b,
+            &mut highway,
+            &mut states,
+            &mut sc,
+            &mut Stages::default(),
+        );
+        let runs: Vec<Stages> = (0..steps)
+            .map(|_| {
+                let ids = ids_for(&mut rng, b);
+                let mut st = Stages::default();
+                step(&m, &ids, b, &mut highway, &mut states, &mut sc, &mut st);
+                st
+            })
+            .collect();
+        let (med, best, share) = summarize(&runs);
+        println!(
+            "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s  ({:.2} ms/step median; {share})",
+            b as f64 / med,
+            b as f64 / best,
+            med * 1e3
+        );
     }
 
     // Baseline: a naive scalar projection on a few rows.
@@ -239,7 +363,7 @@ fn main() {
     black_box(&y);
     let naive = t0.elapsed().as_secs_f64() / tb as f64;
     println!(
-        "projection per token: naive scalar {:.2} ms, packed GEMM (prefill) {:.3} ms, ratio {:.1}x",
+        "projection per token: naive scalar {:.2} ms, packed GEMM (prefill, best chunk) {:.3} ms, ratio {:.1}x",
         naive * 1e3,
         prefill_proj * 1e3,
         naive / prefill_proj

@@ -33,6 +33,9 @@ const MR: usize = 6;
 const KC: usize = 256;
 /// Token rows sharing one pass over the weights (a multiple of `MR`).
 const TILE_ROWS: usize = 96;
+/// Panels one single-row task reads side by side.
+#[cfg(target_arch = "x86_64")]
+const GROUP: usize = 4;
 
 /// Number of `NR`-wide panels covering `o` output rows.
 fn panels(o: usize) -> usize {
@@ -150,6 +153,39 @@ pub fn project_on(
     let np = panels(o);
     let min_len = (np / (rayon::current_num_threads() * 8)).max(1);
     let yp = SyncPtr(y.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if path == CpuPath::Avx2Fma && t == 1 {
+        // One row is bound by reading the weights: convert them in registers
+        // and keep GROUP panels (2 * GROUP independent FMA chains) in flight.
+        let groups = np.div_ceil(GROUP);
+        let min_len = (groups / (rayon::current_num_threads() * 8)).max(1);
+        (0..groups)
+            .into_par_iter()
+            .with_min_len(min_len)
+            .for_each(|g| {
+                let p0 = g * GROUP;
+                let n = GROUP.min(np - p0);
+                let mut out = [0.0f32; GROUP * NR];
+                let wg = &w[p0 * e * NR..(p0 + n) * e * NR];
+                // SAFETY: AVX2 and FMA were checked above; `x` holds `e`
+                // values, `wg` holds `n` panels of `e * NR` values, `out` holds
+                // `GROUP * NR >= n * NR` values.
+                unsafe {
+                    let (xp, wp, op) = (x.as_ptr(), wg.as_ptr(), out.as_mut_ptr());
+                    match n {
+                        1 => avx2::row_direct::<1>(xp, wp, e, op),
+                        2 => avx2::row_direct::<2>(xp, wp, e, op),
+                        3 => avx2::row_direct::<3>(xp, wp, e, op),
+                        _ => avx2::row_direct::<4>(xp, wp, e, op),
+                    }
+                }
+                let cols = (o - p0 * NR).min(n * NR);
+                // SAFETY: columns `p0 * NR .. p0 * NR + cols` of the single row
+                // lie inside `y` and belong to this group alone.
+                unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), yp.get().add(p0 * NR), cols) };
+            });
+        return Ok(());
+    }
     for t0 in (0..t).step_by(TILE_ROWS) {
         let rows = TILE_ROWS.min(t - t0);
         let xt = &x[t0 * e..(t0 + rows) * e];
@@ -291,6 +327,44 @@ mod avx2 {
         }
     }
 
+    /// One row against `P` consecutive panels, converting the BF16 weights
+    /// in registers: `out [P * NR]` = the sequential FMA chain over all `e`,
+    /// exactly as `micro_portable` computes it through blocks.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `x` readable at `e` values, `w` at
+    /// `P * e * NR` values, `out` writable at `P * NR` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn row_direct<const P: usize>(
+        x: *const f32,
+        w: *const u16,
+        e: usize,
+        out: *mut f32,
+    ) {
+        // SAFETY: every access stays inside the ranges the caller guarantees;
+        // loads and stores are unaligned.
+        unsafe {
+            let mut c0 = [_mm256_setzero_ps(); P];
+            let mut c1 = [_mm256_setzero_ps(); P];
+            for k in 0..e {
+                let a = _mm256_broadcast_ss(&*x.add(k));
+                for p in 0..P {
+                    let src = w.add(p * e * NR + k * NR);
+                    let lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(src as *const __m128i));
+                    let hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.add(8) as *const __m128i));
+                    let b0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lo));
+                    let b1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(hi));
+                    c0[p] = _mm256_fmadd_ps(a, b0, c0[p]);
+                    c1[p] = _mm256_fmadd_ps(a, b1, c1[p]);
+                }
+            }
+            for p in 0..P {
+                _mm256_storeu_ps(out.add(p * NR), c0[p]);
+                _mm256_storeu_ps(out.add(p * NR + 8), c1[p]);
+            }
+        }
+    }
+
     /// `acc [M, NR] += x [M, kc] @ b [kc, NR]`: one FMA per element and
     /// step, `k` ascending, exactly as `micro_portable`.
     ///
@@ -396,6 +470,8 @@ mod tests {
         // O not a multiple of NR, E not a multiple of KC.
         for &(t, e, o) in &[
             (1, 1, 1),
+            (1, 300, 150),
+            (1, 513, 64),
             (7, 300, 33),
             (13, 17, 16),
             (97, 257, 20),
