@@ -85,7 +85,8 @@ impl Stages {
 }
 
 struct Model {
-    table: Vec<u16>,
+    /// Little-endian BF16 rows.
+    table: Vec<u8>,
     rows: usize,
     packed: Vec<f32>,
     w_raw: Vec<u16>,
@@ -150,11 +151,9 @@ fn step(
     let rows: Vec<RowSrc> = ids
         .iter()
         .map(|&id| {
-            let off = id as usize * HEAD_DIM;
-            // The table holds BF16 bits as u16, viewed as little-endian bytes.
-            let r = &m.table[off..off + HEAD_DIM];
+            let off = id as usize * HEAD_DIM * 2;
             RowSrc {
-                data: bytes_of(r),
+                data: &m.table[off..off + HEAD_DIM * 2],
                 scale: 0.0,
             }
         })
@@ -225,12 +224,6 @@ fn step(
     });
 }
 
-fn bytes_of(r: &[u16]) -> &[u8] {
-    // SAFETY: u8 has no alignment or validity requirements and the length
-    // covers the same bytes; this bench runs on little-endian machines only.
-    unsafe { std::slice::from_raw_parts(r.as_ptr() as *const u8, r.len() * 2) }
-}
-
 /// The baseline: `y = x @ W^T` as a plain triple loop over the unpacked
 /// BF16 weight.
 fn naive_project(x: &[f32], w: &[u16], y: &mut [f32], t: usize) {
@@ -248,10 +241,6 @@ fn naive_project(x: &[f32], w: &[u16], y: &mut [f32], t: usize) {
 }
 
 fn main() {
-    assert!(
-        cfg!(target_endian = "little"),
-        "this bench assumes little-endian BF16 rows"
-    );
     let rows = env_usize("PLE_BENCH_ROWS", 3_000_000);
     let reps = env_usize("PLE_BENCH_REPS", 5).max(1);
     println!(
@@ -262,7 +251,9 @@ fn main() {
     );
     let mut rng = Rng(0x5EED);
     let t0 = Instant::now();
-    let table: Vec<u16> = (0..rows * HEAD_DIM).map(|_| rng.bf16(1.0)).collect();
+    let table: Vec<u8> = (0..rows * HEAD_DIM)
+        .flat_map(|_| rng.bf16(1.0).to_le_bytes())
+        .collect();
     let w_raw: Vec<u16> = (0..O * E).map(|_| rng.bf16(0.02)).collect();
     let packed = pack_projection(&w_raw, O, E);
     let m = Model {
