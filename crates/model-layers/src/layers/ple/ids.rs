@@ -219,65 +219,126 @@ impl HeadRows for FastRows<'_> {
     }
 }
 
-/// The tokens 1..N places back, within the current segment, else EOS.
-#[derive(Clone, Copy)]
-struct Context {
-    prev: [u32; MAX_NGRAM_SIZE - 1],
-}
-
-impl Context {
+/// The tokens 1..N places back of the next token, within its segment,
+/// else EOS (`prev()[p - 1]` is `shift_p`).
+trait Context: Copy {
     /// A sequence start: everything before it reads as EOS.
-    #[inline(always)]
-    fn start(eos: u32) -> Self {
-        Self {
-            prev: [eos; MAX_NGRAM_SIZE - 1],
-        }
-    }
+    fn start(ctx_len: usize, eos: u32) -> Self;
+    /// The context, nearest token first.
+    fn prev(&self) -> &[u32];
+    /// Move past token `t`. After an EOS a new segment starts, and every
+    /// position before it reads as EOS.
+    fn push(&mut self, t: u32, eos: u32);
 
     /// The context after the last `ctx_len` tokens of `history` (earlier
     /// tokens cannot reach a later n-gram).
     #[inline(always)]
     fn after(history: &[u32], ctx_len: usize, eos: u32) -> Self {
-        let mut c = Self::start(eos);
+        let mut c = Self::start(ctx_len, eos);
         for &t in &history[history.len().saturating_sub(ctx_len)..] {
-            c.push(t, ctx_len, eos);
+            c.push(t, eos);
         }
         c
     }
+}
 
-    /// Move past token `t`. After an EOS a new segment starts, and every
-    /// position before it reads as EOS.
+/// A context whose length is known at compile time (N = 2, 3, 4), so the
+/// shift and the per-order loop unroll.
+#[derive(Clone, Copy)]
+struct FixedContext<const C: usize>([u32; C]);
+
+impl<const C: usize> Context for FixedContext<C> {
     #[inline(always)]
-    fn push(&mut self, t: u32, ctx_len: usize, eos: u32) {
+    fn start(_ctx_len: usize, eos: u32) -> Self {
+        Self([eos; C])
+    }
+    #[inline(always)]
+    fn prev(&self) -> &[u32] {
+        &self.0
+    }
+    #[inline(always)]
+    fn push(&mut self, t: u32, eos: u32) {
         if t == eos {
-            self.prev[..ctx_len].fill(eos);
+            self.0 = [eos; C];
         } else {
-            self.prev.copy_within(0..ctx_len - 1, 1);
+            for i in (1..C).rev() {
+                self.0[i] = self.0[i - 1];
+            }
+            self.0[0] = t;
+        }
+    }
+}
+
+/// Any context length up to `MAX_NGRAM_SIZE - 1`.
+#[derive(Clone, Copy)]
+struct DynContext {
+    prev: [u32; MAX_NGRAM_SIZE - 1],
+    len: usize,
+}
+
+impl Context for DynContext {
+    #[inline(always)]
+    fn start(ctx_len: usize, eos: u32) -> Self {
+        Self {
+            prev: [eos; MAX_NGRAM_SIZE - 1],
+            len: ctx_len,
+        }
+    }
+    #[inline(always)]
+    fn prev(&self) -> &[u32] {
+        &self.prev[..self.len]
+    }
+    #[inline(always)]
+    fn push(&mut self, t: u32, eos: u32) {
+        if t == eos {
+            self.prev[..self.len].fill(eos);
+        } else {
+            self.prev.copy_within(0..self.len - 1, 1);
             self.prev[0] = t;
         }
     }
 }
 
 /// The ids of token `t` (one row of `ngram_heads`) given its context.
+/// `mults` has `prev.len() + 1` entries and `out` `prev.len() * k`.
 #[inline(always)]
 fn hash_token<R: HeadRows>(
     mults: &[u64],
     k: usize,
-    ctx: &Context,
+    prev: &[u32],
     t: u32,
     rows: &R,
     out: &mut [u64],
 ) {
+    let mults = &mults[..prev.len() + 1];
     let mut mixed = u64::from(t).wrapping_mul(mults[0]);
-    for (p, (row, &m)) in out.chunks_exact_mut(k).zip(&mults[1..]).enumerate() {
-        mixed ^= u64::from(ctx.prev[p]).wrapping_mul(m);
-        rows.order_rows(p * k, mixed, row);
+    for p in 0..prev.len() {
+        mixed ^= u64::from(prev[p]).wrapping_mul(mults[p + 1]);
+        rows.order_rows(p * k, mixed, &mut out[p * k..(p + 1) * k]);
     }
 }
 
 /// Hash `history ++ tokens` and write the rows of `tokens` to `out`
 /// (`tokens.len() * ngram_heads`, checked by the caller).
 #[inline(always)]
+fn hash_run_with<C: Context, R: HeadRows>(
+    dims: &PleIdDims,
+    rows: &R,
+    history: &[u32],
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    let eos = dims.eos_token_id;
+    let k = dims.heads_per_ngram;
+    let mut ctx = C::after(history, dims.context_len(), eos);
+    for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(dims.ngram_heads())) {
+        hash_token(&dims.multipliers, k, ctx.prev(), t, rows, row);
+        ctx.push(t, eos);
+    }
+}
+
+/// [`hash_run_with`], with the context length fixed at compile time for the
+/// common orders.
 fn hash_run<R: HeadRows>(
     dims: &PleIdDims,
     rows: &R,
@@ -285,13 +346,44 @@ fn hash_run<R: HeadRows>(
     tokens: &[u32],
     out: &mut [u64],
 ) {
-    let ctx_len = dims.context_len();
-    let eos = dims.eos_token_id;
-    let k = dims.heads_per_ngram;
-    let mut ctx = Context::after(history, ctx_len, eos);
-    for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(dims.ngram_heads())) {
-        hash_token(&dims.multipliers, k, &ctx, t, rows, row);
-        ctx.push(t, ctx_len, eos);
+    match dims.context_len() {
+        1 => hash_run_with::<FixedContext<1>, R>(dims, rows, history, tokens, out),
+        2 => hash_run_with::<FixedContext<2>, R>(dims, rows, history, tokens, out),
+        3 => hash_run_with::<FixedContext<3>, R>(dims, rows, history, tokens, out),
+        _ => hash_run_with::<DynContext, R>(dims, rows, history, tokens, out),
+    }
+}
+
+/// One new token after each history (batched decode).
+fn hash_batch_with<'h, C: Context, R: HeadRows>(
+    dims: &PleIdDims,
+    rows: &R,
+    histories: impl Iterator<Item = &'h [u32]>,
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    let (ctx_len, eos, k) = (dims.context_len(), dims.eos_token_id, dims.heads_per_ngram);
+    for ((h, &t), row) in histories
+        .zip(tokens)
+        .zip(out.chunks_exact_mut(dims.ngram_heads()))
+    {
+        let ctx = C::after(h, ctx_len, eos);
+        hash_token(&dims.multipliers, k, ctx.prev(), t, rows, row);
+    }
+}
+
+fn hash_batch<'h, R: HeadRows>(
+    dims: &PleIdDims,
+    rows: &R,
+    histories: impl Iterator<Item = &'h [u32]>,
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    match dims.context_len() {
+        1 => hash_batch_with::<FixedContext<1>, R>(dims, rows, histories, tokens, out),
+        2 => hash_batch_with::<FixedContext<2>, R>(dims, rows, histories, tokens, out),
+        3 => hash_batch_with::<FixedContext<3>, R>(dims, rows, histories, tokens, out),
+        _ => hash_batch_with::<DynContext, R>(dims, rows, histories, tokens, out),
     }
 }
 
@@ -445,22 +537,13 @@ impl PleIdHasher {
             heads,
         )?;
         let rows = FastRows { heads: &self.heads };
-        let (ctx_len, eos) = (self.dims.context_len(), self.dims.eos_token_id);
-        for ((h, &t), row) in histories
-            .iter()
-            .zip(tokens)
-            .zip(out.chunks_exact_mut(heads))
-        {
-            let ctx = Context::after(h.as_ref(), ctx_len, eos);
-            hash_token(
-                &self.dims.multipliers,
-                self.dims.heads_per_ngram,
-                &ctx,
-                t,
-                &rows,
-                row,
-            );
-        }
+        hash_batch(
+            &self.dims,
+            &rows,
+            histories.iter().map(AsRef::as_ref),
+            tokens,
+            out,
+        );
         Ok(())
     }
 
@@ -489,22 +572,7 @@ impl PleIdHasher {
             heads,
         )?;
         let rows = FastRows { heads: &self.heads };
-        let eos = self.dims.eos_token_id;
-        for ((h, &t), row) in histories
-            .chunks_exact(c)
-            .zip(tokens)
-            .zip(out.chunks_exact_mut(heads))
-        {
-            let ctx = Context::after(h, c, eos);
-            hash_token(
-                &self.dims.multipliers,
-                self.dims.heads_per_ngram,
-                &ctx,
-                t,
-                &rows,
-                row,
-            );
-        }
+        hash_batch(&self.dims, &rows, histories.chunks_exact(c), tokens, out);
         Ok(())
     }
 }
