@@ -70,9 +70,7 @@ pub(crate) struct Entry {
 impl Entry {
     /// In debug mode, overwrite owned bytes with the poison pattern.
     fn scrub(&mut self) {
-        if let Backing::Owned(layout) = self.backing
-            && self.poison
-        {
+        if let (Backing::Owned(layout), true) = (&self.backing, self.poison) {
             // SAFETY: `host` was allocated with `layout` and is still owned
             // by this entry; nothing else can reach it once the entry is out
             // of the ledger and the execution barrier has been passed.
@@ -221,9 +219,8 @@ impl Ledger {
         if live.contains_key(&ptr.0) {
             return Ok(());
         }
-        if let Some((&base, e)) = live.range(..=ptr.0).next_back()
-            && ptr.0 < base + e.bytes.max(1) as u64
-        {
+        let interior = live.range(..=ptr.0).next_back();
+        if let Some((&base, e)) = interior.filter(|(b, e)| ptr.0 < **b + e.bytes.max(1) as u64) {
             bail!(
                 "free: {ptr} is {} bytes inside allocation '{}' ({}, {} bytes), not its start",
                 ptr.0 - base,
@@ -241,9 +238,8 @@ impl Ledger {
                 f.bytes
             );
         }
-        if let Some((&base, f)) = freed.by_addr.range(..=ptr.0).next_back()
-            && ptr.0 < base + f.bytes.max(1) as u64
-        {
+        let inside = freed.by_addr.range(..=ptr.0).next_back();
+        if let Some((&base, f)) = inside.filter(|(b, f)| ptr.0 < **b + f.bytes.max(1) as u64) {
             bail!(
                 "free: {ptr} is inside allocation '{}' ({}, {} bytes), which was already freed (and is not its start)",
                 f.label,
@@ -269,10 +265,10 @@ impl Ledger {
             }
         };
         let mut freed = self.freed.lock();
-        if freed.order.len() >= FREED_MEMORY
-            && let Some(old) = freed.order.pop_front()
-        {
-            freed.by_addr.remove(&old);
+        if freed.order.len() >= FREED_MEMORY {
+            if let Some(old) = freed.order.pop_front() {
+                freed.by_addr.remove(&old);
+            }
         }
         freed.order.push_back(ptr.0);
         freed.by_addr.insert(
@@ -295,9 +291,7 @@ impl Ledger {
             if let Some((&base, e)) = live.range(..=ptr.0).next_back() {
                 let off = ptr.0 - base;
                 let end = off.checked_add(bytes as u64);
-                if let Some(end) = end
-                    && end <= e.bytes as u64
-                {
+                if end.is_some_and(|end| end <= e.bytes as u64) {
                     return Ok((e.host + off as usize) as *mut u8);
                 }
             }
@@ -330,9 +324,8 @@ impl Ledger {
             }
         }
         let freed = self.freed.lock();
-        if let Some((&base, f)) = freed.by_addr.range(..=ptr.0).next_back()
-            && ptr.0 - base <= f.bytes as u64
-        {
+        let inside = freed.by_addr.range(..=ptr.0).next_back();
+        if let Some((&base, f)) = inside.filter(|(b, f)| ptr.0 - **b <= f.bytes as u64) {
             return anyhow!(
                 "{op}: use after free: {ptr} is inside allocation '{}' ({}, {} bytes), which was freed",
                 f.label,

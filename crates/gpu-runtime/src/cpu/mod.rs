@@ -53,6 +53,15 @@ thread_local! {
     static ON_WORKER: Cell<bool> = const { Cell::new(false) };
 }
 
+/// The pointer of a non-null pointer argument (null pointers are allowed
+/// as kernel arguments: kernels may take optional buffers).
+fn non_null_ptr(a: &KernelArg) -> Option<DevicePtr> {
+    match a {
+        KernelArg::Ptr(p) if !p.is_null() => Some(*p),
+        _ => None,
+    }
+}
+
 fn on_worker() -> bool {
     ON_WORKER.with(|w| w.get())
 }
@@ -128,12 +137,10 @@ impl Inner {
             }
             Node::Kernel { kernel, args, .. } => {
                 for (i, a) in args.iter().enumerate() {
-                    if let KernelArg::Ptr(p) = a
-                        && !p.is_null()
-                    {
+                    if let Some(p) = non_null_ptr(a) {
                         self.ledger.resolve(
                             &format!("{op} {}: argument {i}", kernel.qualified),
-                            *p,
+                            p,
                             0,
                         )?;
                     }
@@ -246,11 +253,9 @@ impl Inner {
             Node::Kernel { kernel, cfg, args } => {
                 let what = format!("{op} {}", kernel.qualified);
                 for (i, a) in args.iter().enumerate() {
-                    if let KernelArg::Ptr(p) = a
-                        && !p.is_null()
-                    {
+                    if let Some(p) = non_null_ptr(a) {
                         self.ledger
-                            .resolve(&format!("{what}: argument {i}"), *p, 0)?;
+                            .resolve(&format!("{what}: argument {i}"), p, 0)?;
                     }
                 }
                 let mem = KernelMemory {

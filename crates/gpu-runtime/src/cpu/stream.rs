@@ -236,10 +236,8 @@ impl Stream {
     /// The worker finished one operation with result `r`.
     pub fn finish(&self, r: Result<()>) {
         let mut st = self.state.lock();
-        if let Err(e) = r
-            && st.error.is_none()
-        {
-            st.error = Some(e);
+        if let Err(e) = r {
+            st.error.get_or_insert(e);
         }
         st.completed += 1;
         drop(st);
