@@ -24,7 +24,8 @@
 //! - a synchronising call made from inside a queued operation (a kernel body
 //!   that holds the backend) would deadlock and is refused instead;
 //! - under graph capture, submissions are recorded; copies from ordinary host
-//!   memory, blocking reads, `synchronize` and synchronous copies on the
+//!   memory (not host-mapped or registered, whose copies are recorded as
+//!   reads of their device address at replay), blocking reads, `synchronize` and synchronous copies on the
 //!   capturing stream are refused and invalidate the capture, as CUDA does;
 //!   a graph holds pointers and kernel bodies by value and its launch
 //!   re-submits every node (checked again) in order.
@@ -506,8 +507,21 @@ impl GpuBackend for CpuBackend {
     fn copy_h2d_async(&self, src: &[u8], dst: DevicePtr, stream: StreamId) -> Result<()> {
         let op = "copy_h2d_async";
         let s = self.inner.stream(op, stream)?;
-        // Refuse before copying the source: under capture it is never used.
         self.inner.ledger.resolve(op, dst, src.len())?;
+        // As CUDA allows copies from page-locked memory under capture: a
+        // source inside host-mapped or registered memory is recorded as a
+        // copy from its device address, read at each replay.
+        if s.state.lock().capture.is_some() {
+            if let Some(dev) = self.inner.ledger.device_of_host(src.as_ptr(), src.len()) {
+                let node = Node::CopyD2D {
+                    src: dev,
+                    dst,
+                    bytes: src.len(),
+                };
+                return self.inner.submit(op, &s, &[node]);
+            }
+        }
+        // Refuse before copying the source: under capture it is never used.
         self.inner.refuse_if_capturing(
             op,
             &s,
