@@ -17,6 +17,7 @@
 
 use std::alloc::Layout;
 use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
 
 use anyhow::{Result, anyhow, bail};
 use parking_lot::{Mutex, RwLock};
@@ -296,7 +297,12 @@ impl Ledger {
     /// whole range lies inside one live allocation. An empty range may sit
     /// anywhere from an allocation's start to its end, or at null.
     #[inline]
-    pub fn resolve(&self, op: &str, ptr: DevicePtr, bytes: usize) -> Result<*mut u8> {
+    pub fn resolve<D: fmt::Display + ?Sized>(
+        &self,
+        op: &D,
+        ptr: DevicePtr,
+        bytes: usize,
+    ) -> Result<*mut u8> {
         {
             let live = self.live.read();
             if let Some((&base, e)) = live.range(..=ptr.0).next_back() {
@@ -315,7 +321,12 @@ impl Ledger {
 
     /// The error for a range that failed [`Self::resolve`].
     #[cold]
-    fn explain(&self, op: &str, ptr: DevicePtr, bytes: usize) -> anyhow::Error {
+    fn explain<D: fmt::Display + ?Sized>(
+        &self,
+        op: &D,
+        ptr: DevicePtr,
+        bytes: usize,
+    ) -> anyhow::Error {
         if ptr.is_null() {
             return anyhow!("{op}: null pointer ({bytes} bytes at {ptr})");
         }
