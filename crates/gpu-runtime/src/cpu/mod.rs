@@ -183,7 +183,7 @@ impl Inner {
             if let Some(n) = nodes.iter().find(|n| matches!(n, Node::CopyH2D { .. })) {
                 let why = format!(
                     "{}: stream {} is capturing; a copy from ordinary host memory cannot be \
-                     replayed (stage it in alloc_host_mapped memory and use copy_d2d_async)",
+                     replayed (stage it in alloc_host_mapped memory, whose copies replay)",
                     n.op_name(),
                     stream.id
                 );
@@ -542,7 +542,7 @@ impl GpuBackend for CpuBackend {
             op,
             &s,
             "a copy from ordinary host memory cannot be replayed (stage it in \
-             alloc_host_mapped memory and use copy_d2d_async)",
+             alloc_host_mapped memory, whose copies replay)",
         )?;
         self.inner.submit(
             op,
