@@ -448,7 +448,7 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
     {
         // y overlapping x.
         let mut f = Fixture::new(9)?;
-        let x = f.tmp(&vec![1f32; 2 * O])?;
+        let x = f.tmp(&[1f32; 2 * O])?;
         let w = f.w_dev;
         let e = expect_err(&f, |g| {
             g.launch(g.kernel("ple", "project")?, lin())
@@ -466,8 +466,8 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
     {
         // A packed weight shorter than [O, E] packs to.
         let mut f = Fixture::new(10)?;
-        let x = f.tmp(&vec![1f32; E])?;
-        let y = f.tmp(&vec![3f32; O])?;
+        let x = f.tmp(&[1f32; E])?;
+        let y = f.tmp(&[3f32; O])?;
         let short = f.tmp(&vec![0f32; packed_len(O, E) - 1])?;
         let e = expect_err(&f, |g| {
             g.launch(g.kernel("ple", "project")?, lin())
