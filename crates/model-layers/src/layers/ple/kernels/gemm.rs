@@ -244,9 +244,14 @@ fn panel(path: CpuPath, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e:
             CpuPath::Avx2Fma => unreachable!("AVX2 is never available off x86-64"),
         }
         let b = &buf[..kc * NR];
+        // Split the rows into register tiles of near-equal height (32 rows
+        // become 6+6+5+5+5+5, not 6*5+2): short tiles leave FMA latency
+        // exposed. Heights change nothing in the results.
+        let tiles = rows.div_ceil(MR);
+        let (base, extra) = (rows / tiles, rows % tiles);
         let mut r0 = 0;
-        while r0 < rows {
-            let mr = MR.min(rows - r0);
+        for tile in 0..tiles {
+            let mr = base + usize::from(tile < extra);
             let xs = &xt[r0 * e + kb..];
             let a = &mut acc[r0 * NR..(r0 + mr) * NR];
             // The last x element read is (mr - 1) * e + kc - 1.

@@ -104,10 +104,39 @@ pub fn sigmoid(z: f32) -> f32 {
     1.0 / (1.0 + (-z).exp())
 }
 
-/// `y * sigmoid(y)`, written as `y / (1 + exp(-y))`.
+/// `y * sigmoid(y)`, written as `y / (1 + exp(-y))` with [`exp_vec`].
 #[inline(always)]
 pub fn silu(y: f32) -> f32 {
-    y / (1.0 + (-y).exp())
+    y / (1.0 + exp_vec(-y))
+}
+
+/// `e^x` to within 2 ulp over the normal range, in plain arithmetic that
+/// vectorises (the library `exp` is a call per element). Inputs are clamped
+/// to `[-87, 88]`, so results stay finite and normal; NaN stays NaN.
+///
+/// Method: `x = n ln2 + r` with `n` rounded to nearest by the 1.5 * 2^23
+/// trick (which also leaves `n` in the low mantissa bits), `|r| <= ln2/2`,
+/// a degree-6 polynomial for `e^r`, and `2^n` built from its bits.
+#[inline(always)]
+pub fn exp_vec(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 split so that n * LN2_HI is exact for |n| < 2^9.
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let x = x.clamp(-87.0, 88.0);
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
+    let ni = (t.to_bits() as i32).wrapping_sub(0x4B40_0000);
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 5.000_000_1e-1;
+    let er = p * (r * r) + r + 1.0;
+    f32::from_bits((ni.wrapping_add(127) as u32) << 23) * er
 }
 
 #[cfg(test)]
@@ -148,6 +177,24 @@ mod tests {
         // Tiny |g| is clamped to 1e-6 before the root.
         assert_eq!(gate_sigma(1e-12), sigmoid(1e-3));
         assert!(gate_sigma(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn exp_vec_is_within_two_ulp() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x <= 88.0 {
+            let want = (x as f64).exp();
+            let got = exp_vec(x) as f64;
+            // One ulp of the f32 result.
+            let ulp = (want as f32).abs() as f64 * f32::EPSILON as f64;
+            worst = worst.max((got - want).abs() / ulp);
+            x += 0.000_731;
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        assert_eq!(exp_vec(0.0), 1.0);
+        assert!(exp_vec(f32::NAN).is_nan());
+        assert!(exp_vec(1000.0).is_finite() && exp_vec(-1000.0) > 0.0);
     }
 
     #[test]
