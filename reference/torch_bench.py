@@ -115,12 +115,15 @@ def main():
         m.prefill(ids(t), highway, state, [0.0] * 4)
         times = [0.0] * 4
         steps = []
+        cpu0 = time.process_time()
         for _ in range(a.reps):
             before = sum(times)
             m.prefill(ids(t), highway, state, times)
             steps.append(sum(times) - before)
+        cpu = time.process_time() - cpu0
         med, best = summary(steps)
-        print(f"prefill chunk {t}: median {t / med:8.1f} tokens/s, best {t / best:8.1f} tokens/s  "
+        print(f"prefill chunk {t}: median {t / med:8.1f} tokens/s, best {t / best:8.1f} tokens/s, "
+              f"{t * a.reps / cpu:.1f} tokens/CPU-s  "
               f"({med * 1e3:.1f} ms/chunk median; {shares(times)})")
         for b in (1, 32, 64):
             highway = torch.rand(b, C, generator=gen) * 2 - 1
@@ -129,12 +132,15 @@ def main():
             m.decode(ids(b), highway, states, [0.0] * 4)
             times = [0.0] * 4
             per_step = []
+            cpu0 = time.process_time()
             for _ in range(steps):
                 before = sum(times)
                 m.decode(ids(b), highway, states, times)
                 per_step.append(sum(times) - before)
+            cpu = time.process_time() - cpu0
             med, best = summary(per_step)
-            print(f"decode batch {b:3d}: median {b / med:8.1f} tokens/s, best {b / best:8.1f} tokens/s  "
+            print(f"decode batch {b:3d}: median {b / med:8.1f} tokens/s, best {b / best:8.1f} tokens/s, "
+                  f"{b * steps / cpu:.1f} tokens/CPU-s  "
                   f"({med * 1e3:.2f} ms/step median; {shares(times)})")
 
 

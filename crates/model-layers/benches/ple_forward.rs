@@ -130,6 +130,28 @@ fn summarize(runs: &[Stages]) -> (f64, f64, String) {
     (tot[tot.len() / 2], tot[0], sum.share())
 }
 
+/// CPU time used so far by all live threads of this process, from
+/// `/proc/self/task/*/schedstat` (nanoseconds on a CPU); `None` where that
+/// is not readable. Wall time on a shared machine includes waiting for the
+/// CPU; tokens per CPU-second do not.
+fn cpu_seconds() -> Option<f64> {
+    let mut ns = 0u64;
+    for t in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = t.ok()?.path().join("schedstat");
+        let text = std::fs::read_to_string(path).ok()?;
+        ns += text.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 * 1e-9)
+}
+
+/// `tokens / cpu` formatted, or "n/a".
+fn per_cpu(tokens: usize, cpu: Option<f64>) -> String {
+    match cpu {
+        Some(c) if c > 0.0 => format!("{:.1}", tokens as f64 / c),
+        _ => "n/a".to_string(),
+    }
+}
+
 fn time<R>(acc: &mut Duration, f: impl FnOnce() -> R) -> R {
     let t0 = Instant::now();
     let r = f();
@@ -287,6 +309,7 @@ fn main() {
         &mut sc,
         &mut Stages::default(),
     ); // warm-up
+    let cpu0 = cpu_seconds();
     let runs: Vec<Stages> = (0..reps)
         .map(|_| {
             let ids = ids_for(&mut rng, t);
@@ -295,6 +318,7 @@ fn main() {
             st
         })
         .collect();
+    let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
     let (med, best, share) = summarize(&runs);
     let prefill_proj = runs
         .iter()
@@ -304,9 +328,10 @@ fn main() {
         .as_secs_f64()
         / t as f64;
     println!(
-        "prefill chunk {t}: median {:>8.1} tokens/s, best {:>8.1} tokens/s  ({:.1} ms/chunk median; {share})",
+        "prefill chunk {t}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.1} ms/chunk median; {share})",
         t as f64 / med,
         t as f64 / best,
+        per_cpu(t * reps, cpu),
         med * 1e3
     );
 
@@ -328,6 +353,7 @@ fn main() {
             &mut sc,
             &mut Stages::default(),
         );
+        let cpu0 = cpu_seconds();
         let runs: Vec<Stages> = (0..steps)
             .map(|_| {
                 let ids = ids_for(&mut rng, b);
@@ -336,11 +362,13 @@ fn main() {
                 st
             })
             .collect();
+        let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
         let (med, best, share) = summarize(&runs);
         println!(
-            "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s  ({:.2} ms/step median; {share})",
+            "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.2} ms/step median; {share})",
             b as f64 / med,
             b as f64 / best,
+            per_cpu(b * steps, cpu),
             med * 1e3
         );
     }
