@@ -283,7 +283,9 @@ pub(super) fn gate_kernel(
         return Ok(());
     }
     let c = size(K, "C", &[h, hc])?;
-    let lens = [t * c, size(K, "kv", &[t, c + h])?, c, c, c, t * c, t * c];
+    let tc = size(K, "highway", &[t, c])?;
+    let kv_len = size(K, "kv", &[t, c.checked_add(h).unwrap_or(usize::MAX)])?;
+    let lens = [tc, kv_len, c, c, c, tc, tc];
     let regions: Vec<Region> = (0..7)
         .map(|i| {
             Ok(Region::new(
