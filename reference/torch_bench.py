@@ -8,7 +8,7 @@ batch 1, 32 and 64, for side-by-side comparison with
 `cargo bench -p metrale-model-layers --bench ple_forward`.
 
 Not part of CI: it needs `pip install torch`. Usage:
-    python3 reference/torch_bench.py [--rows 3000000] [--reps 5] [--threads N]
+    python3 reference/torch_bench.py [--rows 3000000] [--reps 5] [--threads N] [--fp32-weights]
 """
 
 import argparse
@@ -28,7 +28,7 @@ def rms(x, w):
 
 
 class Model:
-    def __init__(self, rows, gen):
+    def __init__(self, rows, gen, fp32_weights):
         self.table = (torch.rand(rows, HEAD_DIM, generator=gen) * 2 - 1).to(torch.bfloat16)
         self.w = ((torch.rand(C + H, E, generator=gen) * 2 - 1) * 0.02).to(torch.bfloat16)
         self.norm_q = ((torch.rand(HC, H, generator=gen) * 2 - 1) * 0.1)
@@ -36,11 +36,17 @@ class Model:
         self.norm_conv = ((torch.rand(HC, H, generator=gen) * 2 - 1) * 0.1)
         self.conv_w = ((torch.rand(C, KSIZE, generator=gen) * 2 - 1) * 0.5)
         self.rows = rows
+        # Optionally hold the (BF16-valued) weights and rows in f32, so the
+        # projection runs as an f32 GEMM: the fastest PyTorch path on CPUs
+        # without native BF16 dot products.
+        self.proj_dtype = torch.float32 if fp32_weights else torch.bfloat16
+        if fp32_weights:
+            self.w = self.w.float()
 
     def front(self, ids, highway, t, times):
         """Gather, projection and gate for t rows; returns gated, xn [t, C]."""
         t0 = time.perf_counter()
-        emb = self.table.index_select(0, ids).view(t, E)
+        emb = self.table.index_select(0, ids).view(t, E).to(self.proj_dtype)
         t1 = time.perf_counter()
         kv = torch.nn.functional.linear(emb, self.w).float()
         t2 = time.perf_counter()
@@ -98,14 +104,17 @@ def main():
     ap.add_argument("--rows", type=int, default=3_000_000)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--fp32-weights", action="store_true",
+                    help="run the projection as an f32 GEMM over BF16-valued weights")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"table {a.rows} rows BF16, CPU capability {torch.backends.cpu.get_cpu_capability()}")
+          f"table {a.rows} rows BF16, projection in {'f32' if a.fp32_weights else 'BF16'}, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     gen = torch.Generator().manual_seed(1234)
     t0 = time.perf_counter()
-    m = Model(a.rows, gen)
+    m = Model(a.rows, gen, a.fp32_weights)
     print(f"setup {time.perf_counter() - t0:.1f} s")
     with torch.inference_mode():
         t = 512
