@@ -6,6 +6,7 @@
 //! rows in them, [`dtype`] converts BF16 and FP8 E4M3 elements.
 
 pub mod dtype;
+pub mod io;
 pub mod layout;
 pub mod safetensors;
 pub mod table;
