@@ -5,8 +5,13 @@
 //! writes files), [`layout`] validates a set of table shards and locates
 //! rows in them, [`dtype`] converts BF16 and FP8 E4M3 elements.
 
+pub mod cached;
 pub mod dtype;
 pub mod io;
 pub mod layout;
+pub mod mapped;
+pub mod pack;
+pub mod parts;
+pub mod resident;
 pub mod safetensors;
 pub mod table;
