@@ -182,10 +182,22 @@ struct Need {
 
 impl CachedTable {
     /// Open a cache over `files` with an arena from `gpu.alloc_host_mapped`.
-    pub fn open(files: TableFiles, gpu: Arc<dyn GpuBackend>, cfg: CacheConfig) -> Result<CachedTable> {
+    pub fn open(
+        files: TableFiles,
+        gpu: Arc<dyn GpuBackend>,
+        cfg: CacheConfig,
+    ) -> Result<CachedTable> {
         ensure!(cfg.slots > 0, "a row cache needs at least one slot");
-        ensure!(cfg.slots < u32::MAX as usize, "{} slots is more than a cache can index", cfg.slots);
-        let max_resolve = if cfg.max_resolve == 0 { (cfg.slots / 2).max(1) } else { cfg.max_resolve };
+        ensure!(
+            cfg.slots < u32::MAX as usize,
+            "{} slots is more than a cache can index",
+            cfg.slots
+        );
+        let max_resolve = if cfg.max_resolve == 0 {
+            (cfg.slots / 2).max(1)
+        } else {
+            cfg.max_resolve
+        };
         ensure!(
             max_resolve <= cfg.slots,
             "max_resolve {max_resolve} exceeds the {} slots of the arena",
@@ -210,7 +222,14 @@ impl CachedTable {
             .alloc_host_mapped(arena_bytes, "ple row cache arena")
             .with_context(|| format!("allocating a {arena_bytes}-byte row cache arena"))?;
         let slots = vec![
-            Slot { id: NO_ID, stamp: 0, pins: 0, generation: 0, state: FREE, referenced: false };
+            Slot {
+                id: NO_ID,
+                stamp: 0,
+                pins: 0,
+                generation: 0,
+                state: FREE,
+                referenced: false
+            };
             cfg.slots
         ];
         let inner = Arc::new(Inner {
@@ -253,7 +272,11 @@ impl CachedTable {
                 }
             })
             .context("spawning the prefetch thread")?;
-        Ok(CachedTable { inner, prefetch_tx: Some(tx), worker: Some(worker) })
+        Ok(CachedTable {
+            inner,
+            prefetch_tx: Some(tx),
+            worker: Some(worker),
+        })
     }
 
     /// Number of slots in the arena.
@@ -292,16 +315,29 @@ impl CachedTable {
             }
         }
         for (s, sl) in g.slots.iter().enumerate() {
-            ensure!(sl.pins >= want[s], "slot {s}: {} pins but {} held by leases", sl.pins, want[s]);
+            ensure!(
+                sl.pins >= want[s],
+                "slot {s}: {} pins but {} held by leases",
+                sl.pins,
+                want[s]
+            );
             if sl.state == FREE {
                 ensure!(sl.id == NO_ID, "free slot {s} still names row {}", sl.id);
             } else {
-                ensure!(g.map.get(&sl.id) == Some(&(s as u32)), "slot {s} holds row {} but the map disagrees", sl.id);
+                ensure!(
+                    g.map.get(&sl.id) == Some(&(s as u32)),
+                    "slot {s} holds row {} but the map disagrees",
+                    sl.id
+                );
             }
         }
         for (&id, &s) in &g.map {
             let sl = &g.slots[s as usize];
-            ensure!(sl.id == id && sl.state != FREE, "map sends row {id} to slot {s}, which holds {}", sl.id);
+            ensure!(
+                sl.id == id && sl.state != FREE,
+                "map sends row {id} to slot {s}, which holds {}",
+                sl.id
+            );
         }
         Ok(())
     }
@@ -321,7 +357,11 @@ impl Inner {
         let s = s as usize;
         RowRef {
             data: self.arena.device.0 + (s * self.stride) as u64,
-            scale: if self.fp8 { self.arena.device.0 + (self.scale_base + s * 4) as u64 } else { 0 },
+            scale: if self.fp8 {
+                self.arena.device.0 + (self.scale_base + s * 4) as u64
+            } else {
+                0
+            },
         }
     }
 
@@ -509,7 +549,10 @@ impl Inner {
                     bail!("timed out waiting for a concurrent read of table rows");
                 }
             }
-            if waits.iter().any(|&(s, g0)| g.slots[s as usize].generation != g0) {
+            if waits
+                .iter()
+                .any(|&(s, g0)| g.slots[s as usize].generation != g0)
+            {
                 Self::unpin(&mut g, &pinned);
                 return Ok(Attempt::PeerFailed);
             }
@@ -520,8 +563,13 @@ impl Inner {
         g.leases.insert(lease_id, pinned);
         drop(g);
         self.stats.misses.fetch_add(loads.len() as u64, Relaxed);
-        self.stats.hits.fetch_add((ids.len() - loads.len()) as u64, Relaxed);
-        Ok(Attempt::Done(Lease { id: lease_id, pinned: n }))
+        self.stats
+            .hits
+            .fetch_add((ids.len() - loads.len()) as u64, Relaxed);
+        Ok(Attempt::Done(Lease {
+            id: lease_id,
+            pinned: n,
+        }))
     }
 
     fn undo(st: &mut State, pinned: &[u32], loads: &[(u32, u64)]) {
@@ -554,9 +602,21 @@ impl Inner {
         for &(s, id) in loads {
             let loc = self.files.locate(id)?;
             let s = s as usize;
-            needs.push(Need { shard: loc.shard, off: loc.offset, len: self.row_bytes, dst: s * self.stride, id });
+            needs.push(Need {
+                shard: loc.shard,
+                off: loc.offset,
+                len: self.row_bytes,
+                dst: s * self.stride,
+                id,
+            });
             if let Some(so) = loc.scale_offset {
-                needs.push(Need { shard: loc.shard, off: so, len: 4, dst: self.scale_base + s * 4, id });
+                needs.push(Need {
+                    shard: loc.shard,
+                    off: so,
+                    len: 4,
+                    dst: self.scale_base + s * 4,
+                    id,
+                });
             }
         }
         needs.sort_unstable_by_key(|n| (n.shard, n.off));
@@ -589,20 +649,34 @@ impl Inner {
             for e in &ext {
                 let (head, tail) = rest.split_at_mut((e.2 - e.1) as usize);
                 rest = tail;
-                reqs.push(ReadReq { fd: self.fds[e.0].fd(), offset: e.1, buf: head });
+                reqs.push(ReadReq {
+                    fd: self.fds[e.0].fd(),
+                    offset: e.1,
+                    buf: head,
+                });
             }
             self.reader.read_batch(&mut reqs)
         };
-        self.stats.io_wait_ns.fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+        self.stats
+            .io_wait_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
         self.stats.read_calls.fetch_add(ext.len() as u64, Relaxed);
         self.stats.pages_coalesced.fetch_add(coalesced, Relaxed);
-        let got: u64 = results.iter().filter_map(|r| r.as_ref().ok()).map(|&n| n as u64).sum();
+        let got: u64 = results
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .map(|&n| n as u64)
+            .sum();
         self.stats.bytes_read.fetch_add(got, Relaxed);
         let mut first_err = None;
         for (e, r) in ext.iter().zip(&results) {
             let path = self.fds[e.0].path.display();
             let rows = &needs[e.3..e.3 + e.4];
-            let more = if e.4 > 1 { format!(" and {} more", e.4 - 1) } else { String::new() };
+            let more = if e.4 > 1 {
+                format!(" and {} more", e.4 - 1)
+            } else {
+                String::new()
+            };
             match r {
                 Err(err) => {
                     first_err = Some(anyhow!(
@@ -644,7 +718,11 @@ impl Inner {
                 // checked at planning); the slot is LOADING and owned by this
                 // load, so no other thread and no queued gather touches it.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(from.as_ptr(), self.arena.host.add(need.dst), need.len);
+                    std::ptr::copy_nonoverlapping(
+                        from.as_ptr(),
+                        self.arena.host.add(need.dst),
+                        need.len,
+                    );
                 }
             }
             base += (e.2 - e.1) as usize;
@@ -688,7 +766,12 @@ impl RowTable for CachedTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(out.len() == ids.len(), "resolve: {} ids but {} output slots", ids.len(), out.len());
+        ensure!(
+            out.len() == ids.len(),
+            "resolve: {} ids but {} output slots",
+            ids.len(),
+            out.len()
+        );
         for &id in ids {
             self.inner.files.check_id(id)?;
         }
@@ -724,7 +807,12 @@ impl RowTable for CachedTable {
         }
     }
 
-    fn release(&self, lease: Lease, gpu: &dyn GpuBackend, after: Option<EventHandle>) -> Result<()> {
+    fn release(
+        &self,
+        lease: Lease,
+        gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> Result<()> {
         let inner = &*self.inner;
         if lease.id == 0 {
             if let Some(ev) = after {
@@ -733,10 +821,9 @@ impl RowTable for CachedTable {
             return Ok(());
         }
         let mut g = inner.st.lock();
-        let slots = g
-            .leases
-            .remove(&lease.id)
-            .with_context(|| format!("release: lease {} is not live (released twice?)", lease.id))?;
+        let slots = g.leases.remove(&lease.id).with_context(|| {
+            format!("release: lease {} is not live (released twice?)", lease.id)
+        })?;
         match after {
             None => {
                 Inner::unpin(&mut g, &slots);
@@ -805,7 +892,10 @@ impl RowTable for CachedTable {
             return Ok(());
         }
         inner.stats.misses.fetch_add(loads.len() as u64, Relaxed);
-        let tx = self.prefetch_tx.as_ref().expect("prefetch channel lives until drop");
+        let tx = self
+            .prefetch_tx
+            .as_ref()
+            .expect("prefetch channel lives until drop");
         if let Err(e) = tx.send(loads) {
             let loads = e.into_inner();
             let r = inner.load(&loads);

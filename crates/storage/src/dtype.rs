@@ -158,7 +158,10 @@ mod tests {
         // 1.0 + 2^-8 is exactly halfway between 1.0 (even) and 1.0 + 2^-7.
         assert_eq!(f32_to_bf16(1.0 + 2f32.powi(-8)), f32_to_bf16(1.0));
         // 1.0 + 3 * 2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6.
-        assert_eq!(f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8)), f32_to_bf16(1.0 + 2f32.powi(-6)));
+        assert_eq!(
+            f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8)),
+            f32_to_bf16(1.0 + 2f32.powi(-6))
+        );
         // Just above the tie rounds up.
         let above = f32::from_bits((1.0 + 2f32.powi(-8)).to_bits() + 1);
         assert_eq!(f32_to_bf16(above), f32_to_bf16(1.0 + 2f32.powi(-7)));

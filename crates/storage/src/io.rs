@@ -106,7 +106,13 @@ impl ShardFile {
     pub fn open(path: &Path, direct: bool) -> Result<ShardFile> {
         if direct {
             match Self::try_direct(path) {
-                Ok(f) => return Ok(ShardFile { path: path.to_path_buf(), file: f, direct: true }),
+                Ok(f) => {
+                    return Ok(ShardFile {
+                        path: path.to_path_buf(),
+                        file: f,
+                        direct: true,
+                    });
+                }
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     tracing::warn!(
                         file = %path.display(),
@@ -114,7 +120,8 @@ impl ShardFile {
                     );
                 }
                 Err(e) => {
-                    return Err(e).with_context(|| format!("opening {} with O_DIRECT", path.display()));
+                    return Err(e)
+                        .with_context(|| format!("opening {} with O_DIRECT", path.display()));
                 }
             }
         }
@@ -124,11 +131,18 @@ impl ShardFile {
         if rc != 0 {
             tracing::warn!(file = %path.display(), rc, "posix_fadvise(RANDOM) failed");
         }
-        Ok(ShardFile { path: path.to_path_buf(), file, direct: false })
+        Ok(ShardFile {
+            path: path.to_path_buf(),
+            file,
+            direct: false,
+        })
     }
 
     fn try_direct(path: &Path) -> io::Result<File> {
-        let f = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)?;
+        let f = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)?;
         // Some file systems accept the flag at open and refuse the read.
         let mut probe = AlignedBuf::new(PAGE);
         f.read_at(probe.as_mut_slice(), 0)?;
@@ -169,7 +183,12 @@ pub fn pread_full(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         let rest = &mut buf[done..];
         // SAFETY: `rest` is a valid writable buffer of the given length.
         let n = unsafe {
-            libc::pread(fd, rest.as_mut_ptr().cast(), rest.len(), (offset + done as u64) as libc::off_t)
+            libc::pread(
+                fd,
+                rest.as_mut_ptr().cast(),
+                rest.len(),
+                (offset + done as u64) as libc::off_t,
+            )
         };
         if n < 0 {
             let e = io::Error::last_os_error();
@@ -197,14 +216,21 @@ impl UringReader {
     /// unavailable (old kernel, seccomp, `io_uring_disabled`).
     pub fn new(depth: usize) -> io::Result<UringReader> {
         let depth = depth.clamp(1, 4096);
-        let r = UringReader { depth, rings: Mutex::new(Vec::new()) };
+        let r = UringReader {
+            depth,
+            rings: Mutex::new(Vec::new()),
+        };
         // Probe with a no-op so a ring that cannot run anything is caught now.
         let mut ring = r.new_ring()?;
         let nop = io_uring::opcode::Nop::new().build().user_data(0);
         // SAFETY: a no-op references no memory.
-        unsafe { ring.submission().push(&nop) }.map_err(|_| io::Error::other("io_uring queue full"))?;
+        unsafe { ring.submission().push(&nop) }
+            .map_err(|_| io::Error::other("io_uring queue full"))?;
         ring.submit_and_wait(1)?;
-        let cqe = ring.completion().next().ok_or_else(|| io::Error::other("io_uring gave no completion"))?;
+        let cqe = ring
+            .completion()
+            .next()
+            .ok_or_else(|| io::Error::other("io_uring gave no completion"))?;
         if cqe.result() < 0 {
             return Err(io::Error::from_raw_os_error(-cqe.result()));
         }
@@ -216,7 +242,11 @@ impl UringReader {
         io_uring::IoUring::new((self.depth as u32).next_power_of_two())
     }
 
-    fn run(&self, ring: &mut io_uring::IoUring, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
+    fn run(
+        &self,
+        ring: &mut io_uring::IoUring,
+        reqs: &mut [ReadReq<'_>],
+    ) -> Vec<io::Result<usize>> {
         let n = reqs.len();
         let mut done = vec![0usize; n];
         let mut res: Vec<Option<io::Result<usize>>> = (0..n).map(|_| None).collect();
@@ -274,8 +304,10 @@ impl UringReader {
                     return res.into_iter().map(|r| r.expect("filled")).collect();
                 }
             }
-            let cqes: Vec<(usize, i32)> =
-                ring.completion().map(|c| (c.user_data() as usize, c.result())).collect();
+            let cqes: Vec<(usize, i32)> = ring
+                .completion()
+                .map(|c| (c.user_data() as usize, c.result()))
+                .collect();
             for (i, r) in cqes {
                 inflight -= 1;
                 if r < 0 {
@@ -299,7 +331,9 @@ impl UringReader {
                 }
             }
         }
-        res.into_iter().map(|r| r.expect("every request finished")).collect()
+        res.into_iter()
+            .map(|r| r.expect("every request finished"))
+            .collect()
     }
 }
 
@@ -320,7 +354,10 @@ impl PageReader for UringReader {
                 Err(e) => {
                     // No ring to be had (memlock limits): read synchronously.
                     tracing::warn!(error = %e, "io_uring ring creation failed; using pread");
-                    return reqs.iter_mut().map(|r| pread_full(r.fd, r.buf, r.offset)).collect();
+                    return reqs
+                        .iter_mut()
+                        .map(|r| pread_full(r.fd, r.buf, r.offset))
+                        .collect();
                 }
             },
         };
@@ -358,7 +395,8 @@ impl PreadPool {
                     for job in rx.iter() {
                         // SAFETY: the submitter keeps the buffer alive and
                         // untouched until it has received this job's reply.
-                        let buf = unsafe { std::slice::from_raw_parts_mut(job.ptr as *mut u8, job.len) };
+                        let buf =
+                            unsafe { std::slice::from_raw_parts_mut(job.ptr as *mut u8, job.len) };
                         let r = pread_full(job.fd, buf, job.offset);
                         let _ = job.reply.send((job.index, r));
                     }
@@ -366,7 +404,10 @@ impl PreadPool {
                 .context("spawning a pread thread")?;
             handles.push(h);
         }
-        Ok(PreadPool { tx: Some(tx), threads: handles })
+        Ok(PreadPool {
+            tx: Some(tx),
+            threads: handles,
+        })
     }
 }
 
@@ -447,7 +488,11 @@ mod tests {
         let mut reqs: Vec<ReadReq<'_>> = bufs
             .iter_mut()
             .zip(offs)
-            .map(|(b, o)| ReadReq { fd: f.fd(), offset: o, buf: b.as_mut_slice() })
+            .map(|(b, o)| ReadReq {
+                fd: f.fd(),
+                offset: o,
+                buf: b.as_mut_slice(),
+            })
             .collect();
         let res = r.read_batch(&mut reqs);
         for ((res, o), b) in res.into_iter().zip(offs).zip(&bufs) {
@@ -476,10 +521,22 @@ mod tests {
     #[test]
     fn errors_are_reported_per_request() {
         let mut b = AlignedBuf::new(PAGE);
-        let mut reqs = [ReadReq { fd: -1, offset: 0, buf: b.as_mut_slice() }];
-        for r in [default_reader(4).unwrap(), Arc::new(PreadPool::new(1).unwrap()) as Arc<dyn PageReader>] {
+        let mut reqs = [ReadReq {
+            fd: -1,
+            offset: 0,
+            buf: b.as_mut_slice(),
+        }];
+        for r in [
+            default_reader(4).unwrap(),
+            Arc::new(PreadPool::new(1).unwrap()) as Arc<dyn PageReader>,
+        ] {
             let res = r.read_batch(&mut reqs);
-            assert_eq!(res[0].as_ref().unwrap_err().raw_os_error(), Some(libc::EBADF), "{}", r.name());
+            assert_eq!(
+                res[0].as_ref().unwrap_err().raw_os_error(),
+                Some(libc::EBADF),
+                "{}",
+                r.name()
+            );
         }
     }
 

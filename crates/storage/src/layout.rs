@@ -91,7 +91,11 @@ impl TableFiles {
                 ),
             };
             let (rows, dim) = (t.shape[0], t.shape[1]);
-            ensure!(rows > 0 && dim > 0, "{p}: shard {i} tensor '{name}': empty shape {:?}", t.shape);
+            ensure!(
+                rows > 0 && dim > 0,
+                "{p}: shard {i} tensor '{name}': empty shape {:?}",
+                t.shape
+            );
             match &geom {
                 None => geom = Some((rows, dim, dtype, name.clone())),
                 Some((r0, d0, t0, n0)) => ensure!(
@@ -102,7 +106,9 @@ impl TableFiles {
             let scale_offset = if dtype == RowDType::Fp8E4M3 {
                 let sn = scale_name(name);
                 let s = h.tensor(&sn).with_context(|| {
-                    format!("{p}: FP8 shard {i} tensor '{name}' has no companion scale tensor '{sn}'")
+                    format!(
+                        "{p}: FP8 shard {i} tensor '{name}' has no companion scale tensor '{sn}'"
+                    )
                 })?;
                 ensure!(
                     s.dtype == Dtype::F32 && s.shape == [rows],
@@ -134,7 +140,15 @@ impl TableFiles {
             );
         }
         let head_dim = usize::try_from(dim).context("head_dim does not fit in usize")?;
-        Ok(TableFiles { info: TableInfo { rows, head_dim, dtype }, rows_per_shard, shards: out })
+        Ok(TableFiles {
+            info: TableInfo {
+                rows,
+                head_dim,
+                dtype,
+            },
+            rows_per_shard,
+            shards: out,
+        })
     }
 
     /// Find the shards `...ngram_embedding.shard_{i}.weight` among `files`
@@ -150,7 +164,10 @@ impl TableFiles {
                 }
             }
         }
-        ensure!(!found.is_empty(), "no '...ngram_embedding.shard_{{i}}.weight' tensor in the given files");
+        ensure!(
+            !found.is_empty(),
+            "no '...ngram_embedding.shard_{{i}}.weight' tensor in the given files"
+        );
         found.sort();
         for (k, (i, p, n)) in found.iter().enumerate() {
             ensure!(
@@ -181,7 +198,10 @@ impl TableFiles {
     #[inline]
     pub fn check_id(&self, id: u64) -> Result<()> {
         if id >= self.info.rows {
-            bail!("row id {id} is past the end of the table ({} rows)", self.info.rows);
+            bail!(
+                "row id {id} is past the end of the table ({} rows)",
+                self.info.rows
+            );
         }
         Ok(())
     }
@@ -203,7 +223,12 @@ mod tests {
         let p = dir.join(format!("s{i}.safetensors"));
         let name = format!("model.layers.1.ple.ngram_embedding.shard_{i}.weight");
         let data = vec![i as u8; (rows * dim * 2) as usize];
-        write_file(&p, &[(TensorSpec::new(&name, Dtype::BF16, &[rows, dim]), &data)], 8).unwrap();
+        write_file(
+            &p,
+            &[(TensorSpec::new(&name, Dtype::BF16, &[rows, dim]), &data)],
+            8,
+        )
+        .unwrap();
         (p, name)
     }
 
@@ -212,7 +237,14 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let shards: Vec<_> = (0..3).map(|i| bf16_shard(d.path(), i, 10, 4)).collect();
         let t = TableFiles::open(&shards, Some(30)).unwrap();
-        assert_eq!(t.info, TableInfo { rows: 30, head_dim: 4, dtype: RowDType::Bf16 });
+        assert_eq!(
+            t.info,
+            TableInfo {
+                rows: 30,
+                head_dim: 4,
+                dtype: RowDType::Bf16
+            }
+        );
         let l = t.locate(23).unwrap();
         assert_eq!(l.shard, 2);
         assert_eq!(l.offset, t.shards[2].data_offset + 3 * 8);
@@ -229,15 +261,26 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let a = bf16_shard(d.path(), 0, 10, 4);
         let b = bf16_shard(d.path(), 1, 11, 4);
-        let e = TableFiles::open(&[a.clone(), b], None).unwrap_err().to_string();
+        let e = TableFiles::open(&[a.clone(), b], None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("shard 1") && e.contains("[11, 4]"), "{e}");
         let p = d.path().join("f.safetensors");
         let name = "x.ngram_embedding.shard_0.weight";
-        write_file(&p, &[(TensorSpec::new(name, Dtype::F8E4M3, &[2, 4]), &[0u8; 8])], 8).unwrap();
-        let e = TableFiles::open(&[(p.clone(), name.into())], None).unwrap_err().to_string();
+        write_file(
+            &p,
+            &[(TensorSpec::new(name, Dtype::F8E4M3, &[2, 4]), &[0u8; 8])],
+            8,
+        )
+        .unwrap();
+        let e = TableFiles::open(&[(p.clone(), name.into())], None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("x.ngram_embedding.shard_0.scale"), "{e}");
         let gap = bf16_shard(d.path(), 2, 10, 4);
-        let e = TableFiles::discover(&[&a.0, &gap.0], None).unwrap_err().to_string();
+        let e = TableFiles::discover(&[&a.0, &gap.0], None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("shard 1 is missing"), "{e}");
     }
 

@@ -57,8 +57,11 @@ impl MappedTable {
             }
             // SAFETY: the mapping lives in `t.maps` until after `Drop`
             // unregisters it; the device only reads through it.
-            let dev = unsafe { t.gpu.register_host(m.as_ptr() as *mut u8, m.len(), "ple mapped table shard") }
-                .with_context(|| format!("registering the mapping of {p}"))?;
+            let dev = unsafe {
+                t.gpu
+                    .register_host(m.as_ptr() as *mut u8, m.len(), "ple mapped table shard")
+            }
+            .with_context(|| format!("registering the mapping of {p}"))?;
             t.maps.push(m);
             t.bases.push((dev, s.data_offset, s.scale_offset));
         }
@@ -66,7 +69,11 @@ impl MappedTable {
     }
 
     fn check(&self, id: u64) -> Result<()> {
-        ensure!(id < self.info.rows, "row id {id} is past the end of the table ({} rows)", self.info.rows);
+        ensure!(
+            id < self.info.rows,
+            "row id {id} is past the end of the table ({} rows)",
+            self.info.rows
+        );
         Ok(())
     }
 }
@@ -81,19 +88,36 @@ impl RowTable for MappedTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(out.len() == ids.len(), "resolve: {} ids but {} output slots", ids.len(), out.len());
+        ensure!(
+            out.len() == ids.len(),
+            "resolve: {} ids but {} output slots",
+            ids.len(),
+            out.len()
+        );
         let rb = self.info.row_bytes() as u64;
         for (o, &id) in out.iter_mut().zip(ids) {
             self.check(id)?;
             let (base, d0, s0) = self.bases[(id / self.rows_per_shard) as usize];
             let r = id % self.rows_per_shard;
-            *o = RowRef { data: base.0 + d0 + r * rb, scale: s0.map_or(0, |s0| base.0 + s0 + r * 4) };
+            *o = RowRef {
+                data: base.0 + d0 + r * rb,
+                scale: s0.map_or(0, |s0| base.0 + s0 + r * 4),
+            };
         }
         Ok(Lease::empty())
     }
 
-    fn release(&self, lease: Lease, gpu: &dyn GpuBackend, after: Option<EventHandle>) -> Result<()> {
-        ensure!(lease.pinned == 0, "release: lease {} does not belong to a mapped table", lease.id);
+    fn release(
+        &self,
+        lease: Lease,
+        gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> Result<()> {
+        ensure!(
+            lease.pinned == 0,
+            "release: lease {} does not belong to a mapped table",
+            lease.id
+        );
         if let Some(ev) = after {
             gpu.destroy_event(ev)?;
         }

@@ -41,14 +41,25 @@ pub struct PackReport {
 pub fn pack(src: &Path, dst: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<PackReport> {
     let h = Header::read(src)?;
     if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize()) {
-        ensure!(a != b, "pack: source and destination are the same file ({})", src.display());
+        ensure!(
+            a != b,
+            "pack: source and destination are the same file ({})",
+            src.display()
+        );
     }
     let entries: Vec<(TensorSpec, (u64, u64))> = h
         .tensors
         .iter()
         .map(|t| {
             let b = t.offset - h.data_start;
-            (TensorSpec { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() }, (b, b + t.len))
+            (
+                TensorSpec {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                },
+                (b, b + t.len),
+            )
         })
         .collect();
     let header = encode_header(&entries, &h.metadata, PAGE as u64)?;
@@ -61,34 +72,55 @@ pub fn pack(src: &Path, dst: &Path, progress: &mut dyn FnMut(u64, u64)) -> Resul
     }
     if let Err(e) = std::fs::rename(&tmp, dst) {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e).with_context(|| format!("pack: renaming {} to {}", tmp.display(), dst.display()));
+        return Err(e)
+            .with_context(|| format!("pack: renaming {} to {}", tmp.display(), dst.display()));
     }
-    Ok(PackReport { old_data_start: h.data_start, new_data_start: header.len() as u64, data_bytes })
+    Ok(PackReport {
+        old_data_start: h.data_start,
+        new_data_start: header.len() as u64,
+        data_bytes,
+    })
 }
 
 fn tmp_path(dst: &Path) -> PathBuf {
-    let mut name = dst.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    let mut name = dst
+        .file_name()
+        .map(|n| n.to_os_string())
+        .unwrap_or_default();
     name.push(".packing");
     dst.with_file_name(name)
 }
 
-fn write_packed(h: &Header, header: &[u8], data_bytes: u64, tmp: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<()> {
+fn write_packed(
+    h: &Header,
+    header: &[u8],
+    data_bytes: u64,
+    tmp: &Path,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<()> {
     let src = File::open(&h.path).with_context(|| format!("pack: opening {}", h.path.display()))?;
     let mut out = File::create(tmp).with_context(|| format!("pack: creating {}", tmp.display()))?;
-    out.write_all(header).with_context(|| format!("pack: writing the header of {}", tmp.display()))?;
+    out.write_all(header)
+        .with_context(|| format!("pack: writing the header of {}", tmp.display()))?;
     let mut buf = vec![0u8; CHUNK.min(data_bytes as usize).max(1)];
     let mut done = 0u64;
     progress(0, data_bytes);
     while done < data_bytes {
         let n = (data_bytes - done).min(buf.len() as u64) as usize;
         let at = h.data_start + done;
-        src.read_exact_at(&mut buf[..n], at)
-            .with_context(|| format!("pack: reading {n} bytes at offset {at} of {} (truncated?)", h.path.display()))?;
-        out.write_all(&buf[..n]).with_context(|| format!("pack: writing {}", tmp.display()))?;
+        src.read_exact_at(&mut buf[..n], at).with_context(|| {
+            format!(
+                "pack: reading {n} bytes at offset {at} of {} (truncated?)",
+                h.path.display()
+            )
+        })?;
+        out.write_all(&buf[..n])
+            .with_context(|| format!("pack: writing {}", tmp.display()))?;
         done += n as u64;
         progress(done, data_bytes);
     }
-    out.sync_all().with_context(|| format!("pack: syncing {}", tmp.display()))?;
+    out.sync_all()
+        .with_context(|| format!("pack: syncing {}", tmp.display()))?;
     Ok(())
 }
 
@@ -111,11 +143,17 @@ mod tests {
         let mut md = BTreeMap::new();
         md.insert("format".into(), "pt".into());
         let mut w = Writer::create(&src, &specs, &md, 8).unwrap();
-        let data: Vec<u8> = (0..37 * 5 * 2 + 3 + 8).map(|i| (i * 31 % 251) as u8).collect();
+        let data: Vec<u8> = (0..37 * 5 * 2 + 3 + 8)
+            .map(|i| (i * 31 % 251) as u8)
+            .collect();
         w.write(&data).unwrap();
         w.finish().unwrap();
         let before = Header::read(&src).unwrap();
-        assert_ne!(before.data_start % 4096, 0, "the test needs an unaligned source");
+        assert_ne!(
+            before.data_start % 4096,
+            0,
+            "the test needs an unaligned source"
+        );
         let mut calls = Vec::new();
         let rep = pack(&src, &dst, &mut |a, b| calls.push((a, b))).unwrap();
         assert_eq!(rep.new_data_start % 4096, 0);
@@ -127,7 +165,10 @@ mod tests {
             let u = after.get(&t.name).unwrap();
             assert_eq!((u.dtype, &u.shape, u.len), (t.dtype, &t.shape, t.len));
             assert_eq!(u.offset - after.data_start, t.offset - before.data_start);
-            assert_eq!(after.read_tensor(&t.name).unwrap(), before.read_tensor(&t.name).unwrap());
+            assert_eq!(
+                after.read_tensor(&t.name).unwrap(),
+                before.read_tensor(&t.name).unwrap()
+            );
         }
         // Packing a packed file is a fixed point of the layout.
         let again = d.path().join("c.safetensors");
@@ -140,13 +181,21 @@ mod tests {
     fn pack_refuses_bad_input_and_leaves_nothing() {
         let d = tempfile::tempdir().unwrap();
         let src = d.path().join("a.safetensors");
-        crate::safetensors::write_file(&src, &[(TensorSpec::new("t", Dtype::U8, &[4]), &[1, 2, 3, 4])], 8).unwrap();
+        crate::safetensors::write_file(
+            &src,
+            &[(TensorSpec::new("t", Dtype::U8, &[4]), &[1, 2, 3, 4])],
+            8,
+        )
+        .unwrap();
         let e = pack(&src, &src, &mut |_, _| {}).unwrap_err().to_string();
         assert!(e.contains("same file"), "{e}");
         let bad = d.path().join("bad.safetensors");
         std::fs::write(&bad, b"\x02\0\0\0\0\0\0\0{}").unwrap();
         let dst = d.path().join("out.safetensors");
-        assert!(pack(&bad, &dst, &mut |_, _| {}).is_ok(), "an empty but valid file packs");
+        assert!(
+            pack(&bad, &dst, &mut |_, _| {}).is_ok(),
+            "an empty but valid file packs"
+        );
         std::fs::write(&bad, b"\x05\0\0\0\0\0\0\0{oops").unwrap();
         let dst2 = d.path().join("out2.safetensors");
         let e = format!("{:#}", pack(&bad, &dst2, &mut |_, _| {}).unwrap_err());

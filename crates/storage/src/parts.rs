@@ -45,7 +45,12 @@ pub fn split_points(ids: &[u64], limit: usize) -> Vec<std::ops::Range<usize>> {
 /// event. If `gather` fails, the lease is released at once, so `gather`
 /// must not leave queued work reading the rows when it returns an error.
 /// Returns the number of parts.
-pub fn resolve_in_parts<F>(table: &dyn RowTable, gpu: &dyn GpuBackend, ids: &[u64], mut gather: F) -> Result<usize>
+pub fn resolve_in_parts<F>(
+    table: &dyn RowTable,
+    gpu: &dyn GpuBackend,
+    ids: &[u64],
+    mut gather: F,
+) -> Result<usize>
 where
     F: FnMut(usize, &[u64], &[RowRef]) -> Result<Option<EventHandle>>,
 {
@@ -74,7 +79,10 @@ mod tests {
 
     #[test]
     fn splits_by_distinct_ids() {
-        assert_eq!(split_points(&[1, 2, 1, 3, 3, 4, 1], 2), vec![0..3, 3..6, 6..7]);
+        assert_eq!(
+            split_points(&[1, 2, 1, 3, 3, 4, 1], 2),
+            vec![0..3, 3..6, 6..7]
+        );
         assert_eq!(split_points(&[5, 5, 5], 1), vec![0..3]);
         assert_eq!(split_points(&[], 4), Vec::<std::ops::Range<usize>>::new());
         for p in split_points(&[9, 8, 7, 6, 5], 2) {

@@ -41,14 +41,26 @@ impl Drop for FreeGuard<'_> {
 }
 
 /// Copy `len` bytes at `offset` of `file` to `dst`, in chunks.
-fn upload(gpu: &dyn GpuBackend, file: &File, path: &std::path::Path, offset: u64, len: u64, dst: DevicePtr) -> Result<()> {
+fn upload(
+    gpu: &dyn GpuBackend,
+    file: &File,
+    path: &std::path::Path,
+    offset: u64,
+    len: u64,
+    dst: DevicePtr,
+) -> Result<()> {
     let mut buf = vec![0u8; CHUNK.min(len as usize)];
     let mut done = 0u64;
     while done < len {
         let n = (len - done).min(CHUNK as u64) as usize;
-        file.read_exact_at(&mut buf[..n], offset + done).with_context(|| {
-            format!("{}: reading {n} table bytes at offset {} (file truncated?)", path.display(), offset + done)
-        })?;
+        file.read_exact_at(&mut buf[..n], offset + done)
+            .with_context(|| {
+                format!(
+                    "{}: reading {n} table bytes at offset {} (file truncated?)",
+                    path.display(),
+                    offset + done
+                )
+            })?;
         gpu.copy_h2d(&buf[..n], dst.offset(done as usize))?;
         done += n as u64;
     }
@@ -61,9 +73,13 @@ impl ResidentTable {
         let info = files.info;
         let row_bytes = info.row_bytes() as u64;
         let shard_bytes = files.rows_per_shard * row_bytes;
-        let total = usize::try_from(info.rows * row_bytes).context("table too large for this host")?;
+        let total =
+            usize::try_from(info.rows * row_bytes).context("table too large for this host")?;
         let data = gpu.alloc(total, "ple resident table")?;
-        let mut guard = FreeGuard { gpu: gpu.as_ref(), ptrs: vec![data] };
+        let mut guard = FreeGuard {
+            gpu: gpu.as_ref(),
+            ptrs: vec![data],
+        };
         let fp8 = info.dtype == RowDType::Fp8E4M3;
         let scales = if fp8 {
             let p = gpu.alloc(info.rows as usize * 4, "ple resident table scales")?;
@@ -74,22 +90,44 @@ impl ResidentTable {
         };
         for (i, s) in files.shards.iter().enumerate() {
             let f = File::open(&s.path).with_context(|| format!("opening {}", s.path.display()))?;
-            let len = f.metadata().with_context(|| format!("reading the size of {}", s.path.display()))?.len();
+            let len = f
+                .metadata()
+                .with_context(|| format!("reading the size of {}", s.path.display()))?
+                .len();
             ensure!(
                 s.data_offset + shard_bytes <= len,
                 "{}: shard {i} needs {shard_bytes} bytes at offset {} but the file has {len} (truncated?)",
                 s.path.display(),
                 s.data_offset
             );
-            upload(gpu.as_ref(), &f, &s.path, s.data_offset, shard_bytes, data.offset((i as u64 * shard_bytes) as usize))?;
+            upload(
+                gpu.as_ref(),
+                &f,
+                &s.path,
+                s.data_offset,
+                shard_bytes,
+                data.offset((i as u64 * shard_bytes) as usize),
+            )?;
             if let Some(so) = s.scale_offset {
                 let sb = files.rows_per_shard * 4;
-                upload(gpu.as_ref(), &f, &s.path, so, sb, scales.offset((i as u64 * sb) as usize))?;
+                upload(
+                    gpu.as_ref(),
+                    &f,
+                    &s.path,
+                    so,
+                    sb,
+                    scales.offset((i as u64 * sb) as usize),
+                )?;
             }
         }
         guard.ptrs.clear();
         drop(guard);
-        Ok(ResidentTable { info, gpu, data, scales })
+        Ok(ResidentTable {
+            info,
+            gpu,
+            data,
+            scales,
+        })
     }
 
     /// Device address of row 0 (rows are contiguous).
@@ -103,7 +141,11 @@ impl ResidentTable {
     }
 
     fn check(&self, id: u64) -> Result<()> {
-        ensure!(id < self.info.rows, "row id {id} is past the end of the table ({} rows)", self.info.rows);
+        ensure!(
+            id < self.info.rows,
+            "row id {id} is past the end of the table ({} rows)",
+            self.info.rows
+        );
         Ok(())
     }
 }
@@ -118,20 +160,38 @@ impl RowTable for ResidentTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(out.len() == ids.len(), "resolve: {} ids but {} output slots", ids.len(), out.len());
+        ensure!(
+            out.len() == ids.len(),
+            "resolve: {} ids but {} output slots",
+            ids.len(),
+            out.len()
+        );
         let rb = self.info.row_bytes() as u64;
         for (o, &id) in out.iter_mut().zip(ids) {
             self.check(id)?;
             *o = RowRef {
                 data: self.data.0 + id * rb,
-                scale: if self.scales.is_null() { 0 } else { self.scales.0 + id * 4 },
+                scale: if self.scales.is_null() {
+                    0
+                } else {
+                    self.scales.0 + id * 4
+                },
             };
         }
         Ok(Lease::empty())
     }
 
-    fn release(&self, lease: Lease, gpu: &dyn GpuBackend, after: Option<EventHandle>) -> Result<()> {
-        ensure!(lease.pinned == 0, "release: lease {} does not belong to a resident table", lease.id);
+    fn release(
+        &self,
+        lease: Lease,
+        gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> Result<()> {
+        ensure!(
+            lease.pinned == 0,
+            "release: lease {} does not belong to a resident table",
+            lease.id
+        );
         if let Some(ev) = after {
             gpu.destroy_event(ev)?;
         }

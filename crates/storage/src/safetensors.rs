@@ -147,8 +147,8 @@ impl Header {
     /// Read and check the header of `path`, reading nothing past it.
     pub fn read(path: impl AsRef<Path>) -> Result<Header> {
         let path = path.as_ref();
-        let mut f =
-            File::open(path).with_context(|| format!("opening safetensors file {}", path.display()))?;
+        let mut f = File::open(path)
+            .with_context(|| format!("opening safetensors file {}", path.display()))?;
         let file_len = f
             .metadata()
             .with_context(|| format!("reading the size of {}", path.display()))?
@@ -159,7 +159,8 @@ impl Header {
             path.display()
         );
         let mut len8 = [0u8; 8];
-        f.read_exact(&mut len8).with_context(|| format!("reading the header length of {}", path.display()))?;
+        f.read_exact(&mut len8)
+            .with_context(|| format!("reading the header length of {}", path.display()))?;
         let n = u64::from_le_bytes(len8);
         ensure!(
             n <= MAX_HEADER_BYTES,
@@ -172,7 +173,8 @@ impl Header {
             path.display()
         );
         let mut json = vec![0u8; n as usize];
-        f.read_exact(&mut json).with_context(|| format!("reading the header of {}", path.display()))?;
+        f.read_exact(&mut json)
+            .with_context(|| format!("reading the header of {}", path.display()))?;
         Self::parse(path, &json, file_len)
     }
 
@@ -181,41 +183,55 @@ impl Header {
         let p = path.display();
         let header_len = json.len() as u64;
         let data_start = 8 + header_len;
-        ensure!(data_start <= file_len, "{p}: header runs past the end of the file");
+        ensure!(
+            data_start <= file_len,
+            "{p}: header runs past the end of the file"
+        );
         let data_len = file_len - data_start;
-        ensure!(json.first() == Some(&b'{'), "{p}: header does not start with '{{'");
-        let text = std::str::from_utf8(json).with_context(|| format!("{p}: header is not UTF-8"))?;
+        ensure!(
+            json.first() == Some(&b'{'),
+            "{p}: header does not start with '{{'"
+        );
+        let text =
+            std::str::from_utf8(json).with_context(|| format!("{p}: header is not UTF-8"))?;
         let value: serde_json::Value =
             serde_json::from_str(text).with_context(|| format!("{p}: header is not valid JSON"))?;
-        let obj = value.as_object().with_context(|| format!("{p}: header is not a JSON object"))?;
+        let obj = value
+            .as_object()
+            .with_context(|| format!("{p}: header is not a JSON object"))?;
         let mut tensors = Vec::with_capacity(obj.len());
         let mut metadata = BTreeMap::new();
         for (name, v) in obj {
             if name == "__metadata__" {
-                let m = v.as_object().with_context(|| format!("{p}: __metadata__ is not an object"))?;
+                let m = v
+                    .as_object()
+                    .with_context(|| format!("{p}: __metadata__ is not an object"))?;
                 for (k, mv) in m {
-                    let s = mv
-                        .as_str()
-                        .with_context(|| format!("{p}: __metadata__ entry '{k}' is not a string"))?;
+                    let s = mv.as_str().with_context(|| {
+                        format!("{p}: __metadata__ entry '{k}' is not a string")
+                    })?;
                     metadata.insert(k.clone(), s.to_string());
                 }
                 continue;
             }
-            let t = v.as_object().with_context(|| format!("{p}: tensor '{name}' is not an object"))?;
-            let dtype_s = t
-                .get("dtype")
-                .and_then(|d| d.as_str())
-                .with_context(|| format!("{p}: tensor '{name}': field 'dtype' missing or not a string"))?;
-            let dtype = Dtype::parse(dtype_s)
-                .with_context(|| format!("{p}: tensor '{name}': field 'dtype': unknown dtype '{dtype_s}'"))?;
-            let shape_v = t
-                .get("shape")
-                .and_then(|s| s.as_array())
-                .with_context(|| format!("{p}: tensor '{name}': field 'shape' missing or not an array"))?;
+            let t = v
+                .as_object()
+                .with_context(|| format!("{p}: tensor '{name}' is not an object"))?;
+            let dtype_s = t.get("dtype").and_then(|d| d.as_str()).with_context(|| {
+                format!("{p}: tensor '{name}': field 'dtype' missing or not a string")
+            })?;
+            let dtype = Dtype::parse(dtype_s).with_context(|| {
+                format!("{p}: tensor '{name}': field 'dtype': unknown dtype '{dtype_s}'")
+            })?;
+            let shape_v = t.get("shape").and_then(|s| s.as_array()).with_context(|| {
+                format!("{p}: tensor '{name}': field 'shape' missing or not an array")
+            })?;
             let mut shape = Vec::with_capacity(shape_v.len());
             for (i, d) in shape_v.iter().enumerate() {
                 let d = d.as_u64().with_context(|| {
-                    format!("{p}: tensor '{name}': field 'shape'[{i}] is not a non-negative integer")
+                    format!(
+                        "{p}: tensor '{name}': field 'shape'[{i}] is not a non-negative integer"
+                    )
                 })?;
                 shape.push(d);
             }
@@ -223,11 +239,16 @@ impl Header {
                 .get("data_offsets")
                 .and_then(|s| s.as_array())
                 .filter(|a| a.len() == 2)
-                .with_context(|| format!("{p}: tensor '{name}': field 'data_offsets' is not a [begin, end] pair"))?;
+                .with_context(|| {
+                    format!("{p}: tensor '{name}': field 'data_offsets' is not a [begin, end] pair")
+                })?;
             let (Some(begin), Some(end)) = (offs[0].as_u64(), offs[1].as_u64()) else {
                 bail!("{p}: tensor '{name}': field 'data_offsets' holds a non-integer");
             };
-            ensure!(begin <= end, "{p}: tensor '{name}': field 'data_offsets': begin {begin} > end {end}");
+            ensure!(
+                begin <= end,
+                "{p}: tensor '{name}': field 'data_offsets': begin {begin} > end {end}"
+            );
             ensure!(
                 end <= data_len,
                 "{p}: tensor '{name}': field 'data_offsets': end {end} runs past the data section ({data_len} bytes; file truncated?)"
@@ -235,14 +256,22 @@ impl Header {
             let bytes = shape
                 .iter()
                 .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d))
-                .with_context(|| format!("{p}: tensor '{name}': field 'shape' {shape:?} overflows"))?;
+                .with_context(|| {
+                    format!("{p}: tensor '{name}': field 'shape' {shape:?} overflows")
+                })?;
             ensure!(
                 bytes == end - begin,
                 "{p}: tensor '{name}': shape {shape:?} of {} needs {bytes} bytes but data_offsets span {}",
                 dtype.name(),
                 end - begin
             );
-            tensors.push(TensorInfo { name: name.clone(), dtype, shape, offset: data_start + begin, len: bytes });
+            tensors.push(TensorInfo {
+                name: name.clone(),
+                dtype,
+                shape,
+                offset: data_start + begin,
+                len: bytes,
+            });
         }
         tensors.sort_by_key(|t| (t.offset, t.len));
         for w in tensors.windows(2) {
@@ -253,8 +282,20 @@ impl Header {
                 w[1].name
             );
         }
-        let index = tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-        Ok(Header { path: path.to_path_buf(), header_len, data_start, file_len, tensors, metadata, index })
+        let index = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        Ok(Header {
+            path: path.to_path_buf(),
+            header_len,
+            data_start,
+            file_len,
+            tensors,
+            metadata,
+            index,
+        })
     }
 
     /// The tensor called `name`, if present.
@@ -271,10 +312,16 @@ impl Header {
     /// Read the bytes of tensor `name` (positional read of its extent only).
     pub fn read_tensor(&self, name: &str) -> Result<Vec<u8>> {
         let t = self.get(name)?;
-        let f = File::open(&self.path).with_context(|| format!("opening {}", self.path.display()))?;
+        let f =
+            File::open(&self.path).with_context(|| format!("opening {}", self.path.display()))?;
         let mut buf = vec![0u8; t.len as usize];
         f.read_exact_at(&mut buf, t.offset).with_context(|| {
-            format!("{}: reading tensor '{name}' ({} bytes at offset {})", self.path.display(), t.len, t.offset)
+            format!(
+                "{}: reading tensor '{name}' ({} bytes at offset {})",
+                self.path.display(),
+                t.len,
+                t.offset
+            )
         })?;
         Ok(buf)
     }
@@ -294,7 +341,11 @@ pub struct TensorSpec {
 impl TensorSpec {
     /// A spec from its parts.
     pub fn new(name: impl Into<String>, dtype: Dtype, shape: &[u64]) -> Self {
-        TensorSpec { name: name.into(), dtype, shape: shape.to_vec() }
+        TensorSpec {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+        }
     }
 
     /// Bytes of data.
@@ -314,7 +365,10 @@ pub fn encode_header(
     metadata: &BTreeMap<String, String>,
     align: u64,
 ) -> Result<Vec<u8>> {
-    ensure!(align.is_power_of_two(), "header alignment {align} is not a power of two");
+    ensure!(
+        align.is_power_of_two(),
+        "header alignment {align} is not a power of two"
+    );
     let align = align.max(8);
     let mut json = String::from("{");
     let mut first = true;
@@ -325,8 +379,15 @@ pub fn encode_header(
     }
     let mut seen = std::collections::HashSet::new();
     for (spec, (b, e)) in entries {
-        ensure!(spec.name != "__metadata__", "a tensor cannot be named '__metadata__'");
-        ensure!(seen.insert(spec.name.as_str()), "tensor '{}' is listed twice", spec.name);
+        ensure!(
+            spec.name != "__metadata__",
+            "a tensor cannot be named '__metadata__'"
+        );
+        ensure!(
+            seen.insert(spec.name.as_str()),
+            "tensor '{}' is listed twice",
+            spec.name
+        );
         if !first {
             json.push(',');
         }
@@ -379,8 +440,14 @@ impl Writer {
         let header = encode_header(&entries, metadata, align)?;
         let f = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
         let mut out = BufWriter::with_capacity(1 << 20, f);
-        out.write_all(&header).with_context(|| format!("writing the header of {}", path.display()))?;
-        Ok(Writer { path, out, total: at, written: 0 })
+        out.write_all(&header)
+            .with_context(|| format!("writing the header of {}", path.display()))?;
+        Ok(Writer {
+            path,
+            out,
+            total: at,
+            written: 0,
+        })
     }
 
     /// Append data bytes (tensors in declared order, back to back).
@@ -392,7 +459,9 @@ impl Writer {
             bytes.len(),
             self.total
         );
-        self.out.write_all(bytes).with_context(|| format!("writing {}", self.path.display()))?;
+        self.out
+            .write_all(bytes)
+            .with_context(|| format!("writing {}", self.path.display()))?;
         self.written += bytes.len() as u64;
         Ok(())
     }
@@ -406,14 +475,23 @@ impl Writer {
             self.written,
             self.total
         );
-        let f = self.out.into_inner().map_err(|e| e.into_error()).with_context(|| "flushing the file")?;
-        f.sync_all().with_context(|| format!("syncing {}", self.path.display()))?;
+        let f = self
+            .out
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .with_context(|| "flushing the file")?;
+        f.sync_all()
+            .with_context(|| format!("syncing {}", self.path.display()))?;
         Ok(())
     }
 }
 
 /// Write a whole file from in-memory tensors (tests and small files).
-pub fn write_file(path: impl AsRef<Path>, tensors: &[(TensorSpec, &[u8])], align: u64) -> Result<()> {
+pub fn write_file(
+    path: impl AsRef<Path>,
+    tensors: &[(TensorSpec, &[u8])],
+    align: u64,
+) -> Result<()> {
     let specs: Vec<TensorSpec> = tensors.iter().map(|(s, _)| s.clone()).collect();
     let mut w = Writer::create(path, &specs, &BTreeMap::new(), align)?;
     for (s, data) in tensors {
@@ -461,7 +539,10 @@ mod tests {
         assert_eq!(h.read_tensor("x.weight").unwrap(), a);
         assert_eq!(h.read_tensor("y").unwrap(), b);
         let err = h.get("z").unwrap_err().to_string();
-        assert!(err.contains("a.safetensors") && err.contains("'z'"), "{err}");
+        assert!(
+            err.contains("a.safetensors") && err.contains("'z'"),
+            "{err}"
+        );
     }
 
     fn write_raw(path: &Path, json: &str, data: usize) {
@@ -476,18 +557,46 @@ mod tests {
         let d = tmp();
         let p = d.path().join("bad.safetensors");
         let cases = [
-            (r#"{"t":{"dtype":"Q9","shape":[2],"data_offsets":[0,2]}}"#, 2, "field 'dtype'"),
-            (r#"{"t":{"dtype":"U8","shape":[3],"data_offsets":[0,2]}}"#, 2, "shape [3]"),
-            (r#"{"t":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#, 1, "runs past the data section"),
-            (r#"{"t":{"dtype":"U8","shape":[-1],"data_offsets":[0,2]}}"#, 2, "field 'shape'[0]"),
-            (r#"{"t":{"dtype":"U8","shape":[2]}}"#, 2, "field 'data_offsets'"),
-            (r#"{"t":{"dtype":"U8","shape":[2],"data_offsets":[2,0]}}"#, 2, "begin 2 > end 0"),
+            (
+                r#"{"t":{"dtype":"Q9","shape":[2],"data_offsets":[0,2]}}"#,
+                2,
+                "field 'dtype'",
+            ),
+            (
+                r#"{"t":{"dtype":"U8","shape":[3],"data_offsets":[0,2]}}"#,
+                2,
+                "shape [3]",
+            ),
+            (
+                r#"{"t":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
+                1,
+                "runs past the data section",
+            ),
+            (
+                r#"{"t":{"dtype":"U8","shape":[-1],"data_offsets":[0,2]}}"#,
+                2,
+                "field 'shape'[0]",
+            ),
+            (
+                r#"{"t":{"dtype":"U8","shape":[2]}}"#,
+                2,
+                "field 'data_offsets'",
+            ),
+            (
+                r#"{"t":{"dtype":"U8","shape":[2],"data_offsets":[2,0]}}"#,
+                2,
+                "begin 2 > end 0",
+            ),
             (
                 r#"{"t":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"u":{"dtype":"U8","shape":[2],"data_offsets":[1,3]}}"#,
                 3,
                 "overlap",
             ),
-            (r#"{"t":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}"#, 2, "not valid JSON"),
+            (
+                r#"{"t":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}"#,
+                2,
+                "not valid JSON",
+            ),
             (r#"[1]"#, 0, "does not start"),
         ];
         for (json, data, want) in cases {
@@ -512,11 +621,25 @@ mod tests {
     fn writer_refuses_wrong_amounts() {
         let d = tmp();
         let p = d.path().join("w.safetensors");
-        let mut w = Writer::create(&p, &[TensorSpec::new("t", Dtype::F32, &[2])], &BTreeMap::new(), 8).unwrap();
+        let mut w = Writer::create(
+            &p,
+            &[TensorSpec::new("t", Dtype::F32, &[2])],
+            &BTreeMap::new(),
+            8,
+        )
+        .unwrap();
         w.write(&[0; 4]).unwrap();
         assert!(w.write(&[0; 8]).is_err());
-        assert!(w.finish().unwrap_err().to_string().contains("only 4 of the declared 8"));
-        let dup = [TensorSpec::new("t", Dtype::U8, &[1]), TensorSpec::new("t", Dtype::U8, &[1])];
+        assert!(
+            w.finish()
+                .unwrap_err()
+                .to_string()
+                .contains("only 4 of the declared 8")
+        );
+        let dup = [
+            TensorSpec::new("t", Dtype::U8, &[1]),
+            TensorSpec::new("t", Dtype::U8, &[1]),
+        ];
         assert!(Writer::create(&p, &dup, &BTreeMap::new(), 8).is_err());
     }
 
