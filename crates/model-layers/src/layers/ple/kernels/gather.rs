@@ -8,6 +8,8 @@
 
 use rayon::prelude::*;
 
+use metrale_storage::dtype::fp8_e4m3_to_f32;
+
 use super::math::{bf16_round, bf16_to_f32};
 
 /// Rows per rayon task: a row is a few hundred bytes, so tasks take many.
@@ -49,26 +51,6 @@ pub struct RowSrc<'a> {
     pub data: &'a [u8],
     /// The FP8 scale.
     pub scale: f32,
-}
-
-/// The f32 value of an FP8 E4M3 byte (the "fn" variant: no infinities,
-/// `S.1111.111` is NaN).
-// TODO(storage): switch to the storage crate's decoder once it exists so the
-// project keeps a single FP8 decoder.
-#[inline(always)]
-pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let exp = ((b >> 3) & 0x0F) as i32;
-    let man = (b & 0x07) as f32;
-    if exp == 0x0F && b & 0x07 == 0x07 {
-        return f32::NAN;
-    }
-    if exp == 0 {
-        // Subnormal: man/8 * 2^-6.
-        sign * man * (1.0 / 512.0)
-    } else {
-        sign * (1.0 + man / 8.0) * f32::from_bits(((exp - 7 + 127) as u32) << 23)
-    }
 }
 
 /// One BF16 row into f32.
@@ -126,19 +108,6 @@ pub fn gather_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fp8_decode_known_values() {
-        assert_eq!(fp8_e4m3_to_f32(0x00), 0.0);
-        assert_eq!(fp8_e4m3_to_f32(0x38), 1.0); // exp 7, man 0
-        assert_eq!(fp8_e4m3_to_f32(0xB8), -1.0);
-        assert_eq!(fp8_e4m3_to_f32(0x7E), 448.0); // the largest finite
-        assert_eq!(fp8_e4m3_to_f32(0x01), 2f32.powi(-9)); // smallest subnormal
-        assert_eq!(fp8_e4m3_to_f32(0x08), 2f32.powi(-6)); // smallest normal
-        assert_eq!(fp8_e4m3_to_f32(0x3C), 1.5);
-        assert!(fp8_e4m3_to_f32(0x7F).is_nan());
-        assert!(fp8_e4m3_to_f32(0xFF).is_nan());
-    }
 
     #[test]
     fn gathers_bf16_and_fp8_rows() {

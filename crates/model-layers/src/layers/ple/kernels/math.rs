@@ -10,22 +10,13 @@
 /// Lanes of the fixed-order sums.
 const LANES: usize = 16;
 
-/// The f32 value of BF16 bits.
-#[inline(always)]
-pub fn bf16_to_f32(bits: u16) -> f32 {
-    f32::from_bits((bits as u32) << 16)
-}
+pub use metrale_storage::dtype::bf16_to_f32;
 
 /// `x` rounded to the nearest BF16 value (ties to even), as f32. NaN stays
-/// NaN.
+/// NaN. The one BF16 encoder of the project does the rounding.
 #[inline(always)]
 pub fn bf16_round(x: f32) -> f32 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return f32::from_bits((b | 0x0040_0000) & 0xFFFF_0000);
-    }
-    let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1));
-    f32::from_bits(r & 0xFFFF_0000)
+    bf16_to_f32(metrale_storage::dtype::f32_to_bf16(x))
 }
 
 /// Combine the 16 lanes in a fixed tree.
