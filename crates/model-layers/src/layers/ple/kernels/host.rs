@@ -284,7 +284,7 @@ pub(super) fn gate_kernel(
     }
     let c = size(K, "C", &[h, hc])?;
     let tc = size(K, "highway", &[t, c])?;
-    let kv_len = size(K, "kv", &[t, c.checked_add(h).unwrap_or(usize::MAX)])?;
+    let kv_len = size(K, "kv", &[t, c.saturating_add(h)])?;
     let lens = [tc, kv_len, c, c, c, tc, tc];
     let regions: Vec<Region> = (0..7)
         .map(|i| {
