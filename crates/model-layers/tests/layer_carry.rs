@@ -304,3 +304,48 @@ fn stale_and_overridden_prestages_are_never_applied() {
     g.free(row).unwrap();
     fx.finish(layer, vec![a, b]);
 }
+
+#[test]
+fn fp8_rows_give_the_same_highway_as_their_bf16_rounding() {
+    use layer_common::{bf16_bits, e4m3};
+    let gpu = CpuBackend::new_debug();
+    let g: &dyn GpuBackend = &gpu;
+    let start = g.live_alloc_count();
+    let small = Small::new(8);
+    let hd = small.head_dim;
+    let rows = small.table_bits.len() / hd;
+    let mut r = Rng(88);
+    let bytes: Vec<u8> = (0..rows * hd)
+        .map(|_| loop {
+            let b = r.below(256) as u8;
+            if b & 0x7f != 0x7f {
+                break b;
+            }
+        })
+        .collect();
+    let scales: Vec<f32> = (0..rows).map(|_| 0.05 + r.unit().abs() * 0.3).collect();
+    let bf: Vec<u16> = (0..rows * hd).map(|i| bf16_bits(e4m3(bytes[i]) * scales[i / hd])).collect();
+    let t8 = TestTable::new_fp8(g, &bytes, &scales, hd, 9).unwrap();
+    let t16 = TestTable::new(g, &bf, hd, 9).unwrap();
+    let mut l8 = small.layer(g, Arc::clone(&t8), 4).unwrap();
+    let mut l16 = small.layer(g, Arc::clone(&t16), 4).unwrap();
+    let c = small.channels();
+    let toks = tokens(&mut r, 11, 40);
+    let hw = highway(&mut r, 11, c);
+    let mut outs = Vec::new();
+    for l in [&l8, &l16] {
+        let mut st = l.new_seq_state(g).unwrap();
+        let p = upload(g, &hw, "hw");
+        l.forward(&mut st, p, 11, true, &ForwardContext::new(g).with_host_ids(&toks), 0).unwrap();
+        outs.push(bits(&download(g, p, 11 * c, 0)));
+        g.free(p).unwrap();
+        l.release_seq_state(&mut st, g).unwrap();
+    }
+    assert_eq!(outs[0], outs[1]);
+    l8.free(g).unwrap();
+    l16.free(g).unwrap();
+    assert_eq!(t8.pinned(g) + t16.pinned(g), 0);
+    t8.free(g);
+    t16.free(g);
+    assert_eq!(g.live_alloc_count(), start, "live allocations:\n{}", g.live_report());
+}

@@ -36,6 +36,14 @@ impl Rng {
     }
 }
 
+/// The value of an FP8 E4M3 (fn variant, no infinities) byte.
+pub fn e4m3(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((b >> 3) & 0xf) as i32;
+    let m = (b & 7) as f32;
+    if e == 0 { sign * m / 8.0 * 2f32.powi(-6) } else { sign * (1.0 + m / 8.0) * 2f32.powi(e - 7) }
+}
+
 /// BF16 bits of `x`, rounded to nearest even.
 pub fn bf16_bits(x: f32) -> u16 {
     let b = x.to_bits();
@@ -49,9 +57,11 @@ struct Pins {
     next_id: u64,
 }
 
-/// A BF16 table held in one device allocation.
+/// A BF16 or FP8 table held in one device allocation (FP8 scales after
+/// the rows).
 pub struct TestTable {
     base: DevicePtr,
+    scales: DevicePtr,
     info: TableInfo,
     max_resolve: usize,
     pins: Mutex<Pins>,
@@ -65,7 +75,27 @@ impl TestTable {
         gpu.copy_h2d(&bytes, base)?;
         Ok(Arc::new(TestTable {
             base,
+            scales: DevicePtr::NULL,
             info: TableInfo { rows: rows as u64, head_dim, dtype: RowDType::Bf16 },
+            max_resolve,
+            pins: Mutex::new(Pins::default()),
+        }))
+    }
+
+    /// An FP8 E4M3 table: `head_dim` bytes a row and one f32 scale a row.
+    pub fn new_fp8(gpu: &dyn GpuBackend, rows_bytes: &[u8], scales: &[f32], head_dim: usize, max_resolve: usize) -> Result<Arc<TestTable>> {
+        let rows = rows_bytes.len() / head_dim;
+        assert_eq!(scales.len(), rows);
+        let mut bytes = rows_bytes.to_vec();
+        bytes.resize(rows_bytes.len().div_ceil(4) * 4, 0);
+        let soff = bytes.len();
+        bytes.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+        let base = gpu.alloc(bytes.len(), "test.table_fp8")?;
+        gpu.copy_h2d(&bytes, base)?;
+        Ok(Arc::new(TestTable {
+            base,
+            scales: base.offset(soff),
+            info: TableInfo { rows: rows as u64, head_dim, dtype: RowDType::Fp8E4M3 },
             max_resolve,
             pins: Mutex::new(Pins::default()),
         }))
@@ -105,7 +135,8 @@ impl RowTable for TestTable {
         ensure!(distinct.len() <= self.max_resolve, "{} distinct ids, max {}", distinct.len(), self.max_resolve);
         for (i, &id) in ids.iter().enumerate() {
             ensure!(id < self.info.rows, "row id {id} past the table end {}", self.info.rows);
-            out[i] = RowRef { data: self.base.offset(id as usize * self.info.row_bytes()).addr(), scale: 0 };
+            let scale = if self.scales.is_null() { 0 } else { self.scales.offset(id as usize * 4).addr() };
+            out[i] = RowRef { data: self.base.offset(id as usize * self.info.row_bytes()).addr(), scale };
         }
         let mut p = self.pins.lock();
         p.held += ids.len();
