@@ -620,8 +620,21 @@ impl PleLayer {
             let _ = staging::release_at_tail(self.table.as_ref(), gpu, stream, leases);
             return Err(e.context("uploading PLE row refs to the staging ring"));
         }
-        stg.ring_commit(start, flat_ids.len(), leases);
+        stg.ring_commit(start, flat_ids, leases);
         Ok(va.addr())
+    }
+
+    /// The ids of the heads of orders below N for the last token of a
+    /// post-prestage `history`: the only ones the history still determines
+    /// (order N also needs the token that left the history).
+    fn checkable_ids(&self, history: &[u32]) -> Vec<u64> {
+        if history.is_empty() {
+            return Vec::new();
+        }
+        let n = self.dims.ngram_size;
+        let known = (n - 2) * self.dims.heads_per_ngram;
+        let rows = ple_ngram_ids(&self.dims, history);
+        rows[rows.len() - 1][..known].to_vec()
     }
 
     /// Token ids for `n` tokens starting at entry `first` of the context's
@@ -717,7 +730,8 @@ impl PleLayer {
         {
             let mut stg = self.staging.lock();
             stg.streams.insert(stream);
-            let at = stg.lookup(va, heads, st.conv.addr())?;
+            let expect = self.checkable_ids(&st.history);
+            let at = stg.lookup(va, heads, st.conv.addr(), &expect)?;
             ensure!(
                 !capturing || matches!(at, StagedAt::Batch(_)),
                 "PLE forward refused under capture: the prestage at {va:#x} lives in the staging \
@@ -1125,7 +1139,7 @@ impl PleLayer {
                     None => "it has no prestage".to_string(),
                 }
             );
-            match stg.lookup(want, heads, st.conv.addr())? {
+            match stg.lookup(want, heads, st.conv.addr(), &[])? {
                 StagedAt::Batch(s) if s == i => {}
                 other => bail!("PLE batch step: sequence {i} resolved to {other:?}"),
             }

@@ -66,6 +66,8 @@ pub(super) struct RingRegion {
     pub state: SlotUse,
     /// Leases on the rows the refs point at.
     pub leases: Vec<Lease>,
+    /// The row ids staged (checked against the consumer's history).
+    pub ids: Vec<u64>,
 }
 
 /// The batch part's bookkeeping.
@@ -194,20 +196,24 @@ impl Staging {
     }
 
     /// Record a filled ring region.
-    pub fn ring_commit(&mut self, start: usize, len: usize, leases: Vec<Lease>) {
+    pub fn ring_commit(&mut self, start: usize, ids: &[u64], leases: Vec<Lease>) {
         self.ring.push_back(RingRegion {
             start,
-            len,
+            len: ids.len(),
             state: SlotUse::Pending,
             leases,
+            ids: ids.to_vec(),
         });
     }
 
     /// Find the staged region a sequence's `prestaged_va` names, checking that
     /// it holds `refs` refs, that (for batch slots) it belongs to the sequence
     /// whose conv state is at `owner`, and that its rows were not already
-    /// gathered eagerly.
-    pub fn lookup(&self, va: u64, refs: usize, owner: u64) -> Result<StagedAt> {
+    /// gathered eagerly. For ring regions, whose owner is not recorded,
+    /// `expect` gives the ids the consumer's history implies for the heads
+    /// it can check (orders below N): a region staged for another token is
+    /// refused.
+    pub fn lookup(&self, va: u64, refs: usize, owner: u64, expect: &[u64]) -> Result<StagedAt> {
         let bs = self.batch_slot(0).addr();
         let slot_bytes = (self.heads * REF_BYTES) as u64;
         if va >= bs && va < bs + slot_bytes * self.max_batch as u64 {
@@ -239,8 +245,8 @@ impl Staging {
             .position(|r| self.ring_addr(r.start).addr() == va)
             .with_context(|| {
                 format!(
-                    "prestaged address {va:#x} names no live staging region (the ring of {} tokens \
-                     was reused since the prestage); prestage the token again",
+                    "prestaged address {va:#x} is stale: it names no live staging region (the ring \
+                     of {} tokens was reused since the prestage); prestage the token again",
                     self.ring_tokens
                 )
             })?;
@@ -254,6 +260,12 @@ impl Staging {
             r.state != SlotUse::Gathered,
             "prestaged region at {va:#x} was already gathered by an eager forward; \
              rearm only applies after a failed capture"
+        );
+        anyhow::ensure!(
+            r.ids.len() >= expect.len() && r.ids[..expect.len()] == *expect,
+            "prestaged address {va:#x} is stale: its region was reused for another token's rows \
+             (more than {} tokens were prestaged since); prestage the token again",
+            self.ring_tokens
         );
         Ok(StagedAt::Ring(idx))
     }
