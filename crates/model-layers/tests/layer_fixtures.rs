@@ -24,15 +24,23 @@ fn read_bytes(meta: &Value, name: &str) -> Vec<u8> {
 }
 
 fn read_u16(meta: &Value, name: &str) -> Vec<u16> {
-    read_bytes(meta, name).chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+    read_bytes(meta, name)
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect()
 }
 
 fn read_f32(meta: &Value, name: &str) -> Vec<f32> {
-    read_bytes(meta, name).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    read_bytes(meta, name)
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 fn usize_of(meta: &Value, k: &str) -> usize {
-    meta[k].as_u64().unwrap_or_else(|| panic!("fixture field {k}")) as usize
+    meta[k]
+        .as_u64()
+        .unwrap_or_else(|| panic!("fixture field {k}")) as usize
 }
 
 fn u64s(meta: &Value, k: &str) -> Vec<u64> {
@@ -40,7 +48,11 @@ fn u64s(meta: &Value, k: &str) -> Vec<u64> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|v| v.as_u64().or_else(|| v.as_str().and_then(|s| s.parse().ok())).unwrap())
+        .map(|v| {
+            v.as_u64()
+                .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+                .unwrap()
+        })
         .collect()
 }
 
@@ -69,7 +81,8 @@ const TOL_ABS: f64 = 2e-4;
 
 #[test]
 fn layer_matches_the_numpy_reference_across_chunks() {
-    let meta: Value = serde_json::from_slice(&std::fs::read(dir().join("small.json")).unwrap()).unwrap();
+    let meta: Value =
+        serde_json::from_slice(&std::fs::read(dir().join("small.json")).unwrap()).unwrap();
     let gpu = CpuBackend::new_debug();
     let g: &dyn GpuBackend = &gpu;
     let start = g.live_alloc_count();
@@ -109,7 +122,10 @@ fn layer_matches_the_numpy_reference_across_chunks() {
         g,
     )
     .unwrap();
-    let tokens: Vec<u32> = u64s(&meta, "tokens").into_iter().map(|t| t as u32).collect();
+    let tokens: Vec<u32> = u64s(&meta, "tokens")
+        .into_iter()
+        .map(|t| t as u32)
+        .collect();
     let chunks = u64s(&meta, "chunks");
     let hw_in = read_f32(&meta, "highway_in");
     let want = read_f32(&meta, "highway_out");
@@ -126,15 +142,25 @@ fn layer_matches_the_numpy_reference_across_chunks() {
         t0 += n;
     }
     let (max_abs, mean_abs, max_rel) = errors(&got, &want);
-    println!("highway vs reference: max abs {max_abs:.3e}, mean abs {mean_abs:.3e}, max rel {max_rel:.3e}");
-    assert!(max_abs <= TOL_ABS, "max abs error {max_abs:e} over {TOL_ABS:e}");
+    println!(
+        "highway vs reference: max abs {max_abs:.3e}, mean abs {mean_abs:.3e}, max rel {max_rel:.3e}"
+    );
+    assert!(
+        max_abs <= TOL_ABS,
+        "max abs error {max_abs:e} over {TOL_ABS:e}"
+    );
 
     let blob = layer.snapshot_aux(&st, g, 0).unwrap();
-    let hist: Vec<u32> = u64s(&meta, "history_out").into_iter().map(|t| t as u32).collect();
+    let hist: Vec<u32> = u64s(&meta, "history_out")
+        .into_iter()
+        .map(|t| t as u32)
+        .collect();
     assert_eq!(st.history(), &hist[..]);
     let off = 4 + 4 * hist.len();
-    let conv: Vec<f32> =
-        blob[off..].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    let conv: Vec<f32> = blob[off..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
     let (cmax, cmean, _) = errors(&conv, &read_f32(&meta, "conv_state_out"));
     println!("conv state vs reference: max abs {cmax:.3e}, mean abs {cmean:.3e}");
     assert!(cmax <= TOL_ABS, "conv state max abs error {cmax:e}");
@@ -143,5 +169,10 @@ fn layer_matches_the_numpy_reference_across_chunks() {
     layer.free(g).unwrap();
     assert_eq!(table.pinned(g), 0, "leases left pinned");
     table.free(g);
-    assert_eq!(g.live_alloc_count(), start, "live allocations:\n{}", g.live_report());
+    assert_eq!(
+        g.live_alloc_count(),
+        start,
+        "live allocations:\n{}",
+        g.live_report()
+    );
 }

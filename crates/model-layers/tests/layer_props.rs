@@ -32,19 +32,35 @@ impl Env {
         let small = Small::new(seed);
         let table = TestTable::new(&gpu, &small.table_bits, small.head_dim, max_resolve).unwrap();
         let stream = gpu.create_stream().unwrap();
-        Env { gpu, start, small, table, stream }
+        Env {
+            gpu,
+            start,
+            small,
+            table,
+            stream,
+        }
     }
     fn g(&self) -> &dyn GpuBackend {
         &self.gpu
     }
     fn layer(&self, max_tokens: usize) -> PleLayer {
-        self.small.layer(self.g(), Arc::clone(&self.table), max_tokens).unwrap()
+        self.small
+            .layer(self.g(), Arc::clone(&self.table), max_tokens)
+            .unwrap()
     }
     fn c(&self) -> usize {
         self.small.channels()
     }
     /// Run `tokens` over `hw` rows as chunks of the given sizes (first fresh).
-    fn run_chunks(&self, layer: &PleLayer, st: &mut PleSeqState, hw: &[f32], toks: &[u32], chunks: &[usize], fresh: bool) -> Vec<u32> {
+    fn run_chunks(
+        &self,
+        layer: &PleLayer,
+        st: &mut PleSeqState,
+        hw: &[f32],
+        toks: &[u32],
+        chunks: &[usize],
+        fresh: bool,
+    ) -> Vec<u32> {
         let g = self.g();
         let c = self.c();
         let mut out = Vec::new();
@@ -52,7 +68,9 @@ impl Env {
         for (i, &n) in chunks.iter().enumerate() {
             let p = upload(g, &hw[t0 * c..(t0 + n) * c], "hw");
             let ctx = ForwardContext::new(g).with_host_ids(&toks[t0..t0 + n]);
-            layer.forward(st, p, n, fresh && i == 0, &ctx, self.stream).unwrap();
+            layer
+                .forward(st, p, n, fresh && i == 0, &ctx, self.stream)
+                .unwrap();
             out.extend(bits(&download(g, p, n * c, self.stream)));
             g.free(p).unwrap();
             t0 += n;
@@ -71,7 +89,12 @@ impl Env {
         self.table.free(g);
         g.synchronize(self.stream).unwrap();
         g.destroy_stream(self.stream).unwrap();
-        assert_eq!(g.live_alloc_count(), self.start, "live allocations:\n{}", g.live_report());
+        assert_eq!(
+            g.live_alloc_count(),
+            self.start,
+            "live allocations:\n{}",
+            g.live_report()
+        );
     }
 }
 

@@ -41,7 +41,11 @@ pub fn e4m3(b: u8) -> f32 {
     let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
     let e = ((b >> 3) & 0xf) as i32;
     let m = (b & 7) as f32;
-    if e == 0 { sign * m / 8.0 * 2f32.powi(-6) } else { sign * (1.0 + m / 8.0) * 2f32.powi(e - 7) }
+    if e == 0 {
+        sign * m / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
 }
 
 /// BF16 bits of `x`, rounded to nearest even.
@@ -68,7 +72,12 @@ pub struct TestTable {
 }
 
 impl TestTable {
-    pub fn new(gpu: &dyn GpuBackend, rows_bits: &[u16], head_dim: usize, max_resolve: usize) -> Result<Arc<TestTable>> {
+    pub fn new(
+        gpu: &dyn GpuBackend,
+        rows_bits: &[u16],
+        head_dim: usize,
+        max_resolve: usize,
+    ) -> Result<Arc<TestTable>> {
         let rows = rows_bits.len() / head_dim;
         let bytes: Vec<u8> = rows_bits.iter().flat_map(|b| b.to_le_bytes()).collect();
         let base = gpu.alloc(bytes.len(), "test.table")?;
@@ -76,14 +85,24 @@ impl TestTable {
         Ok(Arc::new(TestTable {
             base,
             scales: DevicePtr::NULL,
-            info: TableInfo { rows: rows as u64, head_dim, dtype: RowDType::Bf16 },
+            info: TableInfo {
+                rows: rows as u64,
+                head_dim,
+                dtype: RowDType::Bf16,
+            },
             max_resolve,
             pins: Mutex::new(Pins::default()),
         }))
     }
 
     /// An FP8 E4M3 table: `head_dim` bytes a row and one f32 scale a row.
-    pub fn new_fp8(gpu: &dyn GpuBackend, rows_bytes: &[u8], scales: &[f32], head_dim: usize, max_resolve: usize) -> Result<Arc<TestTable>> {
+    pub fn new_fp8(
+        gpu: &dyn GpuBackend,
+        rows_bytes: &[u8],
+        scales: &[f32],
+        head_dim: usize,
+        max_resolve: usize,
+    ) -> Result<Arc<TestTable>> {
         let rows = rows_bytes.len() / head_dim;
         assert_eq!(scales.len(), rows);
         let mut bytes = rows_bytes.to_vec();
@@ -95,7 +114,11 @@ impl TestTable {
         Ok(Arc::new(TestTable {
             base,
             scales: base.offset(soff),
-            info: TableInfo { rows: rows as u64, head_dim, dtype: RowDType::Fp8E4M3 },
+            info: TableInfo {
+                rows: rows as u64,
+                head_dim,
+                dtype: RowDType::Fp8E4M3,
+            },
             max_resolve,
             pins: Mutex::new(Pins::default()),
         }))
@@ -132,18 +155,42 @@ impl RowTable for TestTable {
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
         ensure!(out.len() == ids.len(), "out length");
         let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
-        ensure!(distinct.len() <= self.max_resolve, "{} distinct ids, max {}", distinct.len(), self.max_resolve);
+        ensure!(
+            distinct.len() <= self.max_resolve,
+            "{} distinct ids, max {}",
+            distinct.len(),
+            self.max_resolve
+        );
         for (i, &id) in ids.iter().enumerate() {
-            ensure!(id < self.info.rows, "row id {id} past the table end {}", self.info.rows);
-            let scale = if self.scales.is_null() { 0 } else { self.scales.offset(id as usize * 4).addr() };
-            out[i] = RowRef { data: self.base.offset(id as usize * self.info.row_bytes()).addr(), scale };
+            ensure!(
+                id < self.info.rows,
+                "row id {id} past the table end {}",
+                self.info.rows
+            );
+            let scale = if self.scales.is_null() {
+                0
+            } else {
+                self.scales.offset(id as usize * 4).addr()
+            };
+            out[i] = RowRef {
+                data: self.base.offset(id as usize * self.info.row_bytes()).addr(),
+                scale,
+            };
         }
         let mut p = self.pins.lock();
         p.held += ids.len();
         p.next_id += 1;
-        Ok(Lease { id: p.next_id, pinned: ids.len() })
+        Ok(Lease {
+            id: p.next_id,
+            pinned: ids.len(),
+        })
     }
-    fn release(&self, lease: Lease, _gpu: &dyn GpuBackend, after: Option<EventHandle>) -> Result<()> {
+    fn release(
+        &self,
+        lease: Lease,
+        _gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> Result<()> {
         let mut p = self.pins.lock();
         match after {
             Some(ev) => p.pending.push((ev, lease.pinned)),
@@ -194,7 +241,8 @@ impl Small {
         };
         let e = heads * head_dim;
         let c = hidden * hc;
-        let mut bf = |n: usize, s: f32| -> Vec<u16> { (0..n).map(|_| bf16_bits(r.unit() * s)).collect() };
+        let mut bf =
+            |n: usize, s: f32| -> Vec<u16> { (0..n).map(|_| bf16_bits(r.unit() * s)).collect() };
         let key_proj = bf(c * e, 0.4);
         let value_proj = bf(hidden * e, 0.4);
         let table_bits = bf(rows * head_dim, 1.5);
@@ -207,14 +255,28 @@ impl Small {
             norm_conv: f(c, 0.2),
             conv1d: f(c * k, 0.8),
         };
-        Small { dims, head_dim, hidden, hc, k, dil: 2, weights, table_bits }
+        Small {
+            dims,
+            head_dim,
+            hidden,
+            hc,
+            k,
+            dil: 2,
+            weights,
+            table_bits,
+        }
     }
 
     pub fn channels(&self) -> usize {
         self.hidden * self.hc
     }
 
-    pub fn layer(&self, gpu: &dyn GpuBackend, table: Arc<TestTable>, max_tokens: usize) -> Result<PleLayer> {
+    pub fn layer(
+        &self,
+        gpu: &dyn GpuBackend,
+        table: Arc<TestTable>,
+        max_tokens: usize,
+    ) -> Result<PleLayer> {
         PleLayer::new(
             self.dims.clone(),
             self.head_dim,
@@ -233,7 +295,15 @@ impl Small {
 
 /// Random tokens in `0..vocab`, EOS with probability about 1/8.
 pub fn tokens(r: &mut Rng, n: usize, vocab: u64) -> Vec<u32> {
-    (0..n).map(|_| if r.below(8) == 0 { EOS } else { r.below(vocab) as u32 }).collect()
+    (0..n)
+        .map(|_| {
+            if r.below(8) == 0 {
+                EOS
+            } else {
+                r.below(vocab) as u32
+            }
+        })
+        .collect()
 }
 
 /// Random highway rows.
@@ -256,7 +326,9 @@ pub fn write(gpu: &dyn GpuBackend, v: &[f32], p: DevicePtr, stream: u64) {
 pub fn download(gpu: &dyn GpuBackend, p: DevicePtr, n: usize, stream: u64) -> Vec<f32> {
     let mut b = vec![0u8; n * 4];
     gpu.copy_d2h_on_stream(p, &mut b, stream).unwrap();
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 pub fn bits(v: &[f32]) -> Vec<u32> {

@@ -35,7 +35,7 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, KernelHandle, LaunchConfig
 use metrale_storage::table::{RowDType, RowRef, RowTable};
 use parking_lot::Mutex;
 
-use super::ids::{PleIdDims, ple_ngram_ids};
+use super::ids::{PleIdDims, PleIdHasher, ple_ngram_ids};
 use super::kernels;
 use super::staging::{self, StagedAt, Staging};
 
@@ -193,6 +193,8 @@ impl DeviceBufs {
 pub struct PleLayer {
     /// The id hash geometry and constants.
     pub(super) dims: PleIdDims,
+    /// The hash's hot path for `dims`.
+    hasher: PleIdHasher,
     /// `(K - 1) * D` rows of conv state.
     pub(super) state_len: usize,
     /// Parallel residual streams.
@@ -272,51 +274,6 @@ fn fits_u32(what: &str, v: usize) -> Result<u32> {
         .map_err(|_| anyhow::anyhow!("PLE {what} = {v} does not fit the kernels' u32 arguments"))
 }
 
-/// Check the id-hash geometry the layer relies on.
-fn check_dims(dims: &PleIdDims) -> Result<()> {
-    ensure!(
-        dims.ngram_size >= 2,
-        "PLE ngram_size must be at least 2, got {}",
-        dims.ngram_size
-    );
-    ensure!(
-        dims.heads_per_ngram >= 1,
-        "PLE heads_per_ngram must be at least 1"
-    );
-    let heads = dims.ngram_heads();
-    ensure!(
-        dims.multipliers.len() == dims.ngram_size,
-        "PLE multipliers: {} entries, ngram_size is {}",
-        dims.multipliers.len(),
-        dims.ngram_size
-    );
-    for (i, m) in dims.multipliers.iter().enumerate() {
-        ensure!(m % 2 == 1, "PLE multiplier {i} ({m}) is even");
-    }
-    ensure!(
-        dims.head_vocab_sizes.len() == heads && dims.head_offsets.len() == heads,
-        "PLE head_vocab_sizes ({}) and head_offsets ({}) must have ngram_heads = {heads} entries",
-        dims.head_vocab_sizes.len(),
-        dims.head_offsets.len()
-    );
-    let mut expect = 0u64;
-    for h in 0..heads {
-        ensure!(
-            dims.head_vocab_sizes[h] > 0,
-            "PLE head_vocab_sizes[{h}] is zero"
-        );
-        ensure!(
-            dims.head_offsets[h] == expect,
-            "PLE head_offsets[{h}] = {}, expected the running sum {expect}",
-            dims.head_offsets[h]
-        );
-        expect = expect
-            .checked_add(dims.head_vocab_sizes[h])
-            .context("PLE head_vocab_sizes overflow u64")?;
-    }
-    Ok(())
-}
-
 impl PleLayer {
     /// Build a layer: validate every shape against the others, register the
     /// CPU kernels where the backend runs host kernels, upload the packed
@@ -337,7 +294,7 @@ impl PleLayer {
         max_tokens: usize,
         gpu: &dyn GpuBackend,
     ) -> Result<PleLayer> {
-        check_dims(&dims)?;
+        let hasher = PleIdHasher::new(&dims)?;
         let heads = dims.ngram_heads();
         ensure!(head_dim > 0, "PLE head_dim must be positive");
         ensure!(hidden > 0, "PLE hidden must be positive");
@@ -367,14 +324,7 @@ impl PleLayer {
             "PLE table rows hold {} values, the layer's head_dim is {head_dim}",
             info.head_dim
         );
-        let id_end = dims.head_offsets.last().copied().unwrap_or(0)
-            + dims.head_vocab_sizes.last().copied().unwrap_or(0);
-        ensure!(
-            id_end <= info.rows,
-            "PLE ids reach row {} but the table has {} rows",
-            id_end.saturating_sub(1),
-            info.rows
-        );
+        dims.check_table_rows(info.rows)?;
         let w = &weights;
         ensure!(
             w.key_proj.len() == c * e,
@@ -505,6 +455,7 @@ impl PleLayer {
         g.ptrs.clear();
         Ok(PleLayer {
             dims,
+            hasher,
             state_len,
             hc_mult,
             hidden,
@@ -723,11 +674,8 @@ impl PleLayer {
             self.reset(st, gpu, stream)?;
         }
         let heads = self.dims.ngram_heads();
-        if let Some(va) = staged
-            && num_tokens == 1
-            && !needs_reset
-            && ctx.token_override.is_none()
-        {
+        let usable = num_tokens == 1 && !needs_reset && ctx.token_override.is_none();
+        if let (Some(va), true) = (staged, usable) {
             let mut stg = self.staging.lock();
             stg.streams.insert(stream);
             let expect = self.checkable_ids(&st.history);
@@ -778,21 +726,15 @@ impl PleLayer {
         tokens: &[u32],
         stream: StreamId,
     ) -> Result<()> {
-        let ctxl = self.dims.context_len();
-        let mut window = Vec::with_capacity(st.history.len() + tokens.len());
-        window.extend_from_slice(&st.history);
-        window.extend_from_slice(tokens);
-        let all = ple_ngram_ids(&self.dims, &window);
-        let rows = &all[all.len() - tokens.len()..];
+        let heads = self.dims.ngram_heads();
+        let mut all = vec![0u64; tokens.len() * heads];
+        self.hasher
+            .ids_with_history_into(&st.history, tokens, &mut all)?;
         let c = self.channels();
         let mut t0 = 0;
         while t0 < tokens.len() {
             let tn = (tokens.len() - t0).min(self.max_tokens);
-            let ids: Vec<u64> = rows[t0..t0 + tn]
-                .iter()
-                .flat_map(|r| r.iter().copied())
-                .collect();
-            self.gather_eager(gpu, &ids, stream)?;
+            self.gather_eager(gpu, &all[t0 * heads..(t0 + tn) * heads], stream)?;
             self.launch_rest(
                 gpu,
                 highway.offset(t0 * c * 4),
@@ -802,7 +744,7 @@ impl PleLayer {
             )?;
             t0 += tn;
         }
-        st.history = window[window.len() - ctxl..].to_vec();
+        self.dims.advance_history(&mut st.history, tokens);
         Ok(())
     }
 
@@ -1011,15 +953,19 @@ impl PleLayer {
             }
         }
         let heads = self.dims.ngram_heads();
-        let mut ids = Vec::with_capacity(b * heads);
-        let mut new_hist = Vec::with_capacity(b);
-        for (st, &tok) in states.iter().zip(tokens) {
-            let mut window = st.history.clone();
-            window.push(tok);
-            let all = ple_ngram_ids(&self.dims, &window);
-            ids.extend_from_slice(&all[all.len() - 1]);
-            new_hist.push(window[window.len() - ctxl..].to_vec());
-        }
+        let mut ids = vec![0u64; b * heads];
+        let histories: Vec<&[u32]> = states.iter().map(|s| s.history.as_slice()).collect();
+        self.hasher
+            .decode_batch_into(&histories, tokens, &mut ids)?;
+        let new_hist: Vec<Vec<u32>> = states
+            .iter()
+            .zip(tokens)
+            .map(|(st, &tok)| {
+                let mut h = st.history.clone();
+                self.dims.advance_history(&mut h, &[tok]);
+                h
+            })
+            .collect();
         let table = self.table.as_ref();
         let mut stg = self.staging.lock();
         stg.streams.insert(stream);
@@ -1207,7 +1153,9 @@ impl PleLayer {
     /// Free every device allocation of the layer, after synchronising the
     /// streams it was used on and releasing every lease still held.
     /// Idempotent; later calls on the layer fail. Sequence states are not
-    /// freed (see [`Self::release_seq_state`]).
+    /// freed (see [`Self::release_seq_state`]). Call it before destroying
+    /// those streams: synchronising a destroyed stream is an error (the
+    /// memory is freed all the same, and the first error returned).
     pub fn free(&mut self, gpu: &dyn GpuBackend) -> Result<()> {
         if self.freed {
             return Ok(());
