@@ -478,3 +478,66 @@ fn fp8_rows_give_the_same_highway_as_their_bf16_rounding() {
         g.live_report()
     );
 }
+
+#[test]
+fn leases_outlive_the_call_until_the_gather_has_run() {
+    use metrale_gpu_runtime::gpu::{ArgKind, HostMemory, KernelArg, LaunchConfig};
+    let fx = Fx::new(9);
+    let g = fx.g();
+    let layer = fx.layer(8);
+    let c = layer.channels();
+    let s = g.create_stream().unwrap();
+    // A kernel that holds the stream, so the forward's gather is still queued
+    // when the forward returns.
+    g.register_host_kernel(
+        "test",
+        "stall",
+        &[ArgKind::U32],
+        Arc::new(|_: &dyn HostMemory, _: &LaunchConfig, a: &[KernelArg]| {
+            if let KernelArg::U32(ms) = a[0] {
+                std::thread::sleep(std::time::Duration::from_millis(ms as u64));
+            }
+            Ok(())
+        }),
+    )
+    .unwrap();
+    let stall = g.kernel("test", "stall").unwrap();
+    let mut st = layer.new_seq_state(g).unwrap();
+    let hw = upload(g, &vec![0.5; 3 * c], "hw");
+    for staged in [false, true] {
+        g.launch(stall, LaunchConfig::linear(1, 1))
+            .u32(300)
+            .run(s)
+            .unwrap();
+        if staged {
+            layer.prestage_batch(&mut [&mut st], &[4], 1, g, s).unwrap();
+            layer
+                .forward(&mut st, hw, 1, false, &ForwardContext::new(g), s)
+                .unwrap();
+        } else {
+            layer
+                .forward(
+                    &mut st,
+                    hw,
+                    3,
+                    true,
+                    &ForwardContext::new(g).with_host_ids(&[1, 2, 3]),
+                    s,
+                )
+                .unwrap();
+        }
+        assert!(
+            fx.table.pinned(g) > 0,
+            "pins dropped before the gather ran (staged: {staged})"
+        );
+        g.synchronize(s).unwrap();
+        assert_eq!(
+            fx.table.pinned(g),
+            0,
+            "pins kept after the gather ran (staged: {staged})"
+        );
+    }
+    assert_eq!(fx.table.bare_releases(), 0);
+    g.free(hw).unwrap();
+    fx.finish(layer, vec![st]);
+}

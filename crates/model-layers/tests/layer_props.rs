@@ -79,6 +79,13 @@ impl Env {
     }
     fn finish(self, layers: Vec<PleLayer>, states: Vec<PleSeqState>) {
         let g: &dyn GpuBackend = &self.gpu;
+        // Every lease so far was released with an event recorded after the
+        // gather that read it, never at issue time.
+        assert_eq!(
+            self.table.bare_releases(),
+            0,
+            "a pinned lease was released without an event"
+        );
         for mut st in states {
             layers[0].release_seq_state(&mut st, g).unwrap();
         }

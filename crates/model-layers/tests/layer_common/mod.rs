@@ -57,6 +57,8 @@ pub fn bf16_bits(x: f32) -> u16 {
 #[derive(Default)]
 struct Pins {
     held: usize,
+    /// Pinned leases released without an event (only safe after a sync).
+    bare_releases: usize,
     pending: Vec<(EventHandle, usize)>,
     next_id: u64,
 }
@@ -140,6 +142,11 @@ impl TestTable {
         p.held
     }
 
+    /// Pinned leases released without an event so far.
+    pub fn bare_releases(&self) -> usize {
+        self.pins.lock().bare_releases
+    }
+
     pub fn free(&self, gpu: &dyn GpuBackend) {
         gpu.free(self.base).unwrap();
     }
@@ -194,7 +201,12 @@ impl RowTable for TestTable {
         let mut p = self.pins.lock();
         match after {
             Some(ev) => p.pending.push((ev, lease.pinned)),
-            None => p.held -= lease.pinned,
+            None => {
+                p.held -= lease.pinned;
+                if lease.pinned > 0 {
+                    p.bare_releases += 1;
+                }
+            }
         }
         Ok(())
     }

@@ -716,8 +716,8 @@ impl PleLayer {
     }
 
     /// Hash `tokens` against the history, gather their rows chunk by chunk
-    /// through the eager staging part and run the kernels; then advance the
-    /// history.
+    /// through the eager staging part and run the kernels, advancing the
+    /// history after each chunk.
     fn forward_eager(
         &self,
         gpu: &dyn GpuBackend,
@@ -742,9 +742,12 @@ impl PleLayer {
                 ConvTarget::Single(st.conv),
                 stream,
             )?;
+            // Per chunk, so a failure in a later chunk leaves a carry that is
+            // consistent with the chunks that ran.
+            self.dims
+                .advance_history(&mut st.history, &tokens[t0..t0 + tn]);
             t0 += tn;
         }
-        self.dims.advance_history(&mut st.history, tokens);
         Ok(())
     }
 
