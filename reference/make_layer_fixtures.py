@@ -76,7 +76,8 @@ def main():
     meta = dict(g)
     meta["multipliers"] = [str(m) for m in g["multipliers"]]
     meta.update({"tokens": tokens, "chunks": chunks, "history_out": [int(t) for t in st["history"]],
-                 "files": files, "vocab_size": vocab, "vocab_base": base})
+                 "files": files, "vocab_size": vocab, "vocab_base": base,
+                 "min_abs_gate": layer.min_abs_gate})
     with open(os.path.join(OUT, "small.json"), "w") as f:
         json.dump(meta, f, indent=1)
         f.write("\n")

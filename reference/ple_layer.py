@@ -139,6 +139,7 @@ class PleLayerRef:
         nq = self._norm(hw, self.nq).reshape(T, self.hc, self.H)
         nk = self._norm(key, self.nk).reshape(T, self.hc, self.H)
         gdot = np.sum(nq * nk, axis=2) / np.sqrt(self.H)                     # [T, hc]
+        self.min_abs_gate = min(getattr(self, "min_abs_gate", np.inf), float(np.min(np.abs(gdot))))
         z = np.sign(gdot) * np.sqrt(np.maximum(np.abs(gdot), 1e-6))
         sigma = 1.0 / (1.0 + np.exp(-z))
         gated = (sigma[:, :, None] * value[:, None, :]).reshape(T, self.C)

@@ -118,7 +118,7 @@ fn chunking(r: &mut Rng, n: usize) -> Vec<usize> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     #[test]
     fn any_chunking_of_a_prefill_is_bit_identical(seed in any::<u64>(), n in 1usize..30, max_resolve in 3usize..40) {
