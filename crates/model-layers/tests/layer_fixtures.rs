@@ -144,7 +144,10 @@ fn layer_matches_the_numpy_reference_across_chunks() {
         g.free(hw).unwrap();
         t0 += n;
     }
-    assert!(meta["min_abs_gate"].as_f64().unwrap() > 0.01, "the tolerance assumes |g| >= 0.01");
+    assert!(
+        meta["min_abs_gate"].as_f64().unwrap() > 0.01,
+        "the tolerance assumes |g| >= 0.01"
+    );
     let (max_abs, mean_abs, max_rel) = errors(&got, &want);
     println!(
         "highway vs reference: max abs {max_abs:.3e}, mean abs {mean_abs:.3e}, max rel {max_rel:.3e}"
