@@ -289,8 +289,12 @@ impl Stream {
         // A send error means the worker is already gone.
         let _ = self.tx.send(Msg::Shutdown);
         if let Some(h) = self.worker.lock().take() {
-            // A panicking worker already lost its queue; nothing to add.
-            let _ = h.join();
+            // A worker cannot join itself (a kernel body that held the last
+            // handle to the backend): it exits on its own after `Shutdown`.
+            if h.thread().id() != std::thread::current().id() {
+                // A panicking worker already lost its queue; nothing to add.
+                let _ = h.join();
+            }
         }
     }
 }

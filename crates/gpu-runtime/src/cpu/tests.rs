@@ -367,3 +367,38 @@ fn kernels_can_check_pointers_from_rayon_workers() {
     gpu.free(table).unwrap();
     gpu.free(out).unwrap();
 }
+
+#[test]
+fn a_kernel_may_drop_the_last_handle_to_the_backend() {
+    let gpu = Arc::new(CpuBackend::new());
+    let slot: Arc<Mutex<Option<Arc<CpuBackend>>>> = Arc::new(Mutex::new(None));
+    let slot2 = slot.clone();
+    let (go_tx, go_rx) = crossbeam_channel::bounded::<()>(1);
+    let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
+    gpu.register_host_kernel(
+        "t",
+        "drop_backend",
+        &[],
+        Arc::new(
+            move |_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
+                // Wait until the test has let go of its own handle.
+                go_rx.recv_timeout(Duration::from_secs(10))?;
+                let last = slot2.lock().take();
+                drop(last);
+                // Reached only if dropping the backend here did not panic.
+                done_tx.send(())?;
+                Ok(())
+            },
+        ),
+    )
+    .unwrap();
+    let k = gpu.kernel("t", "drop_backend").unwrap();
+    let s = gpu.create_stream().unwrap();
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[], s)
+        .unwrap();
+    *slot.lock() = Some(gpu);
+    go_tx.send(()).unwrap();
+    done_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("dropping the backend inside its own kernel failed");
+}
