@@ -25,8 +25,9 @@
 //!   that holds the backend) would deadlock and is refused instead;
 //! - under graph capture, submissions are recorded; copies from ordinary host
 //!   memory (not host-mapped or registered, whose copies are recorded as
-//!   reads of their device address at replay), blocking reads, `synchronize` and synchronous copies on the
-//!   capturing stream are refused and invalidate the capture, as CUDA does;
+//!   reads of their device address at replay), blocking reads, `synchronize`
+//!   and synchronous copies on the capturing stream are refused and
+//!   invalidate the capture, as CUDA does;
 //!   a graph holds pointers and kernel bodies by value and its launch
 //!   re-submits every node (checked again) in order.
 

@@ -402,3 +402,27 @@ fn a_kernel_may_drop_the_last_handle_to_the_backend() {
         .recv_timeout(Duration::from_secs(10))
         .expect("dropping the backend inside its own kernel failed");
 }
+
+#[test]
+fn submissions_racing_a_destroy_are_refused_not_lost() {
+    let gpu = CpuBackend::new();
+    let s = gpu.create_stream().unwrap();
+    let stream = gpu.inner.stream("test", s).unwrap();
+    let ev = gpu.create_event().unwrap();
+    gpu.destroy_stream(s).unwrap();
+    // A thread that looked the stream up before it was destroyed submits
+    // afterwards: refused, and the event does not stay pending.
+    let e = gpu.inner.submit(
+        "record_event",
+        &stream,
+        &[Node::Record(gpu.inner.event("t", ev).unwrap())],
+    );
+    assert!(
+        e.unwrap_err()
+            .to_string()
+            .contains(&format!("stream {s} has been destroyed"))
+    );
+    assert!(gpu.event_query(ev).unwrap());
+    gpu.event_synchronize(ev).unwrap();
+    drop(stream.drain());
+}
