@@ -359,9 +359,12 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend whose new allocations are zeroed.
+    /// A backend whose new allocations are zeroed, unless the environment
+    /// variable `METRALE_GPU_DEBUG` is `1`, which turns on debug mode (see
+    /// [`Self::new_debug`]) for every backend made here, e.g. for a whole
+    /// test run.
     pub fn new() -> CpuBackend {
-        Self::build(false)
+        Self::build(std::env::var_os("METRALE_GPU_DEBUG").is_some_and(|v| v == "1"))
     }
 
     /// A backend in debug mode: new allocations are filled with 0xFF (NaN in

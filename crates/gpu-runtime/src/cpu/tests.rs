@@ -30,8 +30,11 @@ fn debug_mode_fills_new_allocations_with_nan() {
     gpu.free(p).unwrap();
     gpu.free(m.device).unwrap();
 
-    let gpu = CpuBackend::new();
+    // What `new()` builds unless METRALE_GPU_DEBUG=1.
+    let gpu = CpuBackend::build(false);
     assert!(!gpu.is_debug());
+    let want = std::env::var_os("METRALE_GPU_DEBUG").is_some_and(|v| v == "1");
+    assert_eq!(CpuBackend::new().is_debug(), want);
     let p = gpu.alloc(16, "fresh").unwrap();
     gpu.copy_d2h(p, &mut out).unwrap();
     assert_eq!(out, [0; 16]);
