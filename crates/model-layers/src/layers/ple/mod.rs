@@ -1,6 +1,7 @@
 //! The PLE layer (SPEC.md sections 4 and 5).
 //!
 //! - [`ids`]: the n-gram id hash;
+//! - [`config`]: the PLE settings read from a checkpoint's config.json;
 //! - [`kernels`]: the kernels the layer launches (gather, project, gate,
 //!   conv, conv_batch) and their CPU implementations;
 //! - `layer`: [`PleLayer`], [`PleSeqState`], [`PleWeights`],
@@ -12,6 +13,7 @@
 //!   release).
 
 mod aux_state;
+pub mod config;
 pub mod ids;
 pub mod kernels;
 mod layer;
