@@ -318,11 +318,11 @@ impl Checkpoint {
             norm_conv: files.read_f32(&n.norm_conv(), &[c])?,
             conv1d: files.read_f32(&n.conv1d(), &[c, 1, k as u64])?,
         };
-        let table = Self::open_table(g, files, &n, layer, derived.padded_rows)?;
+        let table = Self::check_table(g, files, &n, layer, derived.padded_rows)?;
         Ok(Site { index: s, layer, dims, padded_rows: derived.padded_rows, weights, table })
     }
 
-    fn open_table(
+    fn check_table(
         g: &Geometry,
         files: &Files,
         n: &SiteNames,
