@@ -128,7 +128,11 @@ pub struct LaunchConfig {
 impl LaunchConfig {
     /// A one-dimensional launch.
     pub fn linear(grid: u32, block: u32) -> Self {
-        LaunchConfig { grid: (grid, 1, 1), block: (block, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 }
 
@@ -193,6 +197,14 @@ pub trait HostMemory {
     /// A raw host pointer to `bytes` bytes at `ptr`, checked against the
     /// ledger. The caller is responsible for aliasing, as a CUDA kernel is.
     fn host_ptr(&self, ptr: DevicePtr, bytes: usize) -> Result<*mut u8>;
+
+    /// This view as one that may be shared across threads (for a kernel
+    /// that checks pointers from rayon workers), when the backend allows it.
+    /// The CPU backend does; `&(dyn HostMemory + Sync)` coerces back to
+    /// `&dyn HostMemory` for [`slice`](Self::slice)-style access.
+    fn as_sync(&self) -> Option<&(dyn HostMemory + Sync)> {
+        None
+    }
 }
 
 impl dyn HostMemory + '_ {
@@ -204,7 +216,7 @@ impl dyn HostMemory + '_ {
     pub unsafe fn slice<T: Copy>(&self, ptr: DevicePtr, len: usize) -> Result<&[T]> {
         let p = self.host_ptr(ptr, len * std::mem::size_of::<T>())?;
         anyhow::ensure!(
-            (p as usize).is_multiple_of(std::mem::align_of::<T>()),
+            (p as usize) % std::mem::align_of::<T>() == 0,
             "pointer {ptr} is not aligned for {}",
             std::any::type_name::<T>()
         );
@@ -221,7 +233,7 @@ impl dyn HostMemory + '_ {
     pub unsafe fn slice_mut<T: Copy>(&self, ptr: DevicePtr, len: usize) -> Result<&mut [T]> {
         let p = self.host_ptr(ptr, len * std::mem::size_of::<T>())?;
         anyhow::ensure!(
-            (p as usize).is_multiple_of(std::mem::align_of::<T>()),
+            (p as usize) % std::mem::align_of::<T>() == 0,
             "pointer {ptr} is not aligned for {}",
             std::any::type_name::<T>()
         );
@@ -251,8 +263,7 @@ pub trait GpuBackend: Send + Sync {
     ///
     /// # Safety
     /// `host .. host + bytes` must stay valid until it is unregistered.
-    unsafe fn register_host(&self, host: *mut u8, bytes: usize, label: &str)
-    -> Result<DevicePtr>;
+    unsafe fn register_host(&self, host: *mut u8, bytes: usize, label: &str) -> Result<DevicePtr>;
 
     /// Fill `bytes` at `dst` with `value`, synchronously.
     fn memset(&self, dst: DevicePtr, value: u8, bytes: usize) -> Result<()>;
@@ -267,7 +278,9 @@ pub trait GpuBackend: Send + Sync {
     /// Copy device to device, synchronously.
     fn copy_d2d(&self, src: DevicePtr, dst: DevicePtr, bytes: usize) -> Result<()>;
     /// Queue a host-to-device copy on `stream`. `src` may be dropped as soon
-    /// as this returns. Refused while `stream` is capturing.
+    /// as this returns. Refused while `stream` is capturing, unless `src`
+    /// lies inside host-mapped or registered memory (as CUDA allows copies
+    /// from page-locked memory): the graph then reads `src` at each replay.
     fn copy_h2d_async(&self, src: &[u8], dst: DevicePtr, stream: StreamId) -> Result<()>;
     /// Copy device to host after all earlier work on `stream`; returns when
     /// the bytes are in `dst`. Reports any earlier error of the stream.
@@ -364,14 +377,22 @@ pub trait GpuBackend: Send + Sync {
 impl dyn GpuBackend + '_ {
     /// Start a launch of `kernel` with the builder.
     pub fn launch(&self, kernel: KernelHandle, cfg: LaunchConfig) -> Launch<'_> {
-        Launch { gpu: self, kernel, cfg, args: Vec::new() }
+        Launch {
+            gpu: self,
+            kernel,
+            cfg,
+            args: Vec::new(),
+        }
     }
 
     /// A human-readable report of live allocations, one per line.
     pub fn live_report(&self) -> String {
         let mut out = String::new();
         for a in self.live_allocations() {
-            out.push_str(&format!("{} {:?} {} bytes '{}'\n", a.ptr, a.kind, a.bytes, a.label));
+            out.push_str(&format!(
+                "{} {:?} {} bytes '{}'\n",
+                a.ptr, a.kind, a.bytes, a.label
+            ));
         }
         out
     }
@@ -413,6 +434,7 @@ impl Launch<'_> {
     }
     /// Queue the launch on `stream`.
     pub fn run(self, stream: StreamId) -> Result<()> {
-        self.gpu.launch_kernel(self.kernel, self.cfg, &self.args, stream)
+        self.gpu
+            .launch_kernel(self.kernel, self.cfg, &self.args, stream)
     }
 }

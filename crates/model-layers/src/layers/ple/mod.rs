@@ -1,3 +1,5 @@
 //! The PLE layer (SPEC.md sections 4 and 5).
 
+pub mod config;
 pub mod ids;
+pub mod kernels;
