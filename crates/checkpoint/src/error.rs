@@ -103,7 +103,10 @@ pub enum CheckpointError {
 impl CheckpointError {
     /// An [`CheckpointError::Io`] for `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        CheckpointError::Io { path: path.into(), source }
+        CheckpointError::Io {
+            path: path.into(),
+            source,
+        }
     }
 }
 

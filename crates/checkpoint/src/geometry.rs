@@ -9,6 +9,7 @@
 
 use std::path::Path;
 
+use metrale_model_layers::layers::ple::config::PleModelConfig;
 use metrale_model_layers::layers::ple::ids::PleHashParams;
 use serde::Deserialize;
 
@@ -56,41 +57,12 @@ pub struct Geometry {
     pub table_rows: Option<u64>,
 }
 
+/// The fields this project reads beyond the Qwen4Exp ones that
+/// [`PleModelConfig`] parses.
 #[derive(Deserialize)]
-#[serde(untagged)]
-enum Eos {
-    One(u64),
-    Many(Vec<u64>),
-}
-
-#[derive(Deserialize)]
-struct RawConfig {
-    vocab_size: u64,
-    hidden_size: usize,
-    hc_mult: usize,
-    rms_norm_eps: f64,
-    eos_token_id: Eos,
-    ngram_size: usize,
-    heads_per_ngram: usize,
-    ngram_vocab_size_base: u64,
-    #[serde(default = "default_divisible_by")]
-    make_ngram_vocab_size_divisible_by: u64,
-    split_ngram_parts: usize,
-    ple_conv_kernel_size: usize,
-    ple_layer_ids: Vec<usize>,
-    #[serde(default = "default_seed")]
-    ple_hash_seed: u64,
-    ple_head_dim: Option<usize>,
+struct Extra {
     num_hidden_layers: Option<usize>,
     ple_table_rows: Option<u64>,
-}
-
-fn default_divisible_by() -> u64 {
-    128
-}
-
-fn default_seed() -> u64 {
-    1234
 }
 
 impl Geometry {
@@ -146,49 +118,39 @@ impl Geometry {
     }
 
     /// Parse `config.json` text; `file` only names the source in errors.
+    /// The Qwen4Exp fields are parsed by the layer crate's
+    /// [`PleModelConfig`], so the checkpoint and the `ids` command read a
+    /// config the same way.
     pub fn parse(file: &Path, text: &str) -> Result<Geometry> {
-        let bad = |msg: String| CheckpointError::Config { file: file.to_path_buf(), msg };
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
-        let eos = match raw.eos_token_id {
-            Eos::One(e) => e,
-            Eos::Many(v) => *v
-                .first()
-                .ok_or_else(|| bad("field `eos_token_id` is an empty list".into()))?,
+        let bad = |msg: String| CheckpointError::Config {
+            file: file.to_path_buf(),
+            msg,
         };
-        let eos = u32::try_from(eos)
-            .map_err(|_| bad(format!("field `eos_token_id` = {eos} does not fit in u32")))?;
-        let ngram_heads = raw.ngram_size.saturating_sub(1) * raw.heads_per_ngram;
-        let head_dim = match raw.ple_head_dim {
-            Some(d) => d,
-            None if ngram_heads > 0 && raw.hidden_size.is_multiple_of(ngram_heads) => {
-                raw.hidden_size / ngram_heads
-            }
-            None => {
-                return Err(bad(format!(
-                    "field `ple_head_dim` is absent and hidden_size {} is not a multiple of \
-                     (ngram_size - 1) * heads_per_ngram = {ngram_heads}",
-                    raw.hidden_size
-                )));
-            }
-        };
-        let max_layer = raw.ple_layer_ids.iter().copied().max().unwrap_or(0);
+        let c = PleModelConfig::from_json_str(text, &file.display().to_string()).map_err(|e| {
+            // The layer crate's messages start with the source; keep one.
+            let m = format!("{e:#}");
+            let prefix = format!("{}: ", file.display());
+            bad(m.strip_prefix(&prefix).map(str::to_string).unwrap_or(m))
+        })?;
+        let extra: Extra = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+        let max_layer = c.ple_layer_ids.iter().copied().max().unwrap_or(0);
         let g = Geometry {
-            vocab_size: raw.vocab_size,
-            hidden_size: raw.hidden_size,
-            hc_mult: raw.hc_mult,
-            rms_norm_eps: raw.rms_norm_eps,
-            eos_token_id: eos,
-            ngram_size: raw.ngram_size,
-            heads_per_ngram: raw.heads_per_ngram,
-            head_dim,
-            ngram_vocab_size_base: raw.ngram_vocab_size_base,
-            divisible_by: raw.make_ngram_vocab_size_divisible_by,
-            split_ngram_parts: raw.split_ngram_parts,
-            conv_kernel_size: raw.ple_conv_kernel_size,
-            ple_layer_ids: raw.ple_layer_ids,
-            hash_seed: raw.ple_hash_seed,
-            num_hidden_layers: raw.num_hidden_layers.unwrap_or(max_layer),
-            table_rows: raw.ple_table_rows,
+            vocab_size: c.vocab_size,
+            hidden_size: c.hidden_size,
+            hc_mult: c.hc_mult,
+            rms_norm_eps: c.rms_norm_eps,
+            eos_token_id: c.eos_token_id,
+            ngram_size: c.ngram_size,
+            heads_per_ngram: c.heads_per_ngram,
+            head_dim: c.ple_head_dim,
+            ngram_vocab_size_base: c.ngram_vocab_size_base,
+            divisible_by: c.make_ngram_vocab_size_divisible_by,
+            split_ngram_parts: c.split_ngram_parts,
+            conv_kernel_size: c.ple_conv_kernel_size,
+            ple_layer_ids: c.ple_layer_ids,
+            hash_seed: c.ple_hash_seed,
+            num_hidden_layers: extra.num_hidden_layers.unwrap_or(max_layer),
+            table_rows: extra.ple_table_rows,
         };
         g.check().map_err(bad)?;
         Ok(g)
@@ -213,7 +175,10 @@ impl Geometry {
             }
         }
         if self.ngram_size < 2 {
-            return Err(format!("field `ngram_size` must be at least 2, got {}", self.ngram_size));
+            return Err(format!(
+                "field `ngram_size` must be at least 2, got {}",
+                self.ngram_size
+            ));
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
             return Err(format!(
@@ -232,7 +197,9 @@ impl Geometry {
         }
         for (i, &l) in self.ple_layer_ids.iter().enumerate() {
             if l == 0 {
-                return Err(format!("field `ple_layer_ids`[{i}] is 0; layer ids are 1-based"));
+                return Err(format!(
+                    "field `ple_layer_ids`[{i}] is 0; layer ids are 1-based"
+                ));
             }
             if i > 0 && l <= self.ple_layer_ids[i - 1] {
                 return Err(format!(
@@ -428,21 +395,41 @@ mod tests {
         let base: serde_json::Value =
             serde_json::from_str(&Preset::Tiny.geometry().to_config_json()).unwrap();
         let cases: [(&str, serde_json::Value, &str); 4] = [
-            ("hc_mult", serde_json::json!(0), "`hc_mult` must be positive"),
-            ("ple_layer_ids", serde_json::json!([2, 2]), "strictly increasing"),
-            ("eos_token_id", serde_json::json!(5000), "`eos_token_id` = 5000"),
-            ("ple_table_rows", serde_json::json!(0), "`ple_table_rows` must be positive"),
+            ("hc_mult", serde_json::json!(0), "`hc_mult`"),
+            (
+                "ple_layer_ids",
+                serde_json::json!([4, 2]),
+                "strictly increasing",
+            ),
+            (
+                "eos_token_id",
+                serde_json::json!(5000),
+                "`eos_token_id` = 5000",
+            ),
+            (
+                "ple_table_rows",
+                serde_json::json!(0),
+                "`ple_table_rows` must be positive",
+            ),
         ];
         for (field, val, want) in cases {
             let mut v = base.clone();
             v[field] = val;
             let e = Geometry::parse(Path::new("dir/config.json"), &v.to_string()).unwrap_err();
             let msg = e.to_string();
-            assert!(msg.contains(want) && msg.contains("dir/config.json"), "{msg}");
+            assert!(
+                msg.contains(want) && msg.contains("dir/config.json"),
+                "{msg}"
+            );
         }
         let mut v = base.clone();
         v.as_object_mut().unwrap().remove("hidden_size");
-        let msg = Geometry::parse(Path::new("c.json"), &v.to_string()).unwrap_err().to_string();
-        assert!(msg.contains("missing field `hidden_size`"), "{msg}");
+        let msg = Geometry::parse(Path::new("c.json"), &v.to_string())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("c.json") && msg.contains("`hidden_size`"),
+            "{msg}"
+        );
     }
 }

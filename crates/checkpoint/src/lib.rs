@@ -17,7 +17,6 @@ pub mod fold;
 pub mod geometry;
 pub mod load;
 pub mod names;
-pub mod runtime;
 pub mod synth;
 
 pub use error::CheckpointError;

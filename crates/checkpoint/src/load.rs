@@ -110,7 +110,10 @@ struct RawIndex {
 }
 
 fn header_err(file: &Path, e: anyhow::Error) -> CheckpointError {
-    CheckpointError::Header { file: file.to_path_buf(), msg: format!("{e:#}") }
+    CheckpointError::Header {
+        file: file.to_path_buf(),
+        msg: format!("{e:#}"),
+    }
 }
 
 /// Read a config's geometry alone (no weights); `inspect` uses it to show
@@ -131,15 +134,20 @@ struct Files {
 impl Files {
     /// The file holding `tensor` and its checked info.
     fn find(&self, tensor: &str) -> Result<(&Header, &TensorInfo)> {
-        let file = self.weight_map.get(tensor).ok_or_else(|| CheckpointError::MissingTensor {
-            file: self.index_path.clone(),
-            tensor: tensor.to_string(),
-        })?;
+        let file = self
+            .weight_map
+            .get(tensor)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                file: self.index_path.clone(),
+                tensor: tensor.to_string(),
+            })?;
         let h = &self.headers[file];
-        let t = h.tensor(tensor).ok_or_else(|| CheckpointError::MissingTensor {
-            file: self.dir.join(file),
-            tensor: tensor.to_string(),
-        })?;
+        let t = h
+            .tensor(tensor)
+            .ok_or_else(|| CheckpointError::MissingTensor {
+                file: self.dir.join(file),
+                tensor: tensor.to_string(),
+            })?;
         Ok((h, t))
     }
 
@@ -176,8 +184,10 @@ impl Files {
 
     fn read_f32(&self, tensor: &str, shape: &[u64]) -> Result<Vec<f32>> {
         let (file, b) = self.read(tensor, Dtype::F32, shape)?;
-        let v: Vec<f32> =
-            b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let v: Vec<f32> = b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         if let Some(i) = v.iter().position(|x| !x.is_finite()) {
             return Err(CheckpointError::Value {
                 file,
@@ -190,8 +200,10 @@ impl Files {
 
     fn read_bf16(&self, tensor: &str, shape: &[u64]) -> Result<Vec<u16>> {
         let (file, b) = self.read(tensor, Dtype::BF16, shape)?;
-        let v: Vec<u16> =
-            b.chunks_exact(2).map(|c| u16::from_le_bytes(c.try_into().unwrap())).collect();
+        let v: Vec<u16> = b
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes(c.try_into().unwrap()))
+            .collect();
         // BF16 shares f32's exponent: all-ones exponent bits mean Inf/NaN.
         if let Some(i) = v.iter().position(|x| x & 0x7F80 == 0x7F80) {
             return Err(CheckpointError::Value {
@@ -205,7 +217,12 @@ impl Files {
 
     fn read_i64(&self, tensor: &str, len: usize) -> Result<(PathBuf, Vec<i64>)> {
         let (file, b) = self.read(tensor, Dtype::I64, &[len as u64])?;
-        Ok((file, b.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap())).collect()))
+        Ok((
+            file,
+            b.chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+        ))
     }
 }
 
@@ -242,13 +259,18 @@ impl Checkpoint {
             })
             .collect();
         summaries.sort_by(|a, b| a.name.cmp(&b.name));
-        Ok(Checkpoint { dir: dir.to_path_buf(), geometry, sites, files: summaries })
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            geometry,
+            sites,
+            files: summaries,
+        })
     }
 
     fn open_files(dir: &Path) -> Result<Files> {
         let index_path = dir.join(INDEX_FILE);
-        let text =
-            std::fs::read_to_string(&index_path).map_err(|e| CheckpointError::io(&index_path, e))?;
+        let text = std::fs::read_to_string(&index_path)
+            .map_err(|e| CheckpointError::io(&index_path, e))?;
         let raw: RawIndex = serde_json::from_str(&text).map_err(|e| CheckpointError::Index {
             file: index_path.clone(),
             msg: e.to_string(),
@@ -282,16 +304,24 @@ impl Checkpoint {
             let h = Header::read(&path).map_err(|e| header_err(&path, e))?;
             headers.insert(file.clone(), h);
         }
-        Ok(Files { dir: dir.to_path_buf(), index_path, weight_map: raw.weight_map, headers })
+        Ok(Files {
+            dir: dir.to_path_buf(),
+            index_path,
+            weight_map: raw.weight_map,
+            headers,
+        })
     }
 
     fn open_site(g: &Geometry, files: &Files, s: usize) -> Result<Site> {
         let layer = g.site_layer(s);
         let n = SiteNames::new(layer);
-        let derived = g.hash_params(s).derive().map_err(|e| CheckpointError::Config {
-            file: files.dir.join(CONFIG_FILE),
-            msg: format!("site {s} (layer id {}): {e:#}", g.ple_layer_ids[s]),
-        })?;
+        let derived = g
+            .hash_params(s)
+            .derive()
+            .map_err(|e| CheckpointError::Config {
+                file: files.dir.join(CONFIG_FILE),
+                msg: format!("site {s} (layer id {}): {e:#}", g.ple_layer_ids[s]),
+            })?;
         let dims = derived.dims;
 
         let (file, m) = files.read_i64(&n.layer_multipliers(), g.ngram_size)?;
@@ -299,7 +329,10 @@ impl Checkpoint {
             return Err(CheckpointError::Value {
                 file,
                 tensor: n.layer_multipliers(),
-                msg: format!("multiplier {i} is {}, which is even; every multiplier is odd", m[i]),
+                msg: format!(
+                    "multiplier {i} is {}, which is even; every multiplier is odd",
+                    m[i]
+                ),
             });
         }
         check_buffer(&file, &n.layer_multipliers(), &m, &dims.multipliers)?;
@@ -308,8 +341,12 @@ impl Checkpoint {
         let (file, o) = files.read_i64(&n.offsets(), g.ngram_heads())?;
         check_buffer(&file, &n.offsets(), &o, &dims.head_offsets)?;
 
-        let (c, e, h, k) =
-            (g.channels() as u64, g.emb_dim() as u64, g.hidden_size as u64, g.conv_kernel_size);
+        let (c, e, h, k) = (
+            g.channels() as u64,
+            g.emb_dim() as u64,
+            g.hidden_size as u64,
+            g.conv_kernel_size,
+        );
         let weights = SiteWeights {
             key_proj: files.read_bf16(&n.key_proj(), &[c, e])?,
             value_proj: files.read_bf16(&n.value_proj(), &[h, e])?,
@@ -319,7 +356,14 @@ impl Checkpoint {
             conv1d: files.read_f32(&n.conv1d(), &[c, 1, k as u64])?,
         };
         let table = Self::check_table(g, files, &n, layer, derived.padded_rows)?;
-        Ok(Site { index: s, layer, dims, padded_rows: derived.padded_rows, weights, table })
+        Ok(Site {
+            index: s,
+            layer,
+            dims,
+            padded_rows: derived.padded_rows,
+            weights,
+            table,
+        })
     }
 
     fn check_table(
@@ -334,8 +378,11 @@ impl Checkpoint {
             layer,
             msg,
         };
-        let mut present: Vec<usize> =
-            files.weight_map.keys().filter_map(|t| n.parse_shard_weight(t)).collect();
+        let mut present: Vec<usize> = files
+            .weight_map
+            .keys()
+            .filter_map(|t| n.parse_shard_weight(t))
+            .collect();
         present.sort_unstable();
         let parts = g.split_ngram_parts;
         for i in 0..parts {
@@ -360,7 +407,9 @@ impl Checkpoint {
             Dtype::U8 => (RowDType::Fp8E4M3, Dtype::U8),
             other => {
                 return Err(CheckpointError::DType {
-                    file: files.headers[&files.weight_map[&n.shard_weight(0)]].path.clone(),
+                    file: files.headers[&files.weight_map[&n.shard_weight(0)]]
+                        .path
+                        .clone(),
                     tensor: n.shard_weight(0),
                     expected: "BF16 or F8_E4M3".into(),
                     found: other.name().into(),
@@ -370,8 +419,11 @@ impl Checkpoint {
         let mut shards = Vec::with_capacity(parts);
         let mut bytes = 0u64;
         for i in 0..parts {
-            let (h, t) =
-                files.checked(&n.shard_weight(i), st_dtype, &[rows_per_shard, g.head_dim as u64])?;
+            let (h, t) = files.checked(
+                &n.shard_weight(i),
+                st_dtype,
+                &[rows_per_shard, g.head_dim as u64],
+            )?;
             bytes += t.len;
             if dtype == RowDType::Fp8E4M3 {
                 let (sh, st) = files.checked(&n.shard_scale(i), Dtype::F32, &[rows_per_shard])?;

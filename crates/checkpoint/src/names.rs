@@ -23,7 +23,9 @@ pub struct SiteNames {
 impl SiteNames {
     /// Names for model layer `layer` (0-based).
     pub fn new(layer: usize) -> Self {
-        SiteNames { prefix: format!("model.layers.{layer}.ple.") }
+        SiteNames {
+            prefix: format!("model.layers.{layer}.ple."),
+        }
     }
 
     fn name(&self, suffix: &str) -> String {
@@ -93,10 +95,19 @@ mod tests {
     fn names_follow_the_format() {
         let n = SiteNames::new(1);
         assert_eq!(n.key_proj(), "model.layers.1.ple.key_proj.weight");
-        assert_eq!(n.shard_weight(3), "model.layers.1.ple.ngram_embedding.shard_3.weight");
-        assert_eq!(n.shard_scale(0), "model.layers.1.ple.ngram_embedding.shard_0.scale");
+        assert_eq!(
+            n.shard_weight(3),
+            "model.layers.1.ple.ngram_embedding.shard_3.weight"
+        );
+        assert_eq!(
+            n.shard_scale(0),
+            "model.layers.1.ple.ngram_embedding.shard_0.scale"
+        );
         assert_eq!(n.parse_shard_weight(&n.shard_weight(12)), Some(12));
-        assert_eq!(n.parse_shard_weight(&SiteNames::new(2).shard_weight(0)), None);
+        assert_eq!(
+            n.parse_shard_weight(&SiteNames::new(2).shard_weight(0)),
+            None
+        );
         assert_eq!(n.parse_shard_weight(&n.shard_scale(0)), None);
         assert_eq!(shard_file(1, 3), "model-00001-of-00003.safetensors");
     }

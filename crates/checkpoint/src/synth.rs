@@ -115,7 +115,11 @@ pub fn init_geometry(opts: &InitOptions) -> Result<(Geometry, u64)> {
     let want = opts.table_rows.or(opts.preset.default_table_rows());
     let parts = g.split_ngram_parts as u64;
     let stored = match want {
-        Some(0) => return Err(CheckpointError::Invalid("--table-rows must be positive".into())),
+        Some(0) => {
+            return Err(CheckpointError::Invalid(
+                "--table-rows must be positive".into(),
+            ));
+        }
         Some(r) if r > padded => {
             return Err(CheckpointError::Invalid(format!(
                 "--table-rows {r} is more than the {padded} rows the {} geometry addresses",
@@ -135,10 +139,12 @@ fn derive_site(
     g: &Geometry,
     s: usize,
 ) -> Result<metrale_model_layers::layers::ple::ids::DerivedPleIds> {
-    g.hash_params(s).derive().map_err(|e| CheckpointError::Config {
-        file: PathBuf::from(CONFIG_FILE),
-        msg: format!("site {s} (layer id {}): {e:#}", g.ple_layer_ids[s]),
-    })
+    g.hash_params(s)
+        .derive()
+        .map_err(|e| CheckpointError::Config {
+            file: PathBuf::from(CONFIG_FILE),
+            msg: format!("site {s} (layer id {}): {e:#}", g.ple_layer_ids[s]),
+        })
 }
 
 /// Bytes `init` will write for `opts` (tensor data, not headers).
@@ -148,7 +154,11 @@ pub fn planned_bytes(opts: &InitOptions) -> Result<u64> {
 }
 
 fn dense_bytes(g: &Geometry) -> u64 {
-    let (c, e, h) = (g.channels() as u64, g.emb_dim() as u64, g.hidden_size as u64);
+    let (c, e, h) = (
+        g.channels() as u64,
+        g.emb_dim() as u64,
+        g.hidden_size as u64,
+    );
     2 * (c * e + h * e)
         + 4 * (3 * c + c * g.conv_kernel_size as u64)
         + 8 * (g.ngram_size as u64 + 2 * g.ngram_heads() as u64)
@@ -180,7 +190,10 @@ pub fn write_synthetic(
     }
     let (g, stored) = init_geometry(opts)?;
     let total = planned_bytes(opts)?;
-    let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let partial = dir.with_file_name(format!(".{name}.partial-{}", std::process::id()));
     if partial.exists() {
         std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
@@ -203,7 +216,10 @@ pub fn write_synthetic(
 }
 
 fn st_err(path: &Path, e: anyhow::Error) -> CheckpointError {
-    CheckpointError::Io { path: path.to_path_buf(), source: std::io::Error::other(format!("{e:#}")) }
+    CheckpointError::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(format!("{e:#}")),
+    }
 }
 
 fn write_into(
@@ -289,14 +305,18 @@ fn write_into(
         for i in 0..parts {
             let file = shard_file(2 + s * parts + i, nfiles);
             let path = dir.join(&file);
-            let mut specs =
-                vec![TensorSpec::new(n.shard_weight(i), dtype_of(opts.dtype), &[
-                    rows_per_shard,
-                    hd as u64,
-                ])];
+            let mut specs = vec![TensorSpec::new(
+                n.shard_weight(i),
+                dtype_of(opts.dtype),
+                &[rows_per_shard, hd as u64],
+            )];
             weight_map.insert(n.shard_weight(i), file.clone());
             if opts.dtype == TableDType::Fp8 {
-                specs.push(TensorSpec::new(n.shard_scale(i), Dtype::F32, &[rows_per_shard]));
+                specs.push(TensorSpec::new(
+                    n.shard_scale(i),
+                    Dtype::F32,
+                    &[rows_per_shard],
+                ));
                 weight_map.insert(n.shard_scale(i), file.clone());
             }
             let mut w =

@@ -11,7 +11,12 @@ use metrale_storage::safetensors::{Header, TensorSpec, write_file};
 use metrale_storage::table::RowDType;
 
 fn opts(rows: Option<u64>, dtype: TableDType, seed: u64) -> InitOptions {
-    InitOptions { preset: Preset::Tiny, table_rows: rows, dtype, seed }
+    InitOptions {
+        preset: Preset::Tiny,
+        table_rows: rows,
+        dtype,
+        seed,
+    }
 }
 
 fn write(dir: &Path, o: &InitOptions) -> PathBuf {
@@ -37,10 +42,16 @@ fn replace_tensor(file: &Path, name: &str, spec: TensorSpec, data: Vec<u8>) {
         if t.name == name {
             tensors.push((spec.clone(), data.clone()));
         } else {
-            tensors.push((TensorSpec::new(&t.name, t.dtype, &t.shape), h.read_tensor(&t.name).unwrap()));
+            tensors.push((
+                TensorSpec::new(&t.name, t.dtype, &t.shape),
+                h.read_tensor(&t.name).unwrap(),
+            ));
         }
     }
-    let refs: Vec<(TensorSpec, &[u8])> = tensors.iter().map(|(s, d)| (s.clone(), d.as_slice())).collect();
+    let refs: Vec<(TensorSpec, &[u8])> = tensors
+        .iter()
+        .map(|(s, d)| (s.clone(), d.as_slice()))
+        .collect();
     write_file(file, &refs, 8).unwrap();
 }
 
@@ -49,7 +60,8 @@ fn patch_i64(file: &Path, name: &str, index: usize, value: i64) {
     let h = Header::read(file).unwrap();
     let t = h.get(name).unwrap();
     let f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
-    f.write_all_at(&value.to_le_bytes(), t.offset + 8 * index as u64).unwrap();
+    f.write_all_at(&value.to_le_bytes(), t.offset + 8 * index as u64)
+        .unwrap();
 }
 
 fn refusal(ck: &Path) -> String {
@@ -129,10 +141,18 @@ fn the_writer_is_deterministic_in_its_seed() {
 fn init_refuses_a_non_empty_directory_and_too_many_rows() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = small(tmp.path());
-    let e = write_synthetic(&ck, &opts(Some(4096), TableDType::Bf16, 7), &mut |_, _| {}).unwrap_err();
-    assert!(e.to_string().contains("already exists and is not empty"), "{e}");
-    let e = write_synthetic(&tmp.path().join("x"), &opts(Some(1 << 40), TableDType::Bf16, 7), &mut |_, _| {})
-        .unwrap_err();
+    let e =
+        write_synthetic(&ck, &opts(Some(4096), TableDType::Bf16, 7), &mut |_, _| {}).unwrap_err();
+    assert!(
+        e.to_string().contains("already exists and is not empty"),
+        "{e}"
+    );
+    let e = write_synthetic(
+        &tmp.path().join("x"),
+        &opts(Some(1 << 40), TableDType::Bf16, 7),
+        &mut |_, _| {},
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("more than the"), "{e}");
     assert!(!tmp.path().join("x").exists());
 }
@@ -144,11 +164,23 @@ fn a_wrong_shape_is_refused() {
     let g = Checkpoint::open(&ck).unwrap().geometry;
     let name = SiteNames::new(1).value_proj();
     let (h, e) = (g.hidden_size as u64, g.emb_dim() as u64);
-    let spec = TensorSpec::new(&name, metrale_storage::safetensors::Dtype::BF16, &[h + 1, e]);
-    replace_tensor(&dense(&ck), &name, spec, vec![0u8; ((h + 1) * e * 2) as usize]);
+    let spec = TensorSpec::new(
+        &name,
+        metrale_storage::safetensors::Dtype::BF16,
+        &[h + 1, e],
+    );
+    replace_tensor(
+        &dense(&ck),
+        &name,
+        spec,
+        vec![0u8; ((h + 1) * e * 2) as usize],
+    );
     let msg = refusal(&ck);
     assert!(msg.contains(&name), "{msg}");
-    assert!(msg.contains(&format!("has shape [{}, {e}], expected [{h}, {e}]", h + 1)), "{msg}");
+    assert!(
+        msg.contains(&format!("has shape [{}, {e}], expected [{h}, {e}]", h + 1)),
+        "{msg}"
+    );
     assert!(msg.contains("model-00001-of-00005.safetensors"), "{msg}");
 }
 
@@ -162,7 +194,10 @@ fn a_wrong_dtype_is_refused() {
     let spec = TensorSpec::new(&name, metrale_storage::safetensors::Dtype::BF16, &[c]);
     replace_tensor(&dense(&ck), &name, spec, vec![0u8; (c * 2) as usize]);
     let msg = refusal(&ck);
-    assert!(msg.contains(&format!("tensor {name} has dtype BF16, expected F32")), "{msg}");
+    assert!(
+        msg.contains(&format!("tensor {name} has dtype BF16, expected F32")),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -183,13 +218,22 @@ fn hash_buffers_must_match_their_derivation() {
     let name = SiteNames::new(3).offsets();
     patch_i64(&dense(&ck), &name, 1, 5);
     let msg = refusal(&ck);
-    assert!(msg.contains(&name) && msg.contains("entry 1 is 5, but the derivation"), "{msg}");
+    assert!(
+        msg.contains(&name) && msg.contains("entry 1 is 5, but the derivation"),
+        "{msg}"
+    );
 
-    let ck2 = write(&tmp.path().join("b"), &opts(Some(4096), TableDType::Bf16, 7));
+    let ck2 = write(
+        &tmp.path().join("b"),
+        &opts(Some(4096), TableDType::Bf16, 7),
+    );
     let name = SiteNames::new(1).layer_multipliers();
     patch_i64(&dense(&ck2), &name, 0, 3);
     let msg = refusal(&ck2);
-    assert!(msg.contains(&name) && msg.contains("entry 0 is 3, but the derivation"), "{msg}");
+    assert!(
+        msg.contains(&name) && msg.contains("entry 0 is 3, but the derivation"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -200,17 +244,30 @@ fn a_missing_shard_is_refused() {
     std::fs::remove_file(ck.join(shard_file(3, 5))).unwrap();
     let msg = refusal(&ck);
     assert!(msg.contains("model-00003-of-00005.safetensors"), "{msg}");
-    assert!(msg.contains("model.layers.1.ple.ngram_embedding.shard_1.weight"), "{msg}");
+    assert!(
+        msg.contains("model.layers.1.ple.ngram_embedding.shard_1.weight"),
+        "{msg}"
+    );
 
     // The shard is absent from the weight map.
-    let ck2 = write(&tmp.path().join("b"), &opts(Some(4096), TableDType::Bf16, 7));
+    let ck2 = write(
+        &tmp.path().join("b"),
+        &opts(Some(4096), TableDType::Bf16, 7),
+    );
     let ipath = ck2.join(INDEX_FILE);
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ipath).unwrap()).unwrap();
-    v["weight_map"].as_object_mut().unwrap().remove("model.layers.3.ple.ngram_embedding.shard_0.weight");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&ipath).unwrap()).unwrap();
+    v["weight_map"]
+        .as_object_mut()
+        .unwrap()
+        .remove("model.layers.3.ple.ngram_embedding.shard_0.weight");
     std::fs::write(&ipath, v.to_string()).unwrap();
     let msg = refusal(&ck2);
     assert!(msg.contains(INDEX_FILE), "{msg}");
-    assert!(msg.contains("tensor model.layers.3.ple.ngram_embedding.shard_0.weight is missing"), "{msg}");
+    assert!(
+        msg.contains("tensor model.layers.3.ple.ngram_embedding.shard_0.weight is missing"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -222,15 +279,29 @@ fn a_corrupt_header_is_refused() {
     bytes[8..16].copy_from_slice(b"#garbage");
     std::fs::write(&f, bytes).unwrap();
     let msg = refusal(&ck);
-    assert!(msg.contains("model-00004-of-00005.safetensors: corrupt safetensors header"), "{msg}");
+    assert!(
+        msg.contains("model-00004-of-00005.safetensors: corrupt safetensors header"),
+        "{msg}"
+    );
 
     // A truncated shard is caught from its header alone.
-    let ck2 = write(&tmp.path().join("b"), &opts(Some(4096), TableDType::Bf16, 7));
+    let ck2 = write(
+        &tmp.path().join("b"),
+        &opts(Some(4096), TableDType::Bf16, 7),
+    );
     let f = ck2.join(shard_file(5, 5));
     let len = std::fs::metadata(&f).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 100).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_len(len - 100)
+        .unwrap();
     let msg = refusal(&ck2);
-    assert!(msg.contains("model-00005-of-00005.safetensors: corrupt safetensors header"), "{msg}");
+    assert!(
+        msg.contains("model-00005-of-00005.safetensors: corrupt safetensors header"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -238,11 +309,15 @@ fn a_short_table_without_a_fold_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = small(tmp.path());
     let cpath = ck.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cpath).unwrap()).unwrap();
     v.as_object_mut().unwrap().remove("ple_table_rows");
     std::fs::write(&cpath, v.to_string()).unwrap();
     let msg = refusal(&ck);
-    assert!(msg.contains("table shards of layer 1") && msg.contains("fewer than"), "{msg}");
+    assert!(
+        msg.contains("table shards of layer 1") && msg.contains("fewer than"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -250,9 +325,13 @@ fn a_weight_map_escaping_the_directory_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = small(tmp.path());
     let ipath = ck.join(INDEX_FILE);
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ipath).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&ipath).unwrap()).unwrap();
     v["weight_map"]["model.layers.1.ple.key_proj.weight"] = serde_json::json!("../x.safetensors");
     std::fs::write(&ipath, v.to_string()).unwrap();
     let msg = refusal(&ck);
-    assert!(msg.contains("not a file name inside the checkpoint directory"), "{msg}");
+    assert!(
+        msg.contains("not a file name inside the checkpoint directory"),
+        "{msg}"
+    );
 }
