@@ -1245,3 +1245,37 @@ enum ConvTarget {
     /// A device table of state addresses (`conv_batch`).
     Table(DevicePtr),
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn layer_and_carry_cross_threads() {
+        send_sync::<PleLayer>();
+        send_sync::<PleSeqState>();
+        send_sync::<PleWeights>();
+    }
+
+    #[test]
+    fn f32_image_is_little_endian() {
+        assert_eq!(
+            f32_bytes(&[1.0, -2.5]),
+            [1.0f32.to_le_bytes(), (-2.5f32).to_le_bytes()].concat()
+        );
+    }
+
+    #[test]
+    fn oversized_kernel_arguments_are_named() {
+        assert_eq!(fits_u32("E", 7).unwrap(), 7);
+        let e = fits_u32("tokens*ngram_heads", 1 << 33)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tokens*ngram_heads") && e.contains("8589934592"),
+            "{e}"
+        );
+    }
+}
