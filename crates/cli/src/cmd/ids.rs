@@ -23,6 +23,9 @@ use super::{CmdError, input};
 
 /// Flags of `metrale-ple ids`.
 #[derive(Args, Debug)]
+#[command(
+    after_help = "Examples:\n  metrale-ple ids --vocab-size 151936 --eos 151645 --ngram-size 3 --heads-per-ngram 8 \\\n      --vocab-base 20000000 --tokens 1,2,3\n  metrale-ple ids --config ckpt/config.json --site 0 --tokens 5,6 --history 7,8"
+)]
 pub struct IdsArgs {
     /// Take the geometry from this config.json instead of the flags.
     #[arg(

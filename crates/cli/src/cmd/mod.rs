@@ -2,7 +2,11 @@
 //! exit status: [`CmdError::Input`] (status 2) for anything wrong with
 //! what the user gave, [`CmdError::Failure`] (status 1) for everything else.
 
+pub mod common;
 pub mod ids;
+pub mod init;
+pub mod inspect;
+pub mod table;
 
 use std::fmt;
 
@@ -39,6 +43,11 @@ impl fmt::Display for CmdError {
 }
 
 /// Tag an error as an input error.
-pub fn input(e: anyhow::Error) -> CmdError {
-    CmdError::Input(e)
+pub fn input<E: Into<anyhow::Error>>(e: E) -> CmdError {
+    CmdError::Input(e.into())
+}
+
+/// Tag an error as a failure of the work itself.
+pub fn failure<E: Into<anyhow::Error>>(e: E) -> CmdError {
+    CmdError::Failure(e.into())
 }
