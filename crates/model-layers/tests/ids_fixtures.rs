@@ -91,6 +91,7 @@ fn check_fixture(name: &str) -> usize {
     .unwrap();
 
     let hasher = PleIdHasher::new(dims).unwrap();
+    let portable = PleIdHasher::new_portable(dims).unwrap();
     let heads = dims.ngram_heads();
     let mut rows_checked = 0;
     for case in doc["cases"].as_array().unwrap() {
@@ -117,7 +118,16 @@ fn check_fixture(name: &str) -> usize {
             hasher
                 .ids_with_history_into(&history, &tokens, &mut fast)
                 .unwrap();
-            assert_eq!(fast, want, "{cname}: chunk {c}, fast path");
+            assert_eq!(
+                fast,
+                want,
+                "{cname}: chunk {c}, fast path ({})",
+                hasher.path()
+            );
+            portable
+                .ids_with_history_into(&history, &tokens, &mut fast)
+                .unwrap();
+            assert_eq!(fast, want, "{cname}: chunk {c}, scalar path");
             let mut plain = vec![0u64; want.len()];
             ple_ngram_ids_into_plain(dims, &history, &tokens, &mut plain).unwrap();
             assert_eq!(plain, want, "{cname}: chunk {c}, plain form");
