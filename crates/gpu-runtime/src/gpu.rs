@@ -197,6 +197,14 @@ pub trait HostMemory {
     /// A raw host pointer to `bytes` bytes at `ptr`, checked against the
     /// ledger. The caller is responsible for aliasing, as a CUDA kernel is.
     fn host_ptr(&self, ptr: DevicePtr, bytes: usize) -> Result<*mut u8>;
+
+    /// This view as one that may be shared across threads (for a kernel
+    /// that checks pointers from rayon workers), when the backend allows it.
+    /// The CPU backend does; `&(dyn HostMemory + Sync)` coerces back to
+    /// `&dyn HostMemory` for [`slice`](Self::slice)-style access.
+    fn as_sync(&self) -> Option<&(dyn HostMemory + Sync)> {
+        None
+    }
 }
 
 impl dyn HostMemory + '_ {
@@ -270,7 +278,9 @@ pub trait GpuBackend: Send + Sync {
     /// Copy device to device, synchronously.
     fn copy_d2d(&self, src: DevicePtr, dst: DevicePtr, bytes: usize) -> Result<()>;
     /// Queue a host-to-device copy on `stream`. `src` may be dropped as soon
-    /// as this returns. Refused while `stream` is capturing.
+    /// as this returns. Refused while `stream` is capturing, unless `src`
+    /// lies inside host-mapped or registered memory (as CUDA allows copies
+    /// from page-locked memory): the graph then reads `src` at each replay.
     fn copy_h2d_async(&self, src: &[u8], dst: DevicePtr, stream: StreamId) -> Result<()>;
     /// Copy device to host after all earlier work on `stream`; returns when
     /// the bytes are in `dst`. Reports any earlier error of the stream.

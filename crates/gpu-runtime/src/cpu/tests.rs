@@ -192,3 +192,178 @@ fn kernel_panics_become_stream_errors() {
     );
     gpu.synchronize(0).unwrap();
 }
+
+/// Registers `t::free_arg`, a kernel that frees its pointer argument through
+/// the backend, as a concurrent host thread could at any time.
+fn register_freeing_kernel(gpu: &Arc<CpuBackend>) -> KernelHandle {
+    let weak = Arc::downgrade(gpu);
+    gpu.register_host_kernel(
+        "t",
+        "free_arg",
+        &[ArgKind::U64],
+        Arc::new(
+            move |_m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+                let KernelArg::U64(p) = a[0] else {
+                    unreachable!()
+                };
+                weak.upgrade().unwrap().free(DevicePtr(p))
+            },
+        ),
+    )
+    .unwrap();
+    gpu.kernel("t", "free_arg").unwrap()
+}
+
+#[test]
+fn pointers_are_checked_again_when_the_operation_runs() {
+    let gpu = Arc::new(CpuBackend::new_debug());
+    let kfree = register_freeing_kernel(&gpu);
+    gpu.register_host_kernel(
+        "t",
+        "read",
+        &[ArgKind::Ptr],
+        Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+            let KernelArg::Ptr(p) = a[0] else {
+                unreachable!()
+            };
+            m.host_ptr(p, 4).map(drop)
+        }),
+    )
+    .unwrap();
+    let kread = gpu.kernel("t", "read").unwrap();
+    let s = gpu.create_stream().unwrap();
+    let x = gpu.alloc(64, "victim").unwrap();
+    let y = gpu.alloc(64, "bystander").unwrap();
+    // Both submissions are valid when queued; the buffer is gone by the time
+    // they run.
+    gpu.launch_kernel(kfree, LaunchConfig::linear(1, 1), &[KernelArg::U64(x.0)], s)
+        .unwrap();
+    gpu.memset_async(x, 1, 64, s).unwrap();
+    let e = gpu.synchronize(s).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("memset_async on stream {s}: use after free: {x}"))
+            && e.contains("'victim'"),
+        "{e}"
+    );
+    gpu.launch_kernel(kfree, LaunchConfig::linear(1, 1), &[KernelArg::U64(y.0)], s)
+        .unwrap();
+    gpu.launch_kernel(kread, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(y)], s)
+        .unwrap();
+    let e = gpu.synchronize(s).unwrap_err().to_string();
+    assert!(
+        e.contains("t::read: argument 0: use after free") && e.contains("'bystander'"),
+        "{e}"
+    );
+    assert_eq!(gpu.live_alloc_count(), 0);
+    gpu.destroy_stream(s).unwrap();
+}
+
+#[test]
+fn host_ptr_translates_inside_kernels_and_refuses_outside() {
+    let gpu = CpuBackend::new();
+    let (tx, rx) = crossbeam_channel::unbounded::<String>();
+    gpu.register_host_kernel(
+        "t",
+        "probe",
+        &[ArgKind::Ptr],
+        Arc::new(
+            move |m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+                let KernelArg::Ptr(p) = a[0] else {
+                    unreachable!()
+                };
+                let ok = m.host_ptr(p.offset(8), 8)?;
+                // SAFETY: 8 checked bytes, this kernel is their only user.
+                unsafe { std::ptr::write_bytes(ok, 0x33, 8) };
+                tx.send(m.host_ptr(p.offset(8), 9).unwrap_err().to_string())
+                    .unwrap();
+                // SAFETY: read-only view of 16 checked bytes; the mutable
+                // pointer above is no longer used.
+                let misaligned = unsafe { m.slice::<u32>(p.offset(1), 2) };
+                tx.send(misaligned.unwrap_err().to_string()).unwrap();
+                Ok(())
+            },
+        ),
+    )
+    .unwrap();
+    let p = gpu.alloc(16, "probe target").unwrap();
+    let k = gpu.kernel("t", "probe").unwrap();
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(p)], 0)
+        .unwrap();
+    gpu.synchronize(0).unwrap();
+    let oob = rx.recv().unwrap();
+    assert!(
+        oob.contains("launch_kernel on stream 0 t::probe: 9 bytes at")
+            && oob.contains("'probe target'"),
+        "{oob}"
+    );
+    let mis = rx.recv().unwrap();
+    assert!(mis.contains("not aligned for u32"), "{mis}");
+    let mut out = [0u8; 16];
+    gpu.copy_d2h(p, &mut out).unwrap();
+    assert_eq!(&out[8..], &[0x33; 8]);
+    gpu.free(p).unwrap();
+}
+
+#[test]
+fn kernels_can_check_pointers_from_rayon_workers() {
+    use rayon::prelude::*;
+    let gpu = CpuBackend::new();
+    let rows = 1000usize;
+    let table = gpu.alloc(rows * 16, "table").unwrap();
+    let bytes: Vec<u8> = (0..rows * 16).map(|i| (i / 16) as u8).collect();
+    gpu.copy_h2d(&bytes, table).unwrap();
+    let out = gpu.alloc(rows * 4, "sums").unwrap();
+    gpu.register_host_kernel(
+        "t",
+        "row_sums",
+        &[ArgKind::Ptr, ArgKind::Ptr, ArgKind::U32],
+        Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+            let (KernelArg::Ptr(t), KernelArg::Ptr(o), KernelArg::U32(n)) = (a[0], a[1], a[2])
+            else {
+                anyhow::bail!("bad arguments")
+            };
+            let shared = m.as_sync().expect("the CPU backend shares its memory view");
+            let sums: Vec<u32> = (0..n as usize)
+                .into_par_iter()
+                .map(|r| {
+                    let p = shared.host_ptr(t.offset(r * 16), 16)?;
+                    // SAFETY: 16 checked bytes, only read while the kernel runs.
+                    let row = unsafe { std::slice::from_raw_parts(p, 16) };
+                    Ok(row.iter().map(|&x| x as u32).sum())
+                })
+                .collect::<anyhow::Result<_>>()?;
+            // SAFETY: sole writer of `o` while the kernel runs.
+            unsafe { m.slice_mut::<u32>(o, n as usize)? }.copy_from_slice(&sums);
+            Ok(())
+        }),
+    )
+    .unwrap();
+    let k = gpu.kernel("t", "row_sums").unwrap();
+    let args = [
+        KernelArg::Ptr(table),
+        KernelArg::Ptr(out),
+        KernelArg::U32(rows as u32),
+    ];
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &args, 0)
+        .unwrap();
+    let mut b = vec![0u8; rows * 4];
+    gpu.copy_d2h_on_stream(out, &mut b, 0).unwrap();
+    for (r, c) in b.chunks_exact(4).enumerate() {
+        assert_eq!(
+            u32::from_le_bytes(c.try_into().unwrap()),
+            (r as u8) as u32 * 16
+        );
+    }
+    // One row past the end fails inside a rayon worker and reaches the stream.
+    let args = [
+        KernelArg::Ptr(table),
+        KernelArg::Ptr(out),
+        KernelArg::U32(rows as u32 + 1),
+    ];
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &args, 0)
+        .unwrap();
+    let e = gpu.synchronize(0).unwrap_err().to_string();
+    assert!(e.contains("t::row_sums") && e.contains("'table'"), "{e}");
+    gpu.free(table).unwrap();
+    gpu.free(out).unwrap();
+}
