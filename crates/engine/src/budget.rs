@@ -119,7 +119,12 @@ impl MemoryBudget {
 
     fn refuse(&mut self, need: usize, freeable: usize) -> BudgetError {
         self.stats.refusals += 1;
-        BudgetError::Exhausted { need, used: self.used, limit: self.limit, freeable }
+        BudgetError::Exhausted {
+            need,
+            used: self.used,
+            limit: self.limit,
+            freeable,
+        }
     }
 
     /// Charge `bytes` to `seq`, marking it most recently used. Refused (and
@@ -132,7 +137,13 @@ impl MemoryBudget {
             return Err(self.refuse(bytes, 0));
         }
         self.tick += 1;
-        self.charges.insert(seq, Charge { bytes, tick: self.tick });
+        self.charges.insert(
+            seq,
+            Charge {
+                bytes,
+                tick: self.tick,
+            },
+        );
         self.by_tick.insert(self.tick, seq);
         self.used += bytes;
         self.stats.charges += 1;
@@ -201,7 +212,11 @@ impl MemoryBudget {
     }
 
     fn freeable(&self, protected: &[u64]) -> usize {
-        self.charges.iter().filter(|(s, _)| !protected.contains(s)).map(|(_, c)| c.bytes).sum()
+        self.charges
+            .iter()
+            .filter(|(s, _)| !protected.contains(s))
+            .map(|(_, c)| c.bytes)
+            .sum()
     }
 
     /// Current figures.
@@ -225,13 +240,19 @@ mod tests {
         b.charge(1, 60).unwrap();
         assert_eq!(b.charge(1, 1), Err(BudgetError::AlreadyCharged(1)));
         let e = b.charge(2, 41).unwrap_err();
-        assert_eq!(e.to_string(), "device memory budget exhausted: need 41 bytes, 60 of 100 in use, at most 0 could be freed by preemption");
+        assert_eq!(
+            e.to_string(),
+            "device memory budget exhausted: need 41 bytes, 60 of 100 in use, at most 0 could be freed by preemption"
+        );
         assert_eq!(b.used(), 60);
         b.charge(2, 40).unwrap();
         assert_eq!(b.release(1), 60);
         assert_eq!(b.release(1), 0);
         let s = b.stats();
-        assert_eq!((s.used_bytes, s.peak_bytes, s.resident, s.refusals), (40, 100, 1, 1));
+        assert_eq!(
+            (s.used_bytes, s.peak_bytes, s.resident, s.refusals),
+            (40, 100, 1, 1)
+        );
     }
 
     #[test]
@@ -246,7 +267,15 @@ mod tests {
         assert_eq!(b.plan_preemption(30, &[]).unwrap(), vec![2, 3]);
         assert_eq!(b.plan_preemption(30, &[2]).unwrap(), vec![3, 4]);
         let e = b.plan_preemption(80, &[1, 2]).unwrap_err();
-        assert_eq!(e, BudgetError::Exhausted { need: 80, used: 100, limit: 100, freeable: 50 });
+        assert_eq!(
+            e,
+            BudgetError::Exhausted {
+                need: 80,
+                used: 100,
+                limit: 100,
+                freeable: 50
+            }
+        );
         assert!(b.plan_preemption(101, &[]).is_err());
     }
 }

@@ -35,7 +35,9 @@ const NO_PARENT: usize = usize::MAX;
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum PrefixCacheError {
     /// The key is not a positive multiple of the block size.
-    #[error("prefix cache key of {len} tokens is not a positive multiple of the block size {block}")]
+    #[error(
+        "prefix cache key of {len} tokens is not a positive multiple of the block size {block}"
+    )]
     NotBlockAligned {
         /// The key's length.
         len: usize,
@@ -116,7 +118,12 @@ impl<V: Clone> PrefixCache<V> {
     /// An empty cache of blocks of `block_size` tokens holding at most
     /// `capacity_bytes` of values. A block size of 0 is taken as 1.
     pub fn new(block_size: usize, capacity_bytes: usize) -> Self {
-        let root = Node { parent: NO_PARENT, edge: Vec::new(), children: HashMap::new(), entry: None };
+        let root = Node {
+            parent: NO_PARENT,
+            edge: Vec::new(),
+            children: HashMap::new(),
+            entry: None,
+        };
         PrefixCache {
             block: block_size.max(1),
             capacity: capacity_bytes,
@@ -135,11 +142,15 @@ impl<V: Clone> PrefixCache<V> {
     }
 
     fn node(&self, id: usize) -> &Node<V> {
-        self.nodes[id].as_ref().expect("prefix cache: dangling node id")
+        self.nodes[id]
+            .as_ref()
+            .expect("prefix cache: dangling node id")
     }
 
     fn node_mut(&mut self, id: usize) -> &mut Node<V> {
-        self.nodes[id].as_mut().expect("prefix cache: dangling node id")
+        self.nodes[id]
+            .as_mut()
+            .expect("prefix cache: dangling node id")
     }
 
     fn alloc(&mut self, n: Node<V>) -> usize {
@@ -159,7 +170,11 @@ impl<V: Clone> PrefixCache<V> {
 
     fn touch(&mut self, id: usize) {
         let t = self.next_tick();
-        let e = self.node_mut(id).entry.as_mut().expect("touch of a node without value");
+        let e = self
+            .node_mut(id)
+            .entry
+            .as_mut()
+            .expect("touch of a node without value");
         let old = std::mem::replace(&mut e.tick, t);
         self.lru.remove(&old);
         self.lru.insert(t, id);
@@ -225,11 +240,17 @@ impl<V: Clone> PrefixCache<V> {
         bytes: usize,
     ) -> Result<InsertOutcome, PrefixCacheError> {
         let b = self.block;
-        if tokens.is_empty() || !tokens.len().is_multiple_of(b) {
-            return Err(PrefixCacheError::NotBlockAligned { len: tokens.len(), block: b });
+        if tokens.is_empty() || tokens.len() % b != 0 {
+            return Err(PrefixCacheError::NotBlockAligned {
+                len: tokens.len(),
+                block: b,
+            });
         }
         if bytes > self.capacity {
-            return Err(PrefixCacheError::TooLarge { bytes, capacity: self.capacity });
+            return Err(PrefixCacheError::TooLarge {
+                bytes,
+                capacity: self.capacity,
+            });
         }
         let mut node = ROOT;
         let mut pos = 0;
@@ -287,8 +308,15 @@ impl<V: Clone> PrefixCache<V> {
         self.stats.inserts += 1;
         let mut evicted = 0;
         while self.used > self.capacity {
-            let (&t, &victim) = self.lru.iter().next().expect("over capacity with nothing held");
-            debug_assert_ne!(victim, node, "a value that fits alone is never its own victim");
+            let (&t, &victim) = self
+                .lru
+                .iter()
+                .next()
+                .expect("over capacity with nothing held");
+            debug_assert_ne!(
+                victim, node,
+                "a value that fits alone is never its own victim"
+            );
             self.lru.remove(&t);
             self.drop_entry(victim);
             evicted += 1;
@@ -396,18 +424,23 @@ impl<V: Clone> PrefixCache<V> {
             let Some(n) = n else { continue };
             live += 1;
             if id != ROOT {
-                if n.edge.is_empty() || !n.edge.len().is_multiple_of(b) {
+                if n.edge.is_empty() || n.edge.len() % b != 0 {
                     return Err(format!("node {id}: edge of {} tokens", n.edge.len()));
                 }
                 if n.entry.is_none() && n.children.len() < 2 {
-                    return Err(format!("node {id}: no value and {} children", n.children.len()));
+                    return Err(format!(
+                        "node {id}: no value and {} children",
+                        n.children.len()
+                    ));
                 }
                 let p = self.nodes.get(n.parent).and_then(Option::as_ref);
                 let Some(p) = p else {
                     return Err(format!("node {id}: parent {} is not live", n.parent));
                 };
                 if p.children.get(&n.edge[..b]) != Some(&id) {
-                    return Err(format!("node {id}: parent does not key it by its first block"));
+                    return Err(format!(
+                        "node {id}: parent does not key it by its first block"
+                    ));
                 }
             }
             for (k, &c) in &n.children {
@@ -430,13 +463,22 @@ impl<V: Clone> PrefixCache<V> {
             return Err("free list and live nodes disagree".into());
         }
         if valued != self.lru.len() {
-            return Err(format!("{valued} values but {} LRU entries", self.lru.len()));
+            return Err(format!(
+                "{valued} values but {} LRU entries",
+                self.lru.len()
+            ));
         }
         if used != self.used {
-            return Err(format!("values sum to {used} bytes, counter says {}", self.used));
+            return Err(format!(
+                "values sum to {used} bytes, counter says {}",
+                self.used
+            ));
         }
         if self.used > self.capacity {
-            return Err(format!("{} bytes held over a capacity of {}", self.used, self.capacity));
+            return Err(format!(
+                "{} bytes held over a capacity of {}",
+                self.used, self.capacity
+            ));
         }
         Ok(())
     }
@@ -481,10 +523,16 @@ mod tests {
             c.insert(&[1, 2, 3], 0, 1),
             Err(PrefixCacheError::NotBlockAligned { len: 3, block: 4 })
         );
-        assert_eq!(c.insert(&[], 0, 1), Err(PrefixCacheError::NotBlockAligned { len: 0, block: 4 }));
+        assert_eq!(
+            c.insert(&[], 0, 1),
+            Err(PrefixCacheError::NotBlockAligned { len: 0, block: 4 })
+        );
         assert_eq!(
             c.insert(&[1, 2, 3, 4], 0, 11),
-            Err(PrefixCacheError::TooLarge { bytes: 11, capacity: 10 })
+            Err(PrefixCacheError::TooLarge {
+                bytes: 11,
+                capacity: 10
+            })
         );
         assert_eq!(c.stats().nodes, 1);
         assert_eq!(c.used_bytes(), 0);

@@ -261,10 +261,7 @@ fn read_u64(b: &[u8], at: usize) -> u64 {
 impl Snapshot {
     /// Bytes of [`Self::encode`]'s output.
     pub fn encoded_len(&self) -> usize {
-        HEADER_LEN
-            + 8 * self.blobs.len()
-            + self.blobs.iter().map(Vec::len).sum::<usize>()
-            + CRC_LEN
+        HEADER_LEN + 8 * self.blobs.len() + self.blobs.iter().map(Vec::len).sum::<usize>() + CRC_LEN
     }
 
     /// The container bytes.
@@ -297,10 +294,16 @@ impl Snapshot {
     pub fn decode(bytes: &[u8]) -> Result<Snapshot, SnapshotError> {
         let got = bytes.len();
         if got < 12 {
-            return Err(SnapshotError::Truncated { what: "the header", needed: 12, got });
+            return Err(SnapshotError::Truncated {
+                what: "the header",
+                needed: 12,
+                got,
+            });
         }
         if bytes[..8] != MAGIC {
-            return Err(SnapshotError::BadMagic { found: bytes[..8].to_vec() });
+            return Err(SnapshotError::BadMagic {
+                found: bytes[..8].to_vec(),
+            });
         }
         let version = read_u32(bytes, 8);
         if version > FORMAT_VERSION {
@@ -386,7 +389,11 @@ impl Snapshot {
             blobs.push(bytes[at..at + l].to_vec());
             at += l;
         }
-        Ok(Snapshot { fingerprint, token_count, blobs })
+        Ok(Snapshot {
+            fingerprint,
+            token_count,
+            blobs,
+        })
     }
 
     /// Check that this snapshot fits an engine whose sites are `sites`: the
@@ -394,7 +401,10 @@ impl Snapshot {
     pub fn validate_for(&self, sites: &[SiteGeometry]) -> Result<(), SnapshotError> {
         let expected = GeometryFingerprint::of(sites);
         if self.fingerprint != expected {
-            return Err(SnapshotError::GeometryMismatch { expected, found: self.fingerprint });
+            return Err(SnapshotError::GeometryMismatch {
+                expected,
+                found: self.fingerprint,
+            });
         }
         if self.blobs.len() != sites.len() {
             return Err(SnapshotError::BlobCount {
@@ -467,7 +477,11 @@ mod tests {
         Snapshot {
             fingerprint: GeometryFingerprint::of(sites),
             token_count: 42,
-            blobs: sites.iter().enumerate().map(|(i, g)| blob(g, i as u8 + 1)).collect(),
+            blobs: sites
+                .iter()
+                .enumerate()
+                .map(|(i, g)| blob(g, i as u8 + 1))
+                .collect(),
         }
     }
 
@@ -523,7 +537,10 @@ mod tests {
         let bytes = snap(&[geom()]).encode();
         for cut in 0..bytes.len() {
             let e = Snapshot::decode(&bytes[..cut]).unwrap_err();
-            assert!(matches!(e, SnapshotError::Truncated { .. }), "cut {cut}: {e}");
+            assert!(
+                matches!(e, SnapshotError::Truncated { .. }),
+                "cut {cut}: {e}"
+            );
         }
     }
 
