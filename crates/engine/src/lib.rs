@@ -6,8 +6,11 @@
 //! - [`prefix_cache`]: a radix tree over token ids holding snapshots at block
 //!   boundaries, bounded by bytes with LRU eviction;
 //! - [`budget`]: accounting of the device memory held by carries, and the
-//!   policy that picks sequences to preempt when it runs short.
+//!   policy that picks sequences to preempt when it runs short;
+//! - [`engine`]: sequences over the PLE sites: add, chunked prefill, batched
+//!   decode, speculative verify and commit, swap, release.
 
 pub mod budget;
+pub mod engine;
 pub mod prefix_cache;
 pub mod snapshot;
