@@ -128,7 +128,11 @@ pub struct LaunchConfig {
 impl LaunchConfig {
     /// A one-dimensional launch.
     pub fn linear(grid: u32, block: u32) -> Self {
-        LaunchConfig { grid: (grid, 1, 1), block: (block, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig {
+            grid: (grid, 1, 1),
+            block: (block, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 }
 
@@ -204,7 +208,7 @@ impl dyn HostMemory + '_ {
     pub unsafe fn slice<T: Copy>(&self, ptr: DevicePtr, len: usize) -> Result<&[T]> {
         let p = self.host_ptr(ptr, len * std::mem::size_of::<T>())?;
         anyhow::ensure!(
-            (p as usize).is_multiple_of(std::mem::align_of::<T>()),
+            (p as usize) % std::mem::align_of::<T>() == 0,
             "pointer {ptr} is not aligned for {}",
             std::any::type_name::<T>()
         );
@@ -221,7 +225,7 @@ impl dyn HostMemory + '_ {
     pub unsafe fn slice_mut<T: Copy>(&self, ptr: DevicePtr, len: usize) -> Result<&mut [T]> {
         let p = self.host_ptr(ptr, len * std::mem::size_of::<T>())?;
         anyhow::ensure!(
-            (p as usize).is_multiple_of(std::mem::align_of::<T>()),
+            (p as usize) % std::mem::align_of::<T>() == 0,
             "pointer {ptr} is not aligned for {}",
             std::any::type_name::<T>()
         );
@@ -251,8 +255,7 @@ pub trait GpuBackend: Send + Sync {
     ///
     /// # Safety
     /// `host .. host + bytes` must stay valid until it is unregistered.
-    unsafe fn register_host(&self, host: *mut u8, bytes: usize, label: &str)
-    -> Result<DevicePtr>;
+    unsafe fn register_host(&self, host: *mut u8, bytes: usize, label: &str) -> Result<DevicePtr>;
 
     /// Fill `bytes` at `dst` with `value`, synchronously.
     fn memset(&self, dst: DevicePtr, value: u8, bytes: usize) -> Result<()>;
@@ -364,14 +367,22 @@ pub trait GpuBackend: Send + Sync {
 impl dyn GpuBackend + '_ {
     /// Start a launch of `kernel` with the builder.
     pub fn launch(&self, kernel: KernelHandle, cfg: LaunchConfig) -> Launch<'_> {
-        Launch { gpu: self, kernel, cfg, args: Vec::new() }
+        Launch {
+            gpu: self,
+            kernel,
+            cfg,
+            args: Vec::new(),
+        }
     }
 
     /// A human-readable report of live allocations, one per line.
     pub fn live_report(&self) -> String {
         let mut out = String::new();
         for a in self.live_allocations() {
-            out.push_str(&format!("{} {:?} {} bytes '{}'\n", a.ptr, a.kind, a.bytes, a.label));
+            out.push_str(&format!(
+                "{} {:?} {} bytes '{}'\n",
+                a.ptr, a.kind, a.bytes, a.label
+            ));
         }
         out
     }
@@ -413,6 +424,7 @@ impl Launch<'_> {
     }
     /// Queue the launch on `stream`.
     pub fn run(self, stream: StreamId) -> Result<()> {
-        self.gpu.launch_kernel(self.kernel, self.cfg, &self.args, stream)
+        self.gpu
+            .launch_kernel(self.kernel, self.cfg, &self.args, stream)
     }
 }

@@ -2,6 +2,27 @@
 //!
 //! [`gpu`] holds the backend-neutral [`gpu::GpuBackend`] trait and its
 //! pointer, stream, event, graph and kernel types. Implementations live in
-//! their own modules so that no caller needs `cfg`.
+//! their own modules so that no caller needs `cfg`:
+//! - [`cpu::CpuBackend`], a real backend on the host (always built);
+//! - [`cuda::CudaBackend`], behind the `cuda` feature.
+//!
+//! [`conformance`] is the behaviour every backend must show, as functions
+//! over `&dyn GpuBackend`, so each backend runs the same suite.
 
+use std::sync::Arc;
+
+pub mod conformance;
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod gpu;
+
+/// The backend to use by default: CUDA device 0 when built with the `cuda`
+/// feature and it can be opened, else a [`cpu::CpuBackend`].
+pub fn default_backend() -> Arc<dyn gpu::GpuBackend> {
+    #[cfg(feature = "cuda")]
+    if let Ok(b) = cuda::CudaBackend::new(0) {
+        return Arc::new(b);
+    }
+    Arc::new(cpu::CpuBackend::new())
+}

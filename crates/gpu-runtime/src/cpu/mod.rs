@@ -1,0 +1,826 @@
+//! `CpuBackend`: a real [`GpuBackend`] that runs on the host.
+//!
+//! Device memory is aligned host memory behind synthetic device addresses
+//! kept in a ledger ([`ledger`]); streams are in-order queues each drained by
+//! its own worker thread ([`stream`]); kernels are host functions registered
+//! under `(module, name)`.
+//!
+//! Invariants and choices:
+//! - every pointer an operation touches is checked against the ledger when
+//!   the operation is submitted and again when it runs, so use after free,
+//!   out-of-bounds access and double free are errors naming the operation and
+//!   the pointer, never undefined behaviour;
+//! - queued operations hold the execution barrier (a shared lock) while they
+//!   touch memory; `free` removes the allocation from the ledger first and
+//!   then takes the barrier exclusively before releasing the bytes, so no
+//!   running operation can see memory disappear under it;
+//! - `free` first waits for all queued work on every stream, as `cuMemFree`
+//!   does, so freeing a buffer right after queueing work on it is correct;
+//! - the synchronous copies and `memset` wait for the default stream and
+//!   report its pending error (without doing their own work) if it has one;
+//! - an error raised by queued work is kept on its stream (first error wins)
+//!   and returned, then cleared, by the next `synchronize` or
+//!   `copy_d2h_on_stream` on that stream; later work still runs;
+//! - a synchronising call made from inside a queued operation (a kernel body
+//!   that holds the backend) would deadlock and is refused instead;
+//! - under graph capture, submissions are recorded; copies from ordinary host
+//!   memory, blocking reads, `synchronize` and synchronous copies on the
+//!   capturing stream are refused and invalidate the capture, as CUDA does;
+//!   a graph holds pointers and kernel bodies by value and its launch
+//!   re-submits every node (checked again) in order.
+
+pub mod ledger;
+mod stream;
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use anyhow::{Result, anyhow, bail};
+use parking_lot::{Mutex, RwLock};
+
+use crate::gpu::{
+    AllocationInfo, ArgKind, DevicePtr, EventHandle, GpuBackend, GraphHandle, HostKernelFn,
+    HostMapped, HostMemory, KernelArg, KernelHandle, LaunchConfig, MemoryKind, StreamId,
+};
+use ledger::{DEVICE_ALIGN, Entry, HOST_MAPPED_ALIGN, Ledger};
+use stream::{Capture, Event, KernelEntry, Msg, Node, Stream};
+
+thread_local! {
+    /// Set on stream worker threads, where blocking on a stream would
+    /// deadlock.
+    static ON_WORKER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The pointer of a non-null pointer argument (null pointers are allowed
+/// as kernel arguments: kernels may take optional buffers).
+fn non_null_ptr(a: &KernelArg) -> Option<DevicePtr> {
+    match a {
+        KernelArg::Ptr(p) if !p.is_null() => Some(*p),
+        _ => None,
+    }
+}
+
+fn on_worker() -> bool {
+    ON_WORKER.with(|w| w.get())
+}
+
+/// Registered kernels: handles index `slots`; re-registering a name replaces
+/// its slot, so existing handles launch the new body.
+#[derive(Default)]
+struct KernelTable {
+    by_name: HashMap<(String, String), usize>,
+    slots: Vec<Arc<KernelEntry>>,
+}
+
+/// State shared by the backend handle and its worker threads.
+struct Inner {
+    debug: bool,
+    ledger: Ledger,
+    /// The execution barrier: shared while an operation touches memory,
+    /// exclusive while `free` releases bytes.
+    exec: RwLock<()>,
+    /// Allocations freed from a worker thread, released at the next `free`
+    /// from an ordinary thread or on drop.
+    deferred: Mutex<Vec<Entry>>,
+    streams: RwLock<HashMap<StreamId, Arc<Stream>>>,
+    next_stream: AtomicU64,
+    events: Mutex<HashMap<u64, Arc<Event>>>,
+    next_event: AtomicU64,
+    graphs: Mutex<HashMap<u64, Arc<[Node]>>>,
+    next_graph: AtomicU64,
+    kernels: RwLock<KernelTable>,
+}
+
+/// Checked access to memory for a running kernel.
+struct KernelMemory<'a> {
+    ledger: &'a Ledger,
+    op: &'a str,
+}
+
+impl HostMemory for KernelMemory<'_> {
+    #[inline]
+    fn host_ptr(&self, ptr: DevicePtr, bytes: usize) -> Result<*mut u8> {
+        self.ledger.resolve(self.op, ptr, bytes)
+    }
+}
+
+impl Inner {
+    fn stream(&self, op: &str, id: StreamId) -> Result<Arc<Stream>> {
+        self.streams
+            .read()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| anyhow!("{op}: unknown stream {id}"))
+    }
+
+    fn event(&self, op: &str, ev: EventHandle) -> Result<Arc<Event>> {
+        self.events
+            .lock()
+            .get(&ev.0)
+            .cloned()
+            .ok_or_else(|| anyhow!("{op}: unknown event {}", ev.0))
+    }
+
+    /// Check every pointer of `node` against the ledger.
+    fn validate(&self, op: &str, node: &Node) -> Result<()> {
+        match node {
+            Node::Memset { dst, bytes, .. } => self.ledger.resolve(op, *dst, *bytes).map(drop),
+            Node::CopyH2D { src, dst } => self.ledger.resolve(op, *dst, src.len()).map(drop),
+            Node::CopyD2D { src, dst, bytes } => {
+                self.ledger
+                    .resolve(&format!("{op} (source)"), *src, *bytes)?;
+                self.ledger
+                    .resolve(&format!("{op} (destination)"), *dst, *bytes)
+                    .map(drop)
+            }
+            Node::Kernel { kernel, args, .. } => {
+                for (i, a) in args.iter().enumerate() {
+                    if let Some(p) = non_null_ptr(a) {
+                        self.ledger.resolve(
+                            &format!("{op} {}: argument {i}", kernel.qualified),
+                            p,
+                            0,
+                        )?;
+                    }
+                }
+                Ok(())
+            }
+            Node::Record(_) | Node::Wait(_) => Ok(()),
+        }
+    }
+
+    /// Submit `nodes` to `stream` atomically (no other submission interleaves),
+    /// after checking them all. Under capture they are recorded instead; a
+    /// node that cannot be captured invalidates the capture and is refused.
+    fn submit(&self, op: &str, stream: &Stream, nodes: &[Node]) -> Result<()> {
+        for n in nodes {
+            self.validate(op, n)?;
+        }
+        let mut st = stream.state.lock();
+        if let Some(cap) = st.capture.as_mut() {
+            if let Some(n) = nodes.iter().find(|n| matches!(n, Node::CopyH2D { .. })) {
+                let why = format!(
+                    "{}: stream {} is capturing; a copy from ordinary host memory cannot be \
+                     replayed (stage it in alloc_host_mapped memory and use copy_d2d_async)",
+                    n.op_name(),
+                    stream.id
+                );
+                cap.invalid.get_or_insert_with(|| why.clone());
+                bail!(why);
+            }
+            cap.nodes.extend_from_slice(nodes);
+            return Ok(());
+        }
+        for n in nodes {
+            let msg = match n {
+                Node::Record(ev) => Msg::Record(ev.clone(), ev.issue()),
+                Node::Wait(ev) => match ev.last() {
+                    0 => continue,
+                    g => Msg::Wait(ev.clone(), g),
+                },
+                n => Msg::Work(n.clone()),
+            };
+            stream.send_locked(&mut st, msg)?;
+        }
+        Ok(())
+    }
+
+    /// Refuse `op` if `stream` is capturing, invalidating the capture.
+    fn refuse_if_capturing(&self, op: &str, stream: &Stream, what: &str) -> Result<()> {
+        let mut st = stream.state.lock();
+        if let Some(cap) = st.capture.as_mut() {
+            let why = format!("{op}: stream {} is capturing; {what}", stream.id);
+            cap.invalid.get_or_insert_with(|| why.clone());
+            bail!(why);
+        }
+        Ok(())
+    }
+
+    /// Wait for all work queued on `stream` and take its pending error.
+    fn sync_stream(&self, op: &str, stream: &Stream) -> Result<()> {
+        if on_worker() {
+            bail!(
+                "{op}: called from inside a queued operation, where waiting on stream {} would deadlock",
+                stream.id
+            );
+        }
+        let mut st = stream.drain();
+        match st.error.take() {
+            None => Ok(()),
+            Some(e) => Err(anyhow!(
+                "{op}: earlier work on stream {} failed: {e:#}",
+                stream.id
+            )),
+        }
+    }
+
+    /// The prologue of a synchronous memory call: refuse under capture of the
+    /// default stream, wait for it and report its pending error.
+    fn sync_prologue(&self, op: &str) -> Result<()> {
+        let s = self.stream(op, 0)?;
+        self.refuse_if_capturing(op, &s, "a synchronous copy cannot be captured")?;
+        self.sync_stream(op, &s)
+    }
+
+    /// Run one node on the calling thread.
+    fn execute(&self, op: &str, node: &Node) -> Result<()> {
+        let _barrier = self.exec.read_recursive();
+        match node {
+            Node::Memset { dst, value, bytes } => {
+                let d = self.ledger.resolve(op, *dst, *bytes)?;
+                // SAFETY: the ledger checked `bytes` at `d`; the barrier keeps
+                // the allocation alive while we write.
+                unsafe { std::ptr::write_bytes(d, *value, *bytes) };
+            }
+            Node::CopyH2D { src, dst } => {
+                let d = self.ledger.resolve(op, *dst, src.len())?;
+                // SAFETY: `d` has `src.len()` checked bytes; `src` is our own
+                // buffer, so they cannot overlap.
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), d, src.len()) };
+            }
+            Node::CopyD2D { src, dst, bytes } => {
+                let s = self
+                    .ledger
+                    .resolve(&format!("{op} (source)"), *src, *bytes)?;
+                let d = self
+                    .ledger
+                    .resolve(&format!("{op} (destination)"), *dst, *bytes)?;
+                // SAFETY: both ranges were checked; `copy` allows overlap.
+                unsafe { std::ptr::copy(s, d, *bytes) };
+            }
+            Node::Kernel { kernel, cfg, args } => {
+                let what = format!("{op} {}", kernel.qualified);
+                for (i, a) in args.iter().enumerate() {
+                    if let Some(p) = non_null_ptr(a) {
+                        self.ledger
+                            .resolve(&format!("{what}: argument {i}"), p, 0)?;
+                    }
+                }
+                let mem = KernelMemory {
+                    ledger: &self.ledger,
+                    op: &what,
+                };
+                let body = &kernel.body;
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    body(&mem as &dyn HostMemory, cfg, args)
+                }));
+                match r {
+                    Ok(r) => r.map_err(|e| anyhow!("{what} failed: {e:#}"))?,
+                    Err(p) => {
+                        let msg = p
+                            .downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "non-string panic".into());
+                        bail!("{what} panicked: {msg}");
+                    }
+                }
+            }
+            Node::Record(_) | Node::Wait(_) => {}
+        }
+        Ok(())
+    }
+
+    /// Release the memory of a removed entry once no operation can be
+    /// touching it.
+    fn release(&self, entry: Entry) {
+        if on_worker() {
+            // This thread holds the barrier; waiting for it would deadlock.
+            self.deferred.lock().push(entry);
+            return;
+        }
+        let _excl = self.exec.write();
+        drop(entry);
+        let deferred = std::mem::take(&mut *self.deferred.lock());
+        drop(deferred);
+    }
+}
+
+/// The worker loop of one stream.
+fn worker(inner: Arc<Inner>, stream: Arc<Stream>, rx: crossbeam_channel::Receiver<Msg>) {
+    ON_WORKER.with(|w| w.set(true));
+    let id = stream.id;
+    while let Ok(msg) = rx.recv() {
+        let r = match msg {
+            Msg::Work(node) => {
+                let op = format!("{} on stream {id}", node.op_name());
+                inner.execute(&op, &node)
+            }
+            Msg::Record(ev, g) => {
+                ev.complete(g);
+                Ok(())
+            }
+            Msg::Wait(ev, g) => {
+                ev.wait(g);
+                Ok(())
+            }
+            Msg::Shutdown => break,
+        };
+        stream.finish(r);
+    }
+}
+
+/// The CPU backend. `CpuBackend::new()` returns a plain value; wrap it in an
+/// `Arc` when it must be shared (`Arc<CpuBackend>` coerces to
+/// `Arc<dyn GpuBackend>`). Dropping it waits for all queued work and joins
+/// the stream workers.
+pub struct CpuBackend {
+    inner: Arc<Inner>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl CpuBackend {
+    /// A backend whose new allocations are zeroed.
+    pub fn new() -> CpuBackend {
+        Self::build(false)
+    }
+
+    /// A backend in debug mode: new allocations are filled with 0xFF (NaN in
+    /// every float format) and freed memory with 0xDE before release, so
+    /// reading uninitialised or freed memory shows.
+    pub fn new_debug() -> CpuBackend {
+        Self::build(true)
+    }
+
+    /// Whether this backend is in debug mode.
+    pub fn is_debug(&self) -> bool {
+        self.inner.debug
+    }
+
+    fn build(debug: bool) -> CpuBackend {
+        let inner = Arc::new(Inner {
+            debug,
+            ledger: Ledger::new(debug),
+            exec: RwLock::new(()),
+            deferred: Mutex::new(Vec::new()),
+            streams: RwLock::new(HashMap::new()),
+            next_stream: AtomicU64::new(1),
+            events: Mutex::new(HashMap::new()),
+            next_event: AtomicU64::new(1),
+            graphs: Mutex::new(HashMap::new()),
+            next_graph: AtomicU64::new(1),
+            kernels: RwLock::new(KernelTable::default()),
+        });
+        let b = CpuBackend { inner };
+        // The default stream cannot fail to start short of thread exhaustion
+        // at construction, which is unrecoverable for a runtime.
+        b.spawn_stream(0)
+            .expect("cannot start the default stream's worker thread");
+        b
+    }
+
+    fn spawn_stream(&self, id: StreamId) -> Result<()> {
+        let (s, rx) = Stream::new(id);
+        let inner = self.inner.clone();
+        let s2 = s.clone();
+        let h = std::thread::Builder::new()
+            .name(format!("cpu-stream-{id}"))
+            .spawn(move || worker(inner, s2, rx))
+            .map_err(|e| anyhow!("create_stream: cannot start a worker thread: {e}"))?;
+        s.set_worker(h);
+        self.inner.streams.write().insert(id, s);
+        Ok(())
+    }
+
+    fn all_streams(&self) -> Vec<Arc<Stream>> {
+        self.inner.streams.read().values().cloned().collect()
+    }
+
+    fn copy_sync(&self, op: &str, node: Node) -> Result<()> {
+        self.inner.validate(op, &node)?;
+        self.inner.sync_prologue(op)?;
+        self.inner.execute(op, &node)
+    }
+}
+
+impl Drop for CpuBackend {
+    fn drop(&mut self) {
+        let streams: Vec<_> = self.inner.streams.write().drain().map(|(_, s)| s).collect();
+        for s in streams {
+            s.shutdown();
+        }
+    }
+}
+
+impl GpuBackend for CpuBackend {
+    fn name(&self) -> &str {
+        "cpu"
+    }
+
+    fn alloc(&self, bytes: usize, label: &str) -> Result<DevicePtr> {
+        let (p, _) =
+            self.inner
+                .ledger
+                .alloc("alloc", bytes, DEVICE_ALIGN, label, MemoryKind::Device)?;
+        Ok(p)
+    }
+
+    fn free(&self, ptr: DevicePtr) -> Result<()> {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        self.inner.ledger.check_freeable(ptr)?;
+        if !on_worker() {
+            // As cuMemFree: work already queued may still use the memory.
+            for s in self.all_streams() {
+                drop(s.drain());
+            }
+        }
+        let entry = self.inner.ledger.remove(ptr)?;
+        self.inner.release(entry);
+        Ok(())
+    }
+
+    fn alloc_host_mapped(&self, bytes: usize, label: &str) -> Result<HostMapped> {
+        let (device, host) = self.inner.ledger.alloc(
+            "alloc_host_mapped",
+            bytes,
+            HOST_MAPPED_ALIGN,
+            label,
+            MemoryKind::HostMapped,
+        )?;
+        Ok(HostMapped {
+            device,
+            host: host as *mut u8,
+            bytes,
+        })
+    }
+
+    unsafe fn register_host(&self, host: *mut u8, bytes: usize, label: &str) -> Result<DevicePtr> {
+        self.inner
+            .ledger
+            .register("register_host", host, bytes, label)
+    }
+
+    fn memset(&self, dst: DevicePtr, value: u8, bytes: usize) -> Result<()> {
+        self.copy_sync("memset", Node::Memset { dst, value, bytes })
+    }
+
+    fn memset_async(
+        &self,
+        dst: DevicePtr,
+        value: u8,
+        bytes: usize,
+        stream: StreamId,
+    ) -> Result<()> {
+        let s = self.inner.stream("memset_async", stream)?;
+        self.inner
+            .submit("memset_async", &s, &[Node::Memset { dst, value, bytes }])
+    }
+
+    fn copy_h2d(&self, src: &[u8], dst: DevicePtr) -> Result<()> {
+        let op = "copy_h2d";
+        self.inner.ledger.resolve(op, dst, src.len())?;
+        self.inner.sync_prologue(op)?;
+        let _barrier = self.inner.exec.read_recursive();
+        let d = self.inner.ledger.resolve(op, dst, src.len())?;
+        // SAFETY: `d` has `src.len()` checked bytes kept alive by the
+        // barrier; `src` is host memory outside the ledger's owned buffers
+        // (a registered buffer overlapping it is the caller's aliasing).
+        unsafe { std::ptr::copy(src.as_ptr(), d, src.len()) };
+        Ok(())
+    }
+
+    fn copy_d2h(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
+        let op = "copy_d2h";
+        self.inner.ledger.resolve(op, src, dst.len())?;
+        self.inner.sync_prologue(op)?;
+        let _barrier = self.inner.exec.read_recursive();
+        let s = self.inner.ledger.resolve(op, src, dst.len())?;
+        // SAFETY: `s` has `dst.len()` checked bytes kept alive by the barrier.
+        unsafe { std::ptr::copy(s, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy_d2d(&self, src: DevicePtr, dst: DevicePtr, bytes: usize) -> Result<()> {
+        self.copy_sync("copy_d2d", Node::CopyD2D { src, dst, bytes })
+    }
+
+    fn copy_h2d_async(&self, src: &[u8], dst: DevicePtr, stream: StreamId) -> Result<()> {
+        let op = "copy_h2d_async";
+        let s = self.inner.stream(op, stream)?;
+        // Refuse before copying the source: under capture it is never used.
+        self.inner.ledger.resolve(op, dst, src.len())?;
+        self.inner.refuse_if_capturing(
+            op,
+            &s,
+            "a copy from ordinary host memory cannot be replayed (stage it in \
+             alloc_host_mapped memory and use copy_d2d_async)",
+        )?;
+        self.inner.submit(
+            op,
+            &s,
+            &[Node::CopyH2D {
+                src: Arc::from(src),
+                dst,
+            }],
+        )
+    }
+
+    fn copy_d2h_on_stream(&self, src: DevicePtr, dst: &mut [u8], stream: StreamId) -> Result<()> {
+        let op = "copy_d2h_on_stream";
+        let s = self.inner.stream(op, stream)?;
+        self.inner
+            .refuse_if_capturing(op, &s, "a blocking read cannot be captured")?;
+        self.inner.ledger.resolve(op, src, dst.len())?;
+        self.inner.sync_stream(op, &s)?;
+        let _barrier = self.inner.exec.read_recursive();
+        let p = self.inner.ledger.resolve(op, src, dst.len())?;
+        // SAFETY: `p` has `dst.len()` checked bytes kept alive by the barrier.
+        unsafe { std::ptr::copy(p, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy_d2d_async(
+        &self,
+        src: DevicePtr,
+        dst: DevicePtr,
+        bytes: usize,
+        stream: StreamId,
+    ) -> Result<()> {
+        let s = self.inner.stream("copy_d2d_async", stream)?;
+        self.inner
+            .submit("copy_d2d_async", &s, &[Node::CopyD2D { src, dst, bytes }])
+    }
+
+    fn create_stream(&self) -> Result<StreamId> {
+        let id = self.inner.next_stream.fetch_add(1, Ordering::Relaxed);
+        self.spawn_stream(id)?;
+        Ok(id)
+    }
+
+    fn destroy_stream(&self, stream: StreamId) -> Result<()> {
+        let op = "destroy_stream";
+        if stream == 0 {
+            bail!("{op}: the default stream cannot be destroyed");
+        }
+        let s = self.inner.stream(op, stream)?;
+        if s.state.lock().capture.is_some() {
+            bail!("{op}: stream {stream} is capturing; end the capture first");
+        }
+        if on_worker() {
+            bail!(
+                "{op}: called from inside a queued operation, where waiting on stream {stream} would deadlock"
+            );
+        }
+        self.inner.streams.write().remove(&stream);
+        let pending = s.drain().error.take();
+        s.shutdown();
+        match pending {
+            None => Ok(()),
+            Some(e) => Err(anyhow!(
+                "{op}: stream {stream} is destroyed, but earlier work on it failed: {e:#}"
+            )),
+        }
+    }
+
+    fn synchronize(&self, stream: StreamId) -> Result<()> {
+        let s = self.inner.stream("synchronize", stream)?;
+        self.inner
+            .refuse_if_capturing("synchronize", &s, "a blocking wait cannot be captured")?;
+        self.inner.sync_stream("synchronize", &s)
+    }
+
+    fn create_event(&self) -> Result<EventHandle> {
+        let id = self.inner.next_event.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .events
+            .lock()
+            .insert(id, Arc::new(Event::new(id)));
+        Ok(EventHandle(id))
+    }
+
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> Result<()> {
+        let ev = self.inner.event("record_event", event)?;
+        let s = self.inner.stream("record_event", stream)?;
+        self.inner.submit("record_event", &s, &[Node::Record(ev)])
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> Result<()> {
+        let ev = self.inner.event("stream_wait_event", event)?;
+        let s = self.inner.stream("stream_wait_event", stream)?;
+        self.inner
+            .submit("stream_wait_event", &s, &[Node::Wait(ev)])
+    }
+
+    fn event_synchronize(&self, event: EventHandle) -> Result<()> {
+        let ev = self.inner.event("event_synchronize", event)?;
+        let g = ev.last();
+        if g == 0 || ev.is_complete(g) {
+            return Ok(());
+        }
+        if on_worker() {
+            bail!(
+                "event_synchronize: called from inside a queued operation, where waiting on event {} would deadlock",
+                ev.id
+            );
+        }
+        ev.wait(g);
+        Ok(())
+    }
+
+    fn event_query(&self, event: EventHandle) -> Result<bool> {
+        let ev = self.inner.event("event_query", event)?;
+        let g = ev.last();
+        Ok(g == 0 || ev.is_complete(g))
+    }
+
+    fn destroy_event(&self, event: EventHandle) -> Result<()> {
+        // Queued records and waits hold their own reference, so they still
+        // complete after the handle is gone.
+        self.inner
+            .events
+            .lock()
+            .remove(&event.0)
+            .map(drop)
+            .ok_or_else(|| anyhow!("destroy_event: unknown event {}", event.0))
+    }
+
+    fn begin_capture(&self, stream: StreamId) -> Result<()> {
+        let s = self.inner.stream("begin_capture", stream)?;
+        let mut st = s.state.lock();
+        if st.capture.is_some() {
+            bail!("begin_capture: stream {stream} is already capturing");
+        }
+        st.capture = Some(Capture {
+            nodes: Vec::new(),
+            invalid: None,
+        });
+        Ok(())
+    }
+
+    fn end_capture(&self, stream: StreamId) -> Result<GraphHandle> {
+        let s = self.inner.stream("end_capture", stream)?;
+        let cap = s
+            .state
+            .lock()
+            .capture
+            .take()
+            .ok_or_else(|| anyhow!("end_capture: stream {stream} is not capturing"))?;
+        if let Some(why) = cap.invalid {
+            bail!("end_capture: the capture on stream {stream} was invalidated by: {why}");
+        }
+        let id = self.inner.next_graph.fetch_add(1, Ordering::Relaxed);
+        self.inner.graphs.lock().insert(id, cap.nodes.into());
+        Ok(GraphHandle(id))
+    }
+
+    fn stream_is_capturing(&self, stream: StreamId) -> Result<bool> {
+        let s = self.inner.stream("stream_is_capturing", stream)?;
+        Ok(s.state.lock().capture.is_some())
+    }
+
+    fn launch_graph(&self, graph: GraphHandle, stream: StreamId) -> Result<()> {
+        let op = "launch_graph";
+        let nodes = self
+            .inner
+            .graphs
+            .lock()
+            .get(&graph.0)
+            .cloned()
+            .ok_or_else(|| anyhow!("{op}: unknown graph {}", graph.0))?;
+        let s = self.inner.stream(op, stream)?;
+        self.inner
+            .submit(&format!("{op} (graph {})", graph.0), &s, &nodes)
+    }
+
+    fn destroy_graph(&self, graph: GraphHandle) -> Result<()> {
+        self.inner
+            .graphs
+            .lock()
+            .remove(&graph.0)
+            .map(drop)
+            .ok_or_else(|| anyhow!("destroy_graph: unknown graph {}", graph.0))
+    }
+
+    fn supports_host_kernels(&self) -> bool {
+        true
+    }
+
+    fn register_host_kernel(
+        &self,
+        module: &str,
+        name: &str,
+        signature: &[ArgKind],
+        body: Arc<HostKernelFn>,
+    ) -> Result<()> {
+        if module.is_empty() || name.is_empty() {
+            bail!("register_host_kernel: empty module or kernel name ('{module}::{name}')");
+        }
+        let entry = Arc::new(KernelEntry {
+            qualified: format!("{module}::{name}"),
+            signature: signature.to_vec(),
+            body,
+        });
+        let mut t = self.inner.kernels.write();
+        match t.by_name.get(&(module.to_string(), name.to_string())) {
+            Some(&i) => t.slots[i] = entry,
+            None => {
+                let i = t.slots.len();
+                t.slots.push(entry);
+                t.by_name.insert((module.to_string(), name.to_string()), i);
+            }
+        }
+        Ok(())
+    }
+
+    fn load_module(&self, module: &str, _image: &[u8]) -> Result<()> {
+        bail!(
+            "load_module '{module}': device code modules need the CUDA backend; the CPU backend \
+             runs host kernels registered with register_host_kernel"
+        )
+    }
+
+    fn kernel(&self, module: &str, name: &str) -> Result<KernelHandle> {
+        let t = self.inner.kernels.read();
+        if let Some(&i) = t.by_name.get(&(module.to_string(), name.to_string())) {
+            return Ok(KernelHandle(i as u64 + 1));
+        }
+        let mut known: Vec<&str> = t
+            .by_name
+            .keys()
+            .filter(|(m, _)| m == module)
+            .map(|(_, n)| n.as_str())
+            .collect();
+        known.sort_unstable();
+        if known.is_empty() {
+            bail!(
+                "kernel {module}::{name}: no such kernel (no kernels registered in module '{module}')"
+            );
+        }
+        bail!(
+            "kernel {module}::{name}: no such kernel (module '{module}' has: {})",
+            known.join(", ")
+        )
+    }
+
+    fn launch_kernel(
+        &self,
+        kernel: KernelHandle,
+        cfg: LaunchConfig,
+        args: &[KernelArg],
+        stream: StreamId,
+    ) -> Result<()> {
+        let op = "launch_kernel";
+        let entry = {
+            let t = self.inner.kernels.read();
+            (kernel.0 as usize)
+                .checked_sub(1)
+                .and_then(|i| t.slots.get(i))
+                .cloned()
+                .ok_or_else(|| anyhow!("{op}: unknown kernel handle {}", kernel.0))?
+        };
+        let q = &entry.qualified;
+        let (g, b) = (cfg.grid, cfg.block);
+        if g.0 == 0 || g.1 == 0 || g.2 == 0 || b.0 == 0 || b.1 == 0 || b.2 == 0 {
+            bail!("{op} {q}: grid {g:?} and block {b:?} must have no zero dimension");
+        }
+        if args.len() != entry.signature.len() {
+            bail!(
+                "{op} {q}: expected {} arguments, got {}",
+                entry.signature.len(),
+                args.len()
+            );
+        }
+        for (i, (a, k)) in args.iter().zip(&entry.signature).enumerate() {
+            if a.kind() != *k {
+                bail!(
+                    "{op} {q}: argument {i}: expected {k:?}, got {:?} ({a:?})",
+                    a.kind()
+                );
+            }
+        }
+        let s = self.inner.stream(op, stream)?;
+        self.inner.submit(
+            op,
+            &s,
+            &[Node::Kernel {
+                kernel: entry,
+                cfg,
+                args: args.into(),
+            }],
+        )
+    }
+
+    fn live_bytes(&self) -> usize {
+        self.inner.ledger.live_bytes()
+    }
+
+    fn live_alloc_count(&self) -> usize {
+        self.inner.ledger.live_count()
+    }
+
+    fn live_allocations(&self) -> Vec<AllocationInfo> {
+        self.inner.ledger.allocations()
+    }
+}
+
+#[cfg(test)]
+mod tests;

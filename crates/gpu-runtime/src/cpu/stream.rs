@@ -1,0 +1,267 @@
+//! Streams, events and queued operations of the CPU backend.
+//!
+//! Each stream is an in-order queue drained by its own worker thread.
+//! Invariants:
+//! - `submitted` counts operations sent to the worker and `completed` those
+//!   it has finished; both only grow, under the stream's lock, so "all work
+//!   queued before now" is `completed >= submitted-at-call-time`;
+//! - the first error raised by a queued operation is kept (later ones are
+//!   dropped) until a synchronising call takes it; operations queued after a
+//!   failed one still run, as on CUDA, where a failed copy does not cancel the
+//!   rest of the stream;
+//! - while a stream captures, submissions go to its capture list instead of
+//!   the worker; a refused submission invalidates the capture;
+//! - every event record gets a fresh generation; a generation is pending from
+//!   its submission until its marker runs, and a wait blocks on exactly the
+//!   generation that was the event's last record when the wait was queued
+//!   (a never-recorded event never blocks).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use anyhow::Result;
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::{Condvar, Mutex};
+
+use crate::gpu::{ArgKind, DevicePtr, HostKernelFn, KernelArg, LaunchConfig, StreamId};
+
+/// A registered host kernel.
+pub(crate) struct KernelEntry {
+    /// `module::name`, for messages.
+    pub qualified: String,
+    /// The argument kinds it takes.
+    pub signature: Vec<ArgKind>,
+    /// Its body.
+    pub body: Arc<HostKernelFn>,
+}
+
+/// An operation as submitted (and as recorded in a graph).
+#[derive(Clone)]
+pub(crate) enum Node {
+    /// Fill bytes.
+    Memset {
+        /// Destination.
+        dst: DevicePtr,
+        /// Fill byte.
+        value: u8,
+        /// Length.
+        bytes: usize,
+    },
+    /// Copy bytes captured from the host at submission.
+    CopyH2D {
+        /// The bytes, owned by the operation.
+        src: Arc<[u8]>,
+        /// Destination.
+        dst: DevicePtr,
+    },
+    /// Copy between device addresses (overlap allowed).
+    CopyD2D {
+        /// Source.
+        src: DevicePtr,
+        /// Destination.
+        dst: DevicePtr,
+        /// Length.
+        bytes: usize,
+    },
+    /// Run a host kernel.
+    Kernel {
+        /// The kernel as registered when submitted.
+        kernel: Arc<KernelEntry>,
+        /// Grid and block.
+        cfg: LaunchConfig,
+        /// Checked arguments.
+        args: Arc<[KernelArg]>,
+    },
+    /// Record an event.
+    Record(Arc<Event>),
+    /// Wait for an event's last record.
+    Wait(Arc<Event>),
+}
+
+impl Node {
+    /// The API call that produced this node, for messages.
+    pub fn op_name(&self) -> &'static str {
+        match self {
+            Node::Memset { .. } => "memset_async",
+            Node::CopyH2D { .. } => "copy_h2d_async",
+            Node::CopyD2D { .. } => "copy_d2d_async",
+            Node::Kernel { .. } => "launch_kernel",
+            Node::Record(_) => "record_event",
+            Node::Wait(_) => "stream_wait_event",
+        }
+    }
+}
+
+/// What a worker receives.
+pub(crate) enum Msg {
+    /// Run a memory operation or kernel.
+    Work(Node),
+    /// Mark generation `.1` of the event complete.
+    Record(Arc<Event>, u64),
+    /// Block until generation `.1` of the event is complete.
+    Wait(Arc<Event>, u64),
+    /// Finish: the worker exits after everything queued before it.
+    Shutdown,
+}
+
+/// An event: a sequence of recorded generations.
+pub(crate) struct Event {
+    /// Its handle value.
+    pub id: u64,
+    state: Mutex<EventState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct EventState {
+    next_gen: u64,
+    /// The last generation recorded (0: never recorded).
+    last: u64,
+    /// Generations submitted but not yet reached by their stream.
+    pending: BTreeSet<u64>,
+}
+
+impl Event {
+    /// A never-recorded event.
+    pub fn new(id: u64) -> Self {
+        Event {
+            id,
+            state: Mutex::new(EventState::default()),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Start a new record: returns its generation, now pending.
+    pub fn issue(&self) -> u64 {
+        let mut s = self.state.lock();
+        s.next_gen += 1;
+        let g = s.next_gen;
+        s.last = g;
+        s.pending.insert(g);
+        g
+    }
+
+    /// The last recorded generation, 0 when never recorded.
+    pub fn last(&self) -> u64 {
+        self.state.lock().last
+    }
+
+    /// Mark generation `g` complete.
+    pub fn complete(&self, g: u64) {
+        self.state.lock().pending.remove(&g);
+        self.cv.notify_all();
+    }
+
+    /// Whether generation `g` is complete.
+    pub fn is_complete(&self, g: u64) -> bool {
+        !self.state.lock().pending.contains(&g)
+    }
+
+    /// Block until generation `g` is complete.
+    pub fn wait(&self, g: u64) {
+        let mut s = self.state.lock();
+        while s.pending.contains(&g) {
+            self.cv.wait(&mut s);
+        }
+    }
+}
+
+/// A capture in progress.
+pub(crate) struct Capture {
+    /// Nodes recorded so far.
+    pub nodes: Vec<Node>,
+    /// Why the capture can no longer succeed, if it cannot.
+    pub invalid: Option<String>,
+}
+
+/// Mutable state of a stream.
+pub(crate) struct StreamState {
+    /// Operations sent to the worker.
+    pub submitted: u64,
+    /// Operations the worker has finished.
+    pub completed: u64,
+    /// The first error not yet reported.
+    pub error: Option<anyhow::Error>,
+    /// The capture in progress.
+    pub capture: Option<Capture>,
+}
+
+/// One in-order stream.
+pub(crate) struct Stream {
+    /// Its id.
+    pub id: StreamId,
+    tx: Sender<Msg>,
+    /// Counters, pending error and capture.
+    pub state: Mutex<StreamState>,
+    done: Condvar,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Stream {
+    /// A stream and the receiving end its worker must drain.
+    pub fn new(id: StreamId) -> (Arc<Stream>, Receiver<Msg>) {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let s = Stream {
+            id,
+            tx,
+            state: Mutex::new(StreamState {
+                submitted: 0,
+                completed: 0,
+                error: None,
+                capture: None,
+            }),
+            done: Condvar::new(),
+            worker: Mutex::new(None),
+        };
+        (Arc::new(s), rx)
+    }
+
+    /// Attach the worker thread that drains this stream.
+    pub fn set_worker(&self, h: JoinHandle<()>) {
+        *self.worker.lock() = Some(h);
+    }
+
+    /// Send a message to the worker; the caller holds the state lock and
+    /// has already counted it in `submitted` when it is work.
+    pub fn send_locked(&self, st: &mut StreamState, msg: Msg) -> Result<()> {
+        st.submitted += 1;
+        if self.tx.send(msg).is_err() {
+            st.submitted -= 1;
+            anyhow::bail!("stream {}: its worker has stopped", self.id);
+        }
+        Ok(())
+    }
+
+    /// The worker finished one operation with result `r`.
+    pub fn finish(&self, r: Result<()>) {
+        let mut st = self.state.lock();
+        if let Err(e) = r {
+            st.error.get_or_insert(e);
+        }
+        st.completed += 1;
+        drop(st);
+        self.done.notify_all();
+    }
+
+    /// Block until everything submitted before this call has run; returns
+    /// the locked state so the caller can take the pending error atomically.
+    pub fn drain(&self) -> parking_lot::MutexGuard<'_, StreamState> {
+        let mut st = self.state.lock();
+        let target = st.submitted;
+        while st.completed < target {
+            self.done.wait(&mut st);
+        }
+        st
+    }
+
+    /// Ask the worker to stop after its queue and join it.
+    pub fn shutdown(&self) {
+        // A send error means the worker is already gone.
+        let _ = self.tx.send(Msg::Shutdown);
+        if let Some(h) = self.worker.lock().take() {
+            // A panicking worker already lost its queue; nothing to add.
+            let _ = h.join();
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! Unit tests of the CPU backend's own behaviour (debug fill, worker
+//! threads, deadlock refusal); the backend-neutral behaviour is in
+//! `conformance` and runs from `tests/conformance.rs`.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::*;
+use crate::gpu::{ArgKind, GpuBackend, KernelArg, LaunchConfig};
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn debug_mode_fills_new_allocations_with_nan() {
+    let gpu = CpuBackend::new_debug();
+    assert!(gpu.is_debug());
+    let p = gpu.alloc(16, "fresh").unwrap();
+    let mut out = [0u8; 16];
+    gpu.copy_d2h(p, &mut out).unwrap();
+    assert!(f32s(&out).iter().all(|v| v.is_nan()));
+    let m = gpu.alloc_host_mapped(8, "mapped").unwrap();
+    // SAFETY: `m.host` has 8 initialised bytes owned by the backend.
+    let host = unsafe { std::slice::from_raw_parts(m.host, 8) };
+    assert_eq!(host, &[0xFF; 8]);
+    gpu.free(p).unwrap();
+    gpu.free(m.device).unwrap();
+
+    let gpu = CpuBackend::new();
+    assert!(!gpu.is_debug());
+    let p = gpu.alloc(16, "fresh").unwrap();
+    gpu.copy_d2h(p, &mut out).unwrap();
+    assert_eq!(out, [0; 16]);
+    gpu.free(p).unwrap();
+}
+
+#[test]
+fn synchronising_from_inside_a_kernel_is_refused_not_deadlocked() {
+    let gpu = Arc::new(CpuBackend::new());
+    let inner = Arc::downgrade(&gpu);
+    let seen = Arc::new(Mutex::new(String::new()));
+    let seen2 = seen.clone();
+    gpu.register_host_kernel(
+        "t",
+        "sync_inside",
+        &[],
+        Arc::new(
+            move |_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
+                let g = inner.upgrade().unwrap();
+                let e = g.synchronize(0).unwrap_err();
+                *seen2.lock() = e.to_string();
+                Ok(())
+            },
+        ),
+    )
+    .unwrap();
+    let k = gpu.kernel("t", "sync_inside").unwrap();
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[], 0)
+        .unwrap();
+    gpu.synchronize(0).unwrap();
+    let s = seen.lock().clone();
+    assert!(
+        s.contains("synchronize: called from inside a queued operation"),
+        "{s}"
+    );
+}
+
+#[test]
+fn free_waits_for_queued_work_that_uses_the_buffer() {
+    let gpu = CpuBackend::new();
+    let release = Arc::new(AtomicBool::new(false));
+    let r2 = release.clone();
+    gpu.register_host_kernel(
+        "t",
+        "gate",
+        &[ArgKind::Ptr],
+        Arc::new(
+            move |m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+                while !r2.load(Ordering::Acquire) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let KernelArg::Ptr(p) = a[0] else {
+                    unreachable!()
+                };
+                // SAFETY: sole user of these 4 bytes while the kernel runs.
+                let s = unsafe { m.slice_mut::<u32>(p, 1)? };
+                s[0] = 7;
+                Ok(())
+            },
+        ),
+    )
+    .unwrap();
+    let s = gpu.create_stream().unwrap();
+    let p = gpu.alloc(4, "gated").unwrap();
+    let k = gpu.kernel("t", "gate").unwrap();
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(p)], s)
+        .unwrap();
+    let r3 = release.clone();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        r3.store(true, Ordering::Release);
+    });
+    // Returns only after the kernel has run, so the kernel never sees a
+    // freed buffer and the stream has no pending error.
+    gpu.free(p).unwrap();
+    assert!(release.load(Ordering::Acquire));
+    t.join().unwrap();
+    gpu.synchronize(s).unwrap();
+    gpu.destroy_stream(s).unwrap();
+    assert_eq!(gpu.live_alloc_count(), 0);
+}
+
+#[test]
+fn destroying_a_stream_reports_its_pending_error() {
+    let gpu = CpuBackend::new();
+    let s = gpu.create_stream().unwrap();
+    let p = gpu.alloc(8, "short-lived").unwrap();
+    gpu.memset_async(p, 1, 8, s).unwrap();
+    gpu.synchronize(s).unwrap();
+    // Make the queued op fail at execution: a kernel that frees nothing but
+    // errors.
+    gpu.register_host_kernel(
+        "t",
+        "fail",
+        &[],
+        Arc::new(|_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
+            anyhow::bail!("deliberate failure")
+        }),
+    )
+    .unwrap();
+    let k = gpu.kernel("t", "fail").unwrap();
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[], s)
+        .unwrap();
+    let e = gpu.destroy_stream(s).unwrap_err().to_string();
+    assert!(
+        e.contains("destroy_stream: stream") && e.contains("deliberate failure"),
+        "{e}"
+    );
+    let e = gpu.synchronize(s).unwrap_err().to_string();
+    assert!(e.contains("unknown stream"), "{e}");
+    gpu.free(p).unwrap();
+}
+
+#[test]
+fn drop_runs_queued_work_and_joins_workers() {
+    let done = Arc::new(AtomicBool::new(false));
+    let d2 = done.clone();
+    {
+        let gpu = CpuBackend::new();
+        gpu.register_host_kernel(
+            "t",
+            "slow",
+            &[],
+            Arc::new(
+                move |_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
+                    std::thread::sleep(Duration::from_millis(30));
+                    d2.store(true, Ordering::Release);
+                    Ok(())
+                },
+            ),
+        )
+        .unwrap();
+        let s = gpu.create_stream().unwrap();
+        let k = gpu.kernel("t", "slow").unwrap();
+        gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[], s)
+            .unwrap();
+    }
+    assert!(done.load(Ordering::Acquire));
+}
+
+#[test]
+fn kernel_panics_become_stream_errors() {
+    let gpu = CpuBackend::new();
+    gpu.register_host_kernel(
+        "t",
+        "boom",
+        &[],
+        Arc::new(|_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| panic!("kaboom")),
+    )
+    .unwrap();
+    let k = gpu.kernel("t", "boom").unwrap();
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[], 0)
+        .unwrap();
+    let e = gpu.synchronize(0).unwrap_err().to_string();
+    assert!(
+        e.contains("launch_kernel on stream 0 t::boom panicked: kaboom"),
+        "{e}"
+    );
+    gpu.synchronize(0).unwrap();
+}
