@@ -67,7 +67,8 @@ pub fn reference_run<S: Site>(sites: &[S], gpu: &dyn GpuBackend, tokens: &[u32])
         let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
         gpu.copy_h2d(&bytes, hw).unwrap();
         for (s, st) in sites.iter().zip(states.iter_mut()) {
-            s.forward(st, &tokens[done..done + n], hw, done == 0, gpu, 0).unwrap();
+            s.forward(st, &tokens[done..done + n], hw, done == 0, gpu, 0)
+                .unwrap();
         }
         let mut back = vec![0u8; bytes.len()];
         gpu.copy_d2h_on_stream(hw, &mut back, 0).unwrap();
@@ -110,14 +111,21 @@ pub struct Exercised {
 fn assert_rows_eq(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}: row length");
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        assert!(a.to_bits() == b.to_bits(), "{what}: value {i}: engine {a:e}, sequential {b:e}");
+        assert!(
+            a.to_bits() == b.to_bits(),
+            "{what}: value {i}: engine {a:e}, sequential {b:e}"
+        );
     }
 }
 
 fn check_track<S: Site>(e: &Engine<S>, id: SeqId, t: &Track, ex: &mut Exercised) {
     let w = e.width();
     let gpu = e.gpu().clone();
-    assert_eq!(e.tokens(id).unwrap(), &t.tokens[..], "sequence {id}: token list");
+    assert_eq!(
+        e.tokens(id).unwrap(),
+        &t.tokens[..],
+        "sequence {id}: token list"
+    );
     let want = reference_run(e.sites(), gpu.as_ref(), &t.tokens);
     for (p, o) in t.outputs.iter().enumerate() {
         if let Some(o) = o {
@@ -132,7 +140,11 @@ fn check_track<S: Site>(e: &Engine<S>, id: SeqId, t: &Track, ex: &mut Exercised)
     for (ctx, n, rows) in &t.drafts {
         let want = reference_run(e.sites(), gpu.as_ref(), ctx);
         let from = ctx.len() - n;
-        assert_rows_eq(&format!("sequence {id} draft at {from}"), rows, &want[from * w..]);
+        assert_rows_eq(
+            &format!("sequence {id} draft at {from}"),
+            rows,
+            &want[from * w..],
+        );
         ex.rows_checked += n;
     }
 }
@@ -140,7 +152,15 @@ fn check_track<S: Site>(e: &Engine<S>, id: SeqId, t: &Track, ex: &mut Exercised)
 /// Drive `e` through `steps` random operations over up to `live` sequences
 /// at a time, checking every output row against [`reference_run`] when each
 /// sequence is released. Prompts share stems so the prefix cache hits.
-pub fn drive<S: Site>(e: &mut Engine<S>, seed: u64, steps: usize, live: usize) -> Exercised {
+///
+/// Decode batches hold at most `max_batch` sequences (what the budget holds).
+pub fn drive<S: Site>(
+    e: &mut Engine<S>,
+    seed: u64,
+    steps: usize,
+    live: usize,
+    max_batch: usize,
+) -> Exercised {
     let mut rng = Rng(seed);
     let w = e.width();
     let vocab = 40u32;
@@ -151,7 +171,10 @@ pub fn drive<S: Site>(e: &mut Engine<S>, seed: u64, steps: usize, live: usize) -
         })
         .collect();
     let mut tracks: HashMap<SeqId, Track> = HashMap::new();
-    let mut ex = Exercised { accept_lengths: vec![0; 8], ..Default::default() };
+    let mut ex = Exercised {
+        accept_lengths: vec![0; 8],
+        ..Default::default()
+    };
     for _step in 0..steps {
         let ids: Vec<SeqId> = {
             let mut v: Vec<SeqId> = tracks.keys().copied().collect();
@@ -162,11 +185,19 @@ pub fn drive<S: Site>(e: &mut Engine<S>, seed: u64, steps: usize, live: usize) -
         if ids.len() < live && (ids.is_empty() || op < 12) {
             // Add: a stem prefix (often whole) plus a random tail.
             let stem = &stems[rng.below(stems.len())];
-            let keep = if rng.pct(70) { stem.len() } else { rng.below(stem.len() + 1) };
+            let keep = if rng.pct(70) {
+                stem.len()
+            } else {
+                rng.below(stem.len() + 1)
+            };
             let mut prompt = stem[..keep].to_vec();
             for _ in 0..1 + rng.below(12) {
                 // Token 0 is EOS in the test geometries: segments restart.
-                prompt.push(if rng.pct(5) { 0 } else { rng.below(vocab as usize) as u32 });
+                prompt.push(if rng.pct(5) {
+                    0
+                } else {
+                    rng.below(vocab as usize) as u32
+                });
             }
             let a = e.add_sequence(&prompt).unwrap();
             assert!(a.cached < prompt.len());
@@ -206,7 +237,11 @@ pub fn drive<S: Site>(e: &mut Engine<S>, seed: u64, steps: usize, live: usize) -
                 let mut batch = Vec::new();
                 for &s in &ids {
                     let t = &tracks[&s];
-                    if !t.tokens.is_empty() && t.prompt_left.is_empty() && rng.pct(60) {
+                    if batch.len() < max_batch
+                        && !t.tokens.is_empty()
+                        && t.prompt_left.is_empty()
+                        && rng.pct(60)
+                    {
                         batch.push((s, rng.below(vocab as usize) as u32));
                     }
                 }
@@ -221,7 +256,11 @@ pub fn drive<S: Site>(e: &mut Engine<S>, seed: u64, steps: usize, live: usize) -
                 }
                 e.decode(&batch, &mut rows).unwrap();
                 for (b, &(s, _)) in batch.iter().enumerate() {
-                    tracks.get_mut(&s).unwrap().outputs.push(Some(rows[b * w..(b + 1) * w].to_vec()));
+                    tracks
+                        .get_mut(&s)
+                        .unwrap()
+                        .outputs
+                        .push(Some(rows[b * w..(b + 1) * w].to_vec()));
                 }
             }
             55..=69 => {
@@ -250,7 +289,11 @@ pub fn drive<S: Site>(e: &mut Engine<S>, seed: u64, steps: usize, live: usize) -
             }
             70..=79 => {
                 if e.is_resident(id).unwrap() {
-                    let target = if rng.pct(50) { SwapTarget::File } else { SwapTarget::Host };
+                    let target = if rng.pct(50) {
+                        SwapTarget::File
+                    } else {
+                        SwapTarget::Host
+                    };
                     e.swap_out(id, target).unwrap();
                 } else {
                     e.swap_in(id).unwrap();

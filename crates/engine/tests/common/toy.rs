@@ -44,8 +44,14 @@ impl ToySite {
             state_len: 9,
         };
         let c = hidden * hc;
-        let w = (0..c * 4).map(|i| ((i * 7 + salt as usize) % 13) as f32 / 13.0 - 0.4).collect();
-        ToySite { geom, w, max_tokens }
+        let w = (0..c * 4)
+            .map(|i| ((i * 7 + salt as usize) % 13) as f32 / 13.0 - 0.4)
+            .collect();
+        ToySite {
+            geom,
+            w,
+            max_tokens,
+        }
     }
 
     fn c(&self) -> usize {
@@ -54,7 +60,9 @@ impl ToySite {
 }
 
 fn f32s(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 fn bytes(v: &[f32]) -> Vec<u8> {
@@ -73,7 +81,10 @@ impl Site for ToySite {
     }
 
     fn new_state(&self, gpu: &dyn GpuBackend) -> Result<ToyState> {
-        Ok(ToyState { conv: gpu.alloc(self.geom.conv_bytes(), "toy conv")?, history: Vec::new() })
+        Ok(ToyState {
+            conv: gpu.alloc(self.geom.conv_bytes(), "toy conv")?,
+            history: Vec::new(),
+        })
     }
 
     fn forward(
@@ -86,7 +97,12 @@ impl Site for ToySite {
         stream: StreamId,
     ) -> Result<()> {
         ensure!(tokens.len() <= self.max_tokens, "toy: too many tokens");
-        let (c, s, k, d) = (self.c(), self.geom.state_len, self.geom.kernel, self.geom.dilation);
+        let (c, s, k, d) = (
+            self.c(),
+            self.geom.state_len,
+            self.geom.kernel,
+            self.geom.dilation,
+        );
         let ctx = self.geom.dims.context_len();
         let mut state = if fresh || st.history.len() != ctx {
             st.history = vec![self.geom.dims.eos_token_id; ctx];
@@ -114,7 +130,11 @@ impl Site for ToySite {
                 let mut y = 0f32;
                 for j in 0..k {
                     let back = (k - 1 - j) * d;
-                    let x = if back == 0 { xn[ch] } else { state[(s - back) * c + ch] };
+                    let x = if back == 0 {
+                        xn[ch]
+                    } else {
+                        state[(s - back) * c + ch]
+                    };
                     y += self.w[ch * k + j] * x;
                 }
                 hw[i * c + ch] += y;
@@ -137,7 +157,14 @@ impl Site for ToySite {
         stream: StreamId,
     ) -> Result<()> {
         for (b, st) in states.iter_mut().enumerate() {
-            self.forward(st, &tokens[b..b + 1], highway.offset(b * self.c() * 4), false, gpu, stream)?;
+            self.forward(
+                st,
+                &tokens[b..b + 1],
+                highway.offset(b * self.c() * 4),
+                false,
+                gpu,
+                stream,
+            )?;
         }
         Ok(())
     }
