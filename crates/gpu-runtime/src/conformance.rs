@@ -1149,15 +1149,22 @@ pub fn capture_refusals(gpu: &dyn GpuBackend) -> Result<()> {
 }
 
 /// Staging through host-mapped memory is capturable: `copy_d2d_async` from
-/// the mapped buffer's device address replays with the buffer's contents at
-/// replay time.
+/// the mapped buffer's device address, and `copy_h2d_async` from its host
+/// address, replay with the buffer's contents at replay time.
 pub fn capture_of_mapped_staging(gpu: &dyn GpuBackend) -> Result<()> {
     let base = Baseline::take(gpu);
     let s = gpu.create_stream()?;
     let stage = gpu.alloc_host_mapped(64, "conformance staging")?;
     let dst = gpu.alloc(64, "conformance dst")?;
+    let dst2 = gpu.alloc(32, "conformance dst2")?;
     gpu.begin_capture(s)?;
     gpu.copy_d2d_async(stage.device, dst, 64, s)?;
+    {
+        // SAFETY: 64 bytes of mapped memory owned by the backend until freed
+        // below; nothing writes them while this view lives.
+        let host = unsafe { std::slice::from_raw_parts(stage.host, 64) };
+        gpu.copy_h2d_async(&host[32..], dst2, s)?;
+    }
     let g = gpu.end_capture(s)?;
     for round in 1..=3u8 {
         // SAFETY: 64 bytes of mapped memory; no queued work reads them until
@@ -1167,7 +1174,15 @@ pub fn capture_of_mapped_staging(gpu: &dyn GpuBackend) -> Result<()> {
         let mut out = [0u8; 64];
         gpu.copy_d2h_on_stream(dst, &mut out, s)?;
         ensure!(out == [round; 64], "replay {round} saw {:?}", &out[..4]);
+        let mut out = [0u8; 32];
+        gpu.copy_d2h_on_stream(dst2, &mut out, s)?;
+        ensure!(
+            out == [round; 32],
+            "h2d from mapped, replay {round}: {:?}",
+            &out[..4]
+        );
     }
+    gpu.free(dst2)?;
     gpu.destroy_graph(g)?;
     gpu.destroy_stream(s)?;
     gpu.free(stage.device)?;

@@ -270,7 +270,9 @@ pub trait GpuBackend: Send + Sync {
     /// Copy device to device, synchronously.
     fn copy_d2d(&self, src: DevicePtr, dst: DevicePtr, bytes: usize) -> Result<()>;
     /// Queue a host-to-device copy on `stream`. `src` may be dropped as soon
-    /// as this returns. Refused while `stream` is capturing.
+    /// as this returns. Refused while `stream` is capturing, unless `src`
+    /// lies inside host-mapped or registered memory (as CUDA allows copies
+    /// from page-locked memory): the graph then reads `src` at each replay.
     fn copy_h2d_async(&self, src: &[u8], dst: DevicePtr, stream: StreamId) -> Result<()>;
     /// Copy device to host after all earlier work on `stream`; returns when
     /// the bytes are in `dst`. Reports any earlier error of the stream.

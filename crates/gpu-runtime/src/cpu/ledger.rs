@@ -17,6 +17,7 @@
 
 use std::alloc::Layout;
 use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
 
 use anyhow::{Result, anyhow, bail};
 use parking_lot::{Mutex, RwLock};
@@ -106,6 +107,9 @@ struct FreedLog {
 /// The ledger of live and recently freed allocations.
 pub(crate) struct Ledger {
     live: RwLock<BTreeMap<u64, Entry>>,
+    /// Host ranges of live host-mapped and registered entries, keyed by
+    /// (host start, device start), with their size.
+    host_index: RwLock<BTreeMap<(usize, u64), usize>>,
     freed: Mutex<FreedLog>,
     next_addr: Mutex<u64>,
     debug: bool,
@@ -116,6 +120,7 @@ impl Ledger {
     pub fn new(debug: bool) -> Self {
         Ledger {
             live: RwLock::new(BTreeMap::new()),
+            host_index: RwLock::new(BTreeMap::new()),
             freed: Mutex::new(FreedLog::default()),
             next_addr: Mutex::new(BASE_ADDR),
             debug,
@@ -180,6 +185,9 @@ impl Ledger {
                 return Err(e);
             }
         };
+        if kind != MemoryKind::Device {
+            self.host_index.write().insert((p as usize, addr), bytes);
+        }
         self.live.write().insert(addr, entry);
         Ok((DevicePtr(addr), p as usize))
     }
@@ -199,6 +207,7 @@ impl Ledger {
             bail!("{op} '{label}': {bytes} bytes at host {host:p} wrap the address space");
         }
         let addr = self.reserve(op, bytes)?;
+        self.host_index.write().insert((host as usize, addr), bytes);
         self.live.write().insert(
             addr,
             Entry {
@@ -264,6 +273,9 @@ impl Ledger {
                 }
             }
         };
+        if entry.kind != MemoryKind::Device {
+            self.host_index.write().remove(&(entry.host, ptr.0));
+        }
         let mut freed = self.freed.lock();
         if freed.order.len() >= FREED_MEMORY {
             if let Some(old) = freed.order.pop_front() {
@@ -285,7 +297,12 @@ impl Ledger {
     /// whole range lies inside one live allocation. An empty range may sit
     /// anywhere from an allocation's start to its end, or at null.
     #[inline]
-    pub fn resolve(&self, op: &str, ptr: DevicePtr, bytes: usize) -> Result<*mut u8> {
+    pub fn resolve<D: fmt::Display + ?Sized>(
+        &self,
+        op: &D,
+        ptr: DevicePtr,
+        bytes: usize,
+    ) -> Result<*mut u8> {
         {
             let live = self.live.read();
             if let Some((&base, e)) = live.range(..=ptr.0).next_back() {
@@ -304,7 +321,12 @@ impl Ledger {
 
     /// The error for a range that failed [`Self::resolve`].
     #[cold]
-    fn explain(&self, op: &str, ptr: DevicePtr, bytes: usize) -> anyhow::Error {
+    fn explain<D: fmt::Display + ?Sized>(
+        &self,
+        op: &D,
+        ptr: DevicePtr,
+        bytes: usize,
+    ) -> anyhow::Error {
         if ptr.is_null() {
             return anyhow!("{op}: null pointer ({bytes} bytes at {ptr})");
         }
@@ -334,6 +356,16 @@ impl Ledger {
             );
         }
         anyhow!("{op}: {ptr} ({bytes} bytes) is not inside any live allocation")
+    }
+
+    /// The device address of host memory `[host, host + bytes)` when it lies
+    /// inside one live host-mapped or registered allocation.
+    pub fn device_of_host(&self, host: *const u8, bytes: usize) -> Option<DevicePtr> {
+        let h = host as usize;
+        let idx = self.host_index.read();
+        let (&(start, dev), &len) = idx.range(..=(h, u64::MAX)).next_back()?;
+        let off = h - start;
+        (off.checked_add(bytes)? <= len).then(|| DevicePtr(dev + off as u64))
     }
 
     /// Bytes in live owned allocations (registered memory is not counted).
@@ -441,6 +473,36 @@ mod tests {
             .unwrap();
         drop(l.remove(r).unwrap());
         assert_eq!(caller, [7; 8], "registered memory is never poisoned");
+    }
+
+    #[test]
+    fn host_addresses_of_mapped_and_registered_memory_translate_back() {
+        let l = Ledger::new(false);
+        let (d, h) = l
+            .alloc("alloc_host_mapped", 100, 4096, "m", MemoryKind::HostMapped)
+            .unwrap();
+        assert_eq!(
+            l.device_of_host((h + 10) as *const u8, 90),
+            Some(d.offset(10))
+        );
+        assert_eq!(l.device_of_host((h + 10) as *const u8, 91), None);
+        let mut mine = [0u8; 32];
+        let r = l
+            .register("register_host", mine.as_mut_ptr(), 32, "r")
+            .unwrap();
+        assert_eq!(l.device_of_host(mine[4..].as_ptr(), 8), Some(r.offset(4)));
+        let (_, hd) = l
+            .alloc("alloc", 100, 64, "dev", MemoryKind::Device)
+            .unwrap();
+        assert_eq!(
+            l.device_of_host(hd as *const u8, 1),
+            None,
+            "device memory is not host-visible"
+        );
+        drop(l.remove(d).unwrap());
+        assert_eq!(l.device_of_host(h as *const u8, 1), None);
+        drop(l.remove(r).unwrap());
+        assert_eq!(l.device_of_host(mine.as_ptr(), 1), None);
     }
 
     #[test]

@@ -24,7 +24,8 @@
 //! - a synchronising call made from inside a queued operation (a kernel body
 //!   that holds the backend) would deadlock and is refused instead;
 //! - under graph capture, submissions are recorded; copies from ordinary host
-//!   memory, blocking reads, `synchronize` and synchronous copies on the
+//!   memory (not host-mapped or registered, whose copies are recorded as
+//!   reads of their device address at replay), blocking reads, `synchronize` and synchronous copies on the
 //!   capturing stream are refused and invalidate the capture, as CUDA does;
 //!   a graph holds pointers and kernel bodies by value and its launch
 //!   re-submits every node (checked again) in order.
@@ -34,6 +35,7 @@ mod stream;
 
 use std::cell::Cell;
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -96,7 +98,25 @@ struct Inner {
 /// Checked access to memory for a running kernel.
 struct KernelMemory<'a> {
     ledger: &'a Ledger,
-    op: &'a str,
+    op: &'a dyn fmt::Display,
+}
+
+/// "`call` on stream `id`", formatted only when an error needs it.
+struct OnStream(&'static str, StreamId);
+
+impl fmt::Display for OnStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} on stream {}", self.0, self.1)
+    }
+}
+
+/// Two parts of an operation's name, joined by a space when formatted.
+struct Joined<'a>(&'a dyn fmt::Display, &'a str);
+
+impl fmt::Display for Joined<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.0, self.1)
+    }
 }
 
 impl HostMemory for KernelMemory<'_> {
@@ -130,16 +150,16 @@ impl Inner {
             Node::CopyH2D { src, dst } => self.ledger.resolve(op, *dst, src.len()).map(drop),
             Node::CopyD2D { src, dst, bytes } => {
                 self.ledger
-                    .resolve(&format!("{op} (source)"), *src, *bytes)?;
+                    .resolve(&format_args!("{op} (source)"), *src, *bytes)?;
                 self.ledger
-                    .resolve(&format!("{op} (destination)"), *dst, *bytes)
+                    .resolve(&format_args!("{op} (destination)"), *dst, *bytes)
                     .map(drop)
             }
             Node::Kernel { kernel, args, .. } => {
                 for (i, a) in args.iter().enumerate() {
                     if let Some(p) = non_null_ptr(a) {
                         self.ledger.resolve(
-                            &format!("{op} {}: argument {i}", kernel.qualified),
+                            &format_args!("{op} {}: argument {i}", kernel.qualified),
                             p,
                             0,
                         )?;
@@ -163,7 +183,7 @@ impl Inner {
             if let Some(n) = nodes.iter().find(|n| matches!(n, Node::CopyH2D { .. })) {
                 let why = format!(
                     "{}: stream {} is capturing; a copy from ordinary host memory cannot be \
-                     replayed (stage it in alloc_host_mapped memory and use copy_d2d_async)",
+                     replayed (stage it in alloc_host_mapped memory, whose copies replay)",
                     n.op_name(),
                     stream.id
                 );
@@ -225,7 +245,7 @@ impl Inner {
     }
 
     /// Run one node on the calling thread.
-    fn execute(&self, op: &str, node: &Node) -> Result<()> {
+    fn execute(&self, op: &dyn fmt::Display, node: &Node) -> Result<()> {
         let _barrier = self.exec.read_recursive();
         match node {
             Node::Memset { dst, value, bytes } => {
@@ -243,24 +263,24 @@ impl Inner {
             Node::CopyD2D { src, dst, bytes } => {
                 let s = self
                     .ledger
-                    .resolve(&format!("{op} (source)"), *src, *bytes)?;
+                    .resolve(&format_args!("{op} (source)"), *src, *bytes)?;
                 let d = self
                     .ledger
-                    .resolve(&format!("{op} (destination)"), *dst, *bytes)?;
+                    .resolve(&format_args!("{op} (destination)"), *dst, *bytes)?;
                 // SAFETY: both ranges were checked; `copy` allows overlap.
                 unsafe { std::ptr::copy(s, d, *bytes) };
             }
             Node::Kernel { kernel, cfg, args } => {
-                let what = format!("{op} {}", kernel.qualified);
+                let what = Joined(op, &kernel.qualified);
                 for (i, a) in args.iter().enumerate() {
                     if let Some(p) = non_null_ptr(a) {
                         self.ledger
-                            .resolve(&format!("{what}: argument {i}"), p, 0)?;
+                            .resolve(&format_args!("{what}: argument {i}"), p, 0)?;
                     }
                 }
                 let mem = KernelMemory {
                     ledger: &self.ledger,
-                    op: &what,
+                    op: &what as &dyn fmt::Display,
                 };
                 let body = &kernel.body;
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -302,12 +322,9 @@ impl Inner {
 fn worker(inner: Arc<Inner>, stream: Arc<Stream>, rx: crossbeam_channel::Receiver<Msg>) {
     ON_WORKER.with(|w| w.set(true));
     let id = stream.id;
-    while let Ok(msg) = rx.recv() {
+    while let Some(msg) = stream::next_msg(&rx) {
         let r = match msg {
-            Msg::Work(node) => {
-                let op = format!("{} on stream {id}", node.op_name());
-                inner.execute(&op, &node)
-            }
+            Msg::Work(node) => inner.execute(&OnStream(node.op_name(), id), &node),
             Msg::Record(ev, g) => {
                 ev.complete(g);
                 Ok(())
@@ -396,7 +413,7 @@ impl CpuBackend {
     fn copy_sync(&self, op: &str, node: Node) -> Result<()> {
         self.inner.validate(op, &node)?;
         self.inner.sync_prologue(op)?;
-        self.inner.execute(op, &node)
+        self.inner.execute(&op, &node)
     }
 }
 
@@ -506,13 +523,26 @@ impl GpuBackend for CpuBackend {
     fn copy_h2d_async(&self, src: &[u8], dst: DevicePtr, stream: StreamId) -> Result<()> {
         let op = "copy_h2d_async";
         let s = self.inner.stream(op, stream)?;
-        // Refuse before copying the source: under capture it is never used.
         self.inner.ledger.resolve(op, dst, src.len())?;
+        // As CUDA allows copies from page-locked memory under capture: a
+        // source inside host-mapped or registered memory is recorded as a
+        // copy from its device address, read at each replay.
+        if s.state.lock().capture.is_some() {
+            if let Some(dev) = self.inner.ledger.device_of_host(src.as_ptr(), src.len()) {
+                let node = Node::CopyD2D {
+                    src: dev,
+                    dst,
+                    bytes: src.len(),
+                };
+                return self.inner.submit(op, &s, &[node]);
+            }
+        }
+        // Refuse before copying the source: under capture it is never used.
         self.inner.refuse_if_capturing(
             op,
             &s,
             "a copy from ordinary host memory cannot be replayed (stage it in \
-             alloc_host_mapped memory and use copy_d2d_async)",
+             alloc_host_mapped memory, whose copies replay)",
         )?;
         self.inner.submit(
             op,

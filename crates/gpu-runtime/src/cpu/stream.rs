@@ -18,13 +18,34 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
 
 use crate::gpu::{ArgKind, DevicePtr, HostKernelFn, KernelArg, LaunchConfig, StreamId};
+
+/// How long a worker, or a thread waiting for one, polls before sleeping.
+/// Waking a sleeping thread costs several microseconds, which would dominate
+/// the launch of a small kernel; polling this long is cheap by comparison.
+const SPIN: Duration = Duration::from_micros(30);
+
+/// The next message for a worker, polling briefly before blocking; `None`
+/// once every sender is gone.
+pub(crate) fn next_msg(rx: &Receiver<Msg>) -> Option<Msg> {
+    let t0 = Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(m) => return Some(m),
+            Err(TryRecvError::Disconnected) => return None,
+            Err(TryRecvError::Empty) if t0.elapsed() < SPIN => std::thread::yield_now(),
+            Err(TryRecvError::Empty) => return rx.recv().ok(),
+        }
+    }
+}
 
 /// A registered host kernel.
 pub(crate) struct KernelEntry {
@@ -194,6 +215,8 @@ pub(crate) struct Stream {
     tx: Sender<Msg>,
     /// Counters, pending error and capture.
     pub state: Mutex<StreamState>,
+    /// A lock-free copy of `state.completed`, for polling.
+    completed: AtomicU64,
     done: Condvar,
     worker: Mutex<Option<JoinHandle<()>>>,
 }
@@ -211,6 +234,7 @@ impl Stream {
                 error: None,
                 capture: None,
             }),
+            completed: AtomicU64::new(0),
             done: Condvar::new(),
             worker: Mutex::new(None),
         };
@@ -240,6 +264,7 @@ impl Stream {
             st.error.get_or_insert(e);
         }
         st.completed += 1;
+        self.completed.store(st.completed, Ordering::Release);
         drop(st);
         self.done.notify_all();
     }
@@ -247,8 +272,12 @@ impl Stream {
     /// Block until everything submitted before this call has run; returns
     /// the locked state so the caller can take the pending error atomically.
     pub fn drain(&self) -> parking_lot::MutexGuard<'_, StreamState> {
+        let target = self.state.lock().submitted;
+        let t0 = Instant::now();
+        while self.completed.load(Ordering::Acquire) < target && t0.elapsed() < SPIN {
+            std::thread::yield_now();
+        }
         let mut st = self.state.lock();
-        let target = st.submitted;
         while st.completed < target {
             self.done.wait(&mut st);
         }

@@ -192,3 +192,114 @@ fn kernel_panics_become_stream_errors() {
     );
     gpu.synchronize(0).unwrap();
 }
+
+/// Registers `t::free_arg`, a kernel that frees its pointer argument through
+/// the backend, as a concurrent host thread could at any time.
+fn register_freeing_kernel(gpu: &Arc<CpuBackend>) -> KernelHandle {
+    let weak = Arc::downgrade(gpu);
+    gpu.register_host_kernel(
+        "t",
+        "free_arg",
+        &[ArgKind::U64],
+        Arc::new(
+            move |_m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+                let KernelArg::U64(p) = a[0] else {
+                    unreachable!()
+                };
+                weak.upgrade().unwrap().free(DevicePtr(p))
+            },
+        ),
+    )
+    .unwrap();
+    gpu.kernel("t", "free_arg").unwrap()
+}
+
+#[test]
+fn pointers_are_checked_again_when_the_operation_runs() {
+    let gpu = Arc::new(CpuBackend::new_debug());
+    let kfree = register_freeing_kernel(&gpu);
+    gpu.register_host_kernel(
+        "t",
+        "read",
+        &[ArgKind::Ptr],
+        Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+            let KernelArg::Ptr(p) = a[0] else {
+                unreachable!()
+            };
+            m.host_ptr(p, 4).map(drop)
+        }),
+    )
+    .unwrap();
+    let kread = gpu.kernel("t", "read").unwrap();
+    let s = gpu.create_stream().unwrap();
+    let x = gpu.alloc(64, "victim").unwrap();
+    let y = gpu.alloc(64, "bystander").unwrap();
+    // Both submissions are valid when queued; the buffer is gone by the time
+    // they run.
+    gpu.launch_kernel(kfree, LaunchConfig::linear(1, 1), &[KernelArg::U64(x.0)], s)
+        .unwrap();
+    gpu.memset_async(x, 1, 64, s).unwrap();
+    let e = gpu.synchronize(s).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("memset_async on stream {s}: use after free: {x}"))
+            && e.contains("'victim'"),
+        "{e}"
+    );
+    gpu.launch_kernel(kfree, LaunchConfig::linear(1, 1), &[KernelArg::U64(y.0)], s)
+        .unwrap();
+    gpu.launch_kernel(kread, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(y)], s)
+        .unwrap();
+    let e = gpu.synchronize(s).unwrap_err().to_string();
+    assert!(
+        e.contains("t::read: argument 0: use after free") && e.contains("'bystander'"),
+        "{e}"
+    );
+    assert_eq!(gpu.live_alloc_count(), 0);
+    gpu.destroy_stream(s).unwrap();
+}
+
+#[test]
+fn host_ptr_translates_inside_kernels_and_refuses_outside() {
+    let gpu = CpuBackend::new();
+    let (tx, rx) = crossbeam_channel::unbounded::<String>();
+    gpu.register_host_kernel(
+        "t",
+        "probe",
+        &[ArgKind::Ptr],
+        Arc::new(
+            move |m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+                let KernelArg::Ptr(p) = a[0] else {
+                    unreachable!()
+                };
+                let ok = m.host_ptr(p.offset(8), 8)?;
+                // SAFETY: 8 checked bytes, this kernel is their only user.
+                unsafe { std::ptr::write_bytes(ok, 0x33, 8) };
+                tx.send(m.host_ptr(p.offset(8), 9).unwrap_err().to_string())
+                    .unwrap();
+                // SAFETY: read-only view of 16 checked bytes; the mutable
+                // pointer above is no longer used.
+                let misaligned = unsafe { m.slice::<u32>(p.offset(1), 2) };
+                tx.send(misaligned.unwrap_err().to_string()).unwrap();
+                Ok(())
+            },
+        ),
+    )
+    .unwrap();
+    let p = gpu.alloc(16, "probe target").unwrap();
+    let k = gpu.kernel("t", "probe").unwrap();
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(p)], 0)
+        .unwrap();
+    gpu.synchronize(0).unwrap();
+    let oob = rx.recv().unwrap();
+    assert!(
+        oob.contains("launch_kernel on stream 0 t::probe: 9 bytes at")
+            && oob.contains("'probe target'"),
+        "{oob}"
+    );
+    let mis = rx.recv().unwrap();
+    assert!(mis.contains("not aligned for u32"), "{mis}");
+    let mut out = [0u8; 16];
+    gpu.copy_d2h(p, &mut out).unwrap();
+    assert_eq!(&out[8..], &[0x33; 8]);
+    gpu.free(p).unwrap();
+}

@@ -1,7 +1,42 @@
-//! The PLE n-gram id hash (SPEC.md section 3).
+//! The PLE n-gram id hash (SPEC.md section 3): which table rows each token
+//! reads.
 //!
-//! Placeholder with the straightforward `%` form; the derivation, the fast
-//! path and the batched form land with the ids work.
+//! For token `i` and order `n` in `2..=N`, `mixed = XOR over p < n of
+//! shift_p[i] * m[p]` (wrapping), where `shift_p[i]` is the token `p`
+//! places back within the current EOS-delimited segment, else EOS; head `h`
+//! of that order reads row `mixed % size[h] + offset[h]`.
+//!
+//! Three forms share one kernel and so agree bit for bit:
+//! - [`ple_ngram_ids`] and [`ple_ngram_ids_into_plain`]: the straightforward
+//!   `%` form, the reference the others are tested against;
+//! - [`PleIdHasher`]: the hot path. Each modulus is replaced by a
+//!   precomputed reciprocal ([`FastMod`], exact for every `u64`) and the
+//!   ids go into a caller's flat buffer with no allocation;
+//! - [`PleIdHasher::decode_batch_into`]: one new token in each of many
+//!   sequences, each with its own history (batched decode).
+//!
+//! Invariants:
+//! - the hash of `history ++ tokens`, keeping the last `tokens.len()` rows,
+//!   depends only on the last `context_len` tokens of the history, and a
+//!   shorter history acts as if left-padded with EOS (a sequence start);
+//!   so hashing in chunks with [`PleIdDims::advance_history`] between them
+//!   equals hashing the whole sequence (`tests/ids_chunking.rs`);
+//! - for dims that pass [`PleIdDims::validate`], every id is below
+//!   [`PleIdDims::table_rows`];
+//! - the per-token context lives on the stack (`ngram_size` is capped at
+//!   [`MAX_NGRAM_SIZE`]), so the hot path never allocates.
+
+mod derive;
+mod fastmod;
+
+use anyhow::{Result, bail, ensure};
+
+pub use derive::{
+    DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, MAX_NGRAM_SIZE, MAX_PRIMES_SEARCHED,
+    PleHashParams, SITE_SEED_STRIDE, SPLITMIX64_GAMMA, check_stored_buffers, derive_multipliers,
+    is_prime, primes_from, splitmix64,
+};
+pub use fastmod::FastMod;
 
 /// The hash geometry and constants of one PLE site.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -25,37 +60,698 @@ impl PleIdDims {
     pub fn ngram_heads(&self) -> usize {
         self.ngram_size.saturating_sub(1) * self.heads_per_ngram
     }
+
     /// `N - 1`: tokens of history carried per sequence.
     pub fn context_len(&self) -> usize {
         self.ngram_size.saturating_sub(1)
     }
+
+    /// Rows the ids can address: the sum of the head sizes (before
+    /// padding). Meaningful once [`Self::validate`] has passed.
+    pub fn table_rows(&self) -> u64 {
+        match (self.head_offsets.last(), self.head_vocab_sizes.last()) {
+            (Some(&o), Some(&s)) => o.saturating_add(s),
+            _ => 0,
+        }
+    }
+
+    /// Check that the dims describe a usable hash: `ngram_size` in
+    /// `2..=MAX_NGRAM_SIZE`, at least one head per order, one odd multiplier
+    /// per position, one non-zero size and one offset per head, offsets the
+    /// running sums of the sizes from 0, and the last id within `u64`.
+    pub fn validate(&self) -> Result<()> {
+        let n = self.ngram_size;
+        ensure!(
+            (2..=MAX_NGRAM_SIZE).contains(&n),
+            "PleIdDims: ngram_size must be in 2..={MAX_NGRAM_SIZE}, got {n}"
+        );
+        ensure!(
+            self.heads_per_ngram >= 1,
+            "PleIdDims: heads_per_ngram must be at least 1, got 0"
+        );
+        let heads = (n - 1).checked_mul(self.heads_per_ngram).ok_or_else(|| {
+            anyhow::anyhow!(
+                "PleIdDims: ngram_heads = {} * {} overflows",
+                n - 1,
+                self.heads_per_ngram
+            )
+        })?;
+        ensure!(
+            self.multipliers.len() == n,
+            "PleIdDims: {} multipliers given, ngram_size {n} needs {n}",
+            self.multipliers.len()
+        );
+        if let Some((i, m)) = self
+            .multipliers
+            .iter()
+            .enumerate()
+            .find(|(_, m)| *m % 2 == 0)
+        {
+            bail!("PleIdDims: multipliers[{i}] = {m} is even; every multiplier must be odd");
+        }
+        ensure!(
+            self.head_vocab_sizes.len() == heads,
+            "PleIdDims: {} head_vocab_sizes given, ngram_heads is {heads}",
+            self.head_vocab_sizes.len()
+        );
+        ensure!(
+            self.head_offsets.len() == heads,
+            "PleIdDims: {} head_offsets given, ngram_heads is {heads}",
+            self.head_offsets.len()
+        );
+        let mut running = 0u64;
+        for (h, (&size, &off)) in self
+            .head_vocab_sizes
+            .iter()
+            .zip(&self.head_offsets)
+            .enumerate()
+        {
+            ensure!(size != 0, "PleIdDims: head_vocab_sizes[{h}] is 0");
+            ensure!(
+                off == running,
+                "PleIdDims: head_offsets[{h}] = {off}, but the sizes of heads 0..{h} sum to {running}"
+            );
+            running = running.checked_add(size).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "PleIdDims: head {h} ends past 2^64 - 1 (offset {off} + size {size})"
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Check that every id fits in a table of `rows` rows.
+    pub fn check_table_rows(&self, rows: u64) -> Result<()> {
+        let need = self.table_rows();
+        ensure!(
+            need <= rows,
+            "PLE ids reach row {} but the table has only {rows} rows",
+            need.saturating_sub(1)
+        );
+        Ok(())
+    }
+
+    /// Replace `history` by the last `context_len` tokens of
+    /// `history ++ tokens`, left-padded with EOS when that is shorter (which
+    /// hashes the same). Reuses `history`'s buffer.
+    pub fn advance_history(&self, history: &mut Vec<u32>, tokens: &[u32]) {
+        let c = self.context_len();
+        if tokens.len() >= c {
+            history.clear();
+            history.extend_from_slice(&tokens[tokens.len() - c..]);
+            return;
+        }
+        let keep = c - tokens.len();
+        let have = history.len();
+        if have >= keep {
+            history.drain(..have - keep);
+        } else {
+            history.resize(keep, self.eos_token_id);
+            history.rotate_right(keep - have);
+        }
+        history.extend_from_slice(tokens);
+    }
+}
+
+/// How one head turns the mixed value into a row id.
+trait HeadRows {
+    /// `mixed % size[h] + offset[h]` for the heads of one order, written to
+    /// `out` (one entry per head of that order, starting at head `first`).
+    fn order_rows(&self, first: usize, mixed: u64, out: &mut [u64]);
+}
+
+/// The `%` form.
+struct PlainRows<'a> {
+    sizes: &'a [u64],
+    offsets: &'a [u64],
+}
+
+impl HeadRows for PlainRows<'_> {
+    #[inline(always)]
+    fn order_rows(&self, first: usize, mixed: u64, out: &mut [u64]) {
+        let k = out.len();
+        let sizes = &self.sizes[first..first + k];
+        let offsets = &self.offsets[first..first + k];
+        for ((o, &s), &off) in out.iter_mut().zip(sizes).zip(offsets) {
+            *o = mixed % s + off;
+        }
+    }
+}
+
+/// A head's reciprocal and offset, kept together for locality.
+#[derive(Clone, Copy, Debug)]
+struct HeadMod {
+    m: FastMod,
+    offset: u64,
+}
+
+struct FastRows<'a> {
+    heads: &'a [HeadMod],
+}
+
+impl HeadRows for FastRows<'_> {
+    #[inline(always)]
+    fn order_rows(&self, first: usize, mixed: u64, out: &mut [u64]) {
+        let heads = &self.heads[first..first + out.len()];
+        for (o, h) in out.iter_mut().zip(heads) {
+            *o = h.m.rem(mixed) + h.offset;
+        }
+    }
+}
+
+/// The tokens 1..N places back of the next token, within its segment,
+/// else EOS (`prev()[p - 1]` is `shift_p`).
+trait Context: Copy {
+    /// A sequence start: everything before it reads as EOS.
+    fn start(ctx_len: usize, eos: u32) -> Self;
+    /// The context, nearest token first.
+    fn prev(&self) -> &[u32];
+    /// Move past token `t`. After an EOS a new segment starts, and every
+    /// position before it reads as EOS.
+    fn push(&mut self, t: u32, eos: u32);
+
+    /// The context after the last `ctx_len` tokens of `history` (earlier
+    /// tokens cannot reach a later n-gram).
+    #[inline(always)]
+    fn after(history: &[u32], ctx_len: usize, eos: u32) -> Self {
+        let mut c = Self::start(ctx_len, eos);
+        for &t in &history[history.len().saturating_sub(ctx_len)..] {
+            c.push(t, eos);
+        }
+        c
+    }
+}
+
+/// A context whose length is known at compile time (N = 2, 3, 4), so the
+/// shift and the per-order loop unroll.
+#[derive(Clone, Copy)]
+struct FixedContext<const C: usize>([u32; C]);
+
+impl<const C: usize> Context for FixedContext<C> {
+    #[inline(always)]
+    fn start(_ctx_len: usize, eos: u32) -> Self {
+        Self([eos; C])
+    }
+    #[inline(always)]
+    fn prev(&self) -> &[u32] {
+        &self.0
+    }
+    #[inline(always)]
+    fn push(&mut self, t: u32, eos: u32) {
+        if t == eos {
+            self.0 = [eos; C];
+        } else {
+            for i in (1..C).rev() {
+                self.0[i] = self.0[i - 1];
+            }
+            self.0[0] = t;
+        }
+    }
+}
+
+/// Any context length up to `MAX_NGRAM_SIZE - 1`.
+#[derive(Clone, Copy)]
+struct DynContext {
+    prev: [u32; MAX_NGRAM_SIZE - 1],
+    len: usize,
+}
+
+impl Context for DynContext {
+    #[inline(always)]
+    fn start(ctx_len: usize, eos: u32) -> Self {
+        Self {
+            prev: [eos; MAX_NGRAM_SIZE - 1],
+            len: ctx_len,
+        }
+    }
+    #[inline(always)]
+    fn prev(&self) -> &[u32] {
+        &self.prev[..self.len]
+    }
+    #[inline(always)]
+    fn push(&mut self, t: u32, eos: u32) {
+        if t == eos {
+            self.prev[..self.len].fill(eos);
+        } else {
+            self.prev.copy_within(0..self.len - 1, 1);
+            self.prev[0] = t;
+        }
+    }
+}
+
+/// The ids of token `t` (one row of `ngram_heads`) given its context.
+/// `mults` has `prev.len() + 1` entries and `out` `prev.len() * k`.
+#[inline(always)]
+fn hash_token<R: HeadRows>(
+    mults: &[u64],
+    k: usize,
+    prev: &[u32],
+    t: u32,
+    rows: &R,
+    out: &mut [u64],
+) {
+    let mults = &mults[..prev.len() + 1];
+    let mut mixed = u64::from(t).wrapping_mul(mults[0]);
+    for p in 0..prev.len() {
+        mixed ^= u64::from(prev[p]).wrapping_mul(mults[p + 1]);
+        rows.order_rows(p * k, mixed, &mut out[p * k..(p + 1) * k]);
+    }
+}
+
+/// Hash `history ++ tokens` and write the rows of `tokens` to `out`
+/// (`tokens.len() * ngram_heads`, checked by the caller).
+#[inline(always)]
+fn hash_run_with<C: Context, R: HeadRows>(
+    dims: &PleIdDims,
+    rows: &R,
+    history: &[u32],
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    let eos = dims.eos_token_id;
+    let k = dims.heads_per_ngram;
+    let mut ctx = C::after(history, dims.context_len(), eos);
+    for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(dims.ngram_heads())) {
+        hash_token(&dims.multipliers, k, ctx.prev(), t, rows, row);
+        ctx.push(t, eos);
+    }
+}
+
+/// [`hash_run_with`], with the context length fixed at compile time for the
+/// common orders.
+fn hash_run<R: HeadRows>(
+    dims: &PleIdDims,
+    rows: &R,
+    history: &[u32],
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    match dims.context_len() {
+        1 => hash_run_with::<FixedContext<1>, R>(dims, rows, history, tokens, out),
+        2 => hash_run_with::<FixedContext<2>, R>(dims, rows, history, tokens, out),
+        3 => hash_run_with::<FixedContext<3>, R>(dims, rows, history, tokens, out),
+        _ => hash_run_with::<DynContext, R>(dims, rows, history, tokens, out),
+    }
+}
+
+/// One new token after each history (batched decode).
+fn hash_batch_with<'h, C: Context, R: HeadRows>(
+    dims: &PleIdDims,
+    rows: &R,
+    histories: impl Iterator<Item = &'h [u32]>,
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    let (ctx_len, eos, k) = (dims.context_len(), dims.eos_token_id, dims.heads_per_ngram);
+    for ((h, &t), row) in histories
+        .zip(tokens)
+        .zip(out.chunks_exact_mut(dims.ngram_heads()))
+    {
+        let ctx = C::after(h, ctx_len, eos);
+        hash_token(&dims.multipliers, k, ctx.prev(), t, rows, row);
+    }
+}
+
+fn hash_batch<'h, R: HeadRows>(
+    dims: &PleIdDims,
+    rows: &R,
+    histories: impl Iterator<Item = &'h [u32]>,
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    match dims.context_len() {
+        1 => hash_batch_with::<FixedContext<1>, R>(dims, rows, histories, tokens, out),
+        2 => hash_batch_with::<FixedContext<2>, R>(dims, rows, histories, tokens, out),
+        3 => hash_batch_with::<FixedContext<3>, R>(dims, rows, histories, tokens, out),
+        _ => hash_batch_with::<DynContext, R>(dims, rows, histories, tokens, out),
+    }
+}
+
+fn check_out(what: &str, out_len: usize, tokens: usize, heads: usize) -> Result<()> {
+    let want = tokens.checked_mul(heads);
+    ensure!(
+        want == Some(out_len),
+        "{what}: output buffer has {out_len} entries, {tokens} tokens x {heads} heads need {}",
+        tokens.saturating_mul(heads)
+    );
+    Ok(())
 }
 
 /// The ids of the n-grams ending at each token of `tokens` (history first),
-/// one row of `ngram_heads` ids per token.
+/// one row of `ngram_heads` ids per token. The straightforward form the
+/// seed calls; the hot path is [`PleIdHasher`].
+///
+/// # Panics
+/// If `dims` fails [`PleIdDims::validate`]; dims come from
+/// [`PleHashParams::derive`] or are validated when a layer is built.
 pub fn ple_ngram_ids(dims: &PleIdDims, tokens: &[u32]) -> Vec<Vec<u64>> {
-    let n = dims.ngram_size;
-    let k = dims.heads_per_ngram;
-    let eos = dims.eos_token_id;
-    let mut out = Vec::with_capacity(tokens.len());
-    let mut seg_start = 0usize;
-    for i in 0..tokens.len() {
-        if i > 0 && tokens[i - 1] == eos {
-            seg_start = i;
-        }
-        let mut row = Vec::with_capacity(dims.ngram_heads());
-        let mut mixed = 0u64;
-        for p in 0..n {
-            let t = if i >= p && i - p >= seg_start { tokens[i - p] } else { eos };
-            mixed ^= (t as u64).wrapping_mul(dims.multipliers[p]);
-            if p >= 1 {
-                let order = p + 1;
-                for h in (order - 2) * k..(order - 1) * k {
-                    row.push(mixed % dims.head_vocab_sizes[h] + dims.head_offsets[h]);
-                }
-            }
-        }
-        out.push(row);
+    if let Err(e) = dims.validate() {
+        panic!("ple_ngram_ids called with invalid dims: {e:#}");
     }
-    out
+    let heads = dims.ngram_heads();
+    let mut flat = vec![0u64; tokens.len() * heads];
+    let rows = PlainRows {
+        sizes: &dims.head_vocab_sizes,
+        offsets: &dims.head_offsets,
+    };
+    hash_run(dims, &rows, &[], tokens, &mut flat);
+    flat.chunks_exact(heads).map(<[u64]>::to_vec).collect()
+}
+
+/// The `%` form of [`PleIdHasher::ids_with_history_into`]: hash
+/// `history ++ tokens` and write the `tokens.len() * ngram_heads` ids of
+/// `tokens`, row-major, to `out`. The baseline for tests and benchmarks.
+pub fn ple_ngram_ids_into_plain(
+    dims: &PleIdDims,
+    history: &[u32],
+    tokens: &[u32],
+    out: &mut [u64],
+) -> Result<()> {
+    dims.validate()?;
+    check_out(
+        "ple_ngram_ids_into_plain",
+        out.len(),
+        tokens.len(),
+        dims.ngram_heads(),
+    )?;
+    let rows = PlainRows {
+        sizes: &dims.head_vocab_sizes,
+        offsets: &dims.head_offsets,
+    };
+    hash_run(dims, &rows, history, tokens, out);
+    Ok(())
+}
+
+/// The hot path: validated dims with a precomputed reciprocal per head.
+/// Build one per PLE site and reuse it; hashing allocates nothing.
+#[derive(Clone, Debug)]
+pub struct PleIdHasher {
+    dims: PleIdDims,
+    heads: Vec<HeadMod>,
+}
+
+impl PleIdHasher {
+    /// Validate `dims` and precompute the reciprocals.
+    pub fn new(dims: &PleIdDims) -> Result<Self> {
+        dims.validate()?;
+        let heads = dims
+            .head_vocab_sizes
+            .iter()
+            .zip(&dims.head_offsets)
+            .map(|(&s, &offset)| HeadMod {
+                // validate() has ruled out zero sizes.
+                m: FastMod::new(s).expect("validated non-zero head size"),
+                offset,
+            })
+            .collect();
+        Ok(Self {
+            dims: dims.clone(),
+            heads,
+        })
+    }
+
+    /// The dims this hasher was built from.
+    pub fn dims(&self) -> &PleIdDims {
+        &self.dims
+    }
+
+    /// Ids per token (`ngram_heads`).
+    pub fn ngram_heads(&self) -> usize {
+        self.dims.ngram_heads()
+    }
+
+    /// Like [`ple_ngram_ids`] (no history: `tokens` starts the sequence or
+    /// already carries its history), flat and row-major into `out`, which
+    /// must hold exactly `tokens.len() * ngram_heads` entries.
+    pub fn ids_into(&self, tokens: &[u32], out: &mut [u64]) -> Result<()> {
+        self.ids_with_history_into(&[], tokens, out)
+    }
+
+    /// Hash `history ++ tokens` and write the ids of `tokens` (the last
+    /// `tokens.len()` rows) to `out`, which must hold exactly
+    /// `tokens.len() * ngram_heads` entries. Only the last `context_len`
+    /// history tokens matter; a shorter history acts as if EOS-padded.
+    pub fn ids_with_history_into(
+        &self,
+        history: &[u32],
+        tokens: &[u32],
+        out: &mut [u64],
+    ) -> Result<()> {
+        check_out(
+            "PleIdHasher::ids_with_history_into",
+            out.len(),
+            tokens.len(),
+            self.ngram_heads(),
+        )?;
+        hash_run(
+            &self.dims,
+            &FastRows { heads: &self.heads },
+            history,
+            tokens,
+            out,
+        );
+        Ok(())
+    }
+
+    /// Batched decode: one new token per sequence, `tokens[b]` following
+    /// `histories[b]` (each as in [`Self::ids_with_history_into`]). Writes
+    /// `tokens.len() * ngram_heads` ids, row `b` for sequence `b`. Histories
+    /// are not advanced; call [`PleIdDims::advance_history`] per sequence.
+    pub fn decode_batch_into<H: AsRef<[u32]>>(
+        &self,
+        histories: &[H],
+        tokens: &[u32],
+        out: &mut [u64],
+    ) -> Result<()> {
+        ensure!(
+            histories.len() == tokens.len(),
+            "PleIdHasher::decode_batch_into: {} histories for {} tokens",
+            histories.len(),
+            tokens.len()
+        );
+        let heads = self.ngram_heads();
+        check_out(
+            "PleIdHasher::decode_batch_into",
+            out.len(),
+            tokens.len(),
+            heads,
+        )?;
+        let rows = FastRows { heads: &self.heads };
+        hash_batch(
+            &self.dims,
+            &rows,
+            histories.iter().map(AsRef::as_ref),
+            tokens,
+            out,
+        );
+        Ok(())
+    }
+
+    /// [`Self::decode_batch_into`] with the histories in one flat buffer of
+    /// `tokens.len() * context_len` tokens, sequence `b` at
+    /// `[b * context_len, (b + 1) * context_len)`.
+    pub fn decode_batch_flat_into(
+        &self,
+        histories: &[u32],
+        tokens: &[u32],
+        out: &mut [u64],
+    ) -> Result<()> {
+        let c = self.dims.context_len();
+        ensure!(
+            Some(histories.len()) == tokens.len().checked_mul(c),
+            "PleIdHasher::decode_batch_flat_into: histories hold {} tokens, {} sequences x context_len {c} need {}",
+            histories.len(),
+            tokens.len(),
+            tokens.len().saturating_mul(c)
+        );
+        let heads = self.ngram_heads();
+        check_out(
+            "PleIdHasher::decode_batch_flat_into",
+            out.len(),
+            tokens.len(),
+            heads,
+        )?;
+        let rows = FastRows { heads: &self.heads };
+        hash_batch(&self.dims, &rows, histories.chunks_exact(c), tokens, out);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny geometry whose ids can be worked out by hand.
+    fn tiny() -> PleIdDims {
+        PleIdDims {
+            ngram_size: 3,
+            heads_per_ngram: 1,
+            multipliers: vec![1, 3, 5],
+            head_vocab_sizes: vec![101, 103],
+            head_offsets: vec![0, 101],
+            eos_token_id: 0,
+        }
+    }
+
+    fn flagship() -> PleIdDims {
+        PleHashParams {
+            vocab_size: 151_936,
+            eos_token_id: 151_645,
+            ngram_size: 3,
+            heads_per_ngram: 8,
+            ngram_vocab_size_base: 20_000_000,
+            divisible_by: 128,
+            seed: 1234,
+            site: 0,
+        }
+        .derive()
+        .unwrap()
+        .dims
+    }
+
+    #[test]
+    fn hand_computed_ids() {
+        let d = tiny();
+        // Tokens 7, 9, then EOS (0), then 4.
+        let ids = ple_ngram_ids(&d, &[7, 9, 0, 4]);
+        // 7: context EOS EOS. order 2: 7*1 ^ 0*3 = 7; order 3: 7 ^ 0 = 7.
+        assert_eq!(ids[0], vec![7, 101 + 7]);
+        // 9: prev 7. order 2: 9 ^ 21 = 28; order 3: 28 ^ 0 = 28.
+        assert_eq!(ids[1], vec![28, 101 + 28]);
+        // EOS: prev 9, 7. order 2: 0 ^ 27 = 27; order 3: 27 ^ 35 = 56.
+        assert_eq!(ids[2], vec![27, 101 + 56]);
+        // 4 starts a new segment: prev EOS EOS, so 4 and 4.
+        assert_eq!(ids[3], vec![4, 101 + 4]);
+    }
+
+    #[test]
+    fn fast_and_plain_agree_on_flagship() {
+        let d = flagship();
+        let hasher = PleIdHasher::new(&d).unwrap();
+        let mut x = 0x1234_5678u64;
+        let tokens: Vec<u32> = (0..2000)
+            .map(|_| {
+                x = splitmix64(x);
+                // Plenty of EOS to exercise segment starts.
+                if x % 7 == 0 {
+                    d.eos_token_id
+                } else {
+                    (x % 151_936) as u32
+                }
+            })
+            .collect();
+        let plain: Vec<u64> = ple_ngram_ids(&d, &tokens).concat();
+        let mut fast = vec![0; plain.len()];
+        hasher.ids_into(&tokens, &mut fast).unwrap();
+        assert_eq!(plain, fast);
+        assert!(fast.iter().all(|&id| id < d.table_rows()));
+    }
+
+    #[test]
+    fn validate_names_each_problem() {
+        let ok = tiny();
+        ok.validate().unwrap();
+        type Breakage = fn(&mut PleIdDims);
+        let cases: Vec<(Breakage, &str)> = vec![
+            (|d| d.ngram_size = 1, "ngram_size"),
+            (|d| d.heads_per_ngram = 0, "heads_per_ngram"),
+            (
+                |d| {
+                    d.multipliers.pop();
+                },
+                "2 multipliers",
+            ),
+            (|d| d.multipliers[1] = 4, "multipliers[1] = 4 is even"),
+            (|d| d.head_vocab_sizes.push(7), "3 head_vocab_sizes"),
+            (|d| d.head_offsets.push(7), "3 head_offsets"),
+            (|d| d.head_vocab_sizes[0] = 0, "head_vocab_sizes[0] is 0"),
+            (|d| d.head_offsets[1] = 100, "head_offsets[1] = 100"),
+            (|d| d.head_offsets[0] = 1, "head_offsets[0] = 1"),
+            (
+                |d| {
+                    d.head_vocab_sizes[1] = u64::MAX;
+                },
+                "past 2^64 - 1",
+            ),
+        ];
+        for (f, want) in cases {
+            let mut d = tiny();
+            f(&mut d);
+            let e = d.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{e} should mention {want}");
+            assert!(PleIdHasher::new(&d).is_err());
+        }
+    }
+
+    #[test]
+    fn table_rows_check() {
+        let d = tiny();
+        assert_eq!(d.table_rows(), 204);
+        d.check_table_rows(204).unwrap();
+        let e = d.check_table_rows(203).unwrap_err().to_string();
+        assert!(e.contains("row 203") && e.contains("203 rows"), "{e}");
+    }
+
+    #[test]
+    #[should_panic(expected = "invalid dims")]
+    fn plain_form_panics_on_invalid_dims() {
+        let mut d = tiny();
+        d.head_vocab_sizes[0] = 0;
+        let _ = ple_ngram_ids(&d, &[1]);
+    }
+
+    #[test]
+    fn wrong_buffer_sizes_are_errors() {
+        let d = tiny();
+        let h = PleIdHasher::new(&d).unwrap();
+        let e = h.ids_into(&[1, 2], &mut [0; 3]).unwrap_err().to_string();
+        assert!(
+            e.contains("3 entries") && e.contains("2 tokens x 2 heads need 4"),
+            "{e}"
+        );
+        let e = h
+            .decode_batch_into(&[vec![1, 2]], &[1, 2], &mut [0; 4])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1 histories for 2 tokens"), "{e}");
+        let e = h
+            .decode_batch_flat_into(&[1, 2, 3], &[1, 2], &mut [0; 4])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("hold 3 tokens") && e.contains("need 4"), "{e}");
+        let e = ple_ngram_ids_into_plain(&d, &[], &[1], &mut [])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("0 entries"), "{e}");
+    }
+
+    #[test]
+    fn advance_history_keeps_context_len() {
+        let d = tiny();
+        let mut h = vec![0, 0];
+        d.advance_history(&mut h, &[5]);
+        assert_eq!(h, vec![0, 5]);
+        d.advance_history(&mut h, &[6, 7, 8]);
+        assert_eq!(h, vec![7, 8]);
+        d.advance_history(&mut h, &[]);
+        assert_eq!(h, vec![7, 8]);
+        let mut short = vec![];
+        d.advance_history(&mut short, &[9]);
+        assert_eq!(short, vec![0, 9]);
+        let mut long = vec![1, 2, 3, 4];
+        d.advance_history(&mut long, &[9]);
+        assert_eq!(long, vec![4, 9]);
+    }
+
+    #[test]
+    fn empty_and_eos_history_start_alike() {
+        let h = PleIdHasher::new(&flagship()).unwrap();
+        let eos = h.dims().eos_token_id;
+        let toks = [11, 22, 33];
+        let mut a = vec![0; 48];
+        let mut b = vec![0; 48];
+        h.ids_with_history_into(&[], &toks, &mut a).unwrap();
+        h.ids_with_history_into(&[eos, eos], &toks, &mut b).unwrap();
+        assert_eq!(a, b);
+    }
 }
