@@ -47,8 +47,8 @@ use crate::snapshot::{GeometryFingerprint, SiteGeometry, Snapshot};
 /// A sequence id, unique for the engine's lifetime.
 pub type SeqId = u64;
 
-/// What the engine needs of a PLE site. [`crate::ple_site`] implements it for
-/// the PLE layer.
+/// What the engine needs of a PLE site. [`crate::ple_site::PleSite`]
+/// implements it for the PLE layer.
 pub trait Site: Send + Sync {
     /// The per-sequence carry.
     type State: Send;
@@ -214,6 +214,18 @@ pub enum EngineError {
         /// Tokens given.
         given: usize,
     },
+    /// A snapshot's carried history disagrees with the tokens given with it.
+    #[error(
+        "snapshot history of site {site} is {snapshot:?}, but the tokens given end in {tokens:?}"
+    )]
+    HistoryMismatch {
+        /// The site.
+        site: usize,
+        /// The history in the snapshot.
+        snapshot: Vec<u32>,
+        /// The history the tokens imply.
+        tokens: Vec<u32>,
+    },
     /// A configuration value is out of range.
     #[error("engine config: {0}")]
     Config(String),
@@ -242,6 +254,8 @@ pub struct EngineStats {
     pub prefix_hits: u64,
     /// Tokens restored from the prefix cache instead of computed.
     pub prefix_tokens_restored: u64,
+    /// Block-boundary snapshots that could not be taken (not cached).
+    pub cache_snapshot_failures: u64,
     /// Tokens run by prefill.
     pub prefill_tokens: u64,
     /// Tokens run by decode.
@@ -664,6 +678,25 @@ impl<S: Site> Engine<S> {
                 given: tokens.len()
             });
         }
+        for (site, (g, blob)) in self.geoms.iter().zip(&snap.blobs).enumerate() {
+            // The carried history is the last `context_len` tokens of the
+            // EOS-filled start followed by the tokens: check it agrees.
+            let ctx = g.dims.context_len();
+            let mut window = vec![g.dims.eos_token_id; ctx];
+            window.extend_from_slice(&tokens[tokens.len().saturating_sub(ctx)..]);
+            let want = &window[window.len() - ctx..];
+            let have: Vec<u32> = blob[4..4 + 4 * ctx]
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            if have != want {
+                bail!(EngineError::HistoryMismatch {
+                    site,
+                    snapshot: have,
+                    tokens: want.to_vec()
+                });
+            }
+        }
         let id = self.next_id;
         let states = self.states_from(id, &snap.blobs, &[])?;
         self.next_id += 1;
@@ -724,7 +757,11 @@ impl<S: Site> Engine<S> {
             done += n;
             self.stats.prefill_tokens += n as u64;
             if caching && (have + n) % b == 0 {
-                self.cache_boundary(id)?;
+                // Caching is an optimisation: a failed snapshot must not fail
+                // a prefill whose forward already ran.
+                if self.cache_boundary(id).is_err() {
+                    self.stats.cache_snapshot_failures += 1;
+                }
             }
         }
         Ok(())

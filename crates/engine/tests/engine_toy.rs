@@ -171,6 +171,26 @@ fn refusals_change_nothing() {
         err.to_string(),
         "snapshot holds the carry of 3 tokens, 2 tokens given"
     );
+    let err = e.add_from_snapshot(&snap, &[3, 9, 5]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "snapshot history of site 0 is [4, 5], but the tokens given end in [9, 5]"
+    );
+    same(&e);
+    // The good one is accepted, and continues like the original.
+    let copy = e.add_from_snapshot(&snap, &toks).unwrap();
+    let all = [3u32, 4, 5, 6];
+    let mut a = rows_for(&all, 3, 4, w);
+    let mut b = a.clone();
+    e.prefill(id, &[6], &mut a).unwrap();
+    e.prefill(copy, &[6], &mut b).unwrap();
+    assert_eq!(a, b);
+    e.release(copy).unwrap();
+    let before = (e.stats(), gpu.live_alloc_count(), gpu.live_bytes());
+    let same = |e: &Engine<ToySite>| {
+        let now = (e.stats(), gpu.live_alloc_count(), gpu.live_bytes());
+        assert_eq!(now, before);
+    };
     same(&e);
 
     let mut r1 = rows_for(&[1], 0, 1, w);
@@ -197,6 +217,7 @@ fn refusals_change_nothing() {
         err.to_string(),
         format!("commit: sequence {id} has no pending verify")
     );
+    same(&e);
     let fresh = e.add_sequence(&[9]).unwrap().id;
     let before_fresh = (gpu.live_alloc_count(), e.tokens(fresh).unwrap().len());
     let err = e.decode(&[(fresh, 1)], &mut r1).unwrap_err();
@@ -207,7 +228,7 @@ fn refusals_change_nothing() {
     assert_eq!(before_fresh, (gpu.live_alloc_count(), 0));
     e.release(fresh).unwrap();
 
-    let mut d = rows_for(&[3, 4, 5, 6, 7], 3, 5, w);
+    let mut d = rows_for(&[3, 4, 5, 6, 6, 7], 4, 6, w);
     e.verify(id, &[6, 7], &mut d).unwrap();
     let err = e.prefill(id, &[1], &mut r1).unwrap_err();
     assert_eq!(

@@ -31,7 +31,7 @@ impl ToySite {
             heads_per_ngram: 2,
             multipliers: vec![3 + 2 * salt, 5 + 2 * salt, 7 + 2 * salt],
             head_vocab_sizes: vec![11, 13, 17, 19],
-            head_offsets: vec![0, 11, 24, 43],
+            head_offsets: vec![0, 11, 24, 41],
             eos_token_id: 0,
         };
         let geom = SiteGeometry {
