@@ -1,0 +1,362 @@
+//! PLE forward throughput at the flagship geometry (SPEC.md section 2).
+//!
+//! Random weights and a resident random BF16 table are made in the process.
+//! Prints prefill tokens/s (one 512-token chunk) and decode tokens/s (batch
+//! 1, 32, 64), the share of time in gather, projection, gate and conv, and,
+//! as the baseline measured in the same run, a naive scalar projection
+//! against the packed GEMM with their ratio.
+//!
+//! Environment: `PLE_BENCH_ROWS` (table rows, default 3,000,000),
+//! `PLE_BENCH_REPS` (timed repetitions, default 5).
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use metrale_model_layers::layers::ple::kernels::conv::{ConvDims, conv, conv_batch};
+use metrale_model_layers::layers::ple::kernels::gate::{GateDims, GateInputs, gate};
+use metrale_model_layers::layers::ple::kernels::gather::{GatherDType, RowSrc, gather_rows};
+use metrale_model_layers::layers::ple::kernels::gemm::{packed_as_bf16, project};
+use metrale_model_layers::layers::ple::kernels::math::bf16_to_f32;
+use metrale_model_layers::layers::ple::kernels::{cpu, pack_projection};
+
+const H: usize = 2560;
+const HC: usize = 4;
+const C: usize = HC * H;
+const HEADS: usize = 16;
+const HEAD_DIM: usize = 160;
+const E: usize = HEADS * HEAD_DIM;
+const O: usize = C + H;
+const KSIZE: usize = 4;
+const DIL: usize = 3;
+const S: usize = (KSIZE - 1) * DIL;
+const EPS: f32 = 1e-6;
+
+/// splitmix64: a fast deterministic generator for weights and ids.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-a, a).
+    fn f(&mut self, a: f32) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
+    }
+    /// BF16 bits of a value uniform in [-a, a).
+    fn bf16(&mut self, a: f32) -> u16 {
+        (self.f(a).to_bits() >> 16) as u16
+    }
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Per-stage time of one forward.
+#[derive(Default, Clone, Copy)]
+struct Stages {
+    gather: Duration,
+    project: Duration,
+    gate: Duration,
+    conv: Duration,
+}
+
+impl Stages {
+    fn total(&self) -> Duration {
+        self.gather + self.project + self.gate + self.conv
+    }
+    fn share(&self) -> String {
+        let t = self.total().as_secs_f64();
+        let p = |d: Duration| 100.0 * d.as_secs_f64() / t;
+        format!(
+            "gather {:.1}%  project {:.1}%  gate {:.1}%  conv {:.1}%",
+            p(self.gather),
+            p(self.project),
+            p(self.gate),
+            p(self.conv)
+        )
+    }
+}
+
+struct Model {
+    /// Little-endian BF16 rows.
+    table: Vec<u8>,
+    rows: usize,
+    packed: Vec<f32>,
+    w_raw: Vec<u16>,
+    norm_q: Vec<f32>,
+    norm_k: Vec<f32>,
+    norm_conv: Vec<f32>,
+    conv_w: Vec<f32>,
+}
+
+/// Scratch for up to `t` rows.
+struct Scratch {
+    emb: Vec<f32>,
+    kv: Vec<f32>,
+    gated: Vec<f32>,
+    xn: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(t: usize) -> Self {
+        Scratch {
+            emb: vec![0.0; t * E],
+            kv: vec![0.0; t * O],
+            gated: vec![0.0; t * C],
+            xn: vec![0.0; t * C],
+        }
+    }
+}
+
+/// Median and best step time in seconds, and the stage shares over all
+/// steps.
+fn summarize(runs: &[Stages]) -> (f64, f64, String) {
+    let mut tot: Vec<f64> = runs.iter().map(|s| s.total().as_secs_f64()).collect();
+    tot.sort_by(f64::total_cmp);
+    let mut sum = Stages::default();
+    for r in runs {
+        sum.gather += r.gather;
+        sum.project += r.project;
+        sum.gate += r.gate;
+        sum.conv += r.conv;
+    }
+    (tot[tot.len() / 2], tot[0], sum.share())
+}
+
+fn time<R>(acc: &mut Duration, f: impl FnOnce() -> R) -> R {
+    let t0 = Instant::now();
+    let r = f();
+    *acc += t0.elapsed();
+    r
+}
+
+/// One prefill chunk (`states.len() == 1`, `t` rows) or one decode step
+/// (`t == states.len()` sequences, one row each) through the kernel chain.
+fn step(
+    m: &Model,
+    ids: &[u64],
+    t: usize,
+    highway: &mut [f32],
+    states: &mut [Vec<f32>],
+    sc: &mut Scratch,
+    st: &mut Stages,
+) {
+    let rows: Vec<RowSrc> = ids
+        .iter()
+        .map(|&id| {
+            let off = id as usize * HEAD_DIM * 2;
+            RowSrc {
+                data: &m.table[off..off + HEAD_DIM * 2],
+                scale: 0.0,
+            }
+        })
+        .collect();
+    let emb = &mut sc.emb[..t * E];
+    time(&mut st.gather, || {
+        gather_rows(&rows, HEAD_DIM, GatherDType::Bf16, emb).unwrap()
+    });
+    let kv = &mut sc.kv[..t * O];
+    time(&mut st.project, || {
+        project(&sc.emb[..t * E], packed_as_bf16(&m.packed), kv, t, E, O).unwrap()
+    });
+    let (gated, xn) = (&mut sc.gated[..t * C], &mut sc.xn[..t * C]);
+    let inp = GateInputs {
+        highway,
+        kv: &sc.kv[..t * O],
+        norm_q: &m.norm_q,
+        norm_k: &m.norm_k,
+        norm_conv: &m.norm_conv,
+    };
+    time(&mut st.gate, || {
+        gate(
+            GateDims {
+                t,
+                h: H,
+                hc: HC,
+                eps: EPS,
+            },
+            inp,
+            gated,
+            xn,
+        )
+        .unwrap()
+    });
+    time(&mut st.conv, || {
+        if states.len() == 1 {
+            conv(
+                ConvDims {
+                    t,
+                    c: C,
+                    k: KSIZE,
+                    d: DIL,
+                },
+                &sc.xn[..t * C],
+                &sc.gated[..t * C],
+                &mut states[0],
+                &m.conv_w,
+                highway,
+            )
+            .unwrap()
+        } else {
+            let mut refs: Vec<&mut [f32]> = states.iter_mut().map(|s| s.as_mut_slice()).collect();
+            conv_batch(
+                ConvDims {
+                    t,
+                    c: C,
+                    k: KSIZE,
+                    d: DIL,
+                },
+                &sc.xn[..t * C],
+                &sc.gated[..t * C],
+                &mut refs,
+                &m.conv_w,
+                highway,
+            )
+            .unwrap()
+        }
+    });
+}
+
+/// The baseline: `y = x @ W^T` as a plain triple loop over the unpacked
+/// BF16 weight.
+fn naive_project(x: &[f32], w: &[u16], y: &mut [f32], t: usize) {
+    for ti in 0..t {
+        for o in 0..O {
+            let mut acc = 0.0f32;
+            let wr = &w[o * E..(o + 1) * E];
+            let xr = &x[ti * E..(ti + 1) * E];
+            for e in 0..E {
+                acc += xr[e] * bf16_to_f32(wr[e]);
+            }
+            y[ti * O + o] = acc;
+        }
+    }
+}
+
+fn main() {
+    let rows = env_usize("PLE_BENCH_ROWS", 3_000_000);
+    let reps = env_usize("PLE_BENCH_REPS", 5).max(1);
+    println!(
+        "PLE forward, flagship geometry: H {H}, hc {HC}, {HEADS} heads x {HEAD_DIM}, conv {KSIZE} dil {DIL}; \
+         table {rows} rows resident BF16; {} rayon threads; CPU path {:?}",
+        rayon::current_num_threads(),
+        cpu::best_path()
+    );
+    let mut rng = Rng(0x5EED);
+    let t0 = Instant::now();
+    let table: Vec<u8> = (0..rows * HEAD_DIM)
+        .flat_map(|_| rng.bf16(1.0).to_le_bytes())
+        .collect();
+    let w_raw: Vec<u16> = (0..O * E).map(|_| rng.bf16(0.02)).collect();
+    let packed = pack_projection(&w_raw, O, E);
+    let m = Model {
+        table,
+        rows,
+        packed,
+        w_raw,
+        norm_q: (0..C).map(|_| rng.f(0.1)).collect(),
+        norm_k: (0..C).map(|_| rng.f(0.1)).collect(),
+        norm_conv: (0..C).map(|_| rng.f(0.1)).collect(),
+        conv_w: (0..C * KSIZE).map(|_| rng.f(0.5)).collect(),
+    };
+    println!("setup {:.1} s", t0.elapsed().as_secs_f64());
+
+    let ids_for = |rng: &mut Rng, t: usize| -> Vec<u64> {
+        (0..t * HEADS).map(|_| rng.next() % m.rows as u64).collect()
+    };
+
+    // Prefill: one 512-token chunk per step of one sequence.
+    let t = 512;
+    let mut sc = Scratch::new(t);
+    let mut highway: Vec<f32> = (0..t * C).map(|_| rng.f(1.0)).collect();
+    let mut state = vec![vec![0.0f32; S * C]];
+    let ids = ids_for(&mut rng, t);
+    step(
+        &m,
+        &ids,
+        t,
+        &mut highway,
+        &mut state,
+        &mut sc,
+        &mut Stages::default(),
+    ); // warm-up
+    let runs: Vec<Stages> = (0..reps)
+        .map(|_| {
+            let ids = ids_for(&mut rng, t);
+            let mut st = Stages::default();
+            step(&m, &ids, t, &mut highway, &mut state, &mut sc, &mut st);
+            st
+        })
+        .collect();
+    let (med, best, share) = summarize(&runs);
+    let prefill_proj = runs
+        .iter()
+        .map(|s| s.project)
+        .min()
+        .unwrap_or_default()
+        .as_secs_f64()
+        / t as f64;
+    println!(
+        "prefill chunk {t}: median {:>8.1} tokens/s, best {:>8.1} tokens/s  ({:.1} ms/chunk median; {share})",
+        t as f64 / med,
+        t as f64 / best,
+        med * 1e3
+    );
+
+    // Decode: B sequences, one token each, per step.
+    for b in [1usize, 32, 64] {
+        let mut sc = Scratch::new(b);
+        let mut highway: Vec<f32> = (0..b * C).map(|_| rng.f(1.0)).collect();
+        let mut states: Vec<Vec<f32>> = (0..b)
+            .map(|_| (0..S * C).map(|_| rng.f(1.0)).collect())
+            .collect();
+        let steps = (reps * 64 / b).clamp(reps, 200);
+        let ids = ids_for(&mut rng, b);
+        step(
+            &m,
+            &ids,
+            b,
+            &mut highway,
+            &mut states,
+            &mut sc,
+            &mut Stages::default(),
+        );
+        let runs: Vec<Stages> = (0..steps)
+            .map(|_| {
+                let ids = ids_for(&mut rng, b);
+                let mut st = Stages::default();
+                step(&m, &ids, b, &mut highway, &mut states, &mut sc, &mut st);
+                st
+            })
+            .collect();
+        let (med, best, share) = summarize(&runs);
+        println!(
+            "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s  ({:.2} ms/step median; {share})",
+            b as f64 / med,
+            b as f64 / best,
+            med * 1e3
+        );
+    }
+
+    // Baseline: a naive scalar projection on a few rows.
+    let tb = 2;
+    let x: Vec<f32> = (0..tb * E).map(|_| bf16_to_f32(rng.bf16(1.0))).collect();
+    let mut y = vec![0.0f32; tb * O];
+    let t0 = Instant::now();
+    naive_project(&x, &m.w_raw, &mut y, tb);
+    black_box(&y);
+    let naive = t0.elapsed().as_secs_f64() / tb as f64;
+    println!(
+        "projection per token: naive scalar {:.2} ms, packed GEMM (prefill, best chunk) {:.3} ms, ratio {:.1}x",
+        naive * 1e3,
+        prefill_proj * 1e3,
+        naive / prefill_proj
+    );
+}

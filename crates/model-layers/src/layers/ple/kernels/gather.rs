@@ -1,0 +1,234 @@
+//! Row gather: table rows (BF16, or FP8 E4M3 with a per-row f32 scale) into
+//! f32 `emb` rows.
+//!
+//! Invariant: every value written is BF16-representable. BF16 rows convert
+//! exactly; FP8 rows are decoded, scaled in f32 and rounded to BF16 (ties to
+//! even), so the projection always sees BF16 inputs whatever the table type.
+//! Each output row depends on its source row alone.
+
+use rayon::prelude::*;
+
+use super::math::{bf16_round, bf16_to_f32};
+
+/// Rows per rayon task: a row is a few hundred bytes, so tasks take many.
+const ROWS_PER_TASK: usize = 64;
+
+/// The element type of gathered rows, as the `gather` kernel's `dtype`
+/// argument encodes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatherDType {
+    /// `0`: BF16, two little-endian bytes per value.
+    Bf16,
+    /// `1`: FP8 E4M3, one byte per value, times the row's f32 scale.
+    Fp8E4M3,
+}
+
+impl GatherDType {
+    /// Decode the kernel argument; errors name the bad value.
+    pub fn from_arg(v: u32) -> anyhow::Result<Self> {
+        match v {
+            0 => Ok(GatherDType::Bf16),
+            1 => Ok(GatherDType::Fp8E4M3),
+            _ => anyhow::bail!("gather: dtype {v} is not 0 (BF16) or 1 (FP8 E4M3)"),
+        }
+    }
+
+    /// Bytes per value.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            GatherDType::Bf16 => 2,
+            GatherDType::Fp8E4M3 => 1,
+        }
+    }
+}
+
+/// One source row: its bytes and its scale (ignored for BF16).
+#[derive(Clone, Copy, Debug)]
+pub struct RowSrc<'a> {
+    /// `head_dim * elem_bytes` bytes.
+    pub data: &'a [u8],
+    /// The FP8 scale.
+    pub scale: f32,
+}
+
+/// The f32 value of an FP8 E4M3 byte (the "fn" variant: no infinities,
+/// `S.1111.111` is NaN).
+// TODO(storage): switch to the storage crate's decoder once it exists so the
+// project keeps a single FP8 decoder.
+#[inline(always)]
+pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0f32 } else { 1.0 };
+    let exp = ((b >> 3) & 0x0F) as i32;
+    let man = (b & 0x07) as f32;
+    if exp == 0x0F && b & 0x07 == 0x07 {
+        return f32::NAN;
+    }
+    if exp == 0 {
+        // Subnormal: man/8 * 2^-6.
+        sign * man * (1.0 / 512.0)
+    } else {
+        sign * (1.0 + man / 8.0) * f32::from_bits(((exp - 7 + 127) as u32) << 23)
+    }
+}
+
+/// One BF16 row into f32.
+#[inline]
+pub fn gather_bf16_row(src: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+        *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+    }
+}
+
+/// One FP8 row into f32: `bf16_round(decode(b) * scale)`.
+#[inline]
+pub fn gather_fp8_row(src: &[u8], scale: f32, out: &mut [f32]) {
+    for (o, &b) in out.iter_mut().zip(src) {
+        *o = bf16_round(fp8_e4m3_to_f32(b) * scale);
+    }
+}
+
+/// Gather `rows` into `out` (`rows.len() * head_dim` values), in parallel.
+/// Errors when a row or `out` has the wrong length.
+pub fn gather_rows(
+    rows: &[RowSrc<'_>],
+    head_dim: usize,
+    dtype: GatherDType,
+    out: &mut [f32],
+) -> anyhow::Result<()> {
+    anyhow::ensure!(head_dim > 0, "gather: head_dim is 0");
+    anyhow::ensure!(
+        out.len() == rows.len() * head_dim,
+        "gather: out holds {} values, {} rows of {head_dim} need {}",
+        out.len(),
+        rows.len(),
+        rows.len() * head_dim
+    );
+    let row_bytes = head_dim * dtype.elem_bytes();
+    if let Some(i) = rows.iter().position(|r| r.data.len() != row_bytes) {
+        anyhow::bail!(
+            "gather: row {i} has {} bytes, expected {row_bytes}",
+            rows[i].data.len()
+        );
+    }
+    out.par_chunks_mut(head_dim * ROWS_PER_TASK)
+        .zip(rows.par_chunks(ROWS_PER_TASK))
+        .for_each(|(o, rs)| {
+            for (orow, r) in o.chunks_exact_mut(head_dim).zip(rs) {
+                match dtype {
+                    GatherDType::Bf16 => gather_bf16_row(r.data, orow),
+                    GatherDType::Fp8E4M3 => gather_fp8_row(r.data, r.scale, orow),
+                }
+            }
+        });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp8_decode_known_values() {
+        assert_eq!(fp8_e4m3_to_f32(0x00), 0.0);
+        assert_eq!(fp8_e4m3_to_f32(0x38), 1.0); // exp 7, man 0
+        assert_eq!(fp8_e4m3_to_f32(0xB8), -1.0);
+        assert_eq!(fp8_e4m3_to_f32(0x7E), 448.0); // the largest finite
+        assert_eq!(fp8_e4m3_to_f32(0x01), 2f32.powi(-9)); // smallest subnormal
+        assert_eq!(fp8_e4m3_to_f32(0x08), 2f32.powi(-6)); // smallest normal
+        assert_eq!(fp8_e4m3_to_f32(0x3C), 1.5);
+        assert!(fp8_e4m3_to_f32(0x7F).is_nan());
+        assert!(fp8_e4m3_to_f32(0xFF).is_nan());
+    }
+
+    #[test]
+    fn gathers_bf16_and_fp8_rows() {
+        let a: Vec<u8> = [0x3F80u16, 0xC040, 0x0000]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let b: Vec<u8> = [0x4000u16, 0x3F00, 0x8000]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let rows = [
+            RowSrc {
+                data: &b,
+                scale: 0.0,
+            },
+            RowSrc {
+                data: &a,
+                scale: 0.0,
+            },
+        ];
+        let mut out = vec![9.0f32; 6];
+        gather_rows(&rows, 3, GatherDType::Bf16, &mut out).unwrap();
+        assert_eq!(out, [2.0, 0.5, -0.0, 1.0, -3.0, 0.0]);
+
+        let f = [0x38u8, 0xBC, 0x01];
+        let rows = [RowSrc {
+            data: &f,
+            scale: 3.0,
+        }];
+        let mut out = vec![0.0f32; 3];
+        gather_rows(&rows, 3, GatherDType::Fp8E4M3, &mut out).unwrap();
+        assert_eq!(out, [3.0, -4.5, bf16_round(3.0 * 2f32.powi(-9))]);
+
+        // A scale that makes the product need rounding: 1.5 * (1 + 2^-9).
+        let s = 1.0 + 2f32.powi(-9);
+        let mut out = vec![0.0f32; 1];
+        gather_rows(
+            &[RowSrc {
+                data: &[0x3C],
+                scale: s,
+            }],
+            1,
+            GatherDType::Fp8E4M3,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out[0], bf16_round(1.5 * s));
+        assert_eq!(out[0].to_bits() & 0xFFFF, 0);
+    }
+
+    #[test]
+    fn many_rows_in_parallel_match_one_by_one() {
+        let n = 300;
+        let hd = 5;
+        let bytes: Vec<u8> = (0..n * hd * 2)
+            .map(|i| (i * 37 % 251) as u8 & 0x7F)
+            .collect();
+        let rows: Vec<RowSrc> = (0..n)
+            .map(|i| RowSrc {
+                data: &bytes[i * hd * 2..(i + 1) * hd * 2],
+                scale: 1.0,
+            })
+            .collect();
+        let mut out = vec![0.0f32; n * hd];
+        gather_rows(&rows, hd, GatherDType::Bf16, &mut out).unwrap();
+        for (i, r) in rows.iter().enumerate() {
+            let mut one = vec![0.0f32; hd];
+            gather_bf16_row(r.data, &mut one);
+            assert_eq!(&out[i * hd..(i + 1) * hd], &one[..]);
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let d = [0u8; 4];
+        let rows = [RowSrc {
+            data: &d,
+            scale: 1.0,
+        }];
+        let mut out = vec![0.0f32; 3];
+        let e = gather_rows(&rows, 3, GatherDType::Bf16, &mut out).unwrap_err();
+        assert!(e.to_string().contains("row 0 has 4 bytes"), "{e}");
+        let mut out = vec![0.0f32; 2];
+        assert!(gather_rows(&rows, 3, GatherDType::Bf16, &mut out).is_err());
+        assert!(
+            GatherDType::from_arg(2)
+                .unwrap_err()
+                .to_string()
+                .contains("dtype 2")
+        );
+    }
+}

@@ -1,0 +1,539 @@
+//! The projection `y = x @ W^T` over BF16 weights packed once at load.
+//!
+//! Packed layout (private to this module): the `O` output rows of `W` are cut
+//! into panels of [`NR`] rows (the last one zero-padded); a panel stores, for
+//! each `e` in order, its `NR` BF16 weights of column `e`. Two BF16 values
+//! share one `f32` word of the `Vec<f32>` that [`pack_projection`] returns
+//! (the words are an opaque container and are never used as numbers), so the
+//! weights take 2 bytes each: decode reads half the bytes an f32 copy would.
+//!
+//! Reduction-order invariant: every `y[t, o]` is `acc = 0; for e in 0..E:
+//! acc = fma(x[t, e], w[o, e], acc)`, sequential in `e`, on every path. The
+//! tiling (token tiles, `KC`-deep weight blocks, register tiles) only decides
+//! where `acc` lives between steps (a register or a plain f32 in memory, both
+//! exact), so results are bit-identical whatever `T`, the thread count or the
+//! CPU path. Products of BF16 values are exact in f32, so the FMA matters only
+//! for the additions, and both paths use it.
+//!
+//! Work split: token tiles of [`TILE_ROWS`] rows, sequentially; within a tile,
+//! rayon over weight panels. Each panel's weights are read once per tile and
+//! shared by every row of the tile, so a decode batch of up to `TILE_ROWS`
+//! rows streams the weights from memory once.
+
+use rayon::prelude::*;
+
+use super::cpu::CpuPath;
+use super::math::bf16_to_f32;
+
+/// Output columns per panel (two AVX2 registers of f32).
+pub const NR: usize = 16;
+/// Rows of the register tile.
+const MR: usize = 6;
+/// Depth of a weight block converted to f32 at once (16 KiB of f32, in L1).
+const KC: usize = 256;
+/// Token rows sharing one pass over the weights (a multiple of `MR`).
+const TILE_ROWS: usize = 96;
+/// Panels one single-row task reads side by side.
+#[cfg(target_arch = "x86_64")]
+const GROUP: usize = 4;
+
+/// Number of `NR`-wide panels covering `o` output rows.
+fn panels(o: usize) -> usize {
+    o.div_ceil(NR)
+}
+
+/// Length in `f32` words of the packed form of an `[o, e]` weight.
+pub fn packed_len(o: usize, e: usize) -> usize {
+    panels(o) * e * NR / 2
+}
+
+/// Pack a row-major `[o, e]` BF16 weight (raw bits) for [`project`].
+///
+/// # Panics
+/// When `w_bf16_bits.len() != o * e`; [`try_pack_projection`] returns an
+/// error instead.
+pub fn pack_projection(w_bf16_bits: &[u16], o: usize, e: usize) -> Vec<f32> {
+    match try_pack_projection(w_bf16_bits, o, e) {
+        Ok(p) => p,
+        Err(err) => panic!("{err}"),
+    }
+}
+
+/// [`pack_projection`], with an error when the length does not match.
+pub fn try_pack_projection(w_bf16_bits: &[u16], o: usize, e: usize) -> anyhow::Result<Vec<f32>> {
+    let want = o
+        .checked_mul(e)
+        .ok_or_else(|| anyhow::anyhow!("pack_projection: {o} x {e} overflows"))?;
+    anyhow::ensure!(
+        w_bf16_bits.len() == want,
+        "pack_projection: weight has {} values, [{o}, {e}] needs {want}",
+        w_bf16_bits.len()
+    );
+    let np = panels(o);
+    let mut halves = vec![0u16; np * e * NR];
+    for p in 0..np {
+        let base = p * e * NR;
+        for j in 0..NR.min(o - p * NR) {
+            let row = &w_bf16_bits[(p * NR + j) * e..(p * NR + j + 1) * e];
+            for (k, &v) in row.iter().enumerate() {
+                halves[base + k * NR + j] = v;
+            }
+        }
+    }
+    // Native byte order for both halves, so that viewing the words' bytes as
+    // u16 (what the kernel does) yields `halves` again on any endianness.
+    Ok(halves
+        .chunks_exact(2)
+        .map(|h| {
+            let (a, b) = (h[0].to_ne_bytes(), h[1].to_ne_bytes());
+            f32::from_bits(u32::from_ne_bytes([a[0], a[1], b[0], b[1]]))
+        })
+        .collect())
+}
+
+/// The packed words as the BF16 halves they hold.
+pub fn packed_as_bf16(words: &[f32]) -> &[u16] {
+    // SAFETY: u16 has a smaller alignment than f32 and no invalid bit
+    // patterns; the length covers exactly the same bytes.
+    unsafe { std::slice::from_raw_parts(words.as_ptr() as *const u16, words.len() * 2) }
+}
+
+/// `y [t, o] = x [t, e] @ W^T` on the best path of this CPU. `w` is the
+/// packed weight viewed as BF16 halves (see [`packed_as_bf16`]).
+pub fn project(
+    x: &[f32],
+    w: &[u16],
+    y: &mut [f32],
+    t: usize,
+    e: usize,
+    o: usize,
+) -> anyhow::Result<()> {
+    project_on(super::cpu::best_path(), x, w, y, t, e, o)
+}
+
+/// [`project`] on a chosen path (errors when this CPU cannot run it).
+pub fn project_on(
+    path: CpuPath,
+    x: &[f32],
+    w: &[u16],
+    y: &mut [f32],
+    t: usize,
+    e: usize,
+    o: usize,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        path.available(),
+        "project: CPU path {path:?} is not available on this CPU"
+    );
+    anyhow::ensure!(
+        e > 0 && o > 0,
+        "project: E = {e} and O = {o} must both be positive"
+    );
+    anyhow::ensure!(
+        x.len() == t * e,
+        "project: x holds {} values, [T = {t}, E = {e}] needs {}",
+        x.len(),
+        t * e
+    );
+    anyhow::ensure!(
+        y.len() == t * o,
+        "project: y holds {} values, [T = {t}, O = {o}] needs {}",
+        y.len(),
+        t * o
+    );
+    anyhow::ensure!(
+        w.len() == packed_len(o, e) * 2,
+        "project: packed weight holds {} BF16 values, [O = {o}, E = {e}] packs to {}",
+        w.len(),
+        packed_len(o, e) * 2
+    );
+    if t == 0 {
+        return Ok(());
+    }
+    let np = panels(o);
+    let min_len = (np / (rayon::current_num_threads() * 8)).max(1);
+    let yp = SyncPtr(y.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if path == CpuPath::Avx2Fma && t == 1 {
+        // One row is bound by reading the weights: convert them in registers
+        // and keep GROUP panels (2 * GROUP independent FMA chains) in flight.
+        let groups = np.div_ceil(GROUP);
+        let min_len = (groups / (rayon::current_num_threads() * 8)).max(1);
+        (0..groups)
+            .into_par_iter()
+            .with_min_len(min_len)
+            .for_each(|g| {
+                let p0 = g * GROUP;
+                let n = GROUP.min(np - p0);
+                let mut out = [0.0f32; GROUP * NR];
+                let wg = &w[p0 * e * NR..(p0 + n) * e * NR];
+                // SAFETY: AVX2 and FMA were checked above; `x` holds `e`
+                // values, `wg` holds `n` panels of `e * NR` values, `out` holds
+                // `GROUP * NR >= n * NR` values.
+                unsafe {
+                    let (xp, wp, op) = (x.as_ptr(), wg.as_ptr(), out.as_mut_ptr());
+                    match n {
+                        1 => avx2::row_direct::<1>(xp, wp, e, op),
+                        2 => avx2::row_direct::<2>(xp, wp, e, op),
+                        3 => avx2::row_direct::<3>(xp, wp, e, op),
+                        _ => avx2::row_direct::<4>(xp, wp, e, op),
+                    }
+                }
+                let cols = (o - p0 * NR).min(n * NR);
+                // SAFETY: columns `p0 * NR .. p0 * NR + cols` of the single row
+                // lie inside `y` and belong to this group alone.
+                unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), yp.get().add(p0 * NR), cols) };
+            });
+        return Ok(());
+    }
+    for t0 in (0..t).step_by(TILE_ROWS) {
+        let rows = TILE_ROWS.min(t - t0);
+        let xt = &x[t0 * e..(t0 + rows) * e];
+        (0..np).into_par_iter().with_min_len(min_len).for_each(|p| {
+            let mut acc = [0.0f32; TILE_ROWS * NR];
+            panel(
+                path,
+                xt,
+                &w[p * e * NR..(p + 1) * e * NR],
+                &mut acc[..rows * NR],
+                rows,
+                e,
+            );
+            let cols = NR.min(o - p * NR);
+            for r in 0..rows {
+                let dst = (t0 + r) * o + p * NR;
+                // SAFETY: `dst .. dst + cols` lies inside `y` (row t0 + r < t,
+                // column p * NR + cols <= o), and panels write disjoint column
+                // ranges, so no two tasks touch the same element; `y` is
+                // borrowed mutably for the whole call.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(acc[r * NR..].as_ptr(), yp.get().add(dst), cols)
+                };
+            }
+        });
+    }
+    Ok(())
+}
+
+/// A pointer shared by the tasks of one call, each writing its own elements.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (see the use site).
+unsafe impl Send for SyncPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SyncPtr {}
+impl SyncPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// One panel for `rows` token rows: `acc [rows, NR]` gets the panel's outputs.
+fn panel(path: CpuPath, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e: usize) {
+    let mut buf = [0.0f32; KC * NR];
+    for kb in (0..e).step_by(KC) {
+        let kc = KC.min(e - kb);
+        let b = &mut buf[..kc * NR];
+        let src = &wp[kb * NR..(kb + kc) * NR];
+        match path {
+            CpuPath::Portable => convert_portable(src, b),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `project_on` checked that this CPU has AVX2 and FMA.
+            CpuPath::Avx2Fma => unsafe { avx2::convert(src, b) },
+            #[cfg(not(target_arch = "x86_64"))]
+            CpuPath::Avx2Fma => unreachable!("AVX2 is never available off x86-64"),
+        }
+        let b = &buf[..kc * NR];
+        let mut r0 = 0;
+        while r0 < rows {
+            let mr = MR.min(rows - r0);
+            let xs = &xt[r0 * e + kb..];
+            let a = &mut acc[r0 * NR..(r0 + mr) * NR];
+            // The last x element read is (mr - 1) * e + kc - 1.
+            assert!(xs.len() >= (mr - 1) * e + kc);
+            match path {
+                CpuPath::Portable => match mr {
+                    1 => micro_portable::<1>(xs, e, b, kc, a),
+                    2 => micro_portable::<2>(xs, e, b, kc, a),
+                    3 => micro_portable::<3>(xs, e, b, kc, a),
+                    4 => micro_portable::<4>(xs, e, b, kc, a),
+                    5 => micro_portable::<5>(xs, e, b, kc, a),
+                    _ => micro_portable::<6>(xs, e, b, kc, a),
+                },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 and FMA were checked by `project_on`; the
+                // assert above and the slice lengths bound every access.
+                CpuPath::Avx2Fma => unsafe {
+                    match mr {
+                        1 => avx2::micro::<1>(xs.as_ptr(), e, b.as_ptr(), kc, a.as_mut_ptr()),
+                        2 => avx2::micro::<2>(xs.as_ptr(), e, b.as_ptr(), kc, a.as_mut_ptr()),
+                        3 => avx2::micro::<3>(xs.as_ptr(), e, b.as_ptr(), kc, a.as_mut_ptr()),
+                        4 => avx2::micro::<4>(xs.as_ptr(), e, b.as_ptr(), kc, a.as_mut_ptr()),
+                        5 => avx2::micro::<5>(xs.as_ptr(), e, b.as_ptr(), kc, a.as_mut_ptr()),
+                        _ => avx2::micro::<6>(xs.as_ptr(), e, b.as_ptr(), kc, a.as_mut_ptr()),
+                    }
+                },
+                #[cfg(not(target_arch = "x86_64"))]
+                CpuPath::Avx2Fma => unreachable!("AVX2 is never available off x86-64"),
+            }
+            r0 += mr;
+        }
+    }
+}
+
+fn convert_portable(src: &[u16], dst: &mut [f32]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16_to_f32(s);
+    }
+}
+
+/// The register tile on the portable path: `acc [M, NR] += x [M, kc] @ b
+/// [kc, NR]`, one `mul_add` per element and step, `k` ascending.
+fn micro_portable<const M: usize>(x: &[f32], xs: usize, b: &[f32], kc: usize, acc: &mut [f32]) {
+    let mut c = [[0.0f32; NR]; M];
+    for (i, ci) in c.iter_mut().enumerate() {
+        ci.copy_from_slice(&acc[i * NR..(i + 1) * NR]);
+    }
+    for k in 0..kc {
+        let bk = &b[k * NR..(k + 1) * NR];
+        for (i, ci) in c.iter_mut().enumerate() {
+            let a = x[i * xs + k];
+            for (cj, &bj) in ci.iter_mut().zip(bk) {
+                *cj = a.mul_add(bj, *cj);
+            }
+        }
+    }
+    for (i, ci) in c.iter().enumerate() {
+        acc[i * NR..(i + 1) * NR].copy_from_slice(ci);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! The AVX2 + FMA register tile and weight conversion.
+
+    use std::arch::x86_64::*;
+
+    use super::{NR, bf16_to_f32};
+
+    /// BF16 to f32 for one weight block (the loop vectorises under AVX2).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn convert(src: &[u16], dst: &mut [f32]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = bf16_to_f32(s);
+        }
+    }
+
+    /// One row against `P` consecutive panels, converting the BF16 weights
+    /// in registers: `out [P * NR]` = the sequential FMA chain over all `e`,
+    /// exactly as `micro_portable` computes it through blocks.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `x` readable at `e` values, `w` at
+    /// `P * e * NR` values, `out` writable at `P * NR` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn row_direct<const P: usize>(
+        x: *const f32,
+        w: *const u16,
+        e: usize,
+        out: *mut f32,
+    ) {
+        // SAFETY: every access stays inside the ranges the caller guarantees;
+        // loads and stores are unaligned.
+        unsafe {
+            let mut c0 = [_mm256_setzero_ps(); P];
+            let mut c1 = [_mm256_setzero_ps(); P];
+            for k in 0..e {
+                let a = _mm256_broadcast_ss(&*x.add(k));
+                for p in 0..P {
+                    let src = w.add(p * e * NR + k * NR);
+                    let lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(src as *const __m128i));
+                    let hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.add(8) as *const __m128i));
+                    let b0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(lo));
+                    let b1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(hi));
+                    c0[p] = _mm256_fmadd_ps(a, b0, c0[p]);
+                    c1[p] = _mm256_fmadd_ps(a, b1, c1[p]);
+                }
+            }
+            for p in 0..P {
+                _mm256_storeu_ps(out.add(p * NR), c0[p]);
+                _mm256_storeu_ps(out.add(p * NR + 8), c1[p]);
+            }
+        }
+    }
+
+    /// `acc [M, NR] += x [M, kc] @ b [kc, NR]`: one FMA per element and
+    /// step, `k` ascending, exactly as `micro_portable`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `x` must be readable at `i * xs +
+    /// k` for `i < M`, `k < kc`; `b` at `kc * NR` values; `acc` readable and
+    /// writable at `M * NR` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn micro<const M: usize>(
+        x: *const f32,
+        xs: usize,
+        b: *const f32,
+        kc: usize,
+        acc: *mut f32,
+    ) {
+        // SAFETY: all reads and writes stay inside the ranges the caller
+        // guarantees; unaligned loads and stores are used throughout.
+        unsafe {
+            let mut c0 = [_mm256_setzero_ps(); M];
+            let mut c1 = [_mm256_setzero_ps(); M];
+            for i in 0..M {
+                c0[i] = _mm256_loadu_ps(acc.add(i * NR));
+                c1[i] = _mm256_loadu_ps(acc.add(i * NR + 8));
+            }
+            for k in 0..kc {
+                let b0 = _mm256_loadu_ps(b.add(k * NR));
+                let b1 = _mm256_loadu_ps(b.add(k * NR + 8));
+                for i in 0..M {
+                    let a = _mm256_broadcast_ss(&*x.add(i * xs + k));
+                    c0[i] = _mm256_fmadd_ps(a, b0, c0[i]);
+                    c1[i] = _mm256_fmadd_ps(a, b1, c1[i]);
+                }
+            }
+            for i in 0..M {
+                _mm256_storeu_ps(acc.add(i * NR), c0[i]);
+                _mm256_storeu_ps(acc.add(i * NR + 8), c1[i]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layers::ple::kernels::math::bf16_round;
+
+    /// A deterministic pseudo-random BF16 value in about [-2, 2).
+    fn val(seed: u64) -> u16 {
+        let mut z = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        let f = ((z >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
+        (bf16_round(f).to_bits() >> 16) as u16
+    }
+
+    /// The contract's formula, written out: a sequential FMA chain over `e`.
+    fn naive(x: &[f32], w: &[u16], t: usize, e: usize, o: usize) -> Vec<f32> {
+        let mut y = vec![0.0f32; t * o];
+        for ti in 0..t {
+            for oi in 0..o {
+                let mut acc = 0.0f32;
+                for ei in 0..e {
+                    acc = x[ti * e + ei].mul_add(bf16_to_f32(w[oi * e + ei]), acc);
+                }
+                y[ti * o + oi] = acc;
+            }
+        }
+        y
+    }
+
+    fn case(t: usize, e: usize, o: usize, seed: u64) -> (Vec<f32>, Vec<u16>) {
+        let x = (0..t * e)
+            .map(|i| bf16_to_f32(val(seed ^ (i as u64) << 1)))
+            .collect();
+        let w = (0..o * e).map(|i| val(!seed ^ (i as u64) << 3)).collect();
+        (x, w)
+    }
+
+    #[test]
+    fn packed_len_and_roundtrip() {
+        assert_eq!(packed_len(16, 4), 32);
+        assert_eq!(packed_len(17, 4), 64);
+        let w: Vec<u16> = (0..17 * 3).map(|i| i as u16 + 1).collect();
+        let p = pack_projection(&w, 17, 3);
+        assert_eq!(p.len(), packed_len(17, 3));
+        let h = packed_as_bf16(&p);
+        // Panel 0, e = 1, column 2 is w[2, 1].
+        assert_eq!(h[NR + 2], w[2 * 3 + 1]);
+        // Panel 1 holds row 16 then zero padding.
+        assert_eq!(h[3 * NR + 2 * NR], w[16 * 3 + 2]);
+        assert_eq!(h[3 * NR + 2 * NR + 1], 0);
+        assert!(
+            try_pack_projection(&w, 17, 4)
+                .unwrap_err()
+                .to_string()
+                .contains("51 values")
+        );
+    }
+
+    #[test]
+    fn every_path_equals_the_fma_chain_bit_for_bit() {
+        // Shapes around the tile edges: T not a multiple of MR or TILE_ROWS,
+        // O not a multiple of NR, E not a multiple of KC.
+        for &(t, e, o) in &[
+            (1, 1, 1),
+            (1, 300, 150),
+            (1, 513, 64),
+            (7, 300, 33),
+            (13, 17, 16),
+            (97, 257, 20),
+            (100, 40, 50),
+        ] {
+            let (x, w) = case(t, e, o, (t * 131 + e * 7 + o) as u64);
+            let want = naive(&x, &w, t, e, o);
+            let packed = pack_projection(&w, o, e);
+            for path in CpuPath::all_available() {
+                let mut y = vec![f32::NAN; t * o];
+                project_on(path, &x, packed_as_bf16(&packed), &mut y, t, e, o).unwrap();
+                let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "path {path:?} differs at T={t} E={e} O={o}");
+            }
+        }
+    }
+
+    #[test]
+    fn row_by_row_equals_one_call() {
+        let (t, e, o) = (20, 70, 40);
+        let (x, w) = case(t, e, o, 5);
+        let packed = pack_projection(&w, o, e);
+        let wb = packed_as_bf16(&packed);
+        let mut all = vec![0.0f32; t * o];
+        project(&x, wb, &mut all, t, e, o).unwrap();
+        for ti in 0..t {
+            let mut one = vec![0.0f32; o];
+            project(&x[ti * e..(ti + 1) * e], wb, &mut one, 1, e, o).unwrap();
+            assert_eq!(
+                one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                all[ti * o..(ti + 1) * o]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect::<Vec<_>>()
+            );
+        }
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        let p = pack_projection(&[0u16; 8], 2, 4);
+        let wb = packed_as_bf16(&p);
+        let mut y = vec![0.0f32; 2];
+        assert!(project(&[0.0; 4], wb, &mut y, 1, 4, 2).is_ok());
+        assert!(
+            project(&[0.0; 3], wb, &mut y, 1, 4, 2)
+                .unwrap_err()
+                .to_string()
+                .contains("x holds 3")
+        );
+        assert!(
+            project(&[0.0; 4], wb, &mut y[..1], 1, 4, 2)
+                .unwrap_err()
+                .to_string()
+                .contains("y holds 1")
+        );
+        assert!(
+            project(&[0.0; 4], &wb[..2], &mut y, 1, 4, 2)
+                .unwrap_err()
+                .to_string()
+                .contains("packed")
+        );
+        assert!(project(&[], wb, &mut [], 0, 4, 2).is_ok());
+    }
+}

@@ -1,0 +1,446 @@
+//! The host-kernel wrappers: each turns the launch arguments into checked
+//! slices of backend memory and calls the pure kernel function.
+//!
+//! Invariants: every pointer range is checked against the backend's ledger
+//! (through `HostMemory`) before use; a writable range may not overlap any
+//! other range of the same launch (so the slices handed to the pure
+//! functions never alias); all checks run before the first write, so a
+//! refused launch leaves memory untouched.
+
+use anyhow::{Context, Result};
+use metrale_gpu_runtime::gpu::{DevicePtr, HostMemory, KernelArg, LaunchConfig};
+
+use super::conv::{ConvDims, conv, conv_batch};
+use super::gate::{GateDims, GateInputs, gate};
+use super::gather::{GatherDType, RowSrc, gather_rows};
+use super::gemm::{packed_len, project};
+
+/// Typed access to a launch's arguments.
+struct Args<'a> {
+    kernel: &'static str,
+    args: &'a [KernelArg],
+}
+
+impl<'a> Args<'a> {
+    fn new(kernel: &'static str, args: &'a [KernelArg], count: usize) -> Result<Self> {
+        anyhow::ensure!(
+            args.len() == count,
+            "{kernel}: {} arguments given, {count} expected",
+            args.len()
+        );
+        Ok(Args { kernel, args })
+    }
+
+    fn ptr(&self, i: usize, name: &str) -> Result<DevicePtr> {
+        match self.args[i] {
+            KernelArg::Ptr(p) => Ok(p),
+            other => anyhow::bail!(
+                "{}: argument {i} ({name}) must be a pointer, got {other:?}",
+                self.kernel
+            ),
+        }
+    }
+
+    fn usize(&self, i: usize, name: &str) -> Result<usize> {
+        match self.args[i] {
+            KernelArg::U32(v) => Ok(v as usize),
+            other => anyhow::bail!(
+                "{}: argument {i} ({name}) must be a u32, got {other:?}",
+                self.kernel
+            ),
+        }
+    }
+
+    fn f32(&self, i: usize, name: &str) -> Result<f32> {
+        match self.args[i] {
+            KernelArg::F32(v) => Ok(v),
+            other => anyhow::bail!(
+                "{}: argument {i} ({name}) must be an f32, got {other:?}",
+                self.kernel
+            ),
+        }
+    }
+}
+
+/// A byte range one launch reads or writes.
+struct Region {
+    name: String,
+    ptr: DevicePtr,
+    bytes: usize,
+    write: bool,
+}
+
+impl Region {
+    fn new(name: impl Into<String>, ptr: DevicePtr, bytes: usize, write: bool) -> Self {
+        Region {
+            name: name.into(),
+            ptr,
+            bytes,
+            write,
+        }
+    }
+
+    fn overlaps(&self, o: &Region) -> bool {
+        self.bytes > 0
+            && o.bytes > 0
+            && self.ptr.0 < o.ptr.0.saturating_add(o.bytes as u64)
+            && o.ptr.0 < self.ptr.0.saturating_add(self.bytes as u64)
+    }
+}
+
+/// Refuse a launch where a written range overlaps any other range.
+fn check_disjoint(kernel: &str, regions: &[Region]) -> Result<()> {
+    for (i, w) in regions.iter().enumerate().filter(|(_, r)| r.write) {
+        for (j, o) in regions.iter().enumerate() {
+            if i != j && w.overlaps(o) {
+                anyhow::bail!(
+                    "{kernel}: {} ({}, {} bytes) overlaps {} ({}, {} bytes)",
+                    w.name,
+                    w.ptr,
+                    w.bytes,
+                    o.name,
+                    o.ptr,
+                    o.bytes
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `a * b * c` in bytes, or an error naming the kernel.
+fn size(kernel: &str, what: &str, dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| anyhow::anyhow!("{kernel}: the size of {what} overflows"))
+}
+
+/// `len` values of `T` at `ptr`, read-only; empty without touching memory.
+///
+/// # Safety
+/// No writable view of the range may be live (callers run `check_disjoint`).
+unsafe fn view<'m, T: Copy>(
+    mem: &'m dyn HostMemory,
+    ptr: DevicePtr,
+    len: usize,
+    what: &str,
+) -> Result<&'m [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { mem.slice::<T>(ptr, len) }.with_context(|| format!("reading {what} at {ptr}"))
+}
+
+/// `len` values of `T` at `ptr`, writable; empty without touching memory.
+///
+/// # Safety
+/// No other view of the range may be live (callers run `check_disjoint`).
+#[allow(clippy::mut_from_ref)]
+unsafe fn view_mut<'m, T: Copy>(
+    mem: &'m dyn HostMemory,
+    ptr: DevicePtr,
+    len: usize,
+    what: &str,
+) -> Result<&'m mut [T]> {
+    if len == 0 {
+        return Ok(&mut []);
+    }
+    // SAFETY: forwarded from the caller.
+    unsafe { mem.slice_mut::<T>(ptr, len) }.with_context(|| format!("writing {what} at {ptr}"))
+}
+
+/// `gather(refs, n, head_dim, dtype, out)`.
+pub(super) fn gather_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::gather";
+    let a = Args::new(K, args, 5)?;
+    let refs = a.ptr(0, "refs")?;
+    let n = a.usize(1, "n")?;
+    let head_dim = a.usize(2, "head_dim")?;
+    let dtype = GatherDType::from_arg(a.usize(3, "dtype")? as u32)?;
+    let out = a.ptr(4, "out")?;
+    anyhow::ensure!(head_dim > 0, "{K}: head_dim is 0");
+    if n == 0 {
+        return Ok(());
+    }
+    let row_bytes = head_dim * dtype.elem_bytes();
+    let mut regions = vec![
+        Region::new("refs", refs, size(K, "refs", &[n, 16])?, false),
+        Region::new("out", out, size(K, "out", &[n, head_dim, 4])?, true),
+    ];
+    // SAFETY: only `out` is written; it is checked below against `refs`
+    // before the mutable view is made, and `refs` is only read.
+    let ref_bytes: &[u8] = unsafe { view(mem, refs, n * 16, "the row references")? };
+    let mut rows = Vec::with_capacity(n);
+    for (i, r) in ref_bytes.chunks_exact(16).enumerate() {
+        let data = DevicePtr(u64::from_le_bytes(r[..8].try_into().expect("8 bytes")));
+        let scale_ptr = DevicePtr(u64::from_le_bytes(r[8..].try_into().expect("8 bytes")));
+        let p = mem
+            .host_ptr(data, row_bytes)
+            .with_context(|| format!("{K}: row {i} data at {data}"))?;
+        regions.push(Region::new(format!("row {i}"), data, row_bytes, false));
+        let scale = match dtype {
+            GatherDType::Bf16 => 0.0,
+            GatherDType::Fp8E4M3 => {
+                anyhow::ensure!(
+                    !scale_ptr.is_null(),
+                    "{K}: row {i} is FP8 but its scale pointer is null"
+                );
+                let sp = mem
+                    .host_ptr(scale_ptr, 4)
+                    .with_context(|| format!("{K}: row {i} scale at {scale_ptr}"))?;
+                regions.push(Region::new(format!("row {i} scale"), scale_ptr, 4, false));
+                // SAFETY: the ledger checked 4 readable bytes at `sp`; the
+                // read is unaligned-safe.
+                unsafe { (sp as *const f32).read_unaligned() }
+            }
+        };
+        // SAFETY: the ledger checked `row_bytes` readable bytes at `p`; the
+        // range is only read, and `check_disjoint` below refuses any
+        // overlap with `out` before `out` is viewed mutably.
+        let data = unsafe { std::slice::from_raw_parts(p as *const u8, row_bytes) };
+        rows.push(RowSrc { data, scale });
+    }
+    check_disjoint(K, &regions)?;
+    // SAFETY: `out` overlaps nothing else of this launch (checked above).
+    let out: &mut [f32] = unsafe { view_mut(mem, out, n * head_dim, "out")? };
+    gather_rows(&rows, head_dim, dtype, out).context(K)
+}
+
+/// `project(x, w, y, T, E, O)`.
+pub(super) fn project_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::project";
+    let a = Args::new(K, args, 6)?;
+    let (x, w, y) = (a.ptr(0, "x")?, a.ptr(1, "w")?, a.ptr(2, "y")?);
+    let (t, e, o) = (a.usize(3, "T")?, a.usize(4, "E")?, a.usize(5, "O")?);
+    anyhow::ensure!(
+        e > 0 && o > 0,
+        "{K}: E = {e} and O = {o} must both be positive"
+    );
+    if t == 0 {
+        return Ok(());
+    }
+    let wlen = packed_len(o, e) * 2;
+    check_disjoint(
+        K,
+        &[
+            Region::new("x", x, size(K, "x", &[t, e, 4])?, false),
+            Region::new("w", w, size(K, "w", &[wlen, 2])?, false),
+            Region::new("y", y, size(K, "y", &[t, o, 4])?, true),
+        ],
+    )?;
+    // SAFETY: `y` is the only written range and overlaps neither input.
+    let (xs, ws, ys) = unsafe {
+        (
+            view::<f32>(mem, x, t * e, "x")?,
+            view::<u16>(mem, w, wlen, "the packed weight")?,
+            view_mut::<f32>(mem, y, t * o, "y")?,
+        )
+    };
+    project(xs, ws, ys, t, e, o).context(K)
+}
+
+/// `gate(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps)`.
+pub(super) fn gate_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::gate";
+    let a = Args::new(K, args, 11)?;
+    let names = [
+        "highway",
+        "kv",
+        "norm_q",
+        "norm_k",
+        "norm_conv",
+        "gated",
+        "xn",
+    ];
+    let mut ptrs = [DevicePtr::NULL; 7];
+    for (i, p) in ptrs.iter_mut().enumerate() {
+        *p = a.ptr(i, names[i])?;
+    }
+    let (t, h, hc, eps) = (
+        a.usize(7, "T")?,
+        a.usize(8, "H")?,
+        a.usize(9, "hc")?,
+        a.f32(10, "eps")?,
+    );
+    anyhow::ensure!(
+        h > 0 && hc > 0,
+        "{K}: H = {h} and hc = {hc} must both be positive"
+    );
+    if t == 0 {
+        return Ok(());
+    }
+    let c = size(K, "C", &[h, hc])?;
+    let lens = [t * c, size(K, "kv", &[t, c + h])?, c, c, c, t * c, t * c];
+    let regions: Vec<Region> = (0..7)
+        .map(|i| {
+            Ok(Region::new(
+                names[i],
+                ptrs[i],
+                size(K, names[i], &[lens[i], 4])?,
+                i >= 5,
+            ))
+        })
+        .collect::<Result<_>>()?;
+    check_disjoint(K, &regions)?;
+    // SAFETY: only `gated` and `xn` are written, and they overlap nothing
+    // else of this launch (checked above).
+    let (ins, gated, xn) = unsafe {
+        let mut v = [&[][..]; 5];
+        for i in 0..5 {
+            v[i] = view::<f32>(mem, ptrs[i], lens[i], names[i])?;
+        }
+        (
+            v,
+            view_mut::<f32>(mem, ptrs[5], lens[5], "gated")?,
+            view_mut::<f32>(mem, ptrs[6], lens[6], "xn")?,
+        )
+    };
+    let inputs = GateInputs {
+        highway: ins[0],
+        kv: ins[1],
+        norm_q: ins[2],
+        norm_k: ins[3],
+        norm_conv: ins[4],
+    };
+    gate(GateDims { t, h, hc, eps }, inputs, gated, xn).context(K)
+}
+
+/// Shared argument decoding of `conv` and `conv_batch`.
+fn conv_dims(a: &Args<'_>) -> Result<ConvDims> {
+    let dims = ConvDims {
+        t: a.usize(5, "T")?,
+        c: a.usize(6, "C")?,
+        k: a.usize(7, "K")?,
+        d: a.usize(8, "D")?,
+    };
+    anyhow::ensure!(
+        dims.c > 0 && dims.k > 0 && dims.d > 0,
+        "{}: C = {}, K = {} and D = {} must all be positive",
+        a.kernel,
+        dims.c,
+        dims.k,
+        dims.d
+    );
+    Ok(dims)
+}
+
+/// `conv(xn, gated, state, w, highway, T, C, K, D)`.
+pub(super) fn conv_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::conv";
+    let a = Args::new(K, args, 9)?;
+    let (xn, gated, state, w, hw) = (
+        a.ptr(0, "xn")?,
+        a.ptr(1, "gated")?,
+        a.ptr(2, "state")?,
+        a.ptr(3, "w")?,
+        a.ptr(4, "highway")?,
+    );
+    let dims = conv_dims(&a)?;
+    if dims.t == 0 {
+        return Ok(());
+    }
+    let (tc, sc, ck) = (
+        size(K, "xn", &[dims.t, dims.c])?,
+        size(K, "state", &[dims.state_len(), dims.c])?,
+        size(K, "w", &[dims.c, dims.k])?,
+    );
+    check_disjoint(
+        K,
+        &[
+            Region::new("xn", xn, tc * 4, false),
+            Region::new("gated", gated, tc * 4, false),
+            Region::new("state", state, sc * 4, true),
+            Region::new("w", w, ck * 4, false),
+            Region::new("highway", hw, tc * 4, true),
+        ],
+    )?;
+    // SAFETY: `state` and `highway` are the written ranges and overlap
+    // nothing else of this launch (checked above).
+    unsafe {
+        let xs = view::<f32>(mem, xn, tc, "xn")?;
+        let gs = view::<f32>(mem, gated, tc, "gated")?;
+        let ws = view::<f32>(mem, w, ck, "w")?;
+        let st = view_mut::<f32>(mem, state, sc, "state")?;
+        let hs = view_mut::<f32>(mem, hw, tc, "highway")?;
+        conv(dims, xs, gs, st, ws, hs).context(K)
+    }
+}
+
+/// `conv_batch(xn, gated, states, w, highway, B, C, K, D)`.
+pub(super) fn conv_batch_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::conv_batch";
+    let a = Args::new(K, args, 9)?;
+    let (xn, gated, states, w, hw) = (
+        a.ptr(0, "xn")?,
+        a.ptr(1, "gated")?,
+        a.ptr(2, "states")?,
+        a.ptr(3, "w")?,
+        a.ptr(4, "highway")?,
+    );
+    let dims = conv_dims(&a)?;
+    let b = dims.t;
+    if b == 0 {
+        return Ok(());
+    }
+    let (bc, sc, ck) = (
+        size(K, "xn", &[b, dims.c])?,
+        size(K, "state", &[dims.state_len(), dims.c])?,
+        size(K, "w", &[dims.c, dims.k])?,
+    );
+    let mut regions = vec![
+        Region::new("xn", xn, bc * 4, false),
+        Region::new("gated", gated, bc * 4, false),
+        Region::new("states", states, size(K, "states", &[b, 8])?, false),
+        Region::new("w", w, ck * 4, false),
+        Region::new("highway", hw, bc * 4, true),
+    ];
+    // SAFETY: the pointer table is only read; it is checked against every
+    // written range below before any mutable view exists.
+    let table: &[u8] = unsafe { view(mem, states, b * 8, "the state pointers")? };
+    let state_ptrs: Vec<DevicePtr> = table
+        .chunks_exact(8)
+        .map(|c| DevicePtr(u64::from_le_bytes(c.try_into().expect("8 bytes"))))
+        .collect();
+    for (i, &p) in state_ptrs.iter().enumerate() {
+        if sc > 0 {
+            mem.host_ptr(p, sc * 4)
+                .with_context(|| format!("{K}: state {i} at {p}"))?;
+        }
+        regions.push(Region::new(format!("state {i}"), p, sc * 4, true));
+    }
+    check_disjoint(K, &regions)?;
+    // SAFETY: every written range (`highway`, each state) overlaps nothing
+    // else of this launch (checked above), so the views never alias.
+    unsafe {
+        let xs = view::<f32>(mem, xn, bc, "xn")?;
+        let gs = view::<f32>(mem, gated, bc, "gated")?;
+        let ws = view::<f32>(mem, w, ck, "w")?;
+        let mut sts = Vec::with_capacity(b);
+        for (i, &p) in state_ptrs.iter().enumerate() {
+            sts.push(view_mut::<f32>(mem, p, sc, &format!("state {i}"))?);
+        }
+        let hs = view_mut::<f32>(mem, hw, bc, "highway")?;
+        conv_batch(dims, xs, gs, &mut sts, ws, hs).context(K)
+    }
+}

@@ -1,0 +1,159 @@
+//! The scalar math every kernel path shares.
+//!
+//! Sums over a vector use a fixed 16-lane layout: element `i` goes into lane
+//! `i % 16` in index order and the lanes are combined by one fixed tree. The
+//! order is therefore a function of the length alone, never of how many rows
+//! a call holds, which thread runs it, or which instruction set compiled it
+//! (Rust never fuses or reassociates float operations on its own), and the
+//! loop still vectorises.
+
+/// Lanes of the fixed-order sums.
+const LANES: usize = 16;
+
+/// The f32 value of BF16 bits.
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// `x` rounded to the nearest BF16 value (ties to even), as f32. NaN stays
+/// NaN.
+#[inline(always)]
+pub fn bf16_round(x: f32) -> f32 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return f32::from_bits((b | 0x0040_0000) & 0xFFFF_0000);
+    }
+    let r = b.wrapping_add(0x7FFF + ((b >> 16) & 1));
+    f32::from_bits(r & 0xFFFF_0000)
+}
+
+/// Combine the 16 lanes in a fixed tree.
+#[inline(always)]
+fn fold(mut acc: [f32; LANES]) -> f32 {
+    let mut w = LANES / 2;
+    while w > 0 {
+        for i in 0..w {
+            acc[i] += acc[i + w];
+        }
+        w /= 2;
+    }
+    acc[0]
+}
+
+/// `sum(f(i))` over `0..n` in the fixed lane order.
+#[inline(always)]
+fn lane_sum(n: usize, f: impl Fn(usize) -> f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let full = n / LANES * LANES;
+    let mut i = 0;
+    while i < full {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a += f(i + l);
+        }
+        i += LANES;
+    }
+    for (l, a) in acc.iter_mut().enumerate().take(n - full) {
+        *a += f(full + l);
+    }
+    fold(acc)
+}
+
+/// `sum(x[i]^2)` in the fixed lane order.
+#[inline(always)]
+pub fn sum_sq(x: &[f32]) -> f32 {
+    lane_sum(x.len(), |i| x[i] * x[i])
+}
+
+/// The RMS-norm factor `1 / sqrt(mean(x^2) + eps)`.
+#[inline(always)]
+pub fn rms_factor(x: &[f32], eps: f32) -> f32 {
+    1.0 / (sum_sq(x) / x.len() as f32 + eps).sqrt()
+}
+
+/// `dot(norm(q), norm(k))` where `norm(v)[d] = v[d] * rv * (1 + wv[d])`,
+/// in the fixed lane order. All slices have one length.
+#[inline(always)]
+pub fn normed_dot(q: &[f32], rq: f32, wq: &[f32], k: &[f32], rk: f32, wk: &[f32]) -> f32 {
+    let n = q.len();
+    let (k, wq, wk) = (&k[..n], &wq[..n], &wk[..n]);
+    lane_sum(n, |i| {
+        (q[i] * rq * (1.0 + wq[i])) * (k[i] * rk * (1.0 + wk[i]))
+    })
+}
+
+/// The gate of one stream: `sigmoid(sign(g) * sqrt(max(|g|, 1e-6)))`, with
+/// `sign(0) = 0` (so `g == 0` gives exactly 0.5).
+#[inline(always)]
+pub fn gate_sigma(g: f32) -> f32 {
+    let sign = if g > 0.0 {
+        1.0
+    } else if g < 0.0 {
+        -1.0
+    } else if g == 0.0 {
+        0.0
+    } else {
+        g
+    };
+    sigmoid(sign * g.abs().max(1e-6).sqrt())
+}
+
+/// `1 / (1 + exp(-z))`.
+#[inline(always)]
+pub fn sigmoid(z: f32) -> f32 {
+    1.0 / (1.0 + (-z).exp())
+}
+
+/// `y * sigmoid(y)`, written as `y / (1 + exp(-y))`.
+#[inline(always)]
+pub fn silu(y: f32) -> f32 {
+    y / (1.0 + (-y).exp())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_is_nearest_even() {
+        assert_eq!(bf16_round(1.0), 1.0);
+        // 1 + 2^-8 lies exactly between 1 and 1 + 2^-7: ties go to even (1).
+        assert_eq!(bf16_round(1.0 + 1.0 / 256.0), 1.0);
+        // 1 + 3 * 2^-8 lies between 1 + 2^-7 (odd) and 1 + 2^-6 (even).
+        assert_eq!(bf16_round(1.0 + 3.0 / 256.0), 1.0 + 1.0 / 64.0);
+        assert_eq!(bf16_round(1.0 + 1.5 / 256.0), 1.0 + 1.0 / 128.0);
+        assert_eq!(bf16_round(-3.0), -3.0);
+        assert!(bf16_round(f32::NAN).is_nan());
+        assert_eq!(bf16_round(f32::INFINITY), f32::INFINITY);
+        assert_eq!(bf16_to_f32(0x3F80), 1.0);
+        assert_eq!(bf16_to_f32(0xC040), -3.0);
+    }
+
+    #[test]
+    fn lane_sum_matches_plain_sum_on_exact_values() {
+        for n in [0usize, 1, 5, 16, 17, 33, 160, 161] {
+            let x: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+            let plain: f32 = x.iter().map(|v| v * v).sum();
+            assert_eq!(sum_sq(&x), plain, "n = {n}");
+        }
+    }
+
+    #[test]
+    fn gate_sigma_special_values() {
+        assert_eq!(gate_sigma(0.0), 0.5);
+        assert_eq!(gate_sigma(-0.0), 0.5);
+        let s = gate_sigma(4.0);
+        assert!((s - 1.0 / (1.0 + (-2.0f32).exp())).abs() < 1e-7);
+        assert!((gate_sigma(-4.0) + s - 1.0).abs() < 1e-6);
+        // Tiny |g| is clamped to 1e-6 before the root.
+        assert_eq!(gate_sigma(1e-12), sigmoid(1e-3));
+        assert!(gate_sigma(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn silu_values() {
+        assert_eq!(silu(0.0), 0.0);
+        assert!((silu(1.0) - 0.731_058_6).abs() < 1e-6);
+        assert!((silu(-1.0) + 0.268_941_4).abs() < 1e-6);
+    }
+}
