@@ -302,6 +302,18 @@ pub fn alloc_free_accounting(gpu: &dyn GpuBackend) -> Result<()> {
     let base = Baseline::take(gpu);
     gpu.free(DevicePtr::NULL)
         .context("free(NULL) must be a no-op")?;
+    expect_err(
+        gpu.alloc(usize::MAX, "conformance huge"),
+        &["alloc", "conformance huge"],
+    )?;
+    expect_err(
+        gpu.alloc_host_mapped(usize::MAX, "conformance huge mapped"),
+        &["alloc_host_mapped", "conformance huge mapped"],
+    )?;
+    ensure!(
+        gpu.live_alloc_count() == base.count,
+        "a failed alloc was counted"
+    );
     let a = gpu.alloc(1000, "conformance a")?;
     let b = gpu.alloc(24, "conformance b")?;
     let z = gpu.alloc(0, "conformance empty")?;

@@ -197,6 +197,14 @@ pub trait HostMemory {
     /// A raw host pointer to `bytes` bytes at `ptr`, checked against the
     /// ledger. The caller is responsible for aliasing, as a CUDA kernel is.
     fn host_ptr(&self, ptr: DevicePtr, bytes: usize) -> Result<*mut u8>;
+
+    /// This view as one that may be shared across threads (for a kernel
+    /// that checks pointers from rayon workers), when the backend allows it.
+    /// The CPU backend does; `&(dyn HostMemory + Sync)` coerces back to
+    /// `&dyn HostMemory` for [`slice`](Self::slice)-style access.
+    fn as_sync(&self) -> Option<&(dyn HostMemory + Sync)> {
+        None
+    }
 }
 
 impl dyn HostMemory + '_ {

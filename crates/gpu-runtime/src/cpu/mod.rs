@@ -98,7 +98,7 @@ struct Inner {
 /// Checked access to memory for a running kernel.
 struct KernelMemory<'a> {
     ledger: &'a Ledger,
-    op: &'a dyn fmt::Display,
+    op: &'a (dyn fmt::Display + Sync),
 }
 
 /// "`call` on stream `id`", formatted only when an error needs it.
@@ -111,7 +111,7 @@ impl fmt::Display for OnStream {
 }
 
 /// Two parts of an operation's name, joined by a space when formatted.
-struct Joined<'a>(&'a dyn fmt::Display, &'a str);
+struct Joined<'a>(&'a (dyn fmt::Display + Sync), &'a str);
 
 impl fmt::Display for Joined<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -123,6 +123,10 @@ impl HostMemory for KernelMemory<'_> {
     #[inline]
     fn host_ptr(&self, ptr: DevicePtr, bytes: usize) -> Result<*mut u8> {
         self.ledger.resolve(self.op, ptr, bytes)
+    }
+
+    fn as_sync(&self) -> Option<&(dyn HostMemory + Sync)> {
+        Some(self)
     }
 }
 
@@ -245,7 +249,7 @@ impl Inner {
     }
 
     /// Run one node on the calling thread.
-    fn execute(&self, op: &dyn fmt::Display, node: &Node) -> Result<()> {
+    fn execute(&self, op: &(dyn fmt::Display + Sync), node: &Node) -> Result<()> {
         let _barrier = self.exec.read_recursive();
         match node {
             Node::Memset { dst, value, bytes } => {
@@ -280,7 +284,7 @@ impl Inner {
                 }
                 let mem = KernelMemory {
                     ledger: &self.ledger,
-                    op: &what as &dyn fmt::Display,
+                    op: &what,
                 };
                 let body = &kernel.body;
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -303,3 +303,67 @@ fn host_ptr_translates_inside_kernels_and_refuses_outside() {
     assert_eq!(&out[8..], &[0x33; 8]);
     gpu.free(p).unwrap();
 }
+
+#[test]
+fn kernels_can_check_pointers_from_rayon_workers() {
+    use rayon::prelude::*;
+    let gpu = CpuBackend::new();
+    let rows = 1000usize;
+    let table = gpu.alloc(rows * 16, "table").unwrap();
+    let bytes: Vec<u8> = (0..rows * 16).map(|i| (i / 16) as u8).collect();
+    gpu.copy_h2d(&bytes, table).unwrap();
+    let out = gpu.alloc(rows * 4, "sums").unwrap();
+    gpu.register_host_kernel(
+        "t",
+        "row_sums",
+        &[ArgKind::Ptr, ArgKind::Ptr, ArgKind::U32],
+        Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
+            let (KernelArg::Ptr(t), KernelArg::Ptr(o), KernelArg::U32(n)) = (a[0], a[1], a[2])
+            else {
+                anyhow::bail!("bad arguments")
+            };
+            let shared = m.as_sync().expect("the CPU backend shares its memory view");
+            let sums: Vec<u32> = (0..n as usize)
+                .into_par_iter()
+                .map(|r| {
+                    let p = shared.host_ptr(t.offset(r * 16), 16)?;
+                    // SAFETY: 16 checked bytes, only read while the kernel runs.
+                    let row = unsafe { std::slice::from_raw_parts(p, 16) };
+                    Ok(row.iter().map(|&x| x as u32).sum())
+                })
+                .collect::<anyhow::Result<_>>()?;
+            // SAFETY: sole writer of `o` while the kernel runs.
+            unsafe { m.slice_mut::<u32>(o, n as usize)? }.copy_from_slice(&sums);
+            Ok(())
+        }),
+    )
+    .unwrap();
+    let k = gpu.kernel("t", "row_sums").unwrap();
+    let args = [
+        KernelArg::Ptr(table),
+        KernelArg::Ptr(out),
+        KernelArg::U32(rows as u32),
+    ];
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &args, 0)
+        .unwrap();
+    let mut b = vec![0u8; rows * 4];
+    gpu.copy_d2h_on_stream(out, &mut b, 0).unwrap();
+    for (r, c) in b.chunks_exact(4).enumerate() {
+        assert_eq!(
+            u32::from_le_bytes(c.try_into().unwrap()),
+            (r as u8) as u32 * 16
+        );
+    }
+    // One row past the end fails inside a rayon worker and reaches the stream.
+    let args = [
+        KernelArg::Ptr(table),
+        KernelArg::Ptr(out),
+        KernelArg::U32(rows as u32 + 1),
+    ];
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &args, 0)
+        .unwrap();
+    let e = gpu.synchronize(0).unwrap_err().to_string();
+    assert!(e.contains("t::row_sums") && e.contains("'table'"), "{e}");
+    gpu.free(table).unwrap();
+    gpu.free(out).unwrap();
+}
