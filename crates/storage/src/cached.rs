@@ -1,0 +1,921 @@
+//! The row cache: a fixed arena of slots in device-addressable host memory
+//! holding the hot rows of a table that stays on disk.
+//!
+//! `resolve(ids)` maps ids to slots. Hits pin their slot; misses take a
+//! CLOCK victim among unpinned slots, are read from the shard files in one
+//! batch (whole aligned pages, rows sharing a page read once, O_DIRECT
+//! through a [`PageReader`]) and copied into their slots. The pins of a
+//! resolve form a [`Lease`]; released with an event, they are kept until
+//! the event has completed, i.e. until the gather that reads the slots has
+//! run.
+//!
+//! Invariants (all under the one state mutex):
+//! - `map[id] == s` iff `slots[s].id == id` and `slots[s].state != FREE`;
+//! - `slots[s].pins` equals the number of live leases and pending
+//!   (event-guarded) releases naming `s`, plus resolves currently waiting on
+//!   `s`; a slot with pins, or one being loaded, is never chosen as a victim,
+//!   so a slot a queued gather will read is never overwritten;
+//! - slot bytes are written only while the slot is `LOADING`, by the one
+//!   thread that loads it, outside the mutex; no lease hands out a
+//!   `LOADING` slot, and a resolve that finds one waits until it is `READY`
+//!   (or its load failed, in which case it retries from scratch);
+//! - a failed resolve holds no pins, and the slots of its failed reads are
+//!   unmapped (`FREE`), so a retry reads them again;
+//! - each resolve pins at most `max_resolve` distinct slots; a batch with
+//!   more distinct ids is refused with an error naming both numbers (see
+//!   [`crate::parts::resolve_in_parts`] for the split protocol).
+//!
+//! Concurrency: resolves from several threads take the mutex only to plan
+//! and to publish; their reads run in parallel. Prefetches are read by a
+//! background thread.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use crossbeam_channel::{Sender, unbounded};
+use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend, HostMapped};
+use parking_lot::{Condvar, Mutex};
+
+use crate::io::{AlignedBuf, PAGE, PageReader, ReadReq, ShardFile, default_reader};
+use crate::layout::TableFiles;
+use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+
+/// Largest single read: adjacent pages are merged up to this size.
+const MAX_EXTENT: u64 = 128 * 1024;
+
+const FREE: u8 = 0;
+const LOADING: u8 = 1;
+const READY: u8 = 2;
+const NO_ID: u64 = u64::MAX;
+
+/// A multiplicative hash for row ids (uniform enough, and a few ns).
+#[derive(Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100_0000_01B3);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        let h = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+}
+
+type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
+
+/// Settings of a [`CachedTable`].
+#[derive(Clone)]
+pub struct CacheConfig {
+    /// Number of row slots in the arena.
+    pub slots: usize,
+    /// Most distinct ids one resolve may pin (0: half the slots).
+    pub max_resolve: usize,
+    /// Ask for O_DIRECT reads (falls back to buffered where refused).
+    pub direct: bool,
+    /// Reads in flight per batch (io_uring depth or pool size).
+    pub io_depth: usize,
+    /// A reader to use instead of the automatic choice (tests inject faults).
+    pub reader: Option<Arc<dyn PageReader>>,
+    /// How long a resolve waits for pinned slots to be released before it
+    /// gives up with an error.
+    pub pin_wait: Duration,
+}
+
+impl CacheConfig {
+    /// Defaults for an arena of `slots` rows.
+    pub fn new(slots: usize) -> Self {
+        CacheConfig {
+            slots,
+            max_resolve: 0,
+            direct: true,
+            io_depth: 32,
+            reader: None,
+            pin_wait: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    id: u64,
+    /// The resolve batch that last pinned (or loads) this slot: dedups
+    /// repeated ids within a batch without a per-batch set.
+    stamp: u64,
+    pins: u32,
+    /// Bumped whenever the slot's mapping changes, so a waiter can tell a
+    /// completed load from a failed-and-reused one.
+    generation: u32,
+    state: u8,
+    referenced: bool,
+}
+
+struct State {
+    map: IdMap<u32>,
+    slots: Vec<Slot>,
+    hand: usize,
+    leases: IdMap<Vec<u32>>,
+    next_lease: u64,
+    next_batch: u64,
+    pending: Vec<(EventHandle, Vec<u32>)>,
+}
+
+#[derive(Default)]
+struct Stats {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    evictions: AtomicU64,
+    bytes_read: AtomicU64,
+    read_calls: AtomicU64,
+    pages_coalesced: AtomicU64,
+    io_wait_ns: AtomicU64,
+}
+
+struct Inner {
+    files: TableFiles,
+    fds: Vec<ShardFile>,
+    reader: Arc<dyn PageReader>,
+    gpu: Arc<dyn GpuBackend>,
+    arena: HostMapped,
+    stride: usize,
+    scale_base: usize,
+    row_bytes: usize,
+    fp8: bool,
+    max_resolve: usize,
+    pin_wait: Duration,
+    st: Mutex<State>,
+    cv: Condvar,
+    stats: Stats,
+    bufs: Mutex<Vec<AlignedBuf>>,
+}
+
+/// A table whose rows stay on disk, with the hot ones in a slot arena.
+pub struct CachedTable {
+    inner: Arc<Inner>,
+    prefetch_tx: Option<Sender<Vec<(u32, u64)>>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+enum Attempt {
+    Done(Lease),
+    NoVictim,
+    PeerFailed,
+}
+
+struct Need {
+    shard: usize,
+    off: u64,
+    len: usize,
+    dst: usize,
+    id: u64,
+}
+
+impl CachedTable {
+    /// Open a cache over `files` with an arena from `gpu.alloc_host_mapped`.
+    pub fn open(
+        files: TableFiles,
+        gpu: Arc<dyn GpuBackend>,
+        cfg: CacheConfig,
+    ) -> Result<CachedTable> {
+        ensure!(cfg.slots > 0, "a row cache needs at least one slot");
+        ensure!(
+            cfg.slots < u32::MAX as usize,
+            "{} slots is more than a cache can index",
+            cfg.slots
+        );
+        let max_resolve = if cfg.max_resolve == 0 {
+            (cfg.slots / 2).max(1)
+        } else {
+            cfg.max_resolve
+        };
+        ensure!(
+            max_resolve <= cfg.slots,
+            "max_resolve {max_resolve} exceeds the {} slots of the arena",
+            cfg.slots
+        );
+        let info = files.info;
+        let row_bytes = info.row_bytes();
+        let fp8 = info.dtype == RowDType::Fp8E4M3;
+        let stride = row_bytes.next_multiple_of(16);
+        let scale_base = cfg.slots * stride;
+        let arena_bytes = scale_base + if fp8 { cfg.slots * 4 } else { 0 };
+        let fds = files
+            .shards
+            .iter()
+            .map(|s| ShardFile::open(&s.path, cfg.direct))
+            .collect::<Result<Vec<_>>>()?;
+        let reader = match cfg.reader {
+            Some(r) => r,
+            None => default_reader(cfg.io_depth)?,
+        };
+        let arena = gpu
+            .alloc_host_mapped(arena_bytes, "ple row cache arena")
+            .with_context(|| format!("allocating a {arena_bytes}-byte row cache arena"))?;
+        let slots = vec![
+            Slot {
+                id: NO_ID,
+                stamp: 0,
+                pins: 0,
+                generation: 0,
+                state: FREE,
+                referenced: false
+            };
+            cfg.slots
+        ];
+        let inner = Arc::new(Inner {
+            files,
+            fds,
+            reader,
+            gpu,
+            arena,
+            stride,
+            scale_base,
+            row_bytes,
+            fp8,
+            max_resolve,
+            pin_wait: cfg.pin_wait,
+            st: Mutex::new(State {
+                map: IdMap::with_capacity_and_hasher(cfg.slots, Default::default()),
+                slots,
+                hand: 0,
+                leases: IdMap::default(),
+                next_lease: 1,
+                next_batch: 1,
+                pending: Vec::new(),
+            }),
+            cv: Condvar::new(),
+            stats: Stats::default(),
+            bufs: Mutex::new(Vec::new()),
+        });
+        let (tx, rx) = unbounded::<Vec<(u32, u64)>>();
+        let w = inner.clone();
+        let worker = std::thread::Builder::new()
+            .name("table-prefetch".into())
+            .spawn(move || {
+                for loads in rx.iter() {
+                    let r = w.load(&loads);
+                    if let Err(e) = &r {
+                        tracing::warn!(error = %format!("{e:#}"), "prefetch read failed; rows left unmapped");
+                    }
+                    let mut g = w.st.lock();
+                    w.finish_loads(&mut g, &loads, r.is_ok());
+                }
+            })
+            .context("spawning the prefetch thread")?;
+        Ok(CachedTable {
+            inner,
+            prefetch_tx: Some(tx),
+            worker: Some(worker),
+        })
+    }
+
+    /// Number of slots in the arena.
+    pub fn slots(&self) -> usize {
+        self.inner.st.lock().slots.len()
+    }
+
+    /// Name of the page reader in use (`io_uring`, `pread-pool`, ...).
+    pub fn reader_name(&self) -> &str {
+        self.inner.reader.name()
+    }
+
+    /// Whether every shard is read with O_DIRECT.
+    pub fn direct_io(&self) -> bool {
+        self.inner.fds.iter().all(|f| f.direct)
+    }
+
+    /// Rows currently mapped (loaded or loading).
+    pub fn mapped_rows(&self) -> usize {
+        self.inner.st.lock().map.len()
+    }
+
+    /// Check the cache's internal invariants (map and slots agree, pins
+    /// match the live leases and pending releases). For tests and debugging.
+    pub fn check_invariants(&self) -> Result<()> {
+        let g = self.inner.st.lock();
+        let mut want = vec![0u32; g.slots.len()];
+        for v in g.leases.values() {
+            for &s in v {
+                want[s as usize] += 1;
+            }
+        }
+        for (_, v) in &g.pending {
+            for &s in v {
+                want[s as usize] += 1;
+            }
+        }
+        for (s, sl) in g.slots.iter().enumerate() {
+            ensure!(
+                sl.pins >= want[s],
+                "slot {s}: {} pins but {} held by leases",
+                sl.pins,
+                want[s]
+            );
+            if sl.state == FREE {
+                ensure!(sl.id == NO_ID, "free slot {s} still names row {}", sl.id);
+            } else {
+                ensure!(
+                    g.map.get(&sl.id) == Some(&(s as u32)),
+                    "slot {s} holds row {} but the map disagrees",
+                    sl.id
+                );
+            }
+        }
+        for (&id, &s) in &g.map {
+            let sl = &g.slots[s as usize];
+            ensure!(
+                sl.id == id && sl.state != FREE,
+                "map sends row {id} to slot {s}, which holds {}",
+                sl.id
+            );
+        }
+        Ok(())
+    }
+
+    /// Wait until every queued prefetch has been read.
+    pub fn wait_prefetched(&self) {
+        let mut g = self.inner.st.lock();
+        while g.slots.iter().any(|s| s.state == LOADING) {
+            self.inner.cv.wait_for(&mut g, Duration::from_millis(5));
+        }
+    }
+}
+
+impl Inner {
+    #[inline]
+    fn row_ref(&self, s: u32) -> RowRef {
+        let s = s as usize;
+        RowRef {
+            data: self.arena.device.0 + (s * self.stride) as u64,
+            scale: if self.fp8 {
+                self.arena.device.0 + (self.scale_base + s * 4) as u64
+            } else {
+                0
+            },
+        }
+    }
+
+    /// A CLOCK victim: unpinned, not loading, reference bit clear.
+    fn clock(&self, st: &mut State) -> Option<u32> {
+        let n = st.slots.len();
+        for _ in 0..2 * n + 1 {
+            let s = st.hand;
+            st.hand = if s + 1 == n { 0 } else { s + 1 };
+            let sl = &mut st.slots[s];
+            if sl.pins > 0 || sl.state == LOADING {
+                continue;
+            }
+            if sl.referenced {
+                sl.referenced = false;
+                continue;
+            }
+            return Some(s as u32);
+        }
+        None
+    }
+
+    fn victim(&self, st: &mut State) -> Option<u32> {
+        if let Some(v) = self.clock(st) {
+            return Some(v);
+        }
+        if !st.pending.is_empty() && self.poll_pending(st) {
+            return self.clock(st);
+        }
+        None
+    }
+
+    /// Drop the pins of releases whose event has completed. Returns whether
+    /// any were dropped.
+    fn poll_pending(&self, st: &mut State) -> bool {
+        let mut freed = false;
+        let mut i = 0;
+        while i < st.pending.len() {
+            let done = match self.gpu.event_query(st.pending[i].0) {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!(error = %e, "querying a lease event failed; dropping its pins");
+                    true
+                }
+            };
+            if done {
+                let (ev, slots) = st.pending.swap_remove(i);
+                for s in slots {
+                    st.slots[s as usize].pins -= 1;
+                }
+                if let Err(e) = self.gpu.destroy_event(ev) {
+                    tracing::warn!(error = %e, "destroying a lease event failed");
+                }
+                freed = true;
+            } else {
+                i += 1;
+            }
+        }
+        if freed {
+            self.cv.notify_all();
+        }
+        freed
+    }
+
+    fn unpin(st: &mut State, slots: &[u32]) {
+        for &s in slots {
+            st.slots[s as usize].pins -= 1;
+        }
+    }
+
+    fn unmap(st: &mut State, s: u32) {
+        let sl = &mut st.slots[s as usize];
+        if sl.id != NO_ID && st.map.get(&sl.id) == Some(&s) {
+            st.map.remove(&sl.id);
+        }
+        sl.id = NO_ID;
+        sl.state = FREE;
+        sl.referenced = false;
+        sl.generation = sl.generation.wrapping_add(1);
+    }
+
+    /// Publish the outcome of loads: ready, or unmapped on failure.
+    fn finish_loads(&self, st: &mut State, loads: &[(u32, u64)], ok: bool) {
+        for &(s, _) in loads {
+            if ok {
+                st.slots[s as usize].state = READY;
+            } else {
+                Self::unmap(st, s);
+            }
+        }
+        self.cv.notify_all();
+    }
+
+    fn try_resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Attempt> {
+        let mut g = self.st.lock();
+        if !g.pending.is_empty() {
+            self.poll_pending(&mut g);
+        }
+        let st = &mut *g;
+        let batch = st.next_batch;
+        st.next_batch += 1;
+        let mut pinned: Vec<u32> = Vec::with_capacity(ids.len().min(self.max_resolve));
+        let mut loads: Vec<(u32, u64)> = Vec::new();
+        let mut waits: Vec<(u32, u32)> = Vec::new();
+        let mut evictions = 0u64;
+        let mut over = false;
+        for (i, &id) in ids.iter().enumerate() {
+            let s = match st.map.get(&id) {
+                Some(&s) => {
+                    let sl = &mut st.slots[s as usize];
+                    if sl.stamp != batch {
+                        sl.stamp = batch;
+                        sl.pins += 1;
+                        pinned.push(s);
+                        if sl.state == LOADING {
+                            waits.push((s, sl.generation));
+                        }
+                    }
+                    sl.referenced = true;
+                    s
+                }
+                None => {
+                    if pinned.len() >= self.max_resolve {
+                        over = true;
+                        break;
+                    }
+                    let Some(v) = self.victim(st) else {
+                        Self::undo(st, &pinned, &loads);
+                        self.stats.evictions.fetch_add(evictions, Relaxed);
+                        return Ok(Attempt::NoVictim);
+                    };
+                    let sl = &mut st.slots[v as usize];
+                    if sl.state == READY {
+                        st.map.remove(&sl.id);
+                        evictions += 1;
+                    }
+                    *sl = Slot {
+                        id,
+                        stamp: batch,
+                        pins: 1,
+                        generation: sl.generation.wrapping_add(1),
+                        state: LOADING,
+                        referenced: false,
+                    };
+                    st.map.insert(id, v);
+                    pinned.push(v);
+                    loads.push((v, id));
+                    v
+                }
+            };
+            out[i] = self.row_ref(s);
+        }
+        self.stats.evictions.fetch_add(evictions, Relaxed);
+        if over || pinned.len() > self.max_resolve {
+            Self::undo(st, &pinned, &loads);
+            let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
+            bail!(
+                "a resolve of {} distinct row ids exceeds this cache's limit of {} per resolve; split the batch (resolve_in_parts)",
+                distinct.len(),
+                self.max_resolve
+            );
+        }
+        if !loads.is_empty() {
+            drop(g);
+            let r = self.load(&loads);
+            g = self.st.lock();
+            self.finish_loads(&mut g, &loads, r.is_ok());
+            if let Err(e) = r {
+                Self::unpin(&mut g, &pinned);
+                return Err(e);
+            }
+        }
+        if !waits.is_empty() {
+            let deadline = Instant::now() + self.pin_wait.max(Duration::from_secs(60));
+            loop {
+                let busy = waits.iter().any(|&(s, g0)| {
+                    let sl = &g.slots[s as usize];
+                    sl.state == LOADING && sl.generation == g0
+                });
+                if !busy {
+                    break;
+                }
+                if self.cv.wait_until(&mut g, deadline).timed_out() {
+                    Self::unpin(&mut g, &pinned);
+                    bail!("timed out waiting for a concurrent read of table rows");
+                }
+            }
+            if waits
+                .iter()
+                .any(|&(s, g0)| g.slots[s as usize].generation != g0)
+            {
+                Self::unpin(&mut g, &pinned);
+                return Ok(Attempt::PeerFailed);
+            }
+        }
+        let lease_id = g.next_lease;
+        g.next_lease += 1;
+        let n = pinned.len();
+        g.leases.insert(lease_id, pinned);
+        drop(g);
+        self.stats.misses.fetch_add(loads.len() as u64, Relaxed);
+        self.stats
+            .hits
+            .fetch_add((ids.len() - loads.len()) as u64, Relaxed);
+        Ok(Attempt::Done(Lease {
+            id: lease_id,
+            pinned: n,
+        }))
+    }
+
+    fn undo(st: &mut State, pinned: &[u32], loads: &[(u32, u64)]) {
+        Self::unpin(st, pinned);
+        for &(s, _) in loads {
+            Self::unmap(st, s);
+        }
+    }
+
+    fn take_buf(&self, len: usize) -> AlignedBuf {
+        let mut pool = self.bufs.lock();
+        if let Some(i) = pool.iter().position(|b| b.len() >= len) {
+            return pool.swap_remove(i);
+        }
+        drop(pool);
+        AlignedBuf::new(len.next_multiple_of(64 * 1024))
+    }
+
+    fn give_buf(&self, b: AlignedBuf) {
+        let mut pool = self.bufs.lock();
+        if pool.len() < 8 {
+            pool.push(b);
+        }
+    }
+
+    /// Read the rows of `loads` into their slots. The slots are `LOADING`
+    /// and owned by the caller; nothing else reads or writes them.
+    fn load(&self, loads: &[(u32, u64)]) -> Result<()> {
+        let mut needs = Vec::with_capacity(loads.len() * if self.fp8 { 2 } else { 1 });
+        for &(s, id) in loads {
+            let loc = self.files.locate(id)?;
+            let s = s as usize;
+            needs.push(Need {
+                shard: loc.shard,
+                off: loc.offset,
+                len: self.row_bytes,
+                dst: s * self.stride,
+                id,
+            });
+            if let Some(so) = loc.scale_offset {
+                needs.push(Need {
+                    shard: loc.shard,
+                    off: so,
+                    len: 4,
+                    dst: self.scale_base + s * 4,
+                    id,
+                });
+            }
+        }
+        needs.sort_unstable_by_key(|n| (n.shard, n.off));
+        // Extents: (shard, start, end, first need, need count).
+        let mut ext: Vec<(usize, u64, u64, usize, usize)> = Vec::new();
+        let mut coalesced = 0u64;
+        for (k, n) in needs.iter().enumerate() {
+            let lo = n.off & !(PAGE as u64 - 1);
+            let hi = (n.off + n.len as u64).next_multiple_of(PAGE as u64);
+            if let Some(e) = ext.last_mut()
+                && e.0 == n.shard
+                && lo <= e.2
+                && hi.max(e.2) - e.1 <= MAX_EXTENT
+            {
+                if lo < e.2 {
+                    coalesced += 1;
+                }
+                e.2 = e.2.max(hi);
+                e.4 += 1;
+                continue;
+            }
+            ext.push((n.shard, lo, hi, k, 1));
+        }
+        let total: u64 = ext.iter().map(|e| e.2 - e.1).sum();
+        let mut buf = self.take_buf(total as usize);
+        let t0 = Instant::now();
+        let results = {
+            let mut rest = buf.as_mut_slice();
+            let mut reqs = Vec::with_capacity(ext.len());
+            for e in &ext {
+                let (head, tail) = rest.split_at_mut((e.2 - e.1) as usize);
+                rest = tail;
+                reqs.push(ReadReq {
+                    fd: self.fds[e.0].fd(),
+                    offset: e.1,
+                    buf: head,
+                });
+            }
+            self.reader.read_batch(&mut reqs)
+        };
+        self.stats
+            .io_wait_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+        self.stats.read_calls.fetch_add(ext.len() as u64, Relaxed);
+        self.stats.pages_coalesced.fetch_add(coalesced, Relaxed);
+        let got: u64 = results
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .map(|&n| n as u64)
+            .sum();
+        self.stats.bytes_read.fetch_add(got, Relaxed);
+        let mut first_err = None;
+        for (e, r) in ext.iter().zip(&results) {
+            let path = self.fds[e.0].path.display();
+            let rows = &needs[e.3..e.3 + e.4];
+            let more = if e.4 > 1 {
+                format!(" and {} more", e.4 - 1)
+            } else {
+                String::new()
+            };
+            match r {
+                Err(err) => {
+                    first_err = Some(anyhow!(
+                        "reading {path} at offset {} ({} bytes) for row {}{more}: {err}",
+                        e.1,
+                        e.2 - e.1,
+                        rows[0].id
+                    ));
+                }
+                Ok(n) => {
+                    for need in rows {
+                        let end = need.off + need.len as u64 - e.1;
+                        if (*n as u64) < end {
+                            first_err = Some(anyhow!(
+                                "short read of {path} at offset {}: got {n} of the {end} bytes needed for row {} (file truncated?)",
+                                e.1,
+                                need.id
+                            ));
+                            break;
+                        }
+                    }
+                }
+            }
+            if first_err.is_some() {
+                break;
+            }
+        }
+        if let Some(e) = first_err {
+            self.give_buf(buf);
+            return Err(e);
+        }
+        let mut base = 0usize;
+        let src = buf.as_slice();
+        for e in &ext {
+            for need in &needs[e.3..e.3 + e.4] {
+                let at = base + (need.off - e.1) as usize;
+                let from = &src[at..at + need.len];
+                // SAFETY: `dst` lies inside the arena (slot index < slots,
+                // checked at planning); the slot is LOADING and owned by this
+                // load, so no other thread and no queued gather touches it.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        from.as_ptr(),
+                        self.arena.host.add(need.dst),
+                        need.len,
+                    );
+                }
+            }
+            base += (e.2 - e.1) as usize;
+        }
+        self.give_buf(buf);
+        Ok(())
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // A gather queued before the table was dropped may still read the
+        // arena: wait for every pending release before freeing it.
+        let pending = std::mem::take(&mut self.st.get_mut().pending);
+        for (ev, _) in pending {
+            let _ = self.gpu.event_synchronize(ev);
+            let _ = self.gpu.destroy_event(ev);
+        }
+        if let Err(e) = self.gpu.free(self.arena.device) {
+            tracing::warn!(error = %e, "freeing the row cache arena failed");
+        }
+    }
+}
+
+impl Drop for CachedTable {
+    fn drop(&mut self) {
+        self.prefetch_tx.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl RowTable for CachedTable {
+    fn info(&self) -> TableInfo {
+        self.inner.files.info
+    }
+
+    fn max_resolve(&self) -> usize {
+        self.inner.max_resolve
+    }
+
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
+        ensure!(
+            out.len() == ids.len(),
+            "resolve: {} ids but {} output slots",
+            ids.len(),
+            out.len()
+        );
+        for &id in ids {
+            self.inner.files.check_id(id)?;
+        }
+        let inner = &*self.inner;
+        let deadline = Instant::now() + inner.pin_wait;
+        let mut peer_failures = 0;
+        loop {
+            match inner.try_resolve(ids, out)? {
+                Attempt::Done(l) => return Ok(l),
+                Attempt::PeerFailed => {
+                    peer_failures += 1;
+                    ensure!(
+                        peer_failures <= 3,
+                        "rows of this batch failed to load in {peer_failures} concurrent reads; giving up"
+                    );
+                }
+                Attempt::NoVictim => {
+                    let mut g = inner.st.lock();
+                    if !g.pending.is_empty() {
+                        inner.poll_pending(&mut g);
+                    }
+                    if Instant::now() >= deadline {
+                        let pinned = g.slots.iter().filter(|s| s.pins > 0).count();
+                        bail!(
+                            "no free slot after {:?}: {pinned} of {} slots are pinned by live leases (release leases, or resolve fewer distinct ids)",
+                            inner.pin_wait,
+                            g.slots.len()
+                        );
+                    }
+                    inner.cv.wait_for(&mut g, Duration::from_micros(200));
+                }
+            }
+        }
+    }
+
+    fn release(
+        &self,
+        lease: Lease,
+        gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> Result<()> {
+        let inner = &*self.inner;
+        if lease.id == 0 {
+            if let Some(ev) = after {
+                gpu.destroy_event(ev)?;
+            }
+            return Ok(());
+        }
+        let mut g = inner.st.lock();
+        let slots = g.leases.remove(&lease.id).with_context(|| {
+            format!("release: lease {} is not live (released twice?)", lease.id)
+        })?;
+        match after {
+            None => {
+                Inner::unpin(&mut g, &slots);
+                inner.cv.notify_all();
+            }
+            Some(ev) => match gpu.event_query(ev) {
+                Ok(true) => {
+                    Inner::unpin(&mut g, &slots);
+                    inner.cv.notify_all();
+                    drop(g);
+                    gpu.destroy_event(ev)?;
+                }
+                Ok(false) => g.pending.push((ev, slots)),
+                Err(e) => {
+                    Inner::unpin(&mut g, &slots);
+                    inner.cv.notify_all();
+                    return Err(e.context(format!(
+                        "release: lease {} came with an event the backend cannot query; its pins were dropped",
+                        lease.id
+                    )));
+                }
+            },
+        }
+        Ok(())
+    }
+
+    fn prefetch(&self, ids: &[u64]) -> Result<()> {
+        for &id in ids {
+            self.inner.files.check_id(id)?;
+        }
+        let inner = &*self.inner;
+        let mut g = inner.st.lock();
+        if !g.pending.is_empty() {
+            inner.poll_pending(&mut g);
+        }
+        let st = &mut *g;
+        let batch = st.next_batch;
+        st.next_batch += 1;
+        let mut loads = Vec::new();
+        let mut evictions = 0;
+        for &id in ids {
+            if st.map.contains_key(&id) {
+                continue;
+            }
+            // Prefetch is advice: with no free slot, stop quietly.
+            let Some(v) = inner.clock(st) else { break };
+            let sl = &mut st.slots[v as usize];
+            if sl.state == READY {
+                st.map.remove(&sl.id);
+                evictions += 1;
+            }
+            *sl = Slot {
+                id,
+                stamp: batch,
+                pins: 0,
+                generation: sl.generation.wrapping_add(1),
+                state: LOADING,
+                referenced: false,
+            };
+            st.map.insert(id, v);
+            loads.push((v, id));
+        }
+        drop(g);
+        inner.stats.evictions.fetch_add(evictions, Relaxed);
+        if loads.is_empty() {
+            return Ok(());
+        }
+        inner.stats.misses.fetch_add(loads.len() as u64, Relaxed);
+        let tx = self
+            .prefetch_tx
+            .as_ref()
+            .expect("prefetch channel lives until drop");
+        if let Err(e) = tx.send(loads) {
+            let loads = e.into_inner();
+            let r = inner.load(&loads);
+            let mut g = inner.st.lock();
+            inner.finish_loads(&mut g, &loads, r.is_ok());
+            r?;
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> TableStats {
+        let s = &self.inner.stats;
+        TableStats {
+            hits: s.hits.load(Relaxed),
+            misses: s.misses.load(Relaxed),
+            evictions: s.evictions.load(Relaxed),
+            bytes_read: s.bytes_read.load(Relaxed),
+            read_calls: s.read_calls.load(Relaxed),
+            pages_coalesced: s.pages_coalesced.load(Relaxed),
+            io_wait_ns: s.io_wait_ns.load(Relaxed),
+        }
+    }
+}

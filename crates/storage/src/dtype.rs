@@ -1,0 +1,229 @@
+//! Element conversions for table rows: BF16 and FP8 E4M3 to and from f32.
+//!
+//! Invariants:
+//! - every narrowing conversion rounds to nearest, ties to even;
+//! - decoding is exact (both formats are subsets of f32);
+//! - FP8 here is the "FN" flavour of E4M3 used by checkpoints
+//!   (`F8_E4M3` in safetensors): bias 7, no infinities, largest finite
+//!   value 448, NaN is `S.1111.111`. [`f32_to_fp8_e4m3`] maps values whose
+//!   rounded magnitude would exceed 448, infinities and NaN to NaN (the
+//!   convention of the common ML frameworks); [`f32_to_fp8_e4m3_sat`]
+//!   clamps finite values and infinities to ±448 instead;
+//! - BF16 NaN inputs stay NaN (quietened), never rounded into infinity.
+
+/// Decode one BF16 value.
+#[inline]
+pub fn bf16_to_f32(v: u16) -> f32 {
+    f32::from_bits((v as u32) << 16)
+}
+
+/// Encode one f32 as BF16, rounding to nearest, ties to even.
+#[inline]
+pub fn f32_to_bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    if v.is_nan() {
+        // Keep the sign and the top payload bits, force the quiet bit so a
+        // signalling NaN whose payload lives in the low bits stays a NaN.
+        return ((bits >> 16) as u16) | 0x0040;
+    }
+    let lsb = (bits >> 16) & 1;
+    (bits.wrapping_add(0x7FFF + lsb) >> 16) as u16
+}
+
+/// Decode one FP8 E4M3 value by direct bit manipulation (used to build
+/// [`FP8_E4M3_TABLE`]; call [`fp8_e4m3_to_f32`] instead).
+const fn fp8_e4m3_decode_bits(b: u8) -> u32 {
+    let sign = ((b as u32) >> 7) << 31;
+    let e = ((b >> 3) & 0xF) as u32;
+    let m = (b & 0x7) as u32;
+    if e == 0xF && m == 0x7 {
+        return sign | 0x7FC0_0000;
+    }
+    if e == 0 {
+        if m == 0 {
+            return sign;
+        }
+        // Subnormal: m * 2^-9. Normalise around the highest set bit p.
+        let p = 31 - m.leading_zeros();
+        let exp = p + 118; // (p - 9) + 127
+        let mant = (m - (1 << p)) << (23 - p);
+        return sign | (exp << 23) | mant;
+    }
+    sign | ((e + 120) << 23) | (m << 20)
+}
+
+const fn build_fp8_table() -> [f32; 256] {
+    let mut t = [0.0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = f32::from_bits(fp8_e4m3_decode_bits(i as u8));
+        i += 1;
+    }
+    t
+}
+
+/// The f32 value of every FP8 E4M3 byte.
+pub static FP8_E4M3_TABLE: [f32; 256] = build_fp8_table();
+
+/// Decode one FP8 E4M3 value (a table lookup).
+#[inline]
+pub fn fp8_e4m3_to_f32(v: u8) -> f32 {
+    FP8_E4M3_TABLE[v as usize]
+}
+
+/// Encode one f32 as FP8 E4M3, rounding to nearest, ties to even. Values
+/// that round past 448, infinities and NaN become NaN (`0x7F`, signed).
+#[inline]
+pub fn f32_to_fp8_e4m3(v: f32) -> u8 {
+    let bits = v.to_bits();
+    let sign = ((bits >> 24) & 0x80) as u8;
+    let abs = bits & 0x7FFF_FFFF;
+    // 480.0: everything from here up rounds to the NaN encoding.
+    if abs >= 0x43F0_0000 {
+        return sign | 0x7F;
+    }
+    if abs < (121 << 23) {
+        // Below the smallest normal (2^-6): the result is subnormal. Adding
+        // 2^14 puts the FP8 subnormal step (2^-9) exactly at the f32 ulp,
+        // so the FPU's own round-to-nearest-even does the rounding.
+        let denorm = f32::from_bits(141 << 23);
+        let r = (f32::from_bits(abs) + denorm).to_bits() - denorm.to_bits();
+        return sign | r as u8;
+    }
+    let odd = (abs >> 20) & 1;
+    // Rebias the exponent (127 -> 7) and round the 20 dropped bits.
+    let r = abs.wrapping_add(((7u32.wrapping_sub(127)) << 23).wrapping_add(0x7_FFFF) + odd);
+    sign | (r >> 20) as u8
+}
+
+/// Encode one f32 as FP8 E4M3, rounding to nearest, ties to even, clamping
+/// finite overflow and infinities to ±448. NaN stays NaN.
+#[inline]
+pub fn f32_to_fp8_e4m3_sat(v: f32) -> u8 {
+    if v.is_nan() {
+        return f32_to_fp8_e4m3(v);
+    }
+    f32_to_fp8_e4m3(v.clamp(-448.0, 448.0))
+}
+
+/// Decode a row of little-endian BF16 bytes into `dst`.
+///
+/// # Panics
+/// If `src.len() != 2 * dst.len()` (a caller bug, not an input error).
+pub fn bf16_bytes_to_f32(src: &[u8], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len() * 2, "bf16 row length mismatch");
+    for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+        *d = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+    }
+}
+
+/// Decode a row of FP8 E4M3 bytes times `scale` into `dst`.
+///
+/// # Panics
+/// If `src.len() != dst.len()` (a caller bug, not an input error).
+pub fn fp8_bytes_to_f32(src: &[u8], scale: f32, dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "fp8 row length mismatch");
+    for (d, &b) in dst.iter_mut().zip(src) {
+        *d = fp8_e4m3_to_f32(b) * scale;
+    }
+}
+
+/// Encode f32 values as little-endian BF16 bytes, appended to `dst`.
+pub fn f32_to_bf16_bytes(src: &[f32], dst: &mut Vec<u8>) {
+    dst.reserve(src.len() * 2);
+    for &v in src {
+        dst.extend_from_slice(&f32_to_bf16(v).to_le_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_trips_every_value() {
+        for v in 0..=u16::MAX {
+            let f = bf16_to_f32(v);
+            let back = f32_to_bf16(f);
+            if f.is_nan() {
+                assert!(bf16_to_f32(back).is_nan(), "{v:#06x}");
+            } else {
+                assert_eq!(back, v, "{v:#06x} -> {f}");
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_ties_go_to_even() {
+        // 1.0 + 2^-8 is exactly halfway between 1.0 (even) and 1.0 + 2^-7.
+        assert_eq!(f32_to_bf16(1.0 + 2f32.powi(-8)), f32_to_bf16(1.0));
+        // 1.0 + 3 * 2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6.
+        assert_eq!(
+            f32_to_bf16(1.0 + 3.0 * 2f32.powi(-8)),
+            f32_to_bf16(1.0 + 2f32.powi(-6))
+        );
+        // Just above the tie rounds up.
+        let above = f32::from_bits((1.0 + 2f32.powi(-8)).to_bits() + 1);
+        assert_eq!(f32_to_bf16(above), f32_to_bf16(1.0 + 2f32.powi(-7)));
+        assert_eq!(bf16_to_f32(f32_to_bf16(f32::MAX)), f32::INFINITY);
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+        // A NaN with only low payload bits must not collapse to infinity.
+        assert!(bf16_to_f32(f32_to_bf16(f32::from_bits(0x7F80_0001))).is_nan());
+    }
+
+    #[test]
+    fn fp8_table_has_known_values() {
+        assert_eq!(fp8_e4m3_to_f32(0x00), 0.0);
+        assert_eq!(fp8_e4m3_to_f32(0x80).to_bits(), (-0.0f32).to_bits());
+        assert_eq!(fp8_e4m3_to_f32(0x38), 1.0);
+        assert_eq!(fp8_e4m3_to_f32(0x7E), 448.0);
+        assert_eq!(fp8_e4m3_to_f32(0xFE), -448.0);
+        assert_eq!(fp8_e4m3_to_f32(0x01), 2f32.powi(-9));
+        assert_eq!(fp8_e4m3_to_f32(0x07), 7.0 * 2f32.powi(-9));
+        assert_eq!(fp8_e4m3_to_f32(0x08), 2f32.powi(-6));
+        assert_eq!(fp8_e4m3_to_f32(0x3C), 1.5);
+        assert!(fp8_e4m3_to_f32(0x7F).is_nan());
+        assert!(fp8_e4m3_to_f32(0xFF).is_nan());
+    }
+
+    #[test]
+    fn fp8_round_trips_every_value() {
+        for b in 0..=255u8 {
+            let f = fp8_e4m3_to_f32(b);
+            let back = f32_to_fp8_e4m3(f);
+            assert_eq!(back, b, "{b:#04x} -> {f}");
+        }
+    }
+
+    #[test]
+    fn fp8_rounding_and_overflow() {
+        // Halfway between 1.0 (0x38, even) and 1.125 (0x39): to even.
+        assert_eq!(f32_to_fp8_e4m3(1.0625), 0x38);
+        // Halfway between 1.125 (odd) and 1.25 (0x3A): to even.
+        assert_eq!(f32_to_fp8_e4m3(1.1875), 0x3A);
+        // Subnormal tie: 1.5 * 2^-9 between 2^-9 (odd) and 2 * 2^-9.
+        assert_eq!(f32_to_fp8_e4m3(1.5 * 2f32.powi(-9)), 0x02);
+        assert_eq!(f32_to_fp8_e4m3(0.5 * 2f32.powi(-9)), 0x00);
+        assert_eq!(f32_to_fp8_e4m3(-0.0), 0x80);
+        // 464 is the tie between 448 and the NaN code: even wins.
+        assert_eq!(f32_to_fp8_e4m3(464.0), 0x7E);
+        assert_eq!(f32_to_fp8_e4m3(470.0), 0x7F);
+        assert_eq!(f32_to_fp8_e4m3(1e6), 0x7F);
+        assert_eq!(f32_to_fp8_e4m3(f32::NEG_INFINITY), 0xFF);
+        assert_eq!(f32_to_fp8_e4m3_sat(1e6), 0x7E);
+        assert_eq!(f32_to_fp8_e4m3_sat(f32::NEG_INFINITY), 0xFE);
+        assert!(fp8_e4m3_to_f32(f32_to_fp8_e4m3_sat(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn row_helpers_decode() {
+        let mut bytes = Vec::new();
+        f32_to_bf16_bytes(&[1.0, -2.5, 0.0], &mut bytes);
+        let mut out = [0.0f32; 3];
+        bf16_bytes_to_f32(&bytes, &mut out);
+        assert_eq!(out, [1.0, -2.5, 0.0]);
+        let mut out = [0.0f32; 2];
+        fp8_bytes_to_f32(&[0x38, 0xBC], 2.0, &mut out);
+        assert_eq!(out, [2.0, -3.0]);
+    }
+}

@@ -1,0 +1,549 @@
+//! Positional page reads for the row cache: io_uring, a `pread` thread pool,
+//! O_DIRECT files with a buffered fallback, and page-aligned buffers.
+//!
+//! The cache talks to a [`PageReader`], so tests can inject faults and the
+//! runtime can pick io_uring or the pool by what the kernel allows.
+//!
+//! Invariants:
+//! - a reader fills each request's buffer from its offset until the buffer
+//!   is full or the file ends, retrying short transfers; it reports the
+//!   bytes read (a count below the buffer length means end of file) or the
+//!   OS error, per request, and never leaves a request in flight when it
+//!   returns (buffers may be reused at once);
+//! - files opened with [`ShardFile::open`] use O_DIRECT when the file system
+//!   accepts it; the cache then only issues reads whose offset, length and
+//!   buffer are multiples of [`PAGE`], which [`AlignedBuf`] guarantees for
+//!   memory;
+//! - where O_DIRECT is refused the file is read through the page cache with
+//!   `POSIX_FADV_RANDOM`, and a warning is logged once per file.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use anyhow::{Context, Result};
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use parking_lot::Mutex;
+
+/// The I/O granule: reads cover whole 4 KiB pages.
+pub const PAGE: usize = 4096;
+
+/// A heap buffer aligned to [`PAGE`], zero-initialised.
+pub struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is uniquely owned; access goes through &self/&mut self.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes rounded up to a whole page.
+    pub fn new(len: usize) -> AlignedBuf {
+        let len = len.max(PAGE).next_multiple_of(PAGE);
+        let layout = Layout::from_size_align(len, PAGE).expect("page-aligned layout");
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        if ptr.is_null() {
+            std::alloc::handle_alloc_error(layout);
+        }
+        AlignedBuf { ptr, len }
+    }
+
+    /// Its length in bytes (a multiple of [`PAGE`]).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never: buffers hold at least a page).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` owns `len` initialised bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, writable.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` owns `len` initialised bytes, borrowed uniquely.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len, PAGE).expect("page-aligned layout");
+        // SAFETY: allocated in `new` with this layout.
+        unsafe { dealloc(self.ptr, layout) };
+    }
+}
+
+/// An open table shard file.
+#[derive(Debug)]
+pub struct ShardFile {
+    /// Its path, for error messages.
+    pub path: PathBuf,
+    /// The open file.
+    pub file: File,
+    /// Whether reads bypass the page cache (O_DIRECT).
+    pub direct: bool,
+}
+
+impl ShardFile {
+    /// Open `path` for page reads: O_DIRECT when `direct` is asked for and
+    /// the file system accepts it (probed with a real read), otherwise
+    /// buffered with random-access advice and a logged warning.
+    pub fn open(path: &Path, direct: bool) -> Result<ShardFile> {
+        if direct {
+            match Self::try_direct(path) {
+                Ok(f) => {
+                    return Ok(ShardFile {
+                        path: path.to_path_buf(),
+                        file: f,
+                        direct: true,
+                    });
+                }
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    tracing::warn!(
+                        file = %path.display(),
+                        "O_DIRECT refused by the file system; reading through the page cache"
+                    );
+                }
+                Err(e) => {
+                    return Err(e)
+                        .with_context(|| format!("opening {} with O_DIRECT", path.display()));
+                }
+            }
+        }
+        let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: plain syscall on an fd we own.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+        if rc != 0 {
+            tracing::warn!(file = %path.display(), rc, "posix_fadvise(RANDOM) failed");
+        }
+        Ok(ShardFile {
+            path: path.to_path_buf(),
+            file,
+            direct: false,
+        })
+    }
+
+    fn try_direct(path: &Path) -> io::Result<File> {
+        let f = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)?;
+        // Some file systems accept the flag at open and refuse the read.
+        let mut probe = AlignedBuf::new(PAGE);
+        f.read_at(probe.as_mut_slice(), 0)?;
+        Ok(f)
+    }
+
+    /// The raw descriptor.
+    pub fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+}
+
+/// One positional read into a caller buffer.
+#[derive(Debug)]
+pub struct ReadReq<'a> {
+    /// The file.
+    pub fd: RawFd,
+    /// Absolute offset.
+    pub offset: u64,
+    /// Destination; its length is the requested length.
+    pub buf: &'a mut [u8],
+}
+
+/// Something that performs batches of positional reads.
+pub trait PageReader: Send + Sync {
+    /// A short name for logs and benchmarks.
+    fn name(&self) -> &str;
+    /// Perform every request; `result[i]` is the byte count read into
+    /// `reqs[i].buf` (less than its length only at end of file) or the error.
+    fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>>;
+}
+
+/// Read with `pread`, retrying short transfers until the buffer is full or
+/// the file ends.
+pub fn pread_full(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        // SAFETY: `rest` is a valid writable buffer of the given length.
+        let n = unsafe {
+            libc::pread(
+                fd,
+                rest.as_mut_ptr().cast(),
+                rest.len(),
+                (offset + done as u64) as libc::off_t,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            break;
+        }
+        done += n as usize;
+    }
+    Ok(done)
+}
+
+/// The io_uring reader: keeps up to `depth` reads in flight per batch.
+pub struct UringReader {
+    depth: usize,
+    rings: Mutex<Vec<io_uring::IoUring>>,
+}
+
+impl UringReader {
+    /// A reader with `depth` reads in flight, or an error when io_uring is
+    /// unavailable (old kernel, seccomp, `io_uring_disabled`).
+    pub fn new(depth: usize) -> io::Result<UringReader> {
+        let depth = depth.clamp(1, 4096);
+        let r = UringReader {
+            depth,
+            rings: Mutex::new(Vec::new()),
+        };
+        // Probe with a no-op so a ring that cannot run anything is caught now.
+        let mut ring = r.new_ring()?;
+        let nop = io_uring::opcode::Nop::new().build().user_data(0);
+        // SAFETY: a no-op references no memory.
+        unsafe { ring.submission().push(&nop) }
+            .map_err(|_| io::Error::other("io_uring queue full"))?;
+        ring.submit_and_wait(1)?;
+        let cqe = ring
+            .completion()
+            .next()
+            .ok_or_else(|| io::Error::other("io_uring gave no completion"))?;
+        if cqe.result() < 0 {
+            return Err(io::Error::from_raw_os_error(-cqe.result()));
+        }
+        r.rings.lock().push(ring);
+        Ok(r)
+    }
+
+    fn new_ring(&self) -> io::Result<io_uring::IoUring> {
+        io_uring::IoUring::new((self.depth as u32).next_power_of_two())
+    }
+
+    fn run(
+        &self,
+        ring: &mut io_uring::IoUring,
+        reqs: &mut [ReadReq<'_>],
+    ) -> Vec<io::Result<usize>> {
+        let n = reqs.len();
+        let mut done = vec![0usize; n];
+        let mut res: Vec<Option<io::Result<usize>>> = (0..n).map(|_| None).collect();
+        // Requests whose remainder still has to be (re)submitted.
+        let mut queue: std::collections::VecDeque<usize> = (0..n).collect();
+        let mut inflight = 0usize;
+        let mut finished = 0usize;
+        while finished < n {
+            {
+                let mut sq = ring.submission();
+                while inflight < self.depth && !sq.is_full() {
+                    let Some(i) = queue.pop_front() else { break };
+                    let r = &mut reqs[i];
+                    let rest = &mut r.buf[done[i]..];
+                    let sqe = io_uring::opcode::Read::new(
+                        io_uring::types::Fd(r.fd),
+                        rest.as_mut_ptr(),
+                        rest.len().min(u32::MAX as usize) as u32,
+                    )
+                    .offset(r.offset + done[i] as u64)
+                    .build()
+                    .user_data(i as u64);
+                    // SAFETY: the buffer outlives the read: this function
+                    // does not return while any read is in flight.
+                    if unsafe { sq.push(&sqe) }.is_err() {
+                        queue.push_front(i);
+                        break;
+                    }
+                    inflight += 1;
+                }
+            }
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // The ring itself failed: drain what is in flight, then
+                    // fail what never completed.
+                    while inflight > 0 {
+                        if ring.submit_and_wait(1).is_err() {
+                            break;
+                        }
+                        for cqe in ring.completion() {
+                            let i = cqe.user_data() as usize;
+                            inflight -= 1;
+                            if cqe.result() >= 0 {
+                                done[i] += cqe.result() as usize;
+                            }
+                        }
+                    }
+                    let kind = e.kind();
+                    let msg = e.to_string();
+                    for r in res.iter_mut().filter(|r| r.is_none()) {
+                        *r = Some(Err(io::Error::new(kind, msg.clone())));
+                    }
+                    return res.into_iter().map(|r| r.expect("filled")).collect();
+                }
+            }
+            let cqes: Vec<(usize, i32)> = ring
+                .completion()
+                .map(|c| (c.user_data() as usize, c.result()))
+                .collect();
+            for (i, r) in cqes {
+                inflight -= 1;
+                if r < 0 {
+                    if r == -libc::EINTR || r == -libc::EAGAIN {
+                        queue.push_back(i);
+                    } else {
+                        res[i] = Some(Err(io::Error::from_raw_os_error(-r)));
+                        finished += 1;
+                    }
+                } else if r == 0 {
+                    res[i] = Some(Ok(done[i]));
+                    finished += 1;
+                } else {
+                    done[i] += r as usize;
+                    if done[i] >= reqs[i].buf.len() {
+                        res[i] = Some(Ok(done[i]));
+                        finished += 1;
+                    } else {
+                        queue.push_back(i);
+                    }
+                }
+            }
+        }
+        res.into_iter()
+            .map(|r| r.expect("every request finished"))
+            .collect()
+    }
+}
+
+impl PageReader for UringReader {
+    fn name(&self) -> &str {
+        "io_uring"
+    }
+
+    fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
+        if reqs.is_empty() {
+            return Vec::new();
+        }
+        let ring = self.rings.lock().pop();
+        let mut ring = match ring {
+            Some(r) => r,
+            None => match self.new_ring() {
+                Ok(r) => r,
+                Err(e) => {
+                    // No ring to be had (memlock limits): read synchronously.
+                    tracing::warn!(error = %e, "io_uring ring creation failed; using pread");
+                    return reqs
+                        .iter_mut()
+                        .map(|r| pread_full(r.fd, r.buf, r.offset))
+                        .collect();
+                }
+            },
+        };
+        let out = self.run(&mut ring, reqs);
+        self.rings.lock().push(ring);
+        out
+    }
+}
+
+struct PoolJob {
+    fd: RawFd,
+    offset: u64,
+    ptr: usize,
+    len: usize,
+    index: usize,
+    reply: Sender<(usize, io::Result<usize>)>,
+}
+
+/// A pool of threads doing blocking `pread`s, for kernels without io_uring.
+pub struct PreadPool {
+    tx: Option<Sender<PoolJob>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl PreadPool {
+    /// A pool of `threads` reader threads.
+    pub fn new(threads: usize) -> Result<PreadPool> {
+        let (tx, rx): (Sender<PoolJob>, Receiver<PoolJob>) = unbounded();
+        let mut handles = Vec::new();
+        for i in 0..threads.max(1) {
+            let rx = rx.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("table-pread-{i}"))
+                .spawn(move || {
+                    for job in rx.iter() {
+                        // SAFETY: the submitter keeps the buffer alive and
+                        // untouched until it has received this job's reply.
+                        let buf =
+                            unsafe { std::slice::from_raw_parts_mut(job.ptr as *mut u8, job.len) };
+                        let r = pread_full(job.fd, buf, job.offset);
+                        let _ = job.reply.send((job.index, r));
+                    }
+                })
+                .context("spawning a pread thread")?;
+            handles.push(h);
+        }
+        Ok(PreadPool {
+            tx: Some(tx),
+            threads: handles,
+        })
+    }
+}
+
+impl PageReader for PreadPool {
+    fn name(&self) -> &str {
+        "pread-pool"
+    }
+
+    fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
+        let tx = self.tx.as_ref().expect("pool is live until dropped");
+        let (rtx, rrx) = unbounded();
+        let mut sent = 0;
+        let mut out: Vec<Option<io::Result<usize>>> = (0..reqs.len()).map(|_| None).collect();
+        for (i, r) in reqs.iter_mut().enumerate() {
+            let job = PoolJob {
+                fd: r.fd,
+                offset: r.offset,
+                ptr: r.buf.as_mut_ptr() as usize,
+                len: r.buf.len(),
+                index: i,
+                reply: rtx.clone(),
+            };
+            if tx.send(job).is_err() {
+                out[i] = Some(pread_full(r.fd, r.buf, r.offset));
+            } else {
+                sent += 1;
+            }
+        }
+        drop(rtx);
+        for _ in 0..sent {
+            match rrx.recv() {
+                Ok((i, r)) => out[i] = Some(r),
+                // Unreachable while the pool lives: every job replies.
+                Err(_) => break,
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(io::Error::other("pread pool lost a request"))))
+            .collect()
+    }
+}
+
+impl Drop for PreadPool {
+    fn drop(&mut self) {
+        self.tx.take();
+        for h in self.threads.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The best reader this kernel allows: io_uring with `depth` reads in
+/// flight, else a pool of `depth.min(16)` `pread` threads (logged).
+pub fn default_reader(depth: usize) -> Result<Arc<dyn PageReader>> {
+    match UringReader::new(depth) {
+        Ok(r) => Ok(Arc::new(r)),
+        Err(e) => {
+            tracing::warn!(error = %e, "io_uring unavailable; using a pread thread pool");
+            Ok(Arc::new(PreadPool::new(depth.clamp(1, 16))?))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_file(dir: &Path, len: usize) -> (PathBuf, Vec<u8>) {
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+        let p = dir.join("f.bin");
+        std::fs::write(&p, &data).unwrap();
+        (p, data)
+    }
+
+    fn check_reader(r: &dyn PageReader, f: &ShardFile, data: &[u8]) {
+        let offs = [0u64, 4096 * 3, 4096 * 9, (data.len() / PAGE * PAGE) as u64];
+        let mut bufs: Vec<AlignedBuf> = offs.iter().map(|_| AlignedBuf::new(2 * PAGE)).collect();
+        let mut reqs: Vec<ReadReq<'_>> = bufs
+            .iter_mut()
+            .zip(offs)
+            .map(|(b, o)| ReadReq {
+                fd: f.fd(),
+                offset: o,
+                buf: b.as_mut_slice(),
+            })
+            .collect();
+        let res = r.read_batch(&mut reqs);
+        for ((res, o), b) in res.into_iter().zip(offs).zip(&bufs) {
+            let n = res.unwrap();
+            let want = (data.len() - o as usize).min(2 * PAGE);
+            assert_eq!(n, want, "{} at {o}", r.name());
+            assert_eq!(&b.as_slice()[..n], &data[o as usize..o as usize + n]);
+        }
+    }
+
+    #[test]
+    fn readers_read_what_is_there() {
+        let d = tempfile::tempdir().unwrap();
+        let (p, data) = sample_file(d.path(), 4096 * 12 + 100);
+        let f = ShardFile::open(&p, true).unwrap();
+        check_reader(&PreadPool::new(3).unwrap(), &f, &data);
+        match UringReader::new(4) {
+            Ok(u) => check_reader(&u, &f, &data),
+            Err(e) => eprintln!("io_uring unavailable here ({e}); only the pool was checked"),
+        }
+        let buffered = ShardFile::open(&p, false).unwrap();
+        assert!(!buffered.direct);
+        check_reader(default_reader(8).unwrap().as_ref(), &buffered, &data);
+    }
+
+    #[test]
+    fn errors_are_reported_per_request() {
+        let mut b = AlignedBuf::new(PAGE);
+        let mut reqs = [ReadReq {
+            fd: -1,
+            offset: 0,
+            buf: b.as_mut_slice(),
+        }];
+        for r in [
+            default_reader(4).unwrap(),
+            Arc::new(PreadPool::new(1).unwrap()) as Arc<dyn PageReader>,
+        ] {
+            let res = r.read_batch(&mut reqs);
+            assert_eq!(
+                res[0].as_ref().unwrap_err().raw_os_error(),
+                Some(libc::EBADF),
+                "{}",
+                r.name()
+            );
+        }
+    }
+
+    #[test]
+    fn aligned_buf_is_aligned() {
+        let b = AlignedBuf::new(100);
+        assert_eq!(b.len(), PAGE);
+        assert_eq!(b.as_slice().as_ptr() as usize % PAGE, 0);
+    }
+}

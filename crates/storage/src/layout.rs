@@ -1,0 +1,314 @@
+//! Where each table row lives on disk: the shard opener.
+//!
+//! The checkpoint stores the table as shards `...ngram_embedding.shard_{i}.weight`
+//! of shape `[rows_per_shard, head_dim]`, all equal, either BF16 or FP8 E4M3
+//! (`F8_E4M3`, or `U8` holding E4M3 bytes). FP8 shards carry a companion
+//! `...shard_{i}.scale` tensor `[rows_per_shard]` F32 in the same file.
+//! Row id `r` lives in shard `r / rows_per_shard` at row `r % rows_per_shard`.
+//!
+//! Invariants of an opened [`TableFiles`]:
+//! - every shard has the same shape and dtype, checked at open from the
+//!   headers alone (no data is read);
+//! - `info.rows == shards.len() * rows_per_shard`, and, when the caller
+//!   states the expected row count, equal to it;
+//! - [`TableFiles::locate`] refuses ids `>= info.rows` with an error naming
+//!   the id and the table size.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail, ensure};
+
+use crate::safetensors::{Dtype, Header};
+use crate::table::{RowDType, TableInfo};
+
+/// One shard: a file and the extents of its rows (and scales).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// The safetensors file.
+    pub path: PathBuf,
+    /// The weight tensor's name.
+    pub tensor: String,
+    /// Absolute offset of the shard's first row.
+    pub data_offset: u64,
+    /// Absolute offset of the shard's first f32 scale (FP8 only).
+    pub scale_offset: Option<u64>,
+    /// The file's length when opened.
+    pub file_len: u64,
+}
+
+/// Where one row is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowLoc {
+    /// Index into [`TableFiles::shards`].
+    pub shard: usize,
+    /// Absolute offset of the row's values in that shard's file.
+    pub offset: u64,
+    /// Absolute offset of the row's f32 scale (FP8 only).
+    pub scale_offset: Option<u64>,
+}
+
+/// An opened, validated set of table shards.
+#[derive(Clone, Debug)]
+pub struct TableFiles {
+    /// Shape of the whole table.
+    pub info: TableInfo,
+    /// Rows in each shard.
+    pub rows_per_shard: u64,
+    /// The shards, in id order.
+    pub shards: Vec<Shard>,
+}
+
+/// The scale tensor that goes with weight tensor `name`.
+pub fn scale_name(name: &str) -> String {
+    match name.strip_suffix(".weight") {
+        Some(stem) => format!("{stem}.scale"),
+        None => format!("{name}.scale"),
+    }
+}
+
+impl TableFiles {
+    /// Open the shards `(file, weight tensor name)`, in id order, checking
+    /// equal shapes and, when given, the total row count.
+    pub fn open(shards: &[(PathBuf, String)], expected_rows: Option<u64>) -> Result<TableFiles> {
+        ensure!(!shards.is_empty(), "a table needs at least one shard");
+        let mut out = Vec::with_capacity(shards.len());
+        let mut geom: Option<(u64, u64, RowDType, String)> = None;
+        for (i, (path, name)) in shards.iter().enumerate() {
+            let h = Header::read(path)?;
+            let p = path.display();
+            let t = h.get(name)?;
+            ensure!(
+                t.shape.len() == 2,
+                "{p}: shard {i} tensor '{name}': shape {:?} is not [rows_per_shard, head_dim]",
+                t.shape
+            );
+            let dtype = match t.dtype {
+                Dtype::BF16 => RowDType::Bf16,
+                Dtype::F8E4M3 | Dtype::U8 => RowDType::Fp8E4M3,
+                other => bail!(
+                    "{p}: shard {i} tensor '{name}': dtype {} is not a table dtype (BF16, F8_E4M3 or U8)",
+                    other.name()
+                ),
+            };
+            let (rows, dim) = (t.shape[0], t.shape[1]);
+            ensure!(
+                rows > 0 && dim > 0,
+                "{p}: shard {i} tensor '{name}': empty shape {:?}",
+                t.shape
+            );
+            match &geom {
+                None => geom = Some((rows, dim, dtype, name.clone())),
+                Some((r0, d0, t0, n0)) => ensure!(
+                    (*r0, *d0, *t0) == (rows, dim, dtype),
+                    "{p}: shard {i} tensor '{name}' is [{rows}, {dim}] {dtype:?}, but shard 0 ('{n0}') is [{r0}, {d0}] {t0:?}"
+                ),
+            }
+            let scale_offset = if dtype == RowDType::Fp8E4M3 {
+                let sn = scale_name(name);
+                let s = h.tensor(&sn).with_context(|| {
+                    format!(
+                        "{p}: FP8 shard {i} tensor '{name}' has no companion scale tensor '{sn}'"
+                    )
+                })?;
+                ensure!(
+                    s.dtype == Dtype::F32 && s.shape == [rows],
+                    "{p}: scale tensor '{sn}' is {:?} {}, expected [{rows}] F32",
+                    s.shape,
+                    s.dtype.name()
+                );
+                Some(s.offset)
+            } else {
+                None
+            };
+            out.push(Shard {
+                path: path.clone(),
+                tensor: name.clone(),
+                data_offset: t.offset,
+                scale_offset,
+                file_len: h.file_len,
+            });
+        }
+        let (rows_per_shard, dim, dtype, _) = geom.expect("at least one shard");
+        let rows = rows_per_shard
+            .checked_mul(out.len() as u64)
+            .context("table row count overflows")?;
+        if let Some(want) = expected_rows {
+            ensure!(
+                rows == want,
+                "the table's {} shards of {rows_per_shard} rows hold {rows} rows, expected {want}",
+                out.len()
+            );
+        }
+        let head_dim = usize::try_from(dim).context("head_dim does not fit in usize")?;
+        Ok(TableFiles {
+            info: TableInfo {
+                rows,
+                head_dim,
+                dtype,
+            },
+            rows_per_shard,
+            shards: out,
+        })
+    }
+
+    /// Find the shards `...ngram_embedding.shard_{i}.weight` among `files`
+    /// (reading headers only) and open them in index order. Every index
+    /// from 0 to the largest must be present exactly once.
+    pub fn discover(files: &[impl AsRef<Path>], expected_rows: Option<u64>) -> Result<TableFiles> {
+        let mut found: Vec<(u64, PathBuf, String)> = Vec::new();
+        for f in files {
+            let h = Header::read(f.as_ref())?;
+            for t in &h.tensors {
+                if let Some(i) = shard_index(&t.name) {
+                    found.push((i, f.as_ref().to_path_buf(), t.name.clone()));
+                }
+            }
+        }
+        ensure!(
+            !found.is_empty(),
+            "no '...ngram_embedding.shard_{{i}}.weight' tensor in the given files"
+        );
+        found.sort();
+        for (k, (i, p, n)) in found.iter().enumerate() {
+            ensure!(
+                *i == k as u64,
+                "table shard {k} is missing or duplicated (found shard {i}: '{n}' in {})",
+                p.display()
+            );
+        }
+        let list: Vec<(PathBuf, String)> = found.into_iter().map(|(_, p, n)| (p, n)).collect();
+        Self::open(&list, expected_rows)
+    }
+
+    /// Where row `id` lives, or an error naming the id and the table size.
+    #[inline]
+    pub fn locate(&self, id: u64) -> Result<RowLoc> {
+        self.check_id(id)?;
+        let shard = (id / self.rows_per_shard) as usize;
+        let r = id % self.rows_per_shard;
+        let s = &self.shards[shard];
+        Ok(RowLoc {
+            shard,
+            offset: s.data_offset + r * self.info.row_bytes() as u64,
+            scale_offset: s.scale_offset.map(|o| o + r * 4),
+        })
+    }
+
+    /// An error unless `id` is a row of the table.
+    #[inline]
+    pub fn check_id(&self, id: u64) -> Result<()> {
+        if id >= self.info.rows {
+            bail!(
+                "row id {id} is past the end of the table ({} rows)",
+                self.info.rows
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The `i` of a tensor named `...ngram_embedding.shard_{i}.weight`.
+pub fn shard_index(name: &str) -> Option<u64> {
+    let stem = name.strip_suffix(".weight")?;
+    let pos = stem.rfind("ngram_embedding.shard_")?;
+    stem[pos + "ngram_embedding.shard_".len()..].parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::safetensors::{TensorSpec, write_file};
+
+    fn bf16_shard(dir: &Path, i: usize, rows: u64, dim: u64) -> (PathBuf, String) {
+        let p = dir.join(format!("s{i}.safetensors"));
+        let name = format!("model.layers.1.ple.ngram_embedding.shard_{i}.weight");
+        let data = vec![i as u8; (rows * dim * 2) as usize];
+        write_file(
+            &p,
+            &[(TensorSpec::new(&name, Dtype::BF16, &[rows, dim]), &data)],
+            8,
+        )
+        .unwrap();
+        (p, name)
+    }
+
+    #[test]
+    fn opens_and_locates() {
+        let d = tempfile::tempdir().unwrap();
+        let shards: Vec<_> = (0..3).map(|i| bf16_shard(d.path(), i, 10, 4)).collect();
+        let t = TableFiles::open(&shards, Some(30)).unwrap();
+        assert_eq!(
+            t.info,
+            TableInfo {
+                rows: 30,
+                head_dim: 4,
+                dtype: RowDType::Bf16
+            }
+        );
+        let l = t.locate(23).unwrap();
+        assert_eq!(l.shard, 2);
+        assert_eq!(l.offset, t.shards[2].data_offset + 3 * 8);
+        let e = t.locate(30).unwrap_err().to_string();
+        assert!(e.contains("30") && e.contains("30 rows"), "{e}");
+        let e = TableFiles::open(&shards, Some(31)).unwrap_err().to_string();
+        assert!(e.contains("expected 31"), "{e}");
+        let t2 = TableFiles::discover(&[&shards[1].0, &shards[0].0, &shards[2].0], None).unwrap();
+        assert_eq!(t2.shards, t.shards);
+    }
+
+    #[test]
+    fn refuses_unequal_shapes_and_missing_scales() {
+        let d = tempfile::tempdir().unwrap();
+        let a = bf16_shard(d.path(), 0, 10, 4);
+        let b = bf16_shard(d.path(), 1, 11, 4);
+        let e = TableFiles::open(&[a.clone(), b], None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shard 1") && e.contains("[11, 4]"), "{e}");
+        let p = d.path().join("f.safetensors");
+        let name = "x.ngram_embedding.shard_0.weight";
+        write_file(
+            &p,
+            &[(TensorSpec::new(name, Dtype::F8E4M3, &[2, 4]), &[0u8; 8])],
+            8,
+        )
+        .unwrap();
+        let e = TableFiles::open(&[(p.clone(), name.into())], None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("x.ngram_embedding.shard_0.scale"), "{e}");
+        let gap = bf16_shard(d.path(), 2, 10, 4);
+        let e = TableFiles::discover(&[&a.0, &gap.0], None)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("shard 1 is missing"), "{e}");
+    }
+
+    #[test]
+    fn fp8_shard_with_scale() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f.safetensors");
+        let name = "x.ngram_embedding.shard_0.weight";
+        let scales: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|f| f.to_le_bytes()).collect();
+        write_file(
+            &p,
+            &[
+                (TensorSpec::new(name, Dtype::F8E4M3, &[2, 4]), &[0u8; 8]),
+                (TensorSpec::new(scale_name(name), Dtype::F32, &[2]), &scales),
+            ],
+            8,
+        )
+        .unwrap();
+        let t = TableFiles::open(&[(p, name.into())], None).unwrap();
+        assert_eq!(t.info.dtype, RowDType::Fp8E4M3);
+        let l = t.locate(1).unwrap();
+        assert_eq!(l.scale_offset, Some(t.shards[0].scale_offset.unwrap() + 4));
+    }
+
+    #[test]
+    fn shard_names_parse() {
+        assert_eq!(shard_index("a.ngram_embedding.shard_12.weight"), Some(12));
+        assert_eq!(shard_index("a.ngram_embedding.shard_12.scale"), None);
+        assert_eq!(shard_index("a.key_proj.weight"), None);
+    }
+}

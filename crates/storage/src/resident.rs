@@ -1,0 +1,218 @@
+//! The resident table: every row copied to device memory at load.
+//!
+//! Invariants: `RowRef.data` of row `r` is `base + r * row_bytes` (and the
+//! scale, for FP8, `scale_base + 4 r`); nothing is ever evicted, so leases
+//! are empty and `max_resolve` is unbounded. The device memory is freed
+//! when the table is dropped; a failed load frees what it allocated.
+
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, ensure};
+use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
+
+use crate::layout::TableFiles;
+use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+
+/// Bytes copied per host-to-device transfer while loading.
+const CHUNK: usize = 16 << 20;
+
+/// A table held entirely in device memory.
+pub struct ResidentTable {
+    info: TableInfo,
+    gpu: Arc<dyn GpuBackend>,
+    data: DevicePtr,
+    scales: DevicePtr,
+}
+
+/// Free `ptrs` (non-null ones) on drop unless disarmed.
+struct FreeGuard<'a> {
+    gpu: &'a dyn GpuBackend,
+    ptrs: Vec<DevicePtr>,
+}
+
+impl Drop for FreeGuard<'_> {
+    fn drop(&mut self) {
+        for p in self.ptrs.drain(..) {
+            let _ = self.gpu.free(p);
+        }
+    }
+}
+
+/// Copy `len` bytes at `offset` of `file` to `dst`, in chunks.
+fn upload(
+    gpu: &dyn GpuBackend,
+    file: &File,
+    path: &std::path::Path,
+    offset: u64,
+    len: u64,
+    dst: DevicePtr,
+) -> Result<()> {
+    let mut buf = vec![0u8; CHUNK.min(len as usize)];
+    let mut done = 0u64;
+    while done < len {
+        let n = (len - done).min(CHUNK as u64) as usize;
+        file.read_exact_at(&mut buf[..n], offset + done)
+            .with_context(|| {
+                format!(
+                    "{}: reading {n} table bytes at offset {} (file truncated?)",
+                    path.display(),
+                    offset + done
+                )
+            })?;
+        gpu.copy_h2d(&buf[..n], dst.offset(done as usize))?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+impl ResidentTable {
+    /// Copy every row (and FP8 scale) of `files` into device memory.
+    pub fn load(files: &TableFiles, gpu: Arc<dyn GpuBackend>) -> Result<ResidentTable> {
+        let info = files.info;
+        let row_bytes = info.row_bytes() as u64;
+        let shard_bytes = files.rows_per_shard * row_bytes;
+        let total =
+            usize::try_from(info.rows * row_bytes).context("table too large for this host")?;
+        let data = gpu.alloc(total, "ple resident table")?;
+        let mut guard = FreeGuard {
+            gpu: gpu.as_ref(),
+            ptrs: vec![data],
+        };
+        let fp8 = info.dtype == RowDType::Fp8E4M3;
+        let scales = if fp8 {
+            let p = gpu.alloc(info.rows as usize * 4, "ple resident table scales")?;
+            guard.ptrs.push(p);
+            p
+        } else {
+            DevicePtr::NULL
+        };
+        for (i, s) in files.shards.iter().enumerate() {
+            let f = File::open(&s.path).with_context(|| format!("opening {}", s.path.display()))?;
+            let len = f
+                .metadata()
+                .with_context(|| format!("reading the size of {}", s.path.display()))?
+                .len();
+            ensure!(
+                s.data_offset + shard_bytes <= len,
+                "{}: shard {i} needs {shard_bytes} bytes at offset {} but the file has {len} (truncated?)",
+                s.path.display(),
+                s.data_offset
+            );
+            upload(
+                gpu.as_ref(),
+                &f,
+                &s.path,
+                s.data_offset,
+                shard_bytes,
+                data.offset((i as u64 * shard_bytes) as usize),
+            )?;
+            if let Some(so) = s.scale_offset {
+                let sb = files.rows_per_shard * 4;
+                upload(
+                    gpu.as_ref(),
+                    &f,
+                    &s.path,
+                    so,
+                    sb,
+                    scales.offset((i as u64 * sb) as usize),
+                )?;
+            }
+        }
+        guard.ptrs.clear();
+        drop(guard);
+        Ok(ResidentTable {
+            info,
+            gpu,
+            data,
+            scales,
+        })
+    }
+
+    /// Device address of row 0 (rows are contiguous).
+    pub fn base(&self) -> DevicePtr {
+        self.data
+    }
+
+    /// Device address of the FP8 scales (null for BF16).
+    pub fn scale_base(&self) -> DevicePtr {
+        self.scales
+    }
+
+    fn check(&self, id: u64) -> Result<()> {
+        ensure!(
+            id < self.info.rows,
+            "row id {id} is past the end of the table ({} rows)",
+            self.info.rows
+        );
+        Ok(())
+    }
+}
+
+impl RowTable for ResidentTable {
+    fn info(&self) -> TableInfo {
+        self.info
+    }
+
+    fn max_resolve(&self) -> usize {
+        usize::MAX
+    }
+
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
+        ensure!(
+            out.len() == ids.len(),
+            "resolve: {} ids but {} output slots",
+            ids.len(),
+            out.len()
+        );
+        let rb = self.info.row_bytes() as u64;
+        for (o, &id) in out.iter_mut().zip(ids) {
+            self.check(id)?;
+            *o = RowRef {
+                data: self.data.0 + id * rb,
+                scale: if self.scales.is_null() {
+                    0
+                } else {
+                    self.scales.0 + id * 4
+                },
+            };
+        }
+        Ok(Lease::empty())
+    }
+
+    fn release(
+        &self,
+        lease: Lease,
+        gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> Result<()> {
+        ensure!(
+            lease.pinned == 0,
+            "release: lease {} does not belong to a resident table",
+            lease.id
+        );
+        if let Some(ev) = after {
+            gpu.destroy_event(ev)?;
+        }
+        Ok(())
+    }
+
+    fn prefetch(&self, ids: &[u64]) -> Result<()> {
+        ids.iter().try_for_each(|&id| self.check(id))
+    }
+
+    fn stats(&self) -> TableStats {
+        TableStats::default()
+    }
+}
+
+impl Drop for ResidentTable {
+    fn drop(&mut self) {
+        for p in [self.data, self.scales] {
+            if let Err(e) = self.gpu.free(p) {
+                tracing::warn!(error = %e, "freeing the resident table failed");
+            }
+        }
+    }
+}
