@@ -11,21 +11,20 @@ use metrale_model_layers::layers::ple::ids::{
     PleHashParams, PleIdHasher, ple_ngram_ids_into_plain, splitmix64,
 };
 
-/// Best times of `reps` alternating runs of `a` and `b`. Each run is short
-/// (well under a scheduler time slice) and the two alternate, so the minimum
+/// Best times of `reps` interleaved runs of each closure. Each run is short
+/// (well under a scheduler time slice) and they alternate, so the minimum
 /// is the undisturbed cost of each even on a loaded machine, and slow drift
-/// hits both alike.
-fn best_of_pair(reps: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (Duration, Duration) {
-    let (mut ba, mut bb) = (Duration::MAX, Duration::MAX);
+/// hits all alike.
+fn best_of(reps: usize, fs: &mut [&mut dyn FnMut()]) -> Vec<Duration> {
+    let mut best = vec![Duration::MAX; fs.len()];
     for _ in 0..reps {
-        let t = Instant::now();
-        a();
-        ba = ba.min(t.elapsed());
-        let t = Instant::now();
-        b();
-        bb = bb.min(t.elapsed());
+        for (f, b) in fs.iter_mut().zip(&mut best) {
+            let t = Instant::now();
+            f();
+            *b = (*b).min(t.elapsed());
+        }
     }
-    (ba, bb)
+    best
 }
 
 fn main() -> anyhow::Result<()> {
@@ -42,6 +41,7 @@ fn main() -> anyhow::Result<()> {
     .derive()?;
     let dims = derived.dims;
     let hasher = PleIdHasher::new(&dims)?;
+    let scalar = PleIdHasher::new_portable(&dims)?;
     let heads = dims.ngram_heads();
 
     // Random tokens with an EOS about every 500 tokens, as in packed text.
@@ -58,36 +58,50 @@ fn main() -> anyhow::Result<()> {
         })
         .collect();
     let history = [dims.eos_token_id; 2];
-    let mut fast_out = vec![0u64; t * heads];
+    let mut best_out = vec![0u64; t * heads];
+    let mut scalar_out = vec![0u64; t * heads];
     let mut plain_out = vec![0u64; t * heads];
     let reps = 2000;
 
-    let (fast, plain) = best_of_pair(
+    let times = best_of(
         reps,
-        || {
-            hasher
-                .ids_with_history_into(black_box(&history), black_box(&tokens), &mut fast_out)
+        &mut [
+            &mut || {
+                hasher
+                    .ids_with_history_into(black_box(&history), black_box(&tokens), &mut best_out)
+                    .unwrap();
+                black_box(&best_out);
+            },
+            &mut || {
+                scalar
+                    .ids_with_history_into(black_box(&history), black_box(&tokens), &mut scalar_out)
+                    .unwrap();
+                black_box(&scalar_out);
+            },
+            &mut || {
+                ple_ngram_ids_into_plain(
+                    &dims,
+                    black_box(&history),
+                    black_box(&tokens),
+                    &mut plain_out,
+                )
                 .unwrap();
-            black_box(&fast_out);
-        },
-        || {
-            ple_ngram_ids_into_plain(
-                &dims,
-                black_box(&history),
-                black_box(&tokens),
-                &mut plain_out,
-            )
-            .unwrap();
-            black_box(&plain_out);
-        },
+                black_box(&plain_out);
+            },
+        ],
     );
-    assert_eq!(fast_out, plain_out, "fast and plain ids differ");
-    let rate = |d: Duration| t as f64 / d.as_secs_f64() / 1e6;
+    assert_eq!(best_out, plain_out, "fast and plain ids differ");
+    assert_eq!(scalar_out, plain_out, "scalar and plain ids differ");
+    let rate = |n: usize, d: Duration| n as f64 / d.as_secs_f64() / 1e6;
+    let (best, scal, plain) = (times[0], times[1], times[2]);
     println!(
-        "prefill  T={t} N=3 heads={heads}: fast {:.1} M tokens/s, plain % {:.1} M tokens/s, ratio {:.2}x",
-        rate(fast),
-        rate(plain),
-        plain.as_secs_f64() / fast.as_secs_f64()
+        "prefill T={t} N=3 heads={heads}: {} {:.1} M tokens/s ({:.2}x), scalar reciprocal {:.1} M tokens/s ({:.2}x), plain % {:.1} M tokens/s (1.00x baseline)",
+        hasher.path(),
+        rate(t, best),
+        plain.as_secs_f64() / best.as_secs_f64(),
+        rate(t, scal),
+        plain.as_secs_f64() / scal.as_secs_f64(),
+        rate(t, plain),
     );
 
     // Batched decode: one token per sequence, each with its own history.
@@ -101,34 +115,36 @@ fn main() -> anyhow::Result<()> {
     let new_tokens = &tokens[t - b..];
     let mut out = vec![0u64; b * heads];
     let mut reference = vec![0u64; b * heads];
-    let (batched, per_seq_plain) = best_of_pair(
+    let times = best_of(
         reps,
-        || {
-            hasher
-                .decode_batch_flat_into(black_box(&flat), black_box(new_tokens), &mut out)
-                .unwrap();
-            black_box(&out);
-        },
-        || {
-            for (i, h) in histories.iter().enumerate() {
-                ple_ngram_ids_into_plain(
-                    &dims,
-                    black_box(h),
-                    black_box(&new_tokens[i..i + 1]),
-                    &mut reference[i * heads..(i + 1) * heads],
-                )
-                .unwrap();
-            }
-            black_box(&reference);
-        },
+        &mut [
+            &mut || {
+                hasher
+                    .decode_batch_flat_into(black_box(&flat), black_box(new_tokens), &mut out)
+                    .unwrap();
+                black_box(&out);
+            },
+            &mut || {
+                for (i, h) in histories.iter().enumerate() {
+                    ple_ngram_ids_into_plain(
+                        &dims,
+                        black_box(h),
+                        black_box(&new_tokens[i..i + 1]),
+                        &mut reference[i * heads..(i + 1) * heads],
+                    )
+                    .unwrap();
+                }
+                black_box(&reference);
+            },
+        ],
     );
     assert_eq!(out, reference, "batched and per-sequence ids differ");
-    let n = b as f64;
     println!(
-        "decode   B={b} N=3 heads={heads}: batched fast {:.1} M tokens/s, per-sequence plain % {:.1} M tokens/s, ratio {:.2}x",
-        n / batched.as_secs_f64() / 1e6,
-        n / per_seq_plain.as_secs_f64() / 1e6,
-        per_seq_plain.as_secs_f64() / batched.as_secs_f64()
+        "decode  B={b} N=3 heads={heads}: batched {} {:.1} M tokens/s ({:.2}x), per-sequence plain % {:.1} M tokens/s (1.00x baseline)",
+        hasher.path(),
+        rate(b, times[0]),
+        times[1].as_secs_f64() / times[0].as_secs_f64(),
+        rate(b, times[1]),
     );
     Ok(())
 }

@@ -7,14 +7,15 @@ use metrale_model_layers::layers::ple::ids::{
 };
 use proptest::prelude::*;
 
-/// A random geometry: N in 2..=6, K in 1..=3, small or flagship-sized
-/// moduli, any site and seed. EOS is token 3, so the small token
+/// A random geometry: N in 2..=6, K in 1..=9 (so the vector path's groups
+/// of four and its scalar tails both occur), small, flagship-sized or any
+/// 2^16..2^32 moduli, any site and seed. EOS is token 3, so the small token
 /// alphabets below hit it often.
 fn dims() -> impl Strategy<Value = PleIdDims> {
     (
         2usize..=6,
-        1usize..=3,
-        prop_oneof![2u64..500, Just(20_000_000u64)],
+        prop_oneof![1usize..=3, 4usize..=9],
+        prop_oneof![2u64..500, Just(20_000_000u64), (1u64 << 16)..(1u64 << 32)],
         any::<u64>(),
         0usize..4,
         prop_oneof![Just(151_936u64), 4u64..1000],
@@ -48,6 +49,7 @@ proptest! {
         let heads = d.ngram_heads();
         let whole: Vec<u64> = ple_ngram_ids(&d, &seq).concat();
         let hasher = PleIdHasher::new(&d).unwrap();
+        let portable = PleIdHasher::new_portable(&d).unwrap();
 
         let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(seq.len())).collect();
         cuts.push(0);
@@ -56,12 +58,15 @@ proptest! {
 
         let mut history = vec![d.eos_token_id; d.context_len()];
         let mut fast = Vec::new();
+        let mut scalar = Vec::new();
         let mut plain = Vec::new();
         for w in cuts.windows(2) {
             let chunk = &seq[w[0]..w[1]];
             let mut out = vec![0u64; chunk.len() * heads];
             hasher.ids_with_history_into(&history, chunk, &mut out).unwrap();
             fast.extend_from_slice(&out);
+            portable.ids_with_history_into(&history, chunk, &mut out).unwrap();
+            scalar.extend_from_slice(&out);
             ple_ngram_ids_into_plain(&d, &history, chunk, &mut out).unwrap();
             plain.extend_from_slice(&out);
             // Also the seed's own way: hash history ++ chunk, keep the tail.
@@ -73,6 +78,7 @@ proptest! {
             prop_assert_eq!(history.len(), d.context_len());
         }
         prop_assert_eq!(&fast, &whole);
+        prop_assert_eq!(&scalar, &whole);
         prop_assert_eq!(&plain, &whole);
 
         // The final history is the last context_len tokens of EOS.. ++ seq.
@@ -107,6 +113,12 @@ proptest! {
         let mut flat = vec![0u64; seqs.len() * heads];
         hasher.decode_batch_flat_into(&flat_hist, &new_tokens, &mut flat).unwrap();
         prop_assert_eq!(&flat, &batched);
+        let mut scalar = vec![0u64; seqs.len() * heads];
+        PleIdHasher::new_portable(&d)
+            .unwrap()
+            .decode_batch_into(&histories, &new_tokens, &mut scalar)
+            .unwrap();
+        prop_assert_eq!(&scalar, &batched);
 
         for (b, (prefix, t)) in seqs.iter().enumerate() {
             // The whole sequence hashed from its start, last row.

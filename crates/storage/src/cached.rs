@@ -25,9 +25,20 @@
 //!   more distinct ids is refused with an error naming both numbers (see
 //!   [`crate::parts::resolve_in_parts`] for the split protocol).
 //!
+//! Events given to `release` must come from the backend the cache was
+//! opened with: pending releases are polled through that backend (on later
+//! resolves, releases and prefetches) and their events destroyed by it.
+//!
 //! Concurrency: resolves from several threads take the mutex only to plan
 //! and to publish; their reads run in parallel. Prefetches are read by a
 //! background thread.
+//!
+//! Statistics: `hits` counts ids found mapped (including repeats within a
+//! batch and rows a prefetch brought in), `misses` rows read (by resolves or
+//! prefetches), `pages_coalesced` rows that shared a page with an earlier
+//! row of the same read, and `io_wait_ns` the time resolves spent blocked on
+//! reads (their own, or a concurrent resolve's or prefetch's); reads done by
+//! the prefetch thread alone do not count as waiting.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -526,7 +537,11 @@ impl Inner {
         }
         if !loads.is_empty() {
             drop(g);
+            let t0 = Instant::now();
             let r = self.load(&loads);
+            self.stats
+                .io_wait_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
             g = self.st.lock();
             self.finish_loads(&mut g, &loads, r.is_ok());
             if let Err(e) = r {
@@ -535,13 +550,17 @@ impl Inner {
             }
         }
         if !waits.is_empty() {
-            let deadline = Instant::now() + self.pin_wait.max(Duration::from_secs(60));
+            let t0 = Instant::now();
+            let deadline = t0 + self.pin_wait.max(Duration::from_secs(60));
             loop {
                 let busy = waits.iter().any(|&(s, g0)| {
                     let sl = &g.slots[s as usize];
                     sl.state == LOADING && sl.generation == g0
                 });
                 if !busy {
+                    self.stats
+                        .io_wait_ns
+                        .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
                     break;
                 }
                 if self.cv.wait_until(&mut g, deadline).timed_out() {
@@ -642,7 +661,6 @@ impl Inner {
         }
         let total: u64 = ext.iter().map(|e| e.2 - e.1).sum();
         let mut buf = self.take_buf(total as usize);
-        let t0 = Instant::now();
         let results = {
             let mut rest = buf.as_mut_slice();
             let mut reqs = Vec::with_capacity(ext.len());
@@ -657,9 +675,6 @@ impl Inner {
             }
             self.reader.read_batch(&mut reqs)
         };
-        self.stats
-            .io_wait_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
         self.stats.read_calls.fetch_add(ext.len() as u64, Relaxed);
         self.stats.pages_coalesced.fetch_add(coalesced, Relaxed);
         let got: u64 = results

@@ -104,8 +104,18 @@ impl ShardFile {
     /// the file system accepts it (probed with a real read), otherwise
     /// buffered with random-access advice and a logged warning.
     pub fn open(path: &Path, direct: bool) -> Result<ShardFile> {
+        Self::open_with(path, direct, Self::try_direct)
+    }
+
+    /// [`Self::open`] with the O_DIRECT attempt supplied (tests simulate
+    /// file systems that refuse it).
+    fn open_with(
+        path: &Path,
+        direct: bool,
+        try_direct: impl Fn(&Path) -> io::Result<File>,
+    ) -> Result<ShardFile> {
         if direct {
-            match Self::try_direct(path) {
+            match try_direct(path) {
                 Ok(f) => {
                     return Ok(ShardFile {
                         path: path.to_path_buf(),
@@ -538,6 +548,21 @@ mod tests {
                 r.name()
             );
         }
+    }
+
+    #[test]
+    fn refused_o_direct_falls_back_to_buffered_reads() {
+        let d = tempfile::tempdir().unwrap();
+        let (p, data) = sample_file(d.path(), 12 * PAGE + 100);
+        let einval = |_: &Path| Err(io::Error::from_raw_os_error(libc::EINVAL));
+        let f = ShardFile::open_with(&p, true, einval).unwrap();
+        assert!(!f.direct);
+        check_reader(&PreadPool::new(1).unwrap(), &f, &data);
+        let eacces = |_: &Path| Err(io::Error::from_raw_os_error(libc::EACCES));
+        let e = format!("{:#}", ShardFile::open_with(&p, true, eacces).unwrap_err());
+        assert!(e.contains("f.bin") && e.contains("O_DIRECT"), "{e}");
+        let missing = ShardFile::open(&d.path().join("nope"), true).unwrap_err();
+        assert!(format!("{missing:#}").contains("nope"));
     }
 
     #[test]

@@ -91,6 +91,7 @@ fn repeated_ids_fault_once_and_shared_pages_are_read_once() {
     assert_eq!(st.read_calls, 1, "{st:?}");
     assert_eq!(st.pages_coalesced, 3, "{st:?}");
     assert_eq!(st.bytes_read, 4096, "{st:?}");
+    assert!(st.io_wait_ns > 0, "{st:?}");
     // Now all hits, no reads.
     gather_and_check(gpu.as_ref(), &t, &[11, 7, 0], s);
     let st2 = t.stats();

@@ -25,8 +25,9 @@
 //!   that holds the backend) would deadlock and is refused instead;
 //! - under graph capture, submissions are recorded; copies from ordinary host
 //!   memory (not host-mapped or registered, whose copies are recorded as
-//!   reads of their device address at replay), blocking reads, `synchronize` and synchronous copies on the
-//!   capturing stream are refused and invalidate the capture, as CUDA does;
+//!   reads of their device address at replay), blocking reads, `synchronize`
+//!   and synchronous copies on the capturing stream are refused and
+//!   invalidate the capture, as CUDA does;
 //!   a graph holds pointers and kernel bodies by value and its launch
 //!   re-submits every node (checked again) in order.
 
@@ -358,9 +359,12 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    /// A backend whose new allocations are zeroed.
+    /// A backend whose new allocations are zeroed, unless the environment
+    /// variable `METRALE_GPU_DEBUG` is `1`, which turns on debug mode (see
+    /// [`Self::new_debug`]) for every backend made here, e.g. for a whole
+    /// test run.
     pub fn new() -> CpuBackend {
-        Self::build(false)
+        Self::build(std::env::var_os("METRALE_GPU_DEBUG").is_some_and(|v| v == "1"))
     }
 
     /// A backend in debug mode: new allocations are filled with 0xFF (NaN in

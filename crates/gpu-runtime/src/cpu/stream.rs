@@ -206,6 +206,9 @@ pub(crate) struct StreamState {
     pub error: Option<anyhow::Error>,
     /// The capture in progress.
     pub capture: Option<Capture>,
+    /// Set when the stream is shut down; later submissions are refused, so
+    /// everything counted in `submitted` is reached before `Shutdown`.
+    pub closed: bool,
 }
 
 /// One in-order stream.
@@ -233,6 +236,7 @@ impl Stream {
                 completed: 0,
                 error: None,
                 capture: None,
+                closed: false,
             }),
             completed: AtomicU64::new(0),
             done: Condvar::new(),
@@ -246,15 +250,27 @@ impl Stream {
         *self.worker.lock() = Some(h);
     }
 
-    /// Send a message to the worker; the caller holds the state lock and
-    /// has already counted it in `submitted` when it is work.
+    /// Send a message to the worker, counting it in `submitted`; the caller
+    /// holds the state lock. A record that cannot be sent is completed at
+    /// once, so no one waits for it forever.
     pub fn send_locked(&self, st: &mut StreamState, msg: Msg) -> Result<()> {
-        st.submitted += 1;
-        if self.tx.send(msg).is_err() {
-            st.submitted -= 1;
-            anyhow::bail!("stream {}: its worker has stopped", self.id);
+        let refused = if st.closed {
+            Some(msg)
+        } else {
+            self.tx.send(msg).err().map(|e| e.into_inner())
+        };
+        match refused {
+            None => {
+                st.submitted += 1;
+                Ok(())
+            }
+            Some(msg) => {
+                if let Msg::Record(ev, g) = msg {
+                    ev.complete(g);
+                }
+                anyhow::bail!("stream {} has been destroyed", self.id)
+            }
         }
-        Ok(())
     }
 
     /// The worker finished one operation with result `r`.
@@ -286,11 +302,21 @@ impl Stream {
 
     /// Ask the worker to stop after its queue and join it.
     pub fn shutdown(&self) {
-        // A send error means the worker is already gone.
-        let _ = self.tx.send(Msg::Shutdown);
+        {
+            let mut st = self.state.lock();
+            if !st.closed {
+                st.closed = true;
+                // A send error means the worker is already gone.
+                let _ = self.tx.send(Msg::Shutdown);
+            }
+        }
         if let Some(h) = self.worker.lock().take() {
-            // A panicking worker already lost its queue; nothing to add.
-            let _ = h.join();
+            // A worker cannot join itself (a kernel body that held the last
+            // handle to the backend): it exits on its own after `Shutdown`.
+            if h.thread().id() != std::thread::current().id() {
+                // A panicking worker already lost its queue; nothing to add.
+                let _ = h.join();
+            }
         }
     }
 }

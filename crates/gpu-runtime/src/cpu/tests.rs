@@ -30,8 +30,11 @@ fn debug_mode_fills_new_allocations_with_nan() {
     gpu.free(p).unwrap();
     gpu.free(m.device).unwrap();
 
-    let gpu = CpuBackend::new();
+    // What `new()` builds unless METRALE_GPU_DEBUG=1.
+    let gpu = CpuBackend::build(false);
     assert!(!gpu.is_debug());
+    let want = std::env::var_os("METRALE_GPU_DEBUG").is_some_and(|v| v == "1");
+    assert_eq!(CpuBackend::new().is_debug(), want);
     let p = gpu.alloc(16, "fresh").unwrap();
     gpu.copy_d2h(p, &mut out).unwrap();
     assert_eq!(out, [0; 16]);
@@ -366,4 +369,63 @@ fn kernels_can_check_pointers_from_rayon_workers() {
     assert!(e.contains("t::row_sums") && e.contains("'table'"), "{e}");
     gpu.free(table).unwrap();
     gpu.free(out).unwrap();
+}
+
+#[test]
+fn a_kernel_may_drop_the_last_handle_to_the_backend() {
+    let gpu = Arc::new(CpuBackend::new());
+    let slot: Arc<Mutex<Option<Arc<CpuBackend>>>> = Arc::new(Mutex::new(None));
+    let slot2 = slot.clone();
+    let (go_tx, go_rx) = crossbeam_channel::bounded::<()>(1);
+    let (done_tx, done_rx) = crossbeam_channel::bounded::<()>(1);
+    gpu.register_host_kernel(
+        "t",
+        "drop_backend",
+        &[],
+        Arc::new(
+            move |_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
+                // Wait until the test has let go of its own handle.
+                go_rx.recv_timeout(Duration::from_secs(10))?;
+                let last = slot2.lock().take();
+                drop(last);
+                // Reached only if dropping the backend here did not panic.
+                done_tx.send(())?;
+                Ok(())
+            },
+        ),
+    )
+    .unwrap();
+    let k = gpu.kernel("t", "drop_backend").unwrap();
+    let s = gpu.create_stream().unwrap();
+    gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[], s)
+        .unwrap();
+    *slot.lock() = Some(gpu);
+    go_tx.send(()).unwrap();
+    done_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("dropping the backend inside its own kernel failed");
+}
+
+#[test]
+fn submissions_racing_a_destroy_are_refused_not_lost() {
+    let gpu = CpuBackend::new();
+    let s = gpu.create_stream().unwrap();
+    let stream = gpu.inner.stream("test", s).unwrap();
+    let ev = gpu.create_event().unwrap();
+    gpu.destroy_stream(s).unwrap();
+    // A thread that looked the stream up before it was destroyed submits
+    // afterwards: refused, and the event does not stay pending.
+    let e = gpu.inner.submit(
+        "record_event",
+        &stream,
+        &[Node::Record(gpu.inner.event("t", ev).unwrap())],
+    );
+    assert!(
+        e.unwrap_err()
+            .to_string()
+            .contains(&format!("stream {s} has been destroyed"))
+    );
+    assert!(gpu.event_query(ev).unwrap());
+    gpu.event_synchronize(ev).unwrap();
+    drop(stream.drain());
 }

@@ -28,6 +28,8 @@
 
 mod derive;
 mod fastmod;
+#[cfg(target_arch = "x86_64")]
+mod simd;
 
 use anyhow::{Result, bail, ensure};
 
@@ -175,9 +177,10 @@ impl PleIdDims {
 
 /// How one head turns the mixed value into a row id.
 trait HeadRows {
-    /// `mixed % size[h] + offset[h]` for the heads of one order, written to
-    /// `out` (one entry per head of that order, starting at head `first`).
-    fn order_rows(&self, first: usize, mixed: u64, out: &mut [u64]);
+    /// `mixed % size[h] + offset[h]` for the heads of order `order + 2`,
+    /// written to `out` (one entry per head of that order, the first being
+    /// head `first`).
+    fn order_rows(&self, order: usize, first: usize, mixed: u64, out: &mut [u64]);
 }
 
 /// The `%` form.
@@ -188,7 +191,7 @@ struct PlainRows<'a> {
 
 impl HeadRows for PlainRows<'_> {
     #[inline(always)]
-    fn order_rows(&self, first: usize, mixed: u64, out: &mut [u64]) {
+    fn order_rows(&self, _order: usize, first: usize, mixed: u64, out: &mut [u64]) {
         let k = out.len();
         let sizes = &self.sizes[first..first + k];
         let offsets = &self.offsets[first..first + k];
@@ -211,7 +214,7 @@ struct FastRows<'a> {
 
 impl HeadRows for FastRows<'_> {
     #[inline(always)]
-    fn order_rows(&self, first: usize, mixed: u64, out: &mut [u64]) {
+    fn order_rows(&self, _order: usize, first: usize, mixed: u64, out: &mut [u64]) {
         let heads = &self.heads[first..first + out.len()];
         for (o, h) in out.iter_mut().zip(heads) {
             *o = h.m.rem(mixed) + h.offset;
@@ -314,7 +317,7 @@ fn hash_token<R: HeadRows>(
     let mut mixed = u64::from(t).wrapping_mul(mults[0]);
     for p in 0..prev.len() {
         mixed ^= u64::from(prev[p]).wrapping_mul(mults[p + 1]);
-        rows.order_rows(p * k, mixed, &mut out[p * k..(p + 1) * k]);
+        rows.order_rows(p, p * k, mixed, &mut out[p * k..(p + 1) * k]);
     }
 }
 
@@ -338,7 +341,9 @@ fn hash_run_with<C: Context, R: HeadRows>(
 }
 
 /// [`hash_run_with`], with the context length fixed at compile time for the
-/// common orders.
+/// common orders. Always inlined, so that a caller compiled for a wider
+/// instruction set gets the whole loop compiled for it.
+#[inline(always)]
 fn hash_run<R: HeadRows>(
     dims: &PleIdDims,
     rows: &R,
@@ -355,6 +360,7 @@ fn hash_run<R: HeadRows>(
 }
 
 /// One new token after each history (batched decode).
+#[inline(always)]
 fn hash_batch_with<'h, C: Context, R: HeadRows>(
     dims: &PleIdDims,
     rows: &R,
@@ -372,6 +378,7 @@ fn hash_batch_with<'h, C: Context, R: HeadRows>(
     }
 }
 
+#[inline(always)]
 fn hash_batch<'h, R: HeadRows>(
     dims: &PleIdDims,
     rows: &R,
@@ -444,15 +451,35 @@ pub fn ple_ngram_ids_into_plain(
 
 /// The hot path: validated dims with a precomputed reciprocal per head.
 /// Build one per PLE site and reuse it; hashing allocates nothing.
+///
+/// On x86_64 CPUs with AVX2, and head sizes in `[2^16, 2^32)` (the flagship
+/// geometry's are about 2^24), four heads are reduced at once (see
+/// `ids/simd.rs`); otherwise, or when built with [`Self::new_portable`],
+/// one [`FastMod`] per head. Both are exact, so the choice never changes an
+/// id; [`Self::path`] says which one runs.
 #[derive(Clone, Debug)]
 pub struct PleIdHasher {
     dims: PleIdDims,
     heads: Vec<HeadMod>,
+    #[cfg(target_arch = "x86_64")]
+    avx2: Option<simd::Avx2Plan>,
 }
 
 impl PleIdHasher {
-    /// Validate `dims` and precompute the reciprocals.
+    /// Validate `dims`, precompute the reciprocals and pick the fastest
+    /// exact path this CPU supports.
     pub fn new(dims: &PleIdDims) -> Result<Self> {
+        #[allow(unused_mut)]
+        let mut h = Self::new_portable(dims)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            h.avx2 = simd::Avx2Plan::new(dims);
+        }
+        Ok(h)
+    }
+
+    /// Like [`Self::new`] but always on the portable scalar path.
+    pub fn new_portable(dims: &PleIdDims) -> Result<Self> {
         dims.validate()?;
         let heads = dims
             .head_vocab_sizes
@@ -467,7 +494,18 @@ impl PleIdHasher {
         Ok(Self {
             dims: dims.clone(),
             heads,
+            #[cfg(target_arch = "x86_64")]
+            avx2: None,
         })
+    }
+
+    /// The reduction in use: `"avx2"` or `"scalar"`.
+    pub fn path(&self) -> &'static str {
+        #[cfg(target_arch = "x86_64")]
+        if self.avx2.is_some() {
+            return "avx2";
+        }
+        "scalar"
     }
 
     /// The dims this hasher was built from.
@@ -503,6 +541,13 @@ impl PleIdHasher {
             tokens.len(),
             self.ngram_heads(),
         )?;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(plan) = &self.avx2 {
+            let rows = simd::Avx2Rows::new(plan, &self.heads);
+            // SAFETY: a plan is only built after AVX2 was detected.
+            unsafe { simd::hash_run_avx2(&self.dims, &rows, history, tokens, out) };
+            return Ok(());
+        }
         hash_run(
             &self.dims,
             &FastRows { heads: &self.heads },
@@ -511,6 +556,23 @@ impl PleIdHasher {
             out,
         );
         Ok(())
+    }
+
+    fn batch<'h>(
+        &self,
+        histories: impl Iterator<Item = &'h [u32]>,
+        tokens: &[u32],
+        out: &mut [u64],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(plan) = &self.avx2 {
+            let rows = simd::Avx2Rows::new(plan, &self.heads);
+            // SAFETY: a plan is only built after AVX2 was detected.
+            unsafe { simd::hash_batch_avx2(&self.dims, &rows, histories, tokens, out) };
+            return;
+        }
+        let rows = FastRows { heads: &self.heads };
+        hash_batch(&self.dims, &rows, histories, tokens, out);
     }
 
     /// Batched decode: one new token per sequence, `tokens[b]` following
@@ -529,21 +591,13 @@ impl PleIdHasher {
             histories.len(),
             tokens.len()
         );
-        let heads = self.ngram_heads();
         check_out(
             "PleIdHasher::decode_batch_into",
             out.len(),
             tokens.len(),
-            heads,
+            self.ngram_heads(),
         )?;
-        let rows = FastRows { heads: &self.heads };
-        hash_batch(
-            &self.dims,
-            &rows,
-            histories.iter().map(AsRef::as_ref),
-            tokens,
-            out,
-        );
+        self.batch(histories.iter().map(AsRef::as_ref), tokens, out);
         Ok(())
     }
 
@@ -564,15 +618,13 @@ impl PleIdHasher {
             tokens.len(),
             tokens.len().saturating_mul(c)
         );
-        let heads = self.ngram_heads();
         check_out(
             "PleIdHasher::decode_batch_flat_into",
             out.len(),
             tokens.len(),
-            heads,
+            self.ngram_heads(),
         )?;
-        let rows = FastRows { heads: &self.heads };
-        hash_batch(&self.dims, &rows, histories.chunks_exact(c), tokens, out);
+        self.batch(histories.chunks_exact(c), tokens, out);
         Ok(())
     }
 }
@@ -643,7 +695,11 @@ mod tests {
         let plain: Vec<u64> = ple_ngram_ids(&d, &tokens).concat();
         let mut fast = vec![0; plain.len()];
         hasher.ids_into(&tokens, &mut fast).unwrap();
-        assert_eq!(plain, fast);
+        assert_eq!(plain, fast, "path {}", hasher.path());
+        let portable = PleIdHasher::new_portable(&d).unwrap();
+        assert_eq!(portable.path(), "scalar");
+        portable.ids_into(&tokens, &mut fast).unwrap();
+        assert_eq!(plain, fast, "scalar path");
         assert!(fast.iter().all(|&id| id < d.table_rows()));
     }
 

@@ -1,0 +1,114 @@
+//! The one error type of checkpoint loading and writing.
+//!
+//! Every variant names the file it is about and, where there is one, the
+//! tensor, so that a refused checkpoint can be fixed from the message alone.
+
+use std::path::PathBuf;
+
+/// Why a checkpoint could not be read, validated or written.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// An operating-system error on a file.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `config.json` is unreadable or inconsistent.
+    #[error("{file}: invalid config: {msg}")]
+    Config {
+        /// The config file.
+        file: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// `model.safetensors.index.json` is unreadable or inconsistent.
+    #[error("{file}: invalid weight map: {msg}")]
+    Index {
+        /// The index file.
+        file: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A safetensors file whose header cannot be parsed.
+    #[error("{file}: corrupt safetensors header: {msg}")]
+    Header {
+        /// The safetensors file.
+        file: PathBuf,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A tensor the format requires is absent.
+    #[error("{file}: tensor {tensor} is missing")]
+    MissingTensor {
+        /// Where it was looked for (the index or a safetensors file).
+        file: PathBuf,
+        /// Its name.
+        tensor: String,
+    },
+    /// A tensor has the wrong shape.
+    #[error("{file}: tensor {tensor} has shape {found:?}, expected {expected:?}")]
+    Shape {
+        /// The safetensors file.
+        file: PathBuf,
+        /// Its name.
+        tensor: String,
+        /// The shape the geometry requires.
+        expected: Vec<u64>,
+        /// The shape in the file.
+        found: Vec<u64>,
+    },
+    /// A tensor has the wrong element type.
+    #[error("{file}: tensor {tensor} has dtype {found}, expected {expected}")]
+    DType {
+        /// The safetensors file.
+        file: PathBuf,
+        /// Its name.
+        tensor: String,
+        /// The dtype the format requires.
+        expected: String,
+        /// The dtype in the file.
+        found: String,
+    },
+    /// A tensor's values are wrong (hash buffers that do not match their
+    /// derivation, non-finite weights, a bad scale).
+    #[error("{file}: tensor {tensor}: {msg}")]
+    Value {
+        /// The safetensors file.
+        file: PathBuf,
+        /// Its name.
+        tensor: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// The table shards do not form one table covering every row.
+    #[error("{file}: table shards of layer {layer}: {msg}")]
+    Shards {
+        /// The index file.
+        file: PathBuf,
+        /// The 0-based model layer of the PLE site.
+        layer: usize,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A request that cannot be met (bad preset, bad row count, a target
+    /// directory that already holds a checkpoint).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl CheckpointError {
+    /// An [`CheckpointError::Io`] for `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        CheckpointError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// Results of this crate.
+pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;

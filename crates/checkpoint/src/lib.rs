@@ -1,0 +1,25 @@
+//! metrale-checkpoint: the PLE checkpoint format, its synthetic writer and
+//! its validating loader.
+//!
+//! A checkpoint is a Hugging Face-style directory: `config.json` (the
+//! Qwen4Exp fields, see [`geometry`]), safetensors files, and
+//! `model.safetensors.index.json` mapping every tensor to its file. Tensor
+//! names are spelled in [`names`] alone. [`synth`] writes deterministic
+//! synthetic checkpoints; [`load`] refuses anything a layer could trip on,
+//! with a [`CheckpointError`] naming the file and tensor; [`fold`] serves a
+//! table cut to fewer rows than the hash addresses.
+//!
+//! Invariant: a [`load::Checkpoint`] exists only for a directory that
+//! passed every check in [`load`].
+
+pub mod error;
+pub mod fold;
+pub mod geometry;
+pub mod load;
+pub mod names;
+pub mod synth;
+
+pub use error::CheckpointError;
+pub use geometry::{Geometry, Preset};
+pub use load::Checkpoint;
+pub use synth::{InitOptions, TableDType};

@@ -1,0 +1,164 @@
+//! `metrale-ple inspect`: a checkpoint's geometry, sizes, shard layout and
+//! validation result.
+//!
+//! The geometry is printed from `config.json` alone first, so a checkpoint
+//! that fails validation still shows what it claims to be; the validation
+//! line then gives the loader's verdict (exit status 2 when refused).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use metrale_checkpoint::load::read_geometry;
+use metrale_checkpoint::{Checkpoint, Geometry};
+use metrale_storage::table::RowDType;
+
+use super::common::bytes;
+use super::{CmdError, input};
+
+/// Arguments of `inspect`.
+#[derive(Args, Debug)]
+#[command(after_help = "Example:\n  metrale-ple inspect ~/.cache/metrale-ple/tiny")]
+pub struct InspectArgs {
+    /// The checkpoint directory.
+    pub dir: PathBuf,
+}
+
+fn print_geometry(g: &Geometry) {
+    println!("geometry");
+    println!(
+        "  vocab_size        {} (eos {})",
+        g.vocab_size, g.eos_token_id
+    );
+    println!(
+        "  highway           hidden {} x hc {} = {} channels, rms_norm_eps {:e}",
+        g.hidden_size,
+        g.hc_mult,
+        g.channels(),
+        g.rms_norm_eps
+    );
+    println!(
+        "  n-grams           orders 2..={} x {} heads = {} heads of {} values (E = {})",
+        g.ngram_size,
+        g.heads_per_ngram,
+        g.ngram_heads(),
+        g.head_dim,
+        g.emb_dim()
+    );
+    println!(
+        "  conv              kernel {}, dilation {}, state {} rows",
+        g.conv_kernel_size,
+        g.dilation(),
+        g.state_len()
+    );
+    println!(
+        "  hash              base {}, padded to a multiple of {}, seed {}",
+        g.ngram_vocab_size_base, g.divisible_by, g.hash_seed
+    );
+    println!(
+        "  sites             {} at layer ids {:?} ({} shards each)",
+        g.sites(),
+        g.ple_layer_ids,
+        g.split_ngram_parts
+    );
+}
+
+/// Run `inspect`.
+pub fn run(a: InspectArgs) -> Result<(), CmdError> {
+    println!("checkpoint          {}", a.dir.display());
+    let g = match read_geometry(&a.dir) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("validation          REFUSED");
+            return Err(input(e));
+        }
+    };
+    print_geometry(&g);
+    let ck = match Checkpoint::open(&a.dir) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("validation          REFUSED");
+            return Err(input(e));
+        }
+    };
+    let mut gathered_per_token = 0u64;
+    println!("sites");
+    for s in &ck.sites {
+        let t = &s.table;
+        let row_bytes = t.head_dim as u64 * if t.dtype == RowDType::Bf16 { 2 } else { 1 };
+        gathered_per_token += row_bytes * s.dims.ngram_heads() as u64;
+        println!("  site {} (model.layers.{}.ple)", s.index, s.layer);
+        println!("    multipliers     {:?}", s.dims.multipliers);
+        let sizes = &s.dims.head_vocab_sizes;
+        println!(
+            "    head sizes      {} .. {} ({} heads)",
+            sizes.first().copied().unwrap_or(0),
+            sizes.last().copied().unwrap_or(0),
+            sizes.len()
+        );
+        println!(
+            "    table           {} rows addressed, {} stored{}, {}, {}",
+            s.padded_rows,
+            t.stored_rows,
+            match t.fold_rows {
+                Some(m) => format!(" (ids folded: row = id % {m})"),
+                None => String::new(),
+            },
+            match t.dtype {
+                RowDType::Bf16 => "BF16".to_string(),
+                RowDType::Fp8E4M3 => "FP8 E4M3 + f32 row scales".to_string(),
+            },
+            bytes(t.bytes)
+        );
+        println!(
+            "    shards          {} x [{}, {}]",
+            t.shards.len(),
+            t.rows_per_shard,
+            t.head_dim
+        );
+        for (i, (path, _)) in t.shards.iter().enumerate() {
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            println!(
+                "      shard {i:<3} rows {:>11} .. {:<11} {name}",
+                i as u64 * t.rows_per_shard,
+                (i as u64 + 1) * t.rows_per_shard
+            );
+        }
+    }
+    let heads: usize = ck.sites.iter().map(|s| s.dims.ngram_heads()).sum();
+    println!("sizes");
+    println!(
+        "  table bytes       {} ({} sites)",
+        bytes(ck.table_bytes()),
+        ck.sites.len()
+    );
+    println!(
+        "  rows per token    {heads} ({} gathered bytes)",
+        gathered_per_token
+    );
+    println!(
+        "  carry per seq     {} on the device ({} B conv state per site), aux blob {} B per site",
+        bytes(g.carry_bytes_per_seq() as u64),
+        4 * g.state_len() * g.channels(),
+        g.aux_blob_bytes()
+    );
+    println!("files");
+    for f in &ck.files {
+        println!(
+            "  {:<36} {:>12}  {} tensors, data at {}{}",
+            f.name,
+            bytes(f.bytes),
+            f.tensors,
+            f.data_start,
+            if f.data_start % 4096 == 0 {
+                " (4 KiB aligned)"
+            } else {
+                ""
+            }
+        );
+    }
+    println!("validation          OK");
+    Ok(())
+}

@@ -1,0 +1,348 @@
+//! Shared helpers for the PLE layer tests: a tiny device-resident row table
+//! that counts its pins, a small random geometry, and highway helpers.
+//!
+//! The table pins every resolved row and only unpins a lease once the event
+//! given with its release has completed, so a test can check that no lease
+//! is leaked and none is dropped before its gather.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use anyhow::{Result, ensure};
+use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
+use metrale_model_layers::layers::ple::ids::PleIdDims;
+use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
+use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+use parking_lot::Mutex;
+
+/// Deterministic pseudo-random numbers (splitmix64).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    pub fn unit(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// The value of an FP8 E4M3 (fn variant, no infinities) byte.
+pub fn e4m3(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = ((b >> 3) & 0xf) as i32;
+    let m = (b & 7) as f32;
+    if e == 0 {
+        sign * m / 8.0 * 2f32.powi(-6)
+    } else {
+        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    }
+}
+
+/// BF16 bits of `x`, rounded to nearest even.
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+#[derive(Default)]
+struct Pins {
+    held: usize,
+    /// Pinned leases released without an event (only safe after a sync).
+    bare_releases: usize,
+    pending: Vec<(EventHandle, usize)>,
+    next_id: u64,
+}
+
+/// A BF16 or FP8 table held in one device allocation (FP8 scales after
+/// the rows).
+pub struct TestTable {
+    base: DevicePtr,
+    scales: DevicePtr,
+    info: TableInfo,
+    max_resolve: usize,
+    pins: Mutex<Pins>,
+}
+
+impl TestTable {
+    pub fn new(
+        gpu: &dyn GpuBackend,
+        rows_bits: &[u16],
+        head_dim: usize,
+        max_resolve: usize,
+    ) -> Result<Arc<TestTable>> {
+        let rows = rows_bits.len() / head_dim;
+        let bytes: Vec<u8> = rows_bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let base = gpu.alloc(bytes.len(), "test.table")?;
+        gpu.copy_h2d(&bytes, base)?;
+        Ok(Arc::new(TestTable {
+            base,
+            scales: DevicePtr::NULL,
+            info: TableInfo {
+                rows: rows as u64,
+                head_dim,
+                dtype: RowDType::Bf16,
+            },
+            max_resolve,
+            pins: Mutex::new(Pins::default()),
+        }))
+    }
+
+    /// An FP8 E4M3 table: `head_dim` bytes a row and one f32 scale a row.
+    pub fn new_fp8(
+        gpu: &dyn GpuBackend,
+        rows_bytes: &[u8],
+        scales: &[f32],
+        head_dim: usize,
+        max_resolve: usize,
+    ) -> Result<Arc<TestTable>> {
+        let rows = rows_bytes.len() / head_dim;
+        assert_eq!(scales.len(), rows);
+        let mut bytes = rows_bytes.to_vec();
+        bytes.resize(rows_bytes.len().div_ceil(4) * 4, 0);
+        let soff = bytes.len();
+        bytes.extend(scales.iter().flat_map(|s| s.to_le_bytes()));
+        let base = gpu.alloc(bytes.len(), "test.table_fp8")?;
+        gpu.copy_h2d(&bytes, base)?;
+        Ok(Arc::new(TestTable {
+            base,
+            scales: base.offset(soff),
+            info: TableInfo {
+                rows: rows as u64,
+                head_dim,
+                dtype: RowDType::Fp8E4M3,
+            },
+            max_resolve,
+            pins: Mutex::new(Pins::default()),
+        }))
+    }
+
+    /// Pins still held once every completed release event is accounted for.
+    pub fn pinned(&self, gpu: &dyn GpuBackend) -> usize {
+        let mut p = self.pins.lock();
+        let mut still = Vec::new();
+        for (ev, n) in std::mem::take(&mut p.pending) {
+            if gpu.event_query(ev).unwrap() {
+                gpu.destroy_event(ev).unwrap();
+                p.held -= n;
+            } else {
+                still.push((ev, n));
+            }
+        }
+        p.pending = still;
+        p.held
+    }
+
+    /// Pinned leases released without an event so far.
+    pub fn bare_releases(&self) -> usize {
+        self.pins.lock().bare_releases
+    }
+
+    pub fn free(&self, gpu: &dyn GpuBackend) {
+        gpu.free(self.base).unwrap();
+    }
+}
+
+impl RowTable for TestTable {
+    fn info(&self) -> TableInfo {
+        self.info
+    }
+    fn max_resolve(&self) -> usize {
+        self.max_resolve
+    }
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
+        ensure!(out.len() == ids.len(), "out length");
+        let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
+        ensure!(
+            distinct.len() <= self.max_resolve,
+            "{} distinct ids, max {}",
+            distinct.len(),
+            self.max_resolve
+        );
+        for (i, &id) in ids.iter().enumerate() {
+            ensure!(
+                id < self.info.rows,
+                "row id {id} past the table end {}",
+                self.info.rows
+            );
+            let scale = if self.scales.is_null() {
+                0
+            } else {
+                self.scales.offset(id as usize * 4).addr()
+            };
+            out[i] = RowRef {
+                data: self.base.offset(id as usize * self.info.row_bytes()).addr(),
+                scale,
+            };
+        }
+        let mut p = self.pins.lock();
+        p.held += ids.len();
+        p.next_id += 1;
+        Ok(Lease {
+            id: p.next_id,
+            pinned: ids.len(),
+        })
+    }
+    fn release(
+        &self,
+        lease: Lease,
+        _gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> Result<()> {
+        let mut p = self.pins.lock();
+        match after {
+            Some(ev) => p.pending.push((ev, lease.pinned)),
+            None => {
+                p.held -= lease.pinned;
+                if lease.pinned > 0 {
+                    p.bare_releases += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn prefetch(&self, _ids: &[u64]) -> Result<()> {
+        Ok(())
+    }
+    fn stats(&self) -> TableStats {
+        TableStats::default()
+    }
+}
+
+/// A small geometry with random weights and table.
+pub struct Small {
+    pub dims: PleIdDims,
+    pub head_dim: usize,
+    pub hidden: usize,
+    pub hc: usize,
+    pub k: usize,
+    pub dil: usize,
+    pub weights: PleWeights,
+    pub table_bits: Vec<u16>,
+}
+
+pub const EOS: u32 = 5;
+
+impl Small {
+    pub fn new(seed: u64) -> Small {
+        let mut r = Rng(seed);
+        let (hidden, hc, n, kpn, head_dim, k) = (16, 2, 3, 2, 8, 3);
+        let heads = (n - 1) * kpn;
+        let sizes: Vec<u64> = vec![13, 17, 19, 23];
+        let mut offsets = vec![0u64];
+        for s in &sizes[..heads - 1] {
+            offsets.push(offsets.last().unwrap() + s);
+        }
+        let rows = sizes.iter().sum::<u64>() as usize + 3;
+        let dims = PleIdDims {
+            ngram_size: n,
+            heads_per_ngram: kpn,
+            multipliers: (0..n).map(|_| r.next_u64() | 1).collect(),
+            head_vocab_sizes: sizes,
+            head_offsets: offsets,
+            eos_token_id: EOS,
+        };
+        let e = heads * head_dim;
+        let c = hidden * hc;
+        let mut bf =
+            |n: usize, s: f32| -> Vec<u16> { (0..n).map(|_| bf16_bits(r.unit() * s)).collect() };
+        let key_proj = bf(c * e, 0.4);
+        let value_proj = bf(hidden * e, 0.4);
+        let table_bits = bf(rows * head_dim, 1.5);
+        let mut f = |n: usize, s: f32| -> Vec<f32> { (0..n).map(|_| r.unit() * s).collect() };
+        let weights = PleWeights {
+            key_proj,
+            value_proj,
+            norm_key: f(c, 0.2),
+            norm_query: f(c, 0.2),
+            norm_conv: f(c, 0.2),
+            conv1d: f(c * k, 0.8),
+        };
+        Small {
+            dims,
+            head_dim,
+            hidden,
+            hc,
+            k,
+            dil: 2,
+            weights,
+            table_bits,
+        }
+    }
+
+    pub fn channels(&self) -> usize {
+        self.hidden * self.hc
+    }
+
+    pub fn layer(
+        &self,
+        gpu: &dyn GpuBackend,
+        table: Arc<TestTable>,
+        max_tokens: usize,
+    ) -> Result<PleLayer> {
+        PleLayer::new(
+            self.dims.clone(),
+            self.head_dim,
+            self.hidden,
+            self.hc,
+            self.k,
+            self.dil,
+            1e-6,
+            self.weights.clone(),
+            table,
+            max_tokens,
+            gpu,
+        )
+    }
+}
+
+/// Random tokens in `0..vocab`, EOS with probability about 1/8.
+pub fn tokens(r: &mut Rng, n: usize, vocab: u64) -> Vec<u32> {
+    (0..n)
+        .map(|_| {
+            if r.below(8) == 0 {
+                EOS
+            } else {
+                r.below(vocab) as u32
+            }
+        })
+        .collect()
+}
+
+/// Random highway rows.
+pub fn highway(r: &mut Rng, rows: usize, c: usize) -> Vec<f32> {
+    (0..rows * c).map(|_| r.unit() * 2.0).collect()
+}
+
+pub fn upload(gpu: &dyn GpuBackend, v: &[f32], label: &str) -> DevicePtr {
+    let p = gpu.alloc(v.len() * 4, label).unwrap();
+    let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    gpu.copy_h2d(&b, p).unwrap();
+    p
+}
+
+pub fn write(gpu: &dyn GpuBackend, v: &[f32], p: DevicePtr, stream: u64) {
+    let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    gpu.copy_h2d_async(&b, p, stream).unwrap();
+}
+
+pub fn download(gpu: &dyn GpuBackend, p: DevicePtr, n: usize, stream: u64) -> Vec<f32> {
+    let mut b = vec![0u8; n * 4];
+    gpu.copy_d2h_on_stream(p, &mut b, stream).unwrap();
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
