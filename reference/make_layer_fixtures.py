@@ -12,7 +12,8 @@ import os
 
 import numpy as np
 
-from ple_layer import PleLayerRef, bf16_bits, head_sizes, multipliers
+from ple_layer import PleLayerRef, bf16_bits
+from ple_reference import derive
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fixtures", "layer")
 
@@ -23,14 +24,14 @@ def main():
     heads = (n - 1) * kpn
     E, C = heads * head_dim, hc * hidden
     vocab, eos, base, divisible = 1000, 999, 61, 128
-    sizes = head_sizes(base, heads)
-    offsets = list(np.cumsum([0] + sizes[:-1]).astype(int))
-    rows = -(-sum(sizes) // divisible) * divisible
+    d = derive(vocab, eos, n, kpn, base, divisible)
+    rows = d["padded_rows"]
     g = {
-        "hidden": hidden, "hc_mult": hc, "ngram_size": n, "heads_per_ngram": kpn,
-        "head_dim": head_dim, "conv_kernel": kconv, "dilation": n, "eps": 1e-6,
-        "eos": eos, "multipliers": multipliers(vocab, n), "head_vocab_sizes": sizes,
-        "head_offsets": [int(o) for o in offsets], "table_rows": rows,
+        "hidden": hidden, "hc_mult": hc, "head_dim": head_dim, "conv_kernel": kconv,
+        "dilation": n, "eps": 1e-6, "eos": eos, "table_rows": rows,
+        "ngram_size": n, "heads_per_ngram": kpn, "eos_token_id": eos,
+        "multipliers": d["multipliers"], "head_vocab_sizes": d["head_vocab_sizes"],
+        "head_offsets": d["head_offsets"],
     }
     table = bf16_bits(rng.standard_normal((rows, head_dim)).astype(np.float32))
     w = {
@@ -74,6 +75,7 @@ def main():
     put("highway_out", hw_out, np.float32)
     put("conv_state_out", st["conv"].astype(np.float32), np.float32)
     meta = dict(g)
+    del meta["eos_token_id"]
     meta["multipliers"] = [str(m) for m in g["multipliers"]]
     meta.update({"tokens": tokens, "chunks": chunks, "history_out": [int(t) for t in st["history"]],
                  "files": files, "vocab_size": vocab, "vocab_base": base,

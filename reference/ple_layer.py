@@ -1,6 +1,7 @@
 """Reference PLE layer forward with its per-sequence carry (numpy only).
 
-Written from SPEC.md sections 3 to 5, independently of the Rust code. The
+Written from SPEC.md sections 4 and 5, independently of the Rust code; the
+id hash (section 3) is the project's reference one, `ple_reference.py`. The
 values that are BF16 in the model (table rows and the two projection
 weights) are rounded to BF16 exactly as the Rust code holds them; everything
 else is computed in float64 and rounded to float32 once, where the highway is
@@ -11,68 +12,7 @@ float32 rounding alone.
 
 import numpy as np
 
-MASK64 = (1 << 64) - 1
-
-
-# ---------------------------------------------------------------- the id hash
-
-def splitmix64(v):
-    v = (v + 0x9E3779B97F4A7C15) & MASK64
-    v = ((v ^ (v >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-    v = ((v ^ (v >> 27)) * 0x94D049BB133111EB) & MASK64
-    return v ^ (v >> 31)
-
-
-def multipliers(vocab_size, ngram_size, seed=1234, site=0):
-    mx = ((1 << 63) - 1) // vocab_size
-    half = max(1, mx // 2)
-    base = (seed + 10007 * site) & MASK64
-    return [2 * (splitmix64((base + 0x9E3779B97F4A7C15 * (i + 1)) & MASK64) % half) + 1
-            for i in range(ngram_size)]
-
-
-def is_prime(n):
-    if n < 2:
-        return False
-    i = 2
-    while i * i <= n:
-        if n % i == 0:
-            return False
-        i += 1
-    return True
-
-
-def head_sizes(base, ngram_heads, site=0):
-    """Head h of site s: the (s*ngram_heads + h + 1)-th prime > base - 1."""
-    out, p, skip = [], base - 1, site * ngram_heads
-    while len(out) < ngram_heads:
-        p += 1
-        if is_prime(p):
-            if skip:
-                skip -= 1
-            else:
-                out.append(p)
-    return out
-
-
-def ngram_ids(tokens, mult, sizes, offsets, heads_per_ngram, eos):
-    """One row of ngram_heads ids per token of `tokens` (history first)."""
-    n = len(mult)
-    rows, seg_start = [], 0
-    for i in range(len(tokens)):
-        if i > 0 and tokens[i - 1] == eos:
-            seg_start = i
-        row, mixed = [], 0
-        for p in range(n):
-            t = tokens[i - p] if (i - p >= seg_start) else eos
-            mixed ^= (int(t) * mult[p]) & MASK64
-            if p >= 1:
-                order = p + 1
-                for h in range((order - 2) * heads_per_ngram, (order - 1) * heads_per_ngram):
-                    row.append(mixed % sizes[h] + offsets[h])
-        rows.append(row)
-    return rows
-
+from ple_reference import hash_chunk
 
 # ---------------------------------------------------------------- BF16
 
@@ -95,8 +35,10 @@ def from_bf16_bits(bits):
 
 class PleLayerRef:
     def __init__(self, g, w, table_bits):
-        """g: geometry dict; w: weights dict (BF16 bits for the projections);
-        table_bits: uint16 [rows, head_dim]."""
+        """g: geometry dict holding the hash dims of `ple_reference.derive`
+        (ngram_size, heads_per_ngram, eos_token_id, multipliers,
+        head_vocab_sizes, head_offsets) and the layer's shape; w: weights dict
+        (BF16 bits for the projections); table_bits: uint16 [rows, head_dim]."""
         self.g = g
         self.H = g["hidden"]
         self.hc = g["hc_mult"]
@@ -115,7 +57,7 @@ class PleLayerRef:
         self.cw = np.asarray(w["conv1d"], np.float64).reshape(self.C, self.K)
 
     def new_state(self):
-        return {"history": [self.g["eos"]] * self.ctx, "conv": np.zeros((self.S, self.C))}
+        return {"history": [self.g["eos_token_id"]] * self.ctx, "conv": np.zeros((self.S, self.C))}
 
     def _norm(self, x, w):
         """Grouped RMS norm over each H-wide stream slice of x [T, C]."""
@@ -127,12 +69,9 @@ class PleLayerRef:
     def forward(self, st, highway, tokens):
         """highway: float32 [T, C]; returns the new float32 highway and
         updates st (history, conv) in place."""
-        g = self.g
-        window = list(st["history"]) + list(tokens)
-        rows = ngram_ids(window, g["multipliers"], g["head_vocab_sizes"], g["head_offsets"],
-                         g["heads_per_ngram"], g["eos"])[-len(tokens):]
+        rows, new_history = hash_chunk(st["history"], tokens, self.g)
         T = len(tokens)
-        emb = np.concatenate([self.table[np.array(r, dtype=np.int64)].reshape(1, -1) for r in rows])
+        emb = self.table[np.asarray(rows, dtype=np.int64)].reshape(T, -1)
         key = emb @ self.wk.T
         value = emb @ self.wv.T
         hw = highway.astype(np.float64)
@@ -151,5 +90,5 @@ class PleLayerRef:
             y += self.cw[:, j] * x[self.S - back:self.S - back + T]
         out = gated + y / (1.0 + np.exp(-y))
         st["conv"] = x[-self.S:].copy()
-        st["history"] = window[-self.ctx:]
+        st["history"] = [int(t) for t in new_history]
         return (hw + out).astype(np.float32)

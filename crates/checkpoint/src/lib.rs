@@ -17,6 +17,7 @@ pub mod fold;
 pub mod geometry;
 pub mod load;
 pub mod names;
+pub mod runtime;
 pub mod synth;
 
 pub use error::CheckpointError;

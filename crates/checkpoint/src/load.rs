@@ -16,6 +16,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+use metrale_model_layers::layers::ple::PleWeights;
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_storage::safetensors::{Dtype, Header, TensorInfo};
 use metrale_storage::table::RowDType;
@@ -24,23 +25,6 @@ use serde::Deserialize;
 use crate::error::{CheckpointError, Result};
 use crate::geometry::Geometry;
 use crate::names::{CONFIG_FILE, INDEX_FILE, SiteNames};
-
-/// The dense weights of one site, host-side.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SiteWeights {
-    /// `key_proj` `[C, E]`, BF16 bits.
-    pub key_proj: Vec<u16>,
-    /// `value_proj` `[H, E]`, BF16 bits.
-    pub value_proj: Vec<u16>,
-    /// `norm_key` `[C]`.
-    pub norm_key: Vec<f32>,
-    /// `norm_query` `[C]`.
-    pub norm_query: Vec<f32>,
-    /// `norm_conv` `[C]`.
-    pub norm_conv: Vec<f32>,
-    /// `conv1d` `[C, 1, K]` flattened to `[C * K]`.
-    pub conv1d: Vec<f32>,
-}
 
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -72,8 +56,8 @@ pub struct Site {
     pub dims: PleIdDims,
     /// Rows the ids address (the derived padded table).
     pub padded_rows: u64,
-    /// The dense weights.
-    pub weights: SiteWeights,
+    /// The dense weights, host-side, as the layer takes them.
+    pub weights: PleWeights,
     /// The table shards.
     pub table: SiteTable,
 }
@@ -347,7 +331,7 @@ impl Checkpoint {
             g.hidden_size as u64,
             g.conv_kernel_size,
         );
-        let weights = SiteWeights {
+        let weights = PleWeights {
             key_proj: files.read_bf16(&n.key_proj(), &[c, e])?,
             value_proj: files.read_bf16(&n.value_proj(), &[h, e])?,
             norm_key: files.read_f32(&n.norm_key(), &[c])?,

@@ -36,7 +36,7 @@ impl Fx {
     }
     fn layer(&self, max_tokens: usize) -> PleLayer {
         self.small
-            .layer(self.g(), Arc::clone(&self.table), max_tokens)
+            .layer(self.g(), self.table.clone(), max_tokens)
             .unwrap()
     }
     fn finish(self, mut layer: PleLayer, states: Vec<PleSeqState>) {
@@ -443,8 +443,8 @@ fn fp8_rows_give_the_same_highway_as_their_bf16_rounding() {
         .collect();
     let t8 = TestTable::new_fp8(g, &bytes, &scales, hd, 9).unwrap();
     let t16 = TestTable::new(g, &bf, hd, 9).unwrap();
-    let mut l8 = small.layer(g, Arc::clone(&t8), 4).unwrap();
-    let mut l16 = small.layer(g, Arc::clone(&t16), 4).unwrap();
+    let mut l8 = small.layer(g, t8.clone(), 4).unwrap();
+    let mut l16 = small.layer(g, t16.clone(), 4).unwrap();
     let c = small.channels();
     let toks = tokens(&mut r, 11, 40);
     let hw = highway(&mut r, 11, c);

@@ -45,7 +45,7 @@ impl Env {
     }
     fn layer(&self, max_tokens: usize) -> PleLayer {
         self.small
-            .layer(self.g(), Arc::clone(&self.table), max_tokens)
+            .layer(self.g(), self.table.clone(), max_tokens)
             .unwrap()
     }
     fn c(&self) -> usize {
@@ -313,12 +313,12 @@ proptest! {
                 g.begin_capture(s).unwrap();
                 layer.forward_batch(&mut refs, hwbuf, cap, &ForwardContext::new(g).capturing(true), s).unwrap();
                 graph = Some(g.end_capture(s).unwrap());
-                g.launch_graph(graph.unwrap(), s).unwrap();
-            } else {
-                g.launch_graph(graph.unwrap(), s).unwrap();
-                layer.note_replayed(&mut refs, s).unwrap();
             }
+            g.launch_graph(graph.unwrap(), s).unwrap();
+            layer.note_replayed(&mut refs, g, s).unwrap();
             prop_assert!(refs.iter().all(|st| !st.is_prestaged()));
+            // Noting the same replay twice is refused.
+            prop_assert!(layer.note_replayed(&mut refs, g, s).is_err());
             let out = download(g, hwbuf, cap * c, s);
             got.extend(bits(&out[..b * c]));
         }

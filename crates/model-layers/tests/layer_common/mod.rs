@@ -286,7 +286,7 @@ impl Small {
     pub fn layer(
         &self,
         gpu: &dyn GpuBackend,
-        table: Arc<TestTable>,
+        table: Arc<dyn RowTable>,
         max_tokens: usize,
     ) -> Result<PleLayer> {
         PleLayer::new(

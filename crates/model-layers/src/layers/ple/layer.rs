@@ -1135,22 +1135,60 @@ impl PleLayer {
         self.launch_rest(gpu, highway, rows, ConvTarget::Table(table_ptr), stream)
     }
 
-    /// After replaying a captured decode step whose rows `prestage_batch`
-    /// staged: take the sequences' prestages (the replay consumed them, but
-    /// runs no host code), so none is applied again to a later token.
-    /// Sequence `i` must hold batch slot `i`.
-    pub fn note_replayed(&self, states: &mut [&mut PleSeqState], stream: StreamId) -> Result<()> {
+    /// Call right after each `launch_graph` of a captured decode step whose
+    /// rows `prestage_batch` staged (the first replay after the capture
+    /// included): takes the sequences' prestages (the replay consumed them
+    /// but runs no host code, so none may be applied again to a later token)
+    /// and releases the step's leases with an event recorded now on
+    /// `stream`, i.e. after the replay's gather. Sequence `i` must hold batch
+    /// slot `i`: still prestaged there, or taken by the capture itself.
+    pub fn note_replayed(
+        &self,
+        states: &mut [&mut PleSeqState],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
         self.check_live()?;
         let mut stg = self.staging.lock();
         stg.streams.insert(stream);
-        let staged: Vec<Option<u64>> = states.iter().map(|s| s.prestaged_va).collect();
-        let rows = stg.batch.rows.min(states.len());
-        self.check_batch_staged(&stg, states, &staged, rows)?;
-        for (i, st) in states.iter_mut().enumerate() {
-            stg.mark_captured(StagedAt::Batch(i));
+        ensure!(
+            stg.batch.owners.len() == states.len(),
+            "PLE note_replayed over {} sequences, but the batch prestage holds {}",
+            states.len(),
+            stg.batch.owners.len()
+        );
+        for (i, st) in states.iter().enumerate() {
+            let slot = stg.batch_slot(i).addr();
+            ensure!(
+                stg.batch.owners[i] == st.conv.addr(),
+                "PLE note_replayed: batch slot {i} belongs to another sequence"
+            );
+            match st.prestaged_va {
+                Some(va) => ensure!(
+                    va == slot,
+                    "PLE note_replayed: sequence {i} is prestaged at {va:#x}, not at batch slot {i}"
+                ),
+                None => ensure!(
+                    stg.batch.slots[i] == staging::SlotUse::Captured,
+                    "PLE note_replayed: sequence {i} has no prestage at batch slot {i} \
+                     (already replayed, or gathered eagerly)"
+                ),
+            }
+            ensure!(
+                stg.batch.slots[i] != staging::SlotUse::Gathered,
+                "PLE note_replayed: batch slot {i} was already gathered"
+            );
+        }
+        for st in states.iter_mut() {
             st.prestaged_va = None;
         }
-        Ok(())
+        stg.batch
+            .slots
+            .iter_mut()
+            .for_each(|u| *u = staging::SlotUse::Gathered);
+        let leases = std::mem::take(&mut stg.batch.leases);
+        drop(stg);
+        staging::release_at_tail(self.table.as_ref(), gpu, stream, leases)
     }
 
     /// Free every device allocation of the layer, after synchronising the
@@ -1206,4 +1244,38 @@ enum ConvTarget {
     Single(DevicePtr),
     /// A device table of state addresses (`conv_batch`).
     Table(DevicePtr),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn layer_and_carry_cross_threads() {
+        send_sync::<PleLayer>();
+        send_sync::<PleSeqState>();
+        send_sync::<PleWeights>();
+    }
+
+    #[test]
+    fn f32_image_is_little_endian() {
+        assert_eq!(
+            f32_bytes(&[1.0, -2.5]),
+            [1.0f32.to_le_bytes(), (-2.5f32).to_le_bytes()].concat()
+        );
+    }
+
+    #[test]
+    fn oversized_kernel_arguments_are_named() {
+        assert_eq!(fits_u32("E", 7).unwrap(), 7);
+        let e = fits_u32("tokens*ngram_heads", 1 << 33)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tokens*ngram_heads") && e.contains("8589934592"),
+            "{e}"
+        );
+    }
 }

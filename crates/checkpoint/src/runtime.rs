@@ -1,0 +1,93 @@
+//! From a validated checkpoint to running parts: tables and layers.
+//!
+//! [`Checkpoint::open_table`] serves a site's table resident, mapped or
+//! behind the row cache, wrapped in a [`FoldedTable`] when the table is cut;
+//! [`Checkpoint::build_layer`] builds the site's [`PleLayer`] over it.
+//!
+//! Invariant: the layer always sees the full padded id range; whether rows
+//! are folded is decided here from the validated [`SiteTable`] alone.
+//! Tables free their device memory when the last `Arc` drops; layers must
+//! be freed with `PleLayer::free` (device pointers are not freed by Drop).
+//!
+//! [`SiteTable`]: crate::load::SiteTable
+
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::PleLayer;
+use metrale_storage::cached::{CacheConfig, CachedTable};
+use metrale_storage::layout::TableFiles;
+use metrale_storage::mapped::MappedTable;
+use metrale_storage::resident::ResidentTable;
+use metrale_storage::table::RowTable;
+
+use crate::fold::FoldedTable;
+use crate::load::Checkpoint;
+
+/// How a site's table rows are served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TableMode {
+    /// Every row copied to device memory at load.
+    Resident,
+    /// The shard files memory-mapped and registered with the device.
+    Mapped,
+    /// Rows read from disk on demand into an arena of `slots` rows.
+    Cached {
+        /// Row slots in the arena.
+        slots: usize,
+    },
+}
+
+impl Checkpoint {
+    /// Serve site `site`'s table in `mode`.
+    pub fn open_table(
+        &self,
+        site: usize,
+        mode: TableMode,
+        gpu: Arc<dyn GpuBackend>,
+    ) -> Result<Arc<dyn RowTable>> {
+        let s = &self.sites[site];
+        let t = &s.table;
+        let files = TableFiles::open(&t.shards, Some(t.stored_rows))
+            .with_context(|| format!("opening the table shards of layer {}", s.layer))?;
+        let inner: Arc<dyn RowTable> = match mode {
+            TableMode::Resident => Arc::new(ResidentTable::load(&files, gpu)?),
+            TableMode::Mapped => Arc::new(MappedTable::open(&files, gpu)?),
+            TableMode::Cached { slots } => {
+                Arc::new(CachedTable::open(files, gpu, CacheConfig::new(slots))?)
+            }
+        };
+        Ok(match t.fold_rows {
+            Some(_) => Arc::new(FoldedTable::new(inner, s.padded_rows)?),
+            None => inner,
+        })
+    }
+
+    /// Build site `site`'s layer over `table`, for forwards of up to
+    /// `max_tokens` rows (longer ones are split by the layer).
+    pub fn build_layer(
+        &self,
+        site: usize,
+        table: Arc<dyn RowTable>,
+        max_tokens: usize,
+        gpu: &dyn GpuBackend,
+    ) -> Result<PleLayer> {
+        let g = &self.geometry;
+        let s = &self.sites[site];
+        PleLayer::new(
+            s.dims.clone(),
+            g.head_dim,
+            g.hidden_size,
+            g.hc_mult,
+            g.conv_kernel_size,
+            g.dilation(),
+            g.rms_norm_eps as f32,
+            s.weights.clone(),
+            table,
+            max_tokens,
+            gpu,
+        )
+        .with_context(|| format!("building the PLE layer of model layer {}", s.layer))
+    }
+}

@@ -1,0 +1,179 @@
+//! The layer over the storage crate's tables: the same tokens through a
+//! resident table and through a small row cache (rows read from safetensors
+//! shards, evicted and re-read between steps, pinned by real leases) give
+//! bit-identical highways and carries to the in-memory test table.
+
+mod layer_common;
+
+use std::sync::Arc;
+
+use layer_common::{Rng, Small, TestTable, bits, download, highway, tokens, upload, write};
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::{ForwardContext, PleSeqState};
+use metrale_storage::cached::{CacheConfig, CachedTable};
+use metrale_storage::layout::TableFiles;
+use metrale_storage::resident::ResidentTable;
+use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
+use metrale_storage::table::RowTable;
+
+/// Prefill three sequences, decode them in batches (eager and captured),
+/// with single prestages in between; returns every highway and final blob.
+fn scenario(
+    small: &Small,
+    table: Arc<dyn RowTable>,
+    gpu: &dyn GpuBackend,
+) -> (Vec<u32>, Vec<Vec<u8>>) {
+    let mut layer = small.layer(gpu, table, 8).unwrap();
+    let c = small.channels();
+    let s = gpu.create_stream().unwrap();
+    let mut r = Rng(77);
+    let mut out = Vec::new();
+    let mut states: Vec<PleSeqState> = (0..3).map(|_| layer.new_seq_state(gpu).unwrap()).collect();
+    for st in states.iter_mut() {
+        let n = 3 + r.below(9) as usize;
+        let toks = tokens(&mut r, n, 40);
+        let hw = upload(gpu, &highway(&mut r, n, c), "hw");
+        layer
+            .forward(
+                st,
+                hw,
+                n,
+                true,
+                &ForwardContext::new(gpu).with_host_ids(&toks),
+                s,
+            )
+            .unwrap();
+        out.extend(bits(&download(gpu, hw, n * c, s)));
+        gpu.free(hw).unwrap();
+    }
+    let hwbuf = gpu.alloc(3 * c * 4, "batch hw").unwrap();
+    let mut graph = None;
+    for step in 0..6 {
+        let toks = tokens(&mut r, 3, 40);
+        write(gpu, &highway(&mut r, 3, c), hwbuf, s);
+        let mut refs: Vec<&mut PleSeqState> = states.iter_mut().collect();
+        match step {
+            0 | 1 => layer
+                .forward_batch(
+                    &mut refs,
+                    hwbuf,
+                    3,
+                    &ForwardContext::new(gpu).with_host_ids(&toks),
+                    s,
+                )
+                .unwrap(),
+            2 => {
+                layer.prestage_batch(&mut refs, &toks, 3, gpu, s).unwrap();
+                gpu.synchronize(s).unwrap();
+                gpu.begin_capture(s).unwrap();
+                layer
+                    .forward_batch(&mut refs, hwbuf, 3, &ForwardContext::new(gpu), s)
+                    .unwrap();
+                graph = Some(gpu.end_capture(s).unwrap());
+                gpu.launch_graph(graph.unwrap(), s).unwrap();
+                layer.note_replayed(&mut refs, gpu, s).unwrap();
+            }
+            3 | 4 => {
+                layer.prestage_batch(&mut refs, &toks, 3, gpu, s).unwrap();
+                gpu.launch_graph(graph.unwrap(), s).unwrap();
+                layer.note_replayed(&mut refs, gpu, s).unwrap();
+            }
+            _ => {
+                for (i, st) in refs.iter_mut().enumerate() {
+                    layer.prestage(st, &toks[i..i + 1], gpu, s).unwrap();
+                }
+                for (i, st) in refs.iter_mut().enumerate() {
+                    layer
+                        .forward_row(st, hwbuf, i, &ForwardContext::new(gpu), s)
+                        .unwrap();
+                }
+            }
+        }
+        out.extend(bits(&download(gpu, hwbuf, 3 * c, s)));
+    }
+    let blobs = states
+        .iter()
+        .map(|st| layer.snapshot_aux(st, gpu, s).unwrap())
+        .collect();
+    gpu.destroy_graph(graph.unwrap()).unwrap();
+    gpu.free(hwbuf).unwrap();
+    for st in states.iter_mut() {
+        layer.release_seq_state(st, gpu).unwrap();
+    }
+    layer.free(gpu).unwrap();
+    gpu.destroy_stream(s).unwrap();
+    (out, blobs)
+}
+
+/// Write the small table as three equal safetensors shards.
+fn shards(dir: &std::path::Path, small: &Small) -> TableFiles {
+    let hd = small.head_dim;
+    let rows = small.table_bits.len() / hd;
+    let per = rows.div_ceil(3);
+    let mut bits = small.table_bits.clone();
+    bits.resize(per * 3 * hd, 0);
+    let mut list = Vec::new();
+    for i in 0..3 {
+        let p = dir.join(format!("table-{i}.safetensors"));
+        let name = format!("model.layers.1.ple.ngram_embedding.shard_{i}.weight");
+        let specs = vec![TensorSpec::new(
+            &name,
+            Dtype::BF16,
+            &[per as u64, hd as u64],
+        )];
+        let mut w = Writer::create(&p, &specs, &Default::default(), 4096).unwrap();
+        let bytes: Vec<u8> = bits[i * per * hd..(i + 1) * per * hd]
+            .iter()
+            .flat_map(|b| b.to_le_bytes())
+            .collect();
+        w.write(&bytes).unwrap();
+        w.finish().unwrap();
+        list.push((p, name));
+    }
+    TableFiles::open(&list, Some((per * 3) as u64)).unwrap()
+}
+
+#[test]
+fn storage_tables_give_the_test_tables_results() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new_debug());
+    let g = gpu.as_ref();
+    let start = g.live_alloc_count();
+    let small = Small::new(21);
+    let test_table = TestTable::new(g, &small.table_bits, small.head_dim, 1000).unwrap();
+    let want = scenario(&small, test_table.clone(), g);
+    assert_eq!(test_table.pinned(g), 0);
+    test_table.free(g);
+
+    let dir = tempfile::tempdir().unwrap();
+    let files = shards(dir.path(), &small);
+    let resident: Arc<dyn RowTable> =
+        Arc::new(ResidentTable::load(&files, Arc::clone(&gpu)).unwrap());
+    assert!(
+        scenario(&small, Arc::clone(&resident), g) == want,
+        "resident table differs"
+    );
+    drop(resident);
+
+    // 16 slots for 78 rows: rows are evicted and re-read throughout.
+    let mut cfg = CacheConfig::new(16);
+    cfg.max_resolve = 8;
+    let cached = Arc::new(CachedTable::open(files, Arc::clone(&gpu), cfg).unwrap());
+    assert!(
+        scenario(&small, cached.clone() as Arc<dyn RowTable>, g) == want,
+        "cached table differs"
+    );
+    let st = cached.stats();
+    assert!(
+        st.evictions > 0 && st.misses > 16,
+        "the cache was not exercised: {st:?}"
+    );
+    cached.check_invariants().unwrap();
+    drop(cached);
+    assert_eq!(
+        g.live_alloc_count(),
+        start,
+        "live allocations:\n{}",
+        g.live_report()
+    );
+}
