@@ -8,9 +8,14 @@
 //! - [`budget`]: accounting of the device memory held by carries, and the
 //!   policy that picks sequences to preempt when it runs short;
 //! - [`engine`]: sequences over the PLE sites: add, chunked prefill, batched
-//!   decode, speculative verify and commit, swap, release.
+//!   decode, speculative verify and commit, swap, release;
+//! - [`ple_site`]: the PLE layer as an engine site;
+//! - [`testing`]: tiny real PLE models with random weights for tests,
+//!   benchmarks and demos.
 
 pub mod budget;
 pub mod engine;
+pub mod ple_site;
 pub mod prefix_cache;
 pub mod snapshot;
+pub mod testing;
