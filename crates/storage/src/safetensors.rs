@@ -14,7 +14,8 @@
 //! - [`TensorInfo::offset`] is absolute (from the start of the file);
 //! - the writer emits a header padded with spaces so that the data section
 //!   starts on the requested alignment, and refuses to finish a file whose
-//!   data does not match the declared tensors.
+//!   data does not match the declared tensors; the file appears at its path
+//!   only once complete (written beside it, synced, renamed).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -413,9 +414,14 @@ pub fn encode_header(
 }
 
 /// Streams tensors into a new safetensors file, in the order declared.
+///
+/// The bytes go to `<path>.partial`, renamed to `path` by [`Writer::finish`]
+/// once complete and synced; a writer dropped unfinished (or failing to
+/// finish) removes the partial file, so `path` only ever appears whole.
 pub struct Writer {
     path: PathBuf,
-    out: BufWriter<File>,
+    tmp: PathBuf,
+    out: Option<BufWriter<File>>,
     total: u64,
     written: u64,
 }
@@ -438,16 +444,24 @@ impl Writer {
             at += b;
         }
         let header = encode_header(&entries, metadata, align)?;
-        let f = File::create(&path).with_context(|| format!("creating {}", path.display()))?;
-        let mut out = BufWriter::with_capacity(1 << 20, f);
-        out.write_all(&header)
-            .with_context(|| format!("writing the header of {}", path.display()))?;
-        Ok(Writer {
+        let mut name = path
+            .file_name()
+            .map(|n| n.to_os_string())
+            .unwrap_or_default();
+        name.push(".partial");
+        let tmp = path.with_file_name(name);
+        let f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let mut w = Writer {
             path,
-            out,
+            tmp,
+            out: Some(BufWriter::with_capacity(1 << 20, f)),
             total: at,
             written: 0,
-        })
+        };
+        let out = w.out.as_mut().expect("just created");
+        out.write_all(&header)
+            .with_context(|| format!("writing the header of {}", w.tmp.display()))?;
+        Ok(w)
     }
 
     /// Append data bytes (tensors in declared order, back to back).
@@ -459,15 +473,16 @@ impl Writer {
             bytes.len(),
             self.total
         );
-        self.out
-            .write_all(bytes)
-            .with_context(|| format!("writing {}", self.path.display()))?;
+        let out = self.out.as_mut().context("writer already finished")?;
+        out.write_all(bytes)
+            .with_context(|| format!("writing {}", self.tmp.display()))?;
         self.written += bytes.len() as u64;
         Ok(())
     }
 
-    /// Check that every declared byte was written, flush and sync.
-    pub fn finish(self) -> Result<()> {
+    /// Check that every declared byte was written, flush, sync and move the
+    /// file into place.
+    pub fn finish(mut self) -> Result<()> {
         ensure!(
             self.written == self.total,
             "{}: only {} of the declared {} bytes of tensor data were written",
@@ -475,14 +490,26 @@ impl Writer {
             self.written,
             self.total
         );
-        let f = self
-            .out
+        let out = self.out.take().context("writer already finished")?;
+        let f = out
             .into_inner()
             .map_err(|e| e.into_error())
-            .with_context(|| "flushing the file")?;
+            .with_context(|| format!("flushing {}", self.tmp.display()))?;
         f.sync_all()
-            .with_context(|| format!("syncing {}", self.path.display()))?;
+            .with_context(|| format!("syncing {}", self.tmp.display()))?;
+        std::fs::rename(&self.tmp, &self.path).with_context(|| {
+            format!("renaming {} to {}", self.tmp.display(), self.path.display())
+        })?;
         Ok(())
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        // Unfinished or failed: never leave a partial file behind.
+        if self.tmp.exists() {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
     }
 }
 
