@@ -440,9 +440,9 @@ fn read_faults_fail_only_their_sequences_and_a_retry_matches_a_clean_run() {
         );
         e.release(id).unwrap();
     }
-    for k in 0..n_seq {
+    for (k, &id) in ids.iter().enumerate() {
         if !lost.contains_key(&k) {
-            e.release(ids[k]).unwrap();
+            e.release(id).unwrap();
         }
     }
     check_tables(&hurt.tables, gpu.as_ref());
