@@ -35,6 +35,9 @@ enum Command {
     Inspect(cmd::inspect::InspectArgs),
     /// Table file tools: `table pack` realigns shards to 4 KiB.
     Table(cmd::table::TableArgs),
+    /// Random sequence lifecycles on many threads against one engine, every
+    /// output checked against a sequential run, with read faults injected.
+    Soak(cmd::soak::SoakArgs),
 }
 
 /// Send `tracing` events to stderr, filtered by `RUST_LOG`.
@@ -66,6 +69,7 @@ fn main() -> ExitCode {
         Command::Init(args) => cmd::init::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Table(args) => cmd::table::run(args),
+        Command::Soak(args) => cmd::soak::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -6,6 +6,7 @@ pub mod common;
 pub mod ids;
 pub mod init;
 pub mod inspect;
+pub mod soak;
 pub mod table;
 
 use std::fmt;

@@ -1,0 +1,138 @@
+//! The PLE layer as an engine [`Site`].
+//!
+//! [`PleSite`] wraps a [`PleLayer`] with the conv kernel size and dilation it
+//! was built with (the geometry fingerprint needs both, and `state_len =
+//! (kernel - 1) * dilation` alone cannot tell them apart). Every call maps
+//! onto the layer's own API: `forward` with host token ids, `forward_batch`
+//! (one gather, one projection, one gate, one batched conv for the whole
+//! batch), and the seed's `snapshot_aux` / `restore_aux` /
+//! `release_seq_state`.
+//!
+//! Invariant: the wrapper adds no state of its own, so a carry's meaning is
+//! exactly the layer's.
+
+use anyhow::{Result, ensure};
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState};
+
+use crate::engine::Site;
+use crate::snapshot::SiteGeometry;
+
+/// A PLE layer driven by the engine.
+pub struct PleSite {
+    layer: PleLayer,
+    kernel: usize,
+    dilation: usize,
+}
+
+impl PleSite {
+    /// Wrap `layer`, built with conv kernel size `kernel` and dilation
+    /// `dilation`. Refused when they do not give the layer's state length.
+    pub fn new(layer: PleLayer, kernel: usize, dilation: usize) -> Result<Self> {
+        ensure!(
+            kernel >= 1 && (kernel - 1) * dilation == layer.state_len(),
+            "PLE site: kernel {kernel} and dilation {dilation} give {} state rows, the layer has {}",
+            kernel.saturating_sub(1) * dilation,
+            layer.state_len()
+        );
+        Ok(PleSite {
+            layer,
+            kernel,
+            dilation,
+        })
+    }
+
+    /// The wrapped layer.
+    pub fn layer(&self) -> &PleLayer {
+        &self.layer
+    }
+}
+
+impl Site for PleSite {
+    type State = PleSeqState;
+
+    fn geometry(&self) -> SiteGeometry {
+        let l = &self.layer;
+        SiteGeometry {
+            dims: l.dims().clone(),
+            head_dim: l.head_dim(),
+            hidden: l.hidden(),
+            hc_mult: l.hc_mult(),
+            kernel: self.kernel,
+            dilation: self.dilation,
+            state_len: l.state_len(),
+        }
+    }
+
+    fn max_tokens(&self) -> usize {
+        self.layer.max_tokens().min(self.layer.max_batch())
+    }
+
+    fn carry_bytes(&self) -> usize {
+        self.layer.conv_state_bytes()
+    }
+
+    fn new_state(&self, gpu: &dyn GpuBackend) -> Result<PleSeqState> {
+        self.layer.new_seq_state(gpu)
+    }
+
+    fn forward(
+        &self,
+        st: &mut PleSeqState,
+        tokens: &[u32],
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
+        self.layer
+            .forward(st, highway, tokens.len(), fresh, &ctx, stream)
+    }
+
+    fn forward_batch(
+        &self,
+        states: &mut [&mut PleSeqState],
+        tokens: &[u32],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        ensure!(
+            tokens.len() == states.len(),
+            "PLE site: {} tokens for a batch of {} sequences",
+            tokens.len(),
+            states.len()
+        );
+        let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
+        self.layer
+            .forward_batch(states, highway, states.len(), &ctx, stream)
+    }
+
+    fn snapshot(
+        &self,
+        st: &PleSeqState,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<Vec<u8>> {
+        self.layer.snapshot_aux(st, gpu, stream)
+    }
+
+    fn restore(
+        &self,
+        st: &mut PleSeqState,
+        blob: &[u8],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        self.layer.restore_aux(st, blob, gpu, stream)
+    }
+
+    fn release(&self, st: &mut PleSeqState, gpu: &dyn GpuBackend) -> Result<()> {
+        self.layer.release_seq_state(st, gpu)
+    }
+
+    fn free(&mut self, gpu: &dyn GpuBackend) -> Result<()> {
+        self.layer.free(gpu)
+    }
+}

@@ -1,0 +1,326 @@
+//! Small real PLE models for tests, benchmarks and demos: random weights, a
+//! small device-resident BF16 table, and the engine over them.
+//!
+//! Everything here is deterministic in its seed. The hash constants follow
+//! SPEC.md section 3's derivation (splitmix64 multipliers, odd), with small
+//! prime head sizes so the table is a few hundred rows.
+//!
+//! Invariants: [`TinyTable`] never moves a row, so its leases pin nothing;
+//! release events it is handed are destroyed once complete (polled on every
+//! call, waited for on drop), and its device allocation is freed on drop.
+
+use std::sync::Arc;
+
+use anyhow::{Result, ensure};
+use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
+use metrale_model_layers::layers::ple::ids::PleIdDims;
+use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
+use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+
+use crate::engine::{Engine, EngineConfig};
+use crate::ple_site::PleSite;
+
+/// A resident BF16 table in one device allocation.
+pub struct TinyTable {
+    gpu: Arc<dyn GpuBackend>,
+    base: DevicePtr,
+    info: TableInfo,
+    pending: std::sync::Mutex<Vec<EventHandle>>,
+}
+
+impl TinyTable {
+    /// A table of `bits.len() / head_dim` rows of BF16 bit patterns.
+    pub fn new(gpu: Arc<dyn GpuBackend>, bits: &[u16], head_dim: usize) -> Result<Arc<Self>> {
+        ensure!(
+            head_dim > 0 && !bits.is_empty() && bits.len() % head_dim == 0,
+            "tiny table: {} values do not make whole rows of {head_dim}",
+            bits.len()
+        );
+        let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let base = gpu.alloc(bytes.len(), "tiny table rows")?;
+        if let Err(e) = gpu.copy_h2d(&bytes, base) {
+            let _ = gpu.free(base);
+            return Err(e);
+        }
+        Ok(Arc::new(TinyTable {
+            info: TableInfo {
+                rows: (bits.len() / head_dim) as u64,
+                head_dim,
+                dtype: RowDType::Bf16,
+            },
+            gpu,
+            base,
+            pending: std::sync::Mutex::new(Vec::new()),
+        }))
+    }
+
+    fn reap(&self) -> Result<()> {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        let mut keep = Vec::new();
+        for ev in p.drain(..) {
+            if self.gpu.event_query(ev)? {
+                self.gpu.destroy_event(ev)?;
+            } else {
+                keep.push(ev);
+            }
+        }
+        *p = keep;
+        Ok(())
+    }
+}
+
+impl RowTable for TinyTable {
+    fn info(&self) -> TableInfo {
+        self.info
+    }
+
+    fn max_resolve(&self) -> usize {
+        usize::MAX
+    }
+
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
+        ensure!(
+            out.len() == ids.len(),
+            "tiny table: {} outputs for {} ids",
+            out.len(),
+            ids.len()
+        );
+        for (i, &id) in ids.iter().enumerate() {
+            ensure!(
+                id < self.info.rows,
+                "tiny table: row id {id} is past the end ({} rows)",
+                self.info.rows
+            );
+            out[i] = RowRef {
+                data: self.base.offset(id as usize * self.info.row_bytes()).addr(),
+                scale: 0,
+            };
+        }
+        self.reap()?;
+        Ok(Lease::empty())
+    }
+
+    fn release(
+        &self,
+        _lease: Lease,
+        _gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> Result<()> {
+        if let Some(ev) = after {
+            self.pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(ev);
+        }
+        self.reap()
+    }
+
+    fn prefetch(&self, _ids: &[u64]) -> Result<()> {
+        Ok(())
+    }
+
+    fn stats(&self) -> TableStats {
+        TableStats::default()
+    }
+}
+
+impl Drop for TinyTable {
+    fn drop(&mut self) {
+        let p = std::mem::take(self.pending.get_mut().unwrap_or_else(|e| e.into_inner()));
+        for ev in p {
+            let _ = self.gpu.event_synchronize(ev);
+            let _ = self.gpu.destroy_event(ev);
+        }
+        let _ = self.gpu.free(self.base);
+    }
+}
+
+/// The shape of a tiny PLE site.
+#[derive(Clone, Debug)]
+pub struct TinySpec {
+    /// H.
+    pub hidden: usize,
+    /// hc.
+    pub hc_mult: usize,
+    /// Heads per n-gram order (N is 3, so there are `2 * heads_per_ngram`
+    /// heads).
+    pub heads_per_ngram: usize,
+    /// Values per table row.
+    pub head_dim: usize,
+    /// Conv kernel size.
+    pub kernel: usize,
+    /// Conv dilation (N in the real model).
+    pub dilation: usize,
+    /// Most tokens per forward, and the largest decode batch.
+    pub max_tokens: usize,
+    /// The EOS token id.
+    pub eos: u32,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        TinySpec {
+            hidden: 32,
+            hc_mult: 2,
+            heads_per_ngram: 2,
+            head_dim: 16,
+            kernel: 4,
+            dilation: 3,
+            max_tokens: 64,
+            eos: 0,
+        }
+    }
+}
+
+fn splitmix64(mut v: u64) -> u64 {
+    v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    v = (v ^ (v >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    v = (v ^ (v >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    v ^ (v >> 31)
+}
+
+/// `f32` to BF16 bits, round to nearest even (inputs here are finite).
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+fn is_prime(n: u64) -> bool {
+    n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| n % d != 0)
+}
+
+/// The hash constants of site `site` (N = 3, `k` heads per order), derived
+/// as SPEC.md section 3 does for a unigram vocabulary of 1000, seed 1234,
+/// with head sizes the primes above 60 (so the table has a few hundred rows).
+pub fn tiny_dims(site: usize, k: usize, eos: u32) -> PleIdDims {
+    let n = 3usize;
+    let max = (i64::MAX as u64) / 1000;
+    let half = (max / 2).max(1);
+    let base = 1234u64.wrapping_add(10007 * site as u64);
+    let multipliers = (0..n as u64)
+        .map(|i| {
+            2 * (splitmix64(base.wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i + 1))) % half)
+                + 1
+        })
+        .collect();
+    let heads = (n - 1) * k;
+    let sizes: Vec<u64> = (61u64..)
+        .filter(|&p| is_prime(p))
+        .skip(site * heads)
+        .take(heads)
+        .collect();
+    let mut offsets = Vec::with_capacity(heads);
+    let mut at = 0;
+    for s in &sizes {
+        offsets.push(at);
+        at += s;
+    }
+    PleIdDims {
+        ngram_size: n,
+        heads_per_ngram: k,
+        multipliers,
+        head_vocab_sizes: sizes,
+        head_offsets: offsets,
+        eos_token_id: eos,
+    }
+}
+
+/// Site `site` of a tiny model: random BF16 projections and table rows,
+/// random norm and conv weights, all from `seed`.
+pub fn tiny_site(
+    gpu: &Arc<dyn GpuBackend>,
+    spec: &TinySpec,
+    site: usize,
+    seed: u64,
+) -> Result<PleSite> {
+    let dims = tiny_dims(site, spec.heads_per_ngram, spec.eos);
+    let e = dims.ngram_heads() * spec.head_dim;
+    let c = spec.hidden * spec.hc_mult;
+    let rows = dims.head_vocab_sizes.iter().sum::<u64>() as usize;
+    let mut state = seed ^ (site as u64).wrapping_mul(0xA076_1D64_78BD_642F);
+    let mut unit = move || {
+        state = splitmix64(state);
+        ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let key_proj = (0..c * e).map(|_| bf16_bits(unit() * 0.25)).collect();
+    let value_proj = (0..spec.hidden * e)
+        .map(|_| bf16_bits(unit() * 0.25))
+        .collect();
+    let table: Vec<u16> = (0..rows * spec.head_dim)
+        .map(|_| bf16_bits(unit()))
+        .collect();
+    let weights = PleWeights {
+        key_proj,
+        value_proj,
+        norm_key: (0..c).map(|_| unit() * 0.2).collect(),
+        norm_query: (0..c).map(|_| unit() * 0.2).collect(),
+        norm_conv: (0..c).map(|_| unit() * 0.2).collect(),
+        conv1d: (0..c * spec.kernel).map(|_| unit() * 0.6).collect(),
+    };
+    let table = TinyTable::new(gpu.clone(), &table, spec.head_dim)?;
+    let layer = PleLayer::new(
+        dims,
+        spec.head_dim,
+        spec.hidden,
+        spec.hc_mult,
+        spec.kernel,
+        spec.dilation,
+        1e-6,
+        weights,
+        table,
+        spec.max_tokens,
+        gpu.as_ref(),
+    )?;
+    PleSite::new(layer, spec.kernel, spec.dilation)
+}
+
+/// An engine over `sites` tiny sites (site `i` hashes with site index `i`'s
+/// constants).
+pub fn tiny_engine(
+    gpu: &Arc<dyn GpuBackend>,
+    spec: &TinySpec,
+    sites: usize,
+    seed: u64,
+    cfg: EngineConfig,
+) -> Result<Engine<PleSite>> {
+    let mut built = Vec::with_capacity(sites);
+    for i in 0..sites {
+        match tiny_site(gpu, spec, i, seed) {
+            Ok(s) => built.push(s),
+            Err(e) => {
+                for mut s in built {
+                    let _ = crate::engine::Site::free(&mut s, gpu.as_ref());
+                }
+                return Err(e);
+            }
+        }
+    }
+    Engine::new(gpu.clone(), built, cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn multipliers_follow_the_spec_derivation() {
+        // SPEC.md's example: vocab 151936, seed 1234, site 0.
+        let max = (i64::MAX as u64) / 151_936;
+        let half = (max / 2).max(1);
+        let m: Vec<u64> = (0..3u64)
+            .map(|i| {
+                2 * (splitmix64(1234u64.wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i + 1)))
+                    % half)
+                    + 1
+            })
+            .collect();
+        assert_eq!(
+            m,
+            vec![15_411_308_609_579, 2_523_213_358_983, 11_275_943_025_685]
+        );
+        let d = tiny_dims(1, 2, 0);
+        assert!(d.multipliers.iter().all(|m| m % 2 == 1));
+        assert_eq!(d.head_vocab_sizes, vec![79, 83, 89, 97]);
+        assert_eq!(d.head_offsets, vec![0, 79, 162, 251]);
+    }
+}

@@ -1,0 +1,212 @@
+//! A small site with the PLE carry's shape (token history and a dilated
+//! conv state on the device, the seed's blob format) and simple math, so
+//! the engine's bookkeeping can be tested on its own. Its forward is
+//! sequential per token, so chunking and batching cannot change results.
+
+use anyhow::{Result, ensure};
+use metrale_engine::engine::Site;
+use metrale_engine::snapshot::SiteGeometry;
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_model_layers::layers::ple::ids::{PleIdDims, ple_ngram_ids};
+
+/// The toy site.
+pub struct ToySite {
+    pub geom: SiteGeometry,
+    pub w: Vec<f32>,
+    pub max_tokens: usize,
+}
+
+/// Its carry.
+pub struct ToyState {
+    pub conv: DevicePtr,
+    pub history: Vec<u32>,
+}
+
+impl ToySite {
+    /// A toy site of highway width `hc * hidden`, whose hash multipliers
+    /// depend on `salt`.
+    pub fn new(hidden: usize, hc: usize, salt: u64, max_tokens: usize) -> Self {
+        let dims = PleIdDims {
+            ngram_size: 3,
+            heads_per_ngram: 2,
+            multipliers: vec![3 + 2 * salt, 5 + 2 * salt, 7 + 2 * salt],
+            head_vocab_sizes: vec![11, 13, 17, 19],
+            head_offsets: vec![0, 11, 24, 41],
+            eos_token_id: 0,
+        };
+        let geom = SiteGeometry {
+            dims,
+            head_dim: 4,
+            hidden,
+            hc_mult: hc,
+            kernel: 4,
+            dilation: 3,
+            state_len: 9,
+        };
+        let c = hidden * hc;
+        let w = (0..c * 4)
+            .map(|i| ((i * 7 + salt as usize) % 13) as f32 / 13.0 - 0.4)
+            .collect();
+        ToySite {
+            geom,
+            w,
+            max_tokens,
+        }
+    }
+
+    fn c(&self) -> usize {
+        self.geom.hidden * self.geom.hc_mult
+    }
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+impl Site for ToySite {
+    type State = ToyState;
+
+    fn geometry(&self) -> SiteGeometry {
+        self.geom.clone()
+    }
+
+    fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    fn new_state(&self, gpu: &dyn GpuBackend) -> Result<ToyState> {
+        Ok(ToyState {
+            conv: gpu.alloc(self.geom.conv_bytes(), "toy conv")?,
+            history: Vec::new(),
+        })
+    }
+
+    fn forward(
+        &self,
+        st: &mut ToyState,
+        tokens: &[u32],
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        ensure!(tokens.len() <= self.max_tokens, "toy: too many tokens");
+        let (c, s, k, d) = (
+            self.c(),
+            self.geom.state_len,
+            self.geom.kernel,
+            self.geom.dilation,
+        );
+        let ctx = self.geom.dims.context_len();
+        let mut state = if fresh || st.history.len() != ctx {
+            st.history = vec![self.geom.dims.eos_token_id; ctx];
+            vec![0f32; s * c]
+        } else {
+            let mut b = vec![0u8; s * c * 4];
+            gpu.copy_d2h_on_stream(st.conv, &mut b, stream)?;
+            f32s(&b)
+        };
+        let t = tokens.len();
+        let mut hb = vec![0u8; t * c * 4];
+        gpu.copy_d2h_on_stream(highway, &mut hb, stream)?;
+        let mut hw = f32s(&hb);
+        let mut window = st.history.clone();
+        window.extend_from_slice(tokens);
+        let ids = ple_ngram_ids(&self.geom.dims, &window);
+        let ids = &ids[ids.len() - t..];
+        for i in 0..t {
+            let mut xn = vec![0f32; c];
+            for ch in 0..c {
+                let id = ids[i][ch % ids[i].len()];
+                xn[ch] = (hw[i * c + ch] * 0.5).tanh() + (id % 7) as f32 * 0.1;
+            }
+            for ch in 0..c {
+                let mut y = 0f32;
+                for j in 0..k {
+                    let back = (k - 1 - j) * d;
+                    let x = if back == 0 {
+                        xn[ch]
+                    } else {
+                        state[(s - back) * c + ch]
+                    };
+                    y += self.w[ch * k + j] * x;
+                }
+                hw[i * c + ch] += y;
+            }
+            state.drain(..c);
+            state.extend_from_slice(&xn);
+        }
+        st.history = window[window.len() - ctx..].to_vec();
+        gpu.copy_h2d_async(&bytes(&hw), highway, stream)?;
+        gpu.copy_h2d_async(&bytes(&state), st.conv, stream)?;
+        Ok(())
+    }
+
+    fn forward_batch(
+        &self,
+        states: &mut [&mut ToyState],
+        tokens: &[u32],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        for (b, st) in states.iter_mut().enumerate() {
+            self.forward(
+                st,
+                &tokens[b..b + 1],
+                highway.offset(b * self.c() * 4),
+                false,
+                gpu,
+                stream,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn snapshot(&self, st: &ToyState, gpu: &dyn GpuBackend, stream: StreamId) -> Result<Vec<u8>> {
+        let mut blob = (st.history.len() as u32).to_le_bytes().to_vec();
+        for t in &st.history {
+            blob.extend_from_slice(&t.to_le_bytes());
+        }
+        let off = blob.len();
+        blob.resize(off + self.geom.conv_bytes(), 0);
+        gpu.copy_d2h_on_stream(st.conv, &mut blob[off..], stream)?;
+        Ok(blob)
+    }
+
+    fn restore(
+        &self,
+        st: &mut ToyState,
+        blob: &[u8],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        ensure!(blob.len() == self.geom.aux_blob_len(), "toy: blob size");
+        let n = u32::from_le_bytes(blob[..4].try_into().unwrap()) as usize;
+        st.history = blob[4..4 + 4 * n]
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        gpu.copy_h2d_async(&blob[4 + 4 * n..], st.conv, stream)
+    }
+
+    fn release(&self, st: &mut ToyState, gpu: &dyn GpuBackend) -> Result<()> {
+        if st.conv.is_null() {
+            return Ok(());
+        }
+        let r = gpu.free(st.conv);
+        st.conv = DevicePtr::NULL;
+        st.history.clear();
+        r
+    }
+
+    fn free(&mut self, _gpu: &dyn GpuBackend) -> Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,457 @@
+//! Disk faults in the middle of an engine workload, end to end: two PLE
+//! sites whose tables stay on disk behind the row cache, read through an
+//! injectable reader that fails on demand (an OS error, or a short read).
+//!
+//! What must hold, against a second engine over the same files with a clean
+//! reader:
+//! - a prefill or a batched decode whose rows could not be read returns an
+//!   error naming the row and offset, and only the sequences of that call
+//!   are affected (the engine marks them lost and refuses them after);
+//! - every other sequence continues and its outputs are bit-identical to the
+//!   clean run;
+//! - the row caches stay consistent (`check_invariants`), hold no pins once
+//!   the engine is idle, and every table row still reads correctly;
+//! - the failed sequences, re-added and run again, give the clean outputs;
+//! - after closing everything the backend has no live allocation.
+
+use std::collections::HashMap;
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use metrale_engine::engine::{Engine, EngineConfig, SeqId};
+use metrale_engine::ple_site::PleSite;
+use metrale_engine::testing::tiny_dims;
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
+use metrale_storage::cached::{CacheConfig, CachedTable};
+use metrale_storage::io::{PageReader, ReadReq, default_reader};
+use metrale_storage::layout::TableFiles;
+use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
+use metrale_storage::table::RowRef;
+
+const HIDDEN: usize = 32;
+const HC: usize = 2;
+const K_PER_ORDER: usize = 2;
+const HEAD_DIM: usize = 16;
+const KERNEL: usize = 4;
+const DILATION: usize = 3;
+const MAX_TOKENS: usize = 16;
+const SLOTS: usize = 48;
+const SITES: usize = 2;
+/// Linux errno for an I/O error.
+const EIO: i32 = 5;
+
+/// What the next faulty read batches do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fault {
+    Eio = 1,
+    Short = 2,
+}
+
+/// Reads for real, except that the next `arm`ed batch fails every request
+/// with EIO or reports a short count.
+struct FaultyReader {
+    inner: Arc<dyn PageReader>,
+    armed: AtomicU32,
+    fired: AtomicU64,
+}
+
+impl FaultyReader {
+    fn arm(&self, f: Fault) {
+        self.armed.store(f as u32, Ordering::SeqCst);
+    }
+    fn fired(&self) -> u64 {
+        self.fired.load(Ordering::SeqCst)
+    }
+}
+
+impl PageReader for FaultyReader {
+    fn name(&self) -> &str {
+        "faulty"
+    }
+    fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
+        let fault = self.armed.swap(0, Ordering::SeqCst);
+        if fault == 0 {
+            return self.inner.read_batch(reqs);
+        }
+        self.fired.fetch_add(1, Ordering::SeqCst);
+        if fault == Fault::Eio as u32 {
+            return reqs
+                .iter()
+                .map(|_| Err(io::Error::from_raw_os_error(EIO)))
+                .collect();
+        }
+        self.inner
+            .read_batch(reqs)
+            .into_iter()
+            .map(|r| r.map(|n| n.min(64)))
+            .collect()
+    }
+}
+
+fn splitmix(v: &mut u64) -> u64 {
+    *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *v;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// Write site `site`'s table shard under `dir` (once) and return its
+/// weights; both engines read the same files.
+fn site_files(dir: &Path, site: usize) -> (TableFiles, PleWeights) {
+    let dims = tiny_dims(site, K_PER_ORDER, 0);
+    let rows = dims.head_vocab_sizes.iter().sum::<u64>();
+    let e = dims.ngram_heads() * HEAD_DIM;
+    let c = HIDDEN * HC;
+    let mut s = 0xFA17 + site as u64;
+    let mut unit = move || ((splitmix(&mut s) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+    let weights = PleWeights {
+        key_proj: (0..c * e).map(|_| bf16(unit() * 0.25)).collect(),
+        value_proj: (0..HIDDEN * e).map(|_| bf16(unit() * 0.25)).collect(),
+        norm_key: (0..c).map(|_| unit() * 0.2).collect(),
+        norm_query: (0..c).map(|_| unit() * 0.2).collect(),
+        norm_conv: (0..c).map(|_| unit() * 0.2).collect(),
+        conv1d: (0..c * KERNEL).map(|_| unit() * 0.6).collect(),
+    };
+    let table: Vec<u8> = (0..rows as usize * HEAD_DIM)
+        .flat_map(|_| bf16(unit()).to_le_bytes())
+        .collect();
+    let path = dir.join(format!("site{site}.safetensors"));
+    let name = format!("model.layers.{site}.ple.ngram_embedding.shard_0.weight");
+    if !path.exists() {
+        write_file(
+            &path,
+            &[(
+                TensorSpec::new(&name, Dtype::BF16, &[rows, HEAD_DIM as u64]),
+                &table[..],
+            )],
+            4096,
+        )
+        .unwrap();
+    }
+    let files = TableFiles::open(&[(path, name)], Some(rows)).unwrap();
+    (files, weights)
+}
+
+struct Rig {
+    engine: Engine<PleSite>,
+    tables: Vec<Arc<CachedTable>>,
+}
+
+fn rig(gpu: &Arc<dyn GpuBackend>, dir: &Path, reader: Option<Arc<dyn PageReader>>) -> Rig {
+    let mut sites = Vec::new();
+    let mut tables = Vec::new();
+    for site in 0..SITES {
+        let (files, weights) = site_files(dir, site);
+        let mut cfg = CacheConfig::new(SLOTS);
+        cfg.reader = reader.clone();
+        let table = Arc::new(CachedTable::open(files, gpu.clone(), cfg).unwrap());
+        let layer = PleLayer::new(
+            tiny_dims(site, K_PER_ORDER, 0),
+            HEAD_DIM,
+            HIDDEN,
+            HC,
+            KERNEL,
+            DILATION,
+            1e-6,
+            weights,
+            table.clone(),
+            MAX_TOKENS,
+            gpu.as_ref(),
+        )
+        .unwrap();
+        sites.push(PleSite::new(layer, KERNEL, DILATION).unwrap());
+        tables.push(table);
+    }
+    let cfg = EngineConfig {
+        prefill_chunk: 8,
+        prefix_cache_bytes: 0,
+        ..Default::default()
+    };
+    Rig {
+        engine: Engine::new(gpu.clone(), sites, cfg).unwrap(),
+        tables,
+    }
+}
+
+/// Highway rows for positions `from..to` of `tokens`: each a function of
+/// the token prefix alone, so a re-run of the same tokens gets the same
+/// inputs.
+fn rows(tokens: &[u32], from: usize, to: usize, width: usize) -> Vec<f32> {
+    let mut h = 0x1234_5678u64;
+    let mut out = Vec::new();
+    for (i, &t) in tokens[..to].iter().enumerate() {
+        h ^= u64::from(t).wrapping_mul(0x100_0000_01b3);
+        h = h.rotate_left(23).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        if i >= from {
+            let mut s = h;
+            out.extend(
+                (0..width).map(|_| ((splitmix(&mut s) >> 41) as f32 / (1u64 << 23) as f32) - 1.0),
+            );
+        }
+    }
+    out
+}
+
+/// Prefill `tokens` into sequence `id`; the output rows.
+fn prefill(e: &mut Engine<PleSite>, id: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+    let mut hw = rows(tokens, 0, tokens.len(), e.width());
+    e.prefill(id, tokens, &mut hw)?;
+    Ok(hw)
+}
+
+/// One batched decode step: sequence `ids[i]` (whose tokens so far are
+/// `hist[i]`) gets token `next[i]`; the output rows, one per sequence.
+fn decode(
+    e: &mut Engine<PleSite>,
+    ids: &[SeqId],
+    hist: &[&Vec<u32>],
+    next: &[u32],
+) -> anyhow::Result<Vec<Vec<f32>>> {
+    let w = e.width();
+    let mut hw = Vec::new();
+    for (h, &t) in hist.iter().zip(next) {
+        let mut all = (*h).clone();
+        all.push(t);
+        hw.extend(rows(&all, all.len() - 1, all.len(), w));
+    }
+    let batch: Vec<(SeqId, u32)> = ids.iter().copied().zip(next.iter().copied()).collect();
+    e.decode(&batch, &mut hw)?;
+    Ok(hw.chunks(w).map(<[f32]>::to_vec).collect())
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Every row of every table reads back (no fault armed): no failed load
+/// left a slot mapped to bad bytes, and the invariants hold.
+fn check_tables(tables: &[Arc<CachedTable>], gpu: &dyn GpuBackend) {
+    for t in tables {
+        t.check_invariants().unwrap();
+        let n = metrale_storage::table::RowTable::info(t.as_ref()).rows;
+        for part in (0..n).collect::<Vec<u64>>().chunks(8) {
+            let mut refs = vec![RowRef::default(); part.len()];
+            let lease =
+                metrale_storage::table::RowTable::resolve(t.as_ref(), part, &mut refs).unwrap();
+            metrale_storage::table::RowTable::release(t.as_ref(), lease, gpu, None).unwrap();
+        }
+        t.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn read_faults_fail_only_their_sequences_and_a_retry_matches_a_clean_run() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let base = gpu.live_alloc_count();
+    let dir = tempfile::tempdir().unwrap();
+    let faulty = Arc::new(FaultyReader {
+        inner: default_reader(8).unwrap(),
+        armed: AtomicU32::new(0),
+        fired: AtomicU64::new(0),
+    });
+    let mut clean = rig(&gpu, dir.path(), None);
+    let mut hurt = rig(&gpu, dir.path(), Some(faulty.clone()));
+    let w = clean.engine.width();
+
+    // Six sequences: prompts of 20 tokens (with EOS now and then), then
+    // eight decode steps in two batches of three.
+    let mut s = 77u64;
+    let n_seq = 6;
+    let prompts: Vec<Vec<u32>> = (0..n_seq)
+        .map(|_| {
+            (0..20)
+                .map(|_| {
+                    if splitmix(&mut s) % 9 == 0 {
+                        0
+                    } else {
+                        (splitmix(&mut s) % 999) as u32 + 1
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let steps: Vec<Vec<u32>> = (0..8)
+        .map(|_| {
+            (0..n_seq)
+                .map(|_| (splitmix(&mut s) % 999) as u32 + 1)
+                .collect()
+        })
+        .collect();
+
+    // The clean run: the outputs of every position of every sequence.
+    let mut want: Vec<Vec<f32>> = Vec::new();
+    {
+        let e = &mut clean.engine;
+        let ids: Vec<SeqId> = prompts
+            .iter()
+            .map(|p| e.add_sequence(p).unwrap().id)
+            .collect();
+        let mut toks = prompts.clone();
+        for (i, &id) in ids.iter().enumerate() {
+            want.push(prefill(e, id, &prompts[i]).unwrap());
+        }
+        for step in &steps {
+            for half in [0..3, 3..6] {
+                let hist: Vec<&Vec<u32>> = toks[half.clone()].iter().collect();
+                let out = decode(e, &ids[half.clone()], &hist, &step[half.clone()]).unwrap();
+                for (k, o) in half.clone().zip(out) {
+                    want[k].extend(o);
+                }
+            }
+            for (k, t) in step.iter().enumerate() {
+                toks[k].push(*t);
+            }
+        }
+    }
+
+    // The faulty run. Prefill: sequence 1 meets EIO, sequence 4 a short read.
+    let e = &mut hurt.engine;
+    let ids: Vec<SeqId> = prompts
+        .iter()
+        .map(|p| e.add_sequence(p).unwrap().id)
+        .collect();
+    let mut toks = prompts.clone();
+    let mut got: Vec<Vec<f32>> = vec![Vec::new(); n_seq];
+    let mut lost: HashMap<usize, String> = HashMap::new();
+    for (i, &id) in ids.iter().enumerate() {
+        let fault = match i {
+            1 => Some(Fault::Eio),
+            4 => Some(Fault::Short),
+            _ => None,
+        };
+        let fired = faulty.fired();
+        if let Some(f) = fault {
+            faulty.arm(f);
+        }
+        match prefill(e, id, &prompts[i]) {
+            Ok(o) => {
+                assert!(
+                    fault.is_none(),
+                    "sequence {i}: prefill survived an injected {fault:?}"
+                );
+                got[i] = o;
+            }
+            Err(err) => {
+                let msg = format!("{err:#}");
+                assert!(fault.is_some(), "sequence {i}: unexpected error {msg}");
+                assert_eq!(faulty.fired(), fired + 1, "the fault hit this prefill");
+                assert!(msg.contains("row ") && msg.contains("offset"), "{msg}");
+                if fault == Some(Fault::Short) {
+                    assert!(msg.contains("short read"), "{msg}");
+                }
+                lost.insert(i, msg);
+            }
+        }
+    }
+    assert_eq!(lost.len(), 2);
+    // A fault in the middle of decode: step 3, the first batch (sequences
+    // 0 and 2 alive in it, 1 lost) fails; the second batch carries on.
+    for (n, step) in steps.iter().enumerate() {
+        for half in [0..3, 3..6] {
+            let alive: Vec<usize> = half.clone().filter(|k| !lost.contains_key(k)).collect();
+            if alive.is_empty() {
+                continue;
+            }
+            let arm = n == 3 && half.start == 0;
+            let fired = faulty.fired();
+            if arm {
+                faulty.arm(Fault::Eio);
+            }
+            let a_ids: Vec<SeqId> = alive.iter().map(|&k| ids[k]).collect();
+            let hist: Vec<&Vec<u32>> = alive.iter().map(|&k| &toks[k]).collect();
+            let next: Vec<u32> = alive.iter().map(|&k| step[k]).collect();
+            match decode(e, &a_ids, &hist, &next) {
+                Ok(out) => {
+                    assert!(
+                        !arm || faulty.fired() == fired,
+                        "decode survived a fault that fired"
+                    );
+                    for (k, o) in alive.iter().zip(out) {
+                        got[*k].extend(o);
+                    }
+                }
+                Err(err) => {
+                    assert!(
+                        arm && faulty.fired() == fired + 1,
+                        "unexpected decode error {err:#}"
+                    );
+                    for &k in &alive {
+                        lost.insert(k, format!("{err:#}"));
+                    }
+                }
+            }
+        }
+        for (k, t) in step.iter().enumerate() {
+            if !lost.contains_key(&k) {
+                toks[k].push(*t);
+            }
+        }
+    }
+    assert!(
+        lost.len() > 2,
+        "the decode fault was armed but no read happened: pick another seed"
+    );
+
+    // Survivors: bit-identical to the clean run, every position.
+    for k in 0..n_seq {
+        if !lost.contains_key(&k) {
+            assert!(
+                same_bits(&got[k], &want[k]),
+                "sequence {k} differs from the clean run"
+            );
+        }
+    }
+    // Lost sequences are refused, not silently wrong.
+    for &k in lost.keys() {
+        let mut hw = vec![0f32; w];
+        assert!(
+            e.prefill(ids[k], &[1], &mut hw).is_err(),
+            "sequence {k} was lost"
+        );
+    }
+    check_tables(&hurt.tables, gpu.as_ref());
+
+    // Retry: release the lost sequences and run their whole token lists
+    // again from scratch; the outputs are the clean ones.
+    let mut retried: Vec<usize> = lost.keys().copied().collect();
+    retried.sort();
+    for &k in &retried {
+        e.release(ids[k]).unwrap();
+        let all: Vec<u32> = prompts[k]
+            .iter()
+            .chain(steps.iter().map(|s| &s[k]))
+            .copied()
+            .collect();
+        let id = e.add_sequence(&all).unwrap().id;
+        let out = prefill(e, id, &all).unwrap();
+        assert!(
+            same_bits(&out, &want[k]),
+            "retried sequence {k} differs from the clean run"
+        );
+        e.release(id).unwrap();
+    }
+    for (k, &id) in ids.iter().enumerate() {
+        if !lost.contains_key(&k) {
+            e.release(id).unwrap();
+        }
+    }
+    check_tables(&hurt.tables, gpu.as_ref());
+
+    let Rig { engine, tables } = hurt;
+    engine.close().unwrap();
+    drop(tables);
+    let Rig { engine, tables } = clean;
+    engine.close().unwrap();
+    drop(tables);
+    assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+}
