@@ -33,6 +33,12 @@ enum Command {
     /// Show a checkpoint's geometry, sizes, shard layout and validation
     /// result.
     Inspect(cmd::inspect::InspectArgs),
+    /// The main job: a serving workload (chunked prefill, batched decode,
+    /// prefix caching, preemption) through the engine, with a summary.
+    Run(cmd::run::RunArgs),
+    /// Run the project's benchmarks and print each figure beside its
+    /// same-run baseline and the ratio.
+    Bench(cmd::bench::BenchArgs),
     /// Table file tools: `table pack` realigns shards to 4 KiB.
     Table(cmd::table::TableArgs),
     /// Random sequence lifecycles on many threads against one engine, every
@@ -68,6 +74,8 @@ fn main() -> ExitCode {
         Command::Ids(args) => cmd::ids::run(&args),
         Command::Init(args) => cmd::init::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
+        Command::Run(args) => cmd::run::run(&args),
+        Command::Bench(args) => cmd::bench::run(&args),
         Command::Table(args) => cmd::table::run(args),
         Command::Soak(args) => cmd::soak::run(&args),
     };

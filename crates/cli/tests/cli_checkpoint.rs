@@ -140,6 +140,9 @@ fn every_command_has_help_with_an_example() {
         &["inspect", "--help"],
         &["table", "pack", "--help"],
         &["ids", "--help"],
+        &["run", "--help"],
+        &["bench", "--help"],
+        &["soak", "--help"],
     ] {
         let o = run(args);
         let (out, _) = text(&o);

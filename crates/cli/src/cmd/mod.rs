@@ -2,10 +2,12 @@
 //! exit status: [`CmdError::Input`] (status 2) for anything wrong with
 //! what the user gave, [`CmdError::Failure`] (status 1) for everything else.
 
+pub mod bench;
 pub mod common;
 pub mod ids;
 pub mod init;
 pub mod inspect;
+pub mod run;
 pub mod soak;
 pub mod table;
 

@@ -1,0 +1,948 @@
+//! `metrale-ple run`: the main job. A server-like workload through the
+//! engine over a checkpoint's PLE sites, ending with a summary table.
+//!
+//! The workload is decided before anything runs and does not depend on the
+//! outputs: many sequences, each a shared system prompt followed by turns of
+//! Zipf-distributed user tokens and "generated" tokens (EOS between turns);
+//! or prompts from `--prompts` (JSON lines) or `--text` (bytes as tokens),
+//! each followed by generated tokens. A scheduler keeps `--in-flight`
+//! sequences admitted and alternates one batched decode step (up to
+//! `--decode-batch` sequences) with one prefill chunk, as a serving loop
+//! does. The engine restores shared prefixes from its prefix cache and
+//! preempts carries (swapping them to host memory) when more sequences are
+//! in flight than `--resident-carries` allows.
+//!
+//! The highway rows fed in for a token are a function of the token alone
+//! (a hashed pseudo-embedding), so they are a function of the token prefix
+//! as the prefix cache requires. Every output row is fingerprinted by
+//! (sequence, position); `--verify` reruns the same workload over a
+//! resident table with no prefix cache and no preemption and demands the
+//! same fingerprint for every row the first run produced, which checks
+//! that chunking, batching, the row cache, prefix restores and swaps
+//! changed no bit of any output.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use metrale_checkpoint::runtime::TableMode;
+use metrale_checkpoint::synth::write_synthetic;
+use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
+use metrale_engine::engine::{Engine, EngineConfig, SeqId, Site, SwapTarget};
+use metrale_engine::ple_site::PleSite;
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_storage::table::TableStats;
+use serde::Serialize;
+
+use super::common::{bytes, cache_root};
+use super::{CmdError, failure, input};
+
+/// How the table rows are served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum TableArg {
+    /// Rows read from the shard files on demand into a row cache.
+    Cached,
+    /// The shard files memory-mapped.
+    Mapped,
+    /// Every row loaded into device memory first.
+    Resident,
+}
+
+/// Arguments of `run`.
+#[derive(Args, Debug)]
+#[command(
+    after_help = "Examples:\n  metrale-ple run\n  metrale-ple run --verify --json\n  \
+                        metrale-ple run /tmp/flagship --sequences 64 --table cached --slots 262144\n  \
+                        metrale-ple run --prompts prompts.jsonl --decode-tokens 32"
+)]
+pub struct RunArgs {
+    /// The checkpoint directory. Default: the tiny checkpoint in the user's
+    /// cache directory, written on first use.
+    pub dir: Option<PathBuf>,
+    /// Sequences in the synthetic workload.
+    #[arg(long, default_value_t = 192)]
+    pub sequences: usize,
+    /// Sequences admitted at once.
+    #[arg(long, default_value_t = 48)]
+    pub in_flight: usize,
+    /// Most turns per synthetic sequence (each has 1..=turns).
+    #[arg(long, default_value_t = 3)]
+    pub turns: usize,
+    /// Most generated tokens per turn (synthetic workload), or exactly this
+    /// many per prompt (--prompts, --text).
+    #[arg(long, default_value_t = 96)]
+    pub decode_tokens: usize,
+    /// Distinct shared system prompts.
+    #[arg(long, default_value_t = 8)]
+    pub system_prompts: usize,
+    /// Most tokens per prefill chunk.
+    #[arg(long, default_value_t = 128)]
+    pub prefill_chunk: usize,
+    /// Most sequences per batched decode step.
+    #[arg(long, default_value_t = 16)]
+    pub decode_batch: usize,
+    /// How table rows are served.
+    #[arg(long, value_enum, default_value = "cached")]
+    pub table: TableArg,
+    /// Row slots per site in the row cache (--table cached).
+    #[arg(long, default_value_t = 65536)]
+    pub slots: usize,
+    /// Carries the device budget holds; more sequences in flight are
+    /// preempted to host memory. 0: no limit.
+    #[arg(long, default_value_t = 32)]
+    pub resident_carries: usize,
+    /// Prefix-cache block size in tokens.
+    #[arg(long, default_value_t = 64)]
+    pub block_size: usize,
+    /// Prefix-cache capacity in MiB; 0 disables it.
+    #[arg(long, default_value_t = 64)]
+    pub prefix_cache_mib: usize,
+    /// Zipf exponent of the synthetic tokens.
+    #[arg(long, default_value_t = 1.1)]
+    pub zipf: f64,
+    /// Seed of the synthetic workload.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Prompts as JSON lines, one array of token ids per line.
+    #[arg(long, conflicts_with = "text")]
+    pub prompts: Option<PathBuf>,
+    /// A text file; each non-empty line is a prompt whose bytes are its
+    /// token ids.
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Print the summary as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// Rerun over a resident table without caches and check that every
+    /// output row is bit-identical.
+    #[arg(long)]
+    pub verify: bool,
+}
+
+/// Where a segment of a sequence's tokens goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Prefill,
+    Decode,
+}
+
+/// One sequence of the workload: its tokens and how they are run.
+struct Plan {
+    tokens: Vec<u32>,
+    /// Consecutive segments `(phase, end)`; the first is a prefill.
+    segments: Vec<(Phase, usize)>,
+}
+
+fn splitmix(v: &mut u64) -> u64 {
+    *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *v;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Zipf-distributed token ids over the vocabulary, never EOS.
+struct Zipf {
+    cdf: Vec<f64>,
+    vocab: u64,
+    eos: u32,
+}
+
+impl Zipf {
+    fn new(vocab: u64, eos: u32, s: f64) -> Zipf {
+        let mut cdf = Vec::with_capacity(vocab as usize);
+        let mut acc = 0.0;
+        for r in 1..=vocab {
+            acc += (r as f64).powf(-s);
+            cdf.push(acc);
+        }
+        for c in &mut cdf {
+            *c /= acc;
+        }
+        Zipf { cdf, vocab, eos }
+    }
+
+    fn sample(&self, state: &mut u64) -> u32 {
+        let u = (splitmix(state) >> 11) as f64 / (1u64 << 53) as f64;
+        let rank = self.cdf.partition_point(|&c| c < u) as u64;
+        // Scatter ranks over the vocabulary so frequent tokens are not all
+        // small ids.
+        let t = (rank.wrapping_mul(0x9E37_79B1) % self.vocab) as u32;
+        if t == self.eos {
+            ((t as u64 + 1) % self.vocab) as u32
+        } else {
+            t
+        }
+    }
+}
+
+fn between(state: &mut u64, lo: usize, hi: usize) -> usize {
+    lo + (splitmix(state) % (hi - lo + 1) as u64) as usize
+}
+
+/// The synthetic workload: shared system prompts, multi-turn sequences.
+fn synthetic(a: &RunArgs, vocab: u64, eos: u32) -> Vec<Plan> {
+    let zipf = Zipf::new(vocab, eos, a.zipf);
+    let mut st = a.seed ^ 0x005E_ED0F_7E57;
+    let systems: Vec<Vec<u32>> = (0..a.system_prompts.max(1))
+        .map(|_| {
+            let n = between(&mut st, 192, 320);
+            (0..n).map(|_| zipf.sample(&mut st)).collect()
+        })
+        .collect();
+    (0..a.sequences)
+        .map(|_| {
+            let mut tokens = systems[between(&mut st, 0, systems.len() - 1)].clone();
+            let mut segments = Vec::new();
+            let turns = between(&mut st, 1, a.turns.max(1));
+            for turn in 0..turns {
+                if turn > 0 {
+                    tokens.push(eos);
+                }
+                let user = between(&mut st, 16, 128);
+                tokens.extend((0..user).map(|_| zipf.sample(&mut st)));
+                segments.push((Phase::Prefill, tokens.len()));
+                let generated = between(&mut st, a.decode_tokens.min(16), a.decode_tokens);
+                if generated > 0 {
+                    tokens.extend((0..generated).map(|_| zipf.sample(&mut st)));
+                    segments.push((Phase::Decode, tokens.len()));
+                }
+            }
+            Plan { tokens, segments }
+        })
+        .collect()
+}
+
+/// A prompt followed by `decode` generated tokens.
+fn from_prompt(prompt: Vec<u32>, decode: usize, zipf: &Zipf, st: &mut u64) -> Plan {
+    let mut tokens = prompt;
+    let mut segments = vec![(Phase::Prefill, tokens.len())];
+    if decode > 0 {
+        tokens.extend((0..decode).map(|_| zipf.sample(st)));
+        segments.push((Phase::Decode, tokens.len()));
+    }
+    Plan { tokens, segments }
+}
+
+/// Parse `--prompts`: JSON lines, each an array of token ids below `vocab`.
+fn parse_prompts(path: &Path, text: &str, vocab: u64) -> Result<Vec<Vec<u32>>> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let at = || format!("{} line {}", path.display(), i + 1);
+        let ids: Vec<u64> = serde_json::from_str(line)
+            .with_context(|| format!("{}: expected a JSON array of token ids", at()))?;
+        if ids.is_empty() {
+            bail!("{}: the prompt is empty", at());
+        }
+        if let Some((k, &t)) = ids.iter().enumerate().find(|&(_, &t)| t >= vocab) {
+            bail!(
+                "{}: token {t} at index {k} is not below the vocabulary size {vocab}",
+                at()
+            );
+        }
+        out.push(ids.into_iter().map(|t| t as u32).collect());
+    }
+    if out.is_empty() {
+        bail!("{}: no prompts", path.display());
+    }
+    Ok(out)
+}
+
+/// Parse `--text`: each non-empty line's bytes are its tokens.
+fn parse_text(path: &Path, data: &[u8], vocab: u64) -> Result<Vec<Vec<u32>>> {
+    if vocab < 256 {
+        bail!("--text needs a vocabulary of at least 256 tokens (bytes); this one has {vocab}");
+    }
+    let out: Vec<Vec<u32>> = data
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| l.iter().map(|&b| b as u32).collect())
+        .collect();
+    if out.is_empty() {
+        bail!("{}: no non-empty line", path.display());
+    }
+    Ok(out)
+}
+
+/// The input highway row of `token`: a hashed pseudo-embedding in [-1, 1).
+fn embed(token: u32, out: &mut [f32]) {
+    let mut s = 0xE3B0_C442_98FC_1C14 ^ (token as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+    for v in out {
+        *v = ((splitmix(&mut s) >> 40) as f32 / (1u64 << 23) as f32) - 1.0;
+    }
+}
+
+/// A 64-bit fingerprint of one output row's bits.
+fn fingerprint(row: &[f32]) -> u64 {
+    let mut h = 0xCBF2_9CE4_8422_2325u64;
+    for v in row {
+        h = (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    h ^ (h >> 29)
+}
+
+/// The engine settings and table mode of one pass.
+struct PassConfig {
+    mode: TableMode,
+    engine: EngineConfig,
+    resident_carries: usize,
+}
+
+/// What one pass measured.
+#[derive(Default)]
+struct PassResult {
+    /// `rows[seq][pos]`: the fingerprint of the output row of position
+    /// `pos`, or `None` where it was restored rather than computed.
+    rows: Vec<Vec<Option<u64>>>,
+    prefill_time: Duration,
+    decode_time: Duration,
+    wall: Duration,
+    table: TableStats,
+    stats: Option<metrale_engine::engine::EngineStats>,
+    carry_bytes: usize,
+    leaked: usize,
+}
+
+struct Live {
+    plan: usize,
+    id: SeqId,
+    pos: usize,
+    seg: usize,
+}
+
+fn build_engine(
+    ck: &Checkpoint,
+    gpu: &Arc<dyn GpuBackend>,
+    pc: &PassConfig,
+    max_tokens: usize,
+) -> Result<Engine<PleSite>> {
+    let g = &ck.geometry;
+    let mut sites = Vec::new();
+    for s in 0..ck.sites.len() {
+        let table = ck.open_table(s, pc.mode, gpu.clone())?;
+        let layer = ck.build_layer(s, table, max_tokens, gpu.as_ref())?;
+        sites.push(PleSite::new(layer, g.conv_kernel_size, g.dilation())?);
+    }
+    let mut cfg = pc.engine.clone();
+    if pc.resident_carries > 0 {
+        let carry: usize = sites.iter().map(Site::carry_bytes).sum();
+        cfg.device_budget_bytes = pc.resident_carries * carry;
+    }
+    Engine::new(gpu.clone(), sites, cfg)
+}
+
+/// Run the workload once.
+fn pass(
+    ck: &Checkpoint,
+    plans: &[Plan],
+    a: &RunArgs,
+    pc: &PassConfig,
+    bar: &ProgressBar,
+) -> Result<PassResult> {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let max_tokens = a.prefill_chunk.max(a.decode_batch);
+    let mut engine = build_engine(ck, &gpu, pc, max_tokens)?;
+    let width = engine.width();
+    let mut res = PassResult {
+        rows: plans.iter().map(|p| vec![None; p.tokens.len()]).collect(),
+        carry_bytes: engine.carry_bytes(),
+        ..PassResult::default()
+    };
+    let mut waiting: VecDeque<usize> = (0..plans.len()).collect();
+    let mut prefilling: VecDeque<Live> = VecDeque::new();
+    let mut decoding: VecDeque<Live> = VecDeque::new();
+    let mut highway = vec![0f32; max_tokens * width];
+    let start = Instant::now();
+
+    // Move `l` on to its next segment, or release it when it is done.
+    let advance = |l: Live,
+                   engine: &mut Engine<PleSite>,
+                   prefilling: &mut VecDeque<Live>,
+                   decoding: &mut VecDeque<Live>|
+     -> Result<()> {
+        let mut l = l;
+        let segs = &plans[l.plan].segments;
+        while l.seg < segs.len() && l.pos >= segs[l.seg].1 {
+            l.seg += 1;
+        }
+        match segs.get(l.seg) {
+            None => {
+                engine.release(l.id)?;
+                bar.inc(1);
+            }
+            Some((Phase::Prefill, _)) => prefilling.push_back(l),
+            Some((Phase::Decode, _)) => decoding.push_back(l),
+        }
+        Ok(())
+    };
+
+    loop {
+        while prefilling.len() + decoding.len() < a.in_flight.max(1) {
+            let Some(p) = waiting.pop_front() else { break };
+            let prompt_end = plans[p].segments[0].1;
+            let t0 = Instant::now();
+            let added = engine
+                .add_sequence(&plans[p].tokens[..prompt_end])
+                .with_context(|| format!("adding sequence {p}"))?;
+            res.prefill_time += t0.elapsed();
+            let l = Live {
+                plan: p,
+                id: added.id,
+                pos: added.cached,
+                seg: 0,
+            };
+            advance(l, &mut engine, &mut prefilling, &mut decoding)?;
+        }
+        if prefilling.is_empty() && decoding.is_empty() {
+            break;
+        }
+
+        // One batched decode step.
+        let n = decoding.len().min(a.decode_batch.max(1));
+        if n > 0 {
+            // Resident carries first, as a server schedules running
+            // sequences before swapped ones; the rest keep their order.
+            let mut batch_seqs = Vec::with_capacity(n);
+            let mut rest = VecDeque::with_capacity(decoding.len());
+            for l in decoding.drain(..) {
+                if batch_seqs.len() < n && engine.is_resident(l.id)? {
+                    batch_seqs.push(l);
+                } else {
+                    rest.push_back(l);
+                }
+            }
+            while batch_seqs.len() < n {
+                let Some(l) = rest.pop_front() else { break };
+                batch_seqs.push(l);
+            }
+            decoding = rest;
+            let batch: Vec<(SeqId, u32)> = batch_seqs
+                .iter()
+                .map(|l| (l.id, plans[l.plan].tokens[l.pos]))
+                .collect();
+            let rows = &mut highway[..n * width];
+            for (b, &(_, t)) in batch.iter().enumerate() {
+                embed(t, &mut rows[b * width..(b + 1) * width]);
+            }
+            let t0 = Instant::now();
+            engine.decode(&batch, rows).context("batched decode")?;
+            res.decode_time += t0.elapsed();
+            for (b, mut l) in batch_seqs.into_iter().enumerate() {
+                res.rows[l.plan][l.pos] = Some(fingerprint(&rows[b * width..(b + 1) * width]));
+                l.pos += 1;
+                advance(l, &mut engine, &mut prefilling, &mut decoding)?;
+            }
+        }
+
+        // One prefill chunk; the same sequence goes on next step, so its
+        // prompt finishes before the next one starts (first come, first
+        // served).
+        if let Some(mut l) = prefilling.pop_front() {
+            let end = plans[l.plan].segments[l.seg].1;
+            let n = (end - l.pos).min(a.prefill_chunk);
+            let toks = &plans[l.plan].tokens[l.pos..l.pos + n];
+            let rows = &mut highway[..n * width];
+            for (i, &t) in toks.iter().enumerate() {
+                embed(t, &mut rows[i * width..(i + 1) * width]);
+            }
+            let t0 = Instant::now();
+            engine
+                .prefill(l.id, toks, rows)
+                .with_context(|| format!("prefill of sequence {}", l.plan))?;
+            res.prefill_time += t0.elapsed();
+            for i in 0..n {
+                res.rows[l.plan][l.pos + i] = Some(fingerprint(&rows[i * width..(i + 1) * width]));
+            }
+            l.pos += n;
+            if l.pos < end {
+                prefilling.push_front(l);
+            } else {
+                advance(l, &mut engine, &mut prefilling, &mut decoding)?;
+            }
+        }
+    }
+    res.wall = start.elapsed();
+    res.stats = Some(engine.stats());
+    for site in engine.sites() {
+        let s = site.layer().table().stats();
+        res.table.hits += s.hits;
+        res.table.misses += s.misses;
+        res.table.evictions += s.evictions;
+        res.table.bytes_read += s.bytes_read;
+        res.table.read_calls += s.read_calls;
+        res.table.pages_coalesced += s.pages_coalesced;
+        res.table.io_wait_ns += s.io_wait_ns;
+    }
+    engine.close()?;
+    res.leaked = gpu.live_alloc_count();
+    Ok(res)
+}
+
+/// The summary, as printed and as JSON.
+#[derive(Serialize)]
+struct Summary {
+    checkpoint: String,
+    sequences: usize,
+    in_flight: usize,
+    tokens: u64,
+    table: String,
+    slots_per_site: Option<usize>,
+    prefill: Phase2,
+    decode: Phase2,
+    row_cache: CacheSummary,
+    bytes_read: u64,
+    read_calls: u64,
+    io_wait_seconds: f64,
+    io_wait_share: f64,
+    prefix_cache: PrefixSummary,
+    swaps: SwapSummary,
+    carry: CarrySummary,
+    wall_seconds: f64,
+    leaked_allocations: usize,
+    verify: Option<VerifySummary>,
+}
+
+#[derive(Serialize)]
+struct Phase2 {
+    tokens: u64,
+    seconds: f64,
+    tokens_per_second: f64,
+    step: usize,
+}
+
+#[derive(Serialize)]
+struct CacheSummary {
+    hits: u64,
+    misses: u64,
+    hit_rate: f64,
+}
+
+#[derive(Serialize)]
+struct PrefixSummary {
+    hits: u64,
+    tokens_restored: u64,
+}
+
+#[derive(Serialize)]
+struct SwapSummary {
+    swap_outs: u64,
+    swap_ins: u64,
+    preemptions: u64,
+}
+
+#[derive(Serialize)]
+struct CarrySummary {
+    bytes_per_sequence: usize,
+    peak_bytes: usize,
+    budget_bytes: Option<usize>,
+}
+
+#[derive(Serialize)]
+struct VerifySummary {
+    rows_compared: u64,
+    identical: bool,
+    first_mismatch: Option<String>,
+    seconds: f64,
+}
+
+fn rate(n: u64, d: Duration) -> f64 {
+    if d.is_zero() {
+        0.0
+    } else {
+        n as f64 / d.as_secs_f64()
+    }
+}
+
+fn render(s: &Summary) -> String {
+    let mut o = String::new();
+    let table = match s.slots_per_site {
+        Some(n) => format!("table {} ({n} slots per site)", s.table),
+        None => format!("table {}", s.table),
+    };
+    let _ = writeln!(
+        o,
+        "metrale-ple run: {} sequences ({} tokens), {} in flight, {table}",
+        s.sequences, s.tokens, s.in_flight
+    );
+    let _ = writeln!(o, "  checkpoint      {}", s.checkpoint);
+    let _ = writeln!(
+        o,
+        "  prefill         {:>11} tokens  {:>8.1} ktokens/s  (chunks of {})",
+        s.prefill.tokens,
+        s.prefill.tokens_per_second / 1e3,
+        s.prefill.step
+    );
+    let _ = writeln!(
+        o,
+        "  decode          {:>11} tokens  {:>8.1} ktokens/s  (batches of up to {})",
+        s.decode.tokens,
+        s.decode.tokens_per_second / 1e3,
+        s.decode.step
+    );
+    if s.row_cache.hits + s.row_cache.misses > 0 {
+        let _ = writeln!(
+            o,
+            "  row cache       hit rate {:.1}%  ({} hits, {} misses)",
+            100.0 * s.row_cache.hit_rate,
+            s.row_cache.hits,
+            s.row_cache.misses
+        );
+    } else {
+        let _ = writeln!(o, "  row cache       none (every row in place)");
+    }
+    let _ = writeln!(
+        o,
+        "  bytes read      {} in {} read calls",
+        bytes(s.bytes_read),
+        s.read_calls
+    );
+    let _ = writeln!(
+        o,
+        "  I/O wait        {:.1}% of wall time ({:.3} s)",
+        100.0 * s.io_wait_share,
+        s.io_wait_seconds
+    );
+    let _ = writeln!(
+        o,
+        "  prefix cache    {} hits, {} tokens restored",
+        s.prefix_cache.hits, s.prefix_cache.tokens_restored
+    );
+    let _ = writeln!(
+        o,
+        "  swaps           {} out, {} in ({} preemptions)",
+        s.swaps.swap_outs, s.swaps.swap_ins, s.swaps.preemptions
+    );
+    let _ = writeln!(
+        o,
+        "  carry memory    {} per sequence, peak {}{}",
+        bytes(s.carry.bytes_per_sequence as u64),
+        bytes(s.carry.peak_bytes as u64),
+        match s.carry.budget_bytes {
+            Some(b) => format!(" (budget {})", bytes(b as u64)),
+            None => " (no budget)".to_string(),
+        }
+    );
+    let _ = writeln!(o, "  wall time       {:.2} s", s.wall_seconds);
+    match &s.verify {
+        Some(VerifySummary {
+            first_mismatch: Some(at),
+            rows_compared,
+            ..
+        }) => {
+            let _ = writeln!(
+                o,
+                "  verify          MISMATCH at {at} (after {rows_compared} identical rows)"
+            );
+        }
+        Some(v) => {
+            let _ = writeln!(
+                o,
+                "  verify          {} output rows bit-identical to a resident, uncached run ({:.2} s)",
+                v.rows_compared, v.seconds
+            );
+        }
+        None => {}
+    }
+    o
+}
+
+/// Compare the rows `got` computed with those of the check run `want`
+/// (which computes every position): how many were compared, and the first
+/// that differs or is missing.
+fn compare(got: &[Vec<Option<u64>>], want: &[Vec<Option<u64>>]) -> (u64, Option<String>) {
+    let mut compared = 0u64;
+    for (s, (got, want)) in got.iter().zip(want).enumerate() {
+        for (pos, g) in got.iter().enumerate() {
+            let Some(g) = g else { continue };
+            match want.get(pos) {
+                Some(Some(w)) if w == g => compared += 1,
+                _ => {
+                    return (compared, Some(format!("sequence {s}, position {pos}")));
+                }
+            }
+        }
+    }
+    (compared, None)
+}
+
+/// The checkpoint to run: `dir`, or the default tiny one (written on first
+/// use).
+fn checkpoint_dir(dir: &Option<PathBuf>) -> Result<PathBuf, CmdError> {
+    if let Some(d) = dir {
+        return Ok(d.clone());
+    }
+    let d = cache_root()?.join("tiny");
+    if !d.exists() {
+        eprintln!("writing the tiny checkpoint to {} (first use)", d.display());
+        if let Some(parent) = d.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))
+                .map_err(failure)?;
+        }
+        let opts = InitOptions {
+            preset: Preset::Tiny,
+            table_rows: None,
+            dtype: TableDType::Bf16,
+            seed: 1,
+        };
+        write_synthetic(&d, &opts, &mut |_, _| {}).map_err(failure)?;
+    }
+    Ok(d)
+}
+
+/// Run `run`.
+pub fn run(a: &RunArgs) -> Result<(), CmdError> {
+    if a.prefill_chunk == 0 || a.decode_batch == 0 || a.in_flight == 0 {
+        return Err(input(anyhow!(
+            "--prefill-chunk, --decode-batch and --in-flight must be positive"
+        )));
+    }
+    if a.resident_carries > 0 && a.resident_carries < a.decode_batch {
+        return Err(input(anyhow!(
+            "--resident-carries {} cannot hold one decode batch of {} (--decode-batch); \
+             raise it or use 0 for no limit",
+            a.resident_carries,
+            a.decode_batch
+        )));
+    }
+    if a.block_size == 0 {
+        return Err(input(anyhow!("--block-size must be positive")));
+    }
+    let dir = checkpoint_dir(&a.dir)?;
+    let ck = Checkpoint::open(&dir).map_err(input)?;
+    let g = &ck.geometry;
+    let vocab = g.vocab_size;
+    let eos = g.eos_token_id;
+
+    let plans = if let Some(p) = &a.prompts {
+        let text = std::fs::read_to_string(p)
+            .with_context(|| format!("reading {}", p.display()))
+            .map_err(input)?;
+        let zipf = Zipf::new(vocab, eos, a.zipf);
+        let mut st = a.seed;
+        parse_prompts(p, &text, vocab)
+            .map_err(input)?
+            .into_iter()
+            .map(|pr| from_prompt(pr, a.decode_tokens, &zipf, &mut st))
+            .collect()
+    } else if let Some(p) = &a.text {
+        let data = std::fs::read(p)
+            .with_context(|| format!("reading {}", p.display()))
+            .map_err(input)?;
+        let zipf = Zipf::new(vocab, eos, a.zipf);
+        let mut st = a.seed;
+        parse_text(p, &data, vocab)
+            .map_err(input)?
+            .into_iter()
+            .map(|pr| from_prompt(pr, a.decode_tokens, &zipf, &mut st))
+            .collect()
+    } else {
+        synthetic(a, vocab, eos)
+    };
+    let total_tokens: u64 = plans.iter().map(|p| p.tokens.len() as u64).sum();
+
+    let mode = match a.table {
+        TableArg::Cached => TableMode::Cached { slots: a.slots },
+        TableArg::Mapped => TableMode::Mapped,
+        TableArg::Resident => TableMode::Resident,
+    };
+    let main = PassConfig {
+        mode,
+        engine: EngineConfig {
+            prefill_chunk: a.prefill_chunk,
+            block_size: a.block_size,
+            prefix_cache_bytes: a.prefix_cache_mib << 20,
+            device_budget_bytes: usize::MAX,
+            preempt_to: SwapTarget::Host,
+            swap_dir: None,
+        },
+        resident_carries: a.resident_carries,
+    };
+    let bar = ProgressBar::new(plans.len() as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} sequences {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message("run");
+    let r = pass(&ck, &plans, a, &main, &bar).map_err(failure)?;
+    bar.finish_and_clear();
+
+    let verify = if a.verify {
+        let check = PassConfig {
+            mode: TableMode::Resident,
+            engine: EngineConfig {
+                prefix_cache_bytes: 0,
+                ..main.engine.clone()
+            },
+            resident_carries: 0,
+        };
+        let bar = ProgressBar::new(plans.len() as u64);
+        bar.set_style(
+            ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} sequences {elapsed}")
+                .expect("a valid template")
+                .progress_chars("=> "),
+        );
+        bar.set_message("verify");
+        let v = pass(&ck, &plans, a, &check, &bar).map_err(failure)?;
+        bar.finish_and_clear();
+        let (rows_compared, first_mismatch) = compare(&r.rows, &v.rows);
+        Some(VerifySummary {
+            rows_compared,
+            identical: first_mismatch.is_none(),
+            first_mismatch,
+            seconds: v.wall.as_secs_f64(),
+        })
+    } else {
+        None
+    };
+
+    let st = r.stats.unwrap_or_default();
+    let lookups = r.table.hits + r.table.misses;
+    let io_wait = r.table.io_wait_ns as f64 / 1e9;
+    let summary = Summary {
+        checkpoint: dir.display().to_string(),
+        sequences: plans.len(),
+        in_flight: a.in_flight,
+        tokens: total_tokens,
+        table: format!("{:?}", a.table).to_lowercase(),
+        slots_per_site: (a.table == TableArg::Cached).then_some(a.slots),
+        prefill: Phase2 {
+            tokens: st.prefill_tokens,
+            seconds: r.prefill_time.as_secs_f64(),
+            tokens_per_second: rate(st.prefill_tokens, r.prefill_time),
+            step: a.prefill_chunk,
+        },
+        decode: Phase2 {
+            tokens: st.decode_tokens,
+            seconds: r.decode_time.as_secs_f64(),
+            tokens_per_second: rate(st.decode_tokens, r.decode_time),
+            step: a.decode_batch,
+        },
+        row_cache: CacheSummary {
+            hits: r.table.hits,
+            misses: r.table.misses,
+            hit_rate: if lookups == 0 {
+                0.0
+            } else {
+                r.table.hits as f64 / lookups as f64
+            },
+        },
+        bytes_read: r.table.bytes_read,
+        read_calls: r.table.read_calls,
+        io_wait_seconds: io_wait,
+        io_wait_share: io_wait / r.wall.as_secs_f64().max(1e-9),
+        prefix_cache: PrefixSummary {
+            hits: st.prefix_hits,
+            tokens_restored: st.prefix_tokens_restored,
+        },
+        swaps: SwapSummary {
+            swap_outs: st.swap_outs,
+            swap_ins: st.swap_ins,
+            preemptions: st.preemptions,
+        },
+        carry: CarrySummary {
+            bytes_per_sequence: r.carry_bytes,
+            peak_bytes: st.budget.peak_bytes,
+            budget_bytes: (a.resident_carries > 0).then_some(a.resident_carries * r.carry_bytes),
+        },
+        wall_seconds: r.wall.as_secs_f64(),
+        leaked_allocations: r.leaked,
+        verify,
+    };
+    if a.json {
+        let text = serde_json::to_string_pretty(&summary).map_err(failure)?;
+        println!("{text}");
+    } else {
+        print!("{}", render(&summary));
+    }
+    if let Some(VerifySummary {
+        first_mismatch: Some(at),
+        ..
+    }) = &summary.verify
+    {
+        return Err(failure(anyhow!(
+            "verify: the output row of {at} differs from a resident, uncached run"
+        )));
+    }
+    if r.leaked != 0 {
+        return Err(failure(anyhow!(
+            "{} device allocations were still live after the engine closed",
+            r.leaked
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prompt_lines_are_checked() {
+        let p = Path::new("p.jsonl");
+        assert_eq!(
+            parse_prompts(p, "[1,2]\n\n[3]\n", 10).unwrap(),
+            vec![vec![1, 2], vec![3]]
+        );
+        let e = parse_prompts(p, "[1,2]\n[1,99]\n", 10).unwrap_err();
+        assert!(format!("{e:#}").contains("p.jsonl line 2: token 99 at index 1"));
+        let e = parse_prompts(p, "[1,\n", 10).unwrap_err();
+        assert!(format!("{e:#}").contains("p.jsonl line 1: expected a JSON array"));
+        let e = parse_prompts(p, "[]\n", 10).unwrap_err();
+        assert!(format!("{e:#}").contains("line 1: the prompt is empty"));
+        assert!(parse_prompts(p, "\n", 10).is_err());
+    }
+
+    #[test]
+    fn verify_reports_the_first_difference() {
+        let got = vec![vec![None, Some(1), Some(2)], vec![Some(3)]];
+        let same = vec![vec![Some(9), Some(1), Some(2)], vec![Some(3)]];
+        assert_eq!(compare(&got, &same), (3, None));
+        let other = vec![vec![Some(9), Some(1), Some(2)], vec![Some(4)]];
+        assert_eq!(
+            compare(&got, &other),
+            (2, Some("sequence 1, position 0".to_string()))
+        );
+        let missing = vec![vec![Some(9), None, Some(2)], vec![Some(3)]];
+        assert_eq!(
+            compare(&got, &missing).1.as_deref(),
+            Some("sequence 0, position 1")
+        );
+    }
+
+    #[test]
+    fn text_lines_are_byte_tokens() {
+        let p = Path::new("t.txt");
+        assert_eq!(
+            parse_text(p, b"ab\n\nc", 300).unwrap(),
+            vec![vec![97, 98], vec![99]]
+        );
+        assert!(parse_text(p, b"ab", 100).is_err());
+    }
+
+    #[test]
+    fn zipf_never_draws_eos_and_favours_low_ranks() {
+        let z = Zipf::new(64, 5, 1.1);
+        let mut st = 3;
+        let mut counts = [0u32; 64];
+        for _ in 0..20_000 {
+            let t = z.sample(&mut st);
+            assert_ne!(t, 5);
+            counts[t as usize] += 1;
+        }
+        // Rank 1 maps to token 0x9E3779B1 % 64 = 49.
+        let top = (0..64).max_by_key(|&i| counts[i]).unwrap();
+        assert_eq!(top, (0x9E37_79B1u64 % 64) as usize);
+    }
+}

@@ -1,0 +1,179 @@
+//! `metrale-ple run` end to end: the default checkpoint written on first
+//! use, a small workload with `--verify --json` that exercises prefix
+//! hits, preemption and the row cache, prompt files, and refusals.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn bin(cache: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_metrale-ple"));
+    c.env_remove("RUST_LOG").env("XDG_CACHE_HOME", cache);
+    c
+}
+
+fn run(cache: &Path, args: &[&str]) -> (Output, String, String) {
+    let o = bin(cache).args(args).output().expect("the binary runs");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    (o, out, err)
+}
+
+const SMALL: &[&str] = &[
+    "--sequences",
+    "10",
+    "--in-flight",
+    "6",
+    "--resident-carries",
+    "4",
+    "--decode-batch",
+    "3",
+    "--decode-tokens",
+    "6",
+    "--turns",
+    "2",
+    "--system-prompts",
+    "2",
+    "--prefill-chunk",
+    "48",
+    "--block-size",
+    "32",
+    "--slots",
+    "4096",
+];
+
+fn u(v: &Value, path: &[&str]) -> u64 {
+    let mut x = v;
+    for p in path {
+        x = &x[*p];
+    }
+    x.as_u64()
+        .unwrap_or_else(|| panic!("{path:?} is not a count: {v}"))
+}
+
+#[test]
+fn default_checkpoint_then_verified_json_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = vec!["run", "--verify", "--json"];
+    args.extend_from_slice(SMALL);
+    let (o, out, err) = run(tmp.path(), &args);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(err.contains("(first use)"), "{err}");
+    assert!(tmp.path().join("metrale-ple/tiny/config.json").exists());
+
+    let v: Value = serde_json::from_str(&out).expect("JSON on stdout");
+    assert_eq!(u(&v, &["sequences"]), 10);
+    let prefill = u(&v, &["prefill", "tokens"]);
+    let decode = u(&v, &["decode", "tokens"]);
+    let restored = u(&v, &["prefix_cache", "tokens_restored"]);
+    assert_eq!(prefill + decode + restored, u(&v, &["tokens"]));
+    assert!(decode > 0 && prefill > 0);
+    // Two system prompts shared by ten sequences: the cache must hit.
+    assert!(u(&v, &["prefix_cache", "hits"]) > 0, "{out}");
+    // Six in flight over a budget of four carries: preemption must happen.
+    assert!(u(&v, &["swaps", "preemptions"]) > 0, "{out}");
+    assert_eq!(
+        u(&v, &["swaps", "swap_outs"]),
+        u(&v, &["swaps", "swap_ins"])
+    );
+    assert!(u(&v, &["carry", "peak_bytes"]) <= u(&v, &["carry", "budget_bytes"]));
+    assert!(u(&v, &["row_cache", "misses"]) > 0 && u(&v, &["bytes_read"]) > 0);
+    assert_eq!(u(&v, &["leaked_allocations"]), 0);
+    assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");
+    assert_eq!(u(&v, &["verify", "rows_compared"]), prefill + decode);
+
+    // The second run finds the checkpoint and prints the table.
+    let mut args = vec!["run"];
+    args.extend_from_slice(SMALL);
+    let (o, out, err) = run(tmp.path(), &args);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(!err.contains("first use"), "{err}");
+    for row in [
+        "prefill",
+        "decode",
+        "row cache",
+        "bytes read",
+        "I/O wait",
+        "prefix cache",
+        "swaps",
+        "carry memory",
+    ] {
+        assert!(out.contains(row), "no {row} in {out}");
+    }
+}
+
+#[test]
+fn prompt_and_text_files_run_and_bad_ones_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    let (o, out, err) = run(
+        tmp.path(),
+        &["init", ck.to_str().unwrap(), "--table-rows", "4096"],
+    );
+    assert!(o.status.success(), "{out}\n{err}");
+    let ck = ck.to_str().unwrap();
+
+    let prompts = tmp.path().join("p.jsonl");
+    std::fs::write(&prompts, "[1,2,3,4,5]\n\n[1,2,3,9]\n[7]\n").unwrap();
+    let (o, out, err) = run(
+        tmp.path(),
+        &[
+            "run",
+            ck,
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--decode-tokens",
+            "3",
+            "--table",
+            "mapped",
+            "--verify",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{out}\n{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(u(&v, &["sequences"]), 3);
+    assert_eq!(u(&v, &["tokens"]), 10 + 9);
+    assert_eq!(u(&v, &["decode", "tokens"]), 9);
+    assert_eq!(v["verify"]["identical"], Value::Bool(true));
+
+    let text = tmp.path().join("t.txt");
+    std::fs::write(&text, "hello\nworld, again\n").unwrap();
+    let (o, out, err) = run(
+        tmp.path(),
+        &["run", ck, "--text", text.to_str().unwrap(), "--verify"],
+    );
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("metrale-ple run: 2 sequences"), "{out}");
+    assert!(out.contains("bit-identical"), "{out}");
+
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad, "[1,2]\n[3,\"x\"]\n").unwrap();
+    let (o, _, err) = run(tmp.path(), &["run", ck, "--prompts", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("bad.jsonl line 2: expected a JSON array"),
+        "{err}"
+    );
+
+    std::fs::write(&bad, "[1,5000]\n").unwrap();
+    let (o, _, err) = run(tmp.path(), &["run", ck, "--prompts", bad.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("line 1: token 5000 at index 1 is not below the vocabulary size 4096"),
+        "{err}"
+    );
+
+    let (o, _, err) = run(
+        tmp.path(),
+        &["run", ck, "--resident-carries", "2", "--decode-batch", "8"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--resident-carries 2"), "{err}");
+
+    let missing = tmp.path().join("nothing-here");
+    let (o, _, err) = run(tmp.path(), &["run", missing.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("nothing-here"), "{err}");
+}
