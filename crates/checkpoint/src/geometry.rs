@@ -253,7 +253,7 @@ impl Geometry {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Preset {
     /// Hidden 64, 4 streams, 4 heads of 16, two sites, a ~200k-row table
-    /// per site: the default `run` model, seconds to build.
+    /// per site: the model `metrale-ple run` uses by default, seconds to build.
     Tiny,
     /// Hidden 256, 4 streams, 8 heads of 32, one site, a ~2M-row table.
     Small,

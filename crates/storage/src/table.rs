@@ -11,7 +11,7 @@
 //! - a failed `resolve` holds no pins and leaves the table as it was (the
 //!   slots of a failed batch are unmapped, never half-filled);
 //! - `resolve` accepts at most `max_resolve()` distinct ids; callers split
-//!   larger batches (see `gather_split` in the layer).
+//!   larger batches (the layer splits them, see `staging::part_end`).
 
 use anyhow::Result;
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
