@@ -11,13 +11,15 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{Context as _, anyhow, bail};
+use anyhow::{Context as _, anyhow};
 use clap::Args;
 use metrale_model_layers::layers::ple::config::PleModelConfig;
 use metrale_model_layers::layers::ple::ids::{
     DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, PleHashParams, PleIdHasher,
 };
 use serde_json::json;
+
+use metrale_ple_cli::parse::{check_vocab, parse_tokens};
 
 use super::{CmdError, input};
 
@@ -65,37 +67,6 @@ pub struct IdsArgs {
     /// [default: context_len EOS tokens].
     #[arg(long, value_name = "LIST", allow_hyphen_values = true)]
     history: Option<String>,
-}
-
-/// Parse a comma-separated list of token ids; errors name the flag, the
-/// item and its 0-based position.
-fn parse_tokens(flag: &str, text: &str) -> anyhow::Result<Vec<u32>> {
-    if text.trim().is_empty() {
-        bail!("--{flag}: no tokens given");
-    }
-    text.split(',')
-        .enumerate()
-        .map(|(i, item)| {
-            let item = item.trim();
-            if item.is_empty() {
-                bail!("--{flag}: item at position {i} is empty");
-            }
-            item.parse::<u32>().map_err(|_| {
-                anyhow!("--{flag}: item {item:?} at position {i} is not a token id (an integer in 0..=4294967295)")
-            })
-        })
-        .collect()
-}
-
-fn check_vocab(flag: &str, tokens: &[u32], vocab_size: u64) -> anyhow::Result<()> {
-    if let Some((i, t)) = tokens
-        .iter()
-        .enumerate()
-        .find(|&(_, &t)| u64::from(t) >= vocab_size)
-    {
-        bail!("--{flag}: token {t} at position {i} is not below vocab_size {vocab_size}");
-    }
-    Ok(())
 }
 
 fn params(args: &IdsArgs) -> anyhow::Result<PleHashParams> {
@@ -168,33 +139,4 @@ pub fn run(args: &IdsArgs) -> Result<(), CmdError> {
         .and_then(|()| stdout.flush())
         .context("cannot write to stdout")
         .map_err(CmdError::Failure)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_tokens;
-
-    #[test]
-    fn token_lists() {
-        assert_eq!(parse_tokens("tokens", "1, 2,3").unwrap(), vec![1, 2, 3]);
-        let e = parse_tokens("tokens", "1,x,3").unwrap_err().to_string();
-        assert!(e.contains("\"x\" at position 1"), "{e}");
-        let e = parse_tokens("tokens", "1,,3").unwrap_err().to_string();
-        assert!(e.contains("position 1 is empty"), "{e}");
-        let e = parse_tokens("history", "-1").unwrap_err().to_string();
-        assert!(
-            e.contains("--history") && e.contains("\"-1\" at position 0"),
-            "{e}"
-        );
-        let e = parse_tokens("tokens", "4294967296")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("not a token id"), "{e}");
-        assert!(
-            parse_tokens("tokens", " ")
-                .unwrap_err()
-                .to_string()
-                .contains("no tokens")
-        );
-    }
 }
