@@ -1,0 +1,96 @@
+//! `metrale-ple bench` end to end, at the hidden `--smoke` sizes (a debug
+//! build must finish in seconds): the JSON table has every figure once,
+//! each with a finite positive value, baseline and ratio, and the scratch
+//! directory is left empty.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+/// Area and the start of the figure text of every row, in order.
+const FIGURES: [(&str, &str); 11] = [
+    ("ids", "prefill hash"),
+    ("ids", "batched decode hash"),
+    ("storage", "resident gather"),
+    ("storage", "cached-table hit path"),
+    ("storage", "miss path"),
+    ("layer", "forward prefill"),
+    ("layer", "forward batched decode"),
+    ("engine", "prefix-cache restore"),
+    ("engine", "swap-out"),
+    ("engine", "swap-in"),
+    ("runtime", "copy_d2d_async"),
+];
+
+#[test]
+fn smoke_run_prints_every_figure_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+        .args(["bench", "--quick", "--json", "--smoke", "--dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run metrale-ple");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "status {:?}, stderr: {stderr}",
+        out.status
+    );
+    let rows: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "stdout is not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    });
+    let rows = rows.as_array().expect("a JSON array");
+    assert_eq!(rows.len(), FIGURES.len(), "rows: {rows:#?}");
+    for (row, (area, figure)) in rows.iter().zip(FIGURES) {
+        assert_eq!(row["area"], area, "{row:#}");
+        let text = row["figure"].as_str().expect("a figure string");
+        assert!(text.starts_with(figure), "{text:?} is not {figure:?}");
+        for key in ["unit", "baseline"] {
+            assert!(
+                row[key].as_str().is_some_and(|s| !s.is_empty()),
+                "{key} missing in {row:#}"
+            );
+        }
+        for key in ["value", "baseline_value", "ratio"] {
+            let v = row[key].as_f64().unwrap_or(f64::NAN);
+            assert!(v.is_finite() && v > 0.0, "{key} = {v} in {row:#}");
+        }
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "scratch files left behind: {left:?}");
+}
+
+#[test]
+fn text_table_help_and_bad_dir() {
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+        .args(["bench", "--smoke"])
+        .output()
+        .expect("run metrale-ple");
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.starts_with("area"), "{text}");
+    // Header, rule, one line per figure, the note on ratios.
+    assert_eq!(text.lines().count(), FIGURES.len() + 3, "{text}");
+    assert!(text.contains("ratio: times faster than the baseline"));
+
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+        .args(["bench", "--help"])
+        .output()
+        .expect("run metrale-ple");
+    let help = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        help.contains("--quick") && help.contains("--json"),
+        "{help}"
+    );
+    assert!(!help.contains("--smoke"), "{help}");
+
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+        .args(["bench", "--smoke", "--dir", "/nonexistent/metrale-bench"])
+        .output()
+        .expect("run metrale-ple");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a directory"));
+}
