@@ -99,6 +99,13 @@ pub trait Site: Send + Sync {
     fn release(&self, st: &mut Self::State, gpu: &dyn GpuBackend) -> Result<()>;
     /// Free the site's own device memory (weights, staging).
     fn free(&mut self, gpu: &dyn GpuBackend) -> Result<()>;
+    /// Start reading what a forward of `tokens` after a sequence whose
+    /// tokens end with `history` will need. Advice: the default does
+    /// nothing.
+    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> Result<()> {
+        let _ = (history, tokens);
+        Ok(())
+    }
 }
 
 /// Where a swapped-out carry goes.
@@ -475,6 +482,18 @@ impl<S: Site> Engine<S> {
     /// The tokens sequence `id` has absorbed.
     pub fn tokens(&self, id: SeqId) -> Result<&[u32]> {
         Ok(&self.seq(id)?.tokens)
+    }
+
+    /// Start the table reads that running `tokens` through sequence `id`
+    /// next (a prefill chunk, or one decode token) will need, so they
+    /// overlap other work. Advice only: outputs never change, nothing is
+    /// pinned, and the sequence may be swapped out meanwhile.
+    pub fn prefetch(&self, id: SeqId, tokens: &[u32]) -> Result<()> {
+        let history = &self.seq(id)?.tokens;
+        for site in &self.sites {
+            site.prefetch(history, tokens)?;
+        }
+        Ok(())
     }
 
     /// Whether sequence `id`'s carry is on the device.

@@ -51,6 +51,10 @@ impl PleSite {
 impl Site for PleSite {
     type State = PleSeqState;
 
+    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> Result<()> {
+        self.layer.prefetch(history, tokens)
+    }
+
     fn geometry(&self) -> SiteGeometry {
         let l = &self.layer;
         SiteGeometry {

@@ -177,3 +177,86 @@ fn storage_tables_give_the_test_tables_results() {
         g.live_report()
     );
 }
+
+/// `prefetch` reads exactly the rows the next forward gathers: after it
+/// (and the background reads) the forward misses nothing, and its output is
+/// the one the in-memory table gives.
+#[test]
+fn prefetch_brings_in_the_rows_of_the_next_forward() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new_debug());
+    let g = gpu.as_ref();
+    let start = g.live_alloc_count();
+    let small = Small::new(22);
+    let c = small.channels();
+    let s = g.create_stream().unwrap();
+    let mut r = Rng(5);
+    let first = tokens(&mut r, 6, 40);
+    let next = tokens(&mut r, 5, 40);
+    let hw1 = highway(&mut r, first.len(), c);
+    let hw2 = highway(&mut r, next.len(), c);
+
+    // Reference: the in-memory table.
+    let test_table = TestTable::new(g, &small.table_bits, small.head_dim, 1000).unwrap();
+    let run = |table: Arc<dyn RowTable>,
+               hook: &dyn Fn(&metrale_model_layers::layers::ple::PleLayer)| {
+        let mut layer = small.layer(g, table, 8).unwrap();
+        let mut st = layer.new_seq_state(g).unwrap();
+        let mut out = Vec::new();
+        for (toks, rows, fresh) in [(&first, &hw1, true), (&next, &hw2, false)] {
+            if !fresh {
+                hook(&layer);
+            }
+            let hw = upload(g, rows, "hw");
+            layer
+                .forward(
+                    &mut st,
+                    hw,
+                    toks.len(),
+                    fresh,
+                    &ForwardContext::new(g).with_host_ids(toks),
+                    s,
+                )
+                .unwrap();
+            out.extend(bits(&download(g, hw, toks.len() * c, s)));
+            g.free(hw).unwrap();
+        }
+        layer.release_seq_state(&mut st, g).unwrap();
+        layer.free(g).unwrap();
+        out
+    };
+    let want = run(test_table.clone(), &|_| {});
+    test_table.free(g);
+
+    let dir = tempfile::tempdir().unwrap();
+    let files = shards(dir.path(), &small);
+    let cached =
+        Arc::new(CachedTable::open(files, Arc::clone(&gpu), CacheConfig::new(256)).unwrap());
+    let misses_before_next = std::cell::Cell::new(0);
+    let got = run(cached.clone() as Arc<dyn RowTable>, &|layer| {
+        // The history is what the carry absorbed: the first tokens.
+        layer.prefetch(&first, &next).unwrap();
+        cached.wait_prefetched();
+        misses_before_next.set(cached.stats().misses);
+    });
+    assert!(got == want, "prefetching changed the output");
+    assert_eq!(
+        cached.stats().misses,
+        misses_before_next.get(),
+        "the forward after prefetch still missed: {:?}",
+        cached.stats()
+    );
+    // Prefetch for a fresh carry (empty history) and of nothing is fine.
+    let layer = small
+        .layer(g, cached.clone() as Arc<dyn RowTable>, 8)
+        .unwrap();
+    layer.prefetch(&[], &next).unwrap();
+    layer.prefetch(&first, &[]).unwrap();
+    let mut layer = layer;
+    layer.free(g).unwrap();
+    drop(layer);
+    cached.wait_prefetched();
+    cached.check_invariants().unwrap();
+    drop(cached);
+    g.destroy_stream(s).unwrap();
+    assert_eq!(g.live_alloc_count(), start, "{}", g.live_report());
+}

@@ -118,6 +118,10 @@ pub struct RunArgs {
     /// token ids.
     #[arg(long)]
     pub text: Option<PathBuf>,
+    /// Do not start the table reads of the next prefill chunk and decode
+    /// batch ahead of time (they overlap the current step by default).
+    #[arg(long)]
+    pub no_prefetch: bool,
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -365,6 +369,16 @@ fn pass(
             break;
         }
 
+        // Start reading the rows of the next prefill chunk while the
+        // decode step computes.
+        if !a.no_prefetch {
+            if let Some(l) = prefilling.front() {
+                let end = plans[l.plan].segments[l.seg].1;
+                let n = (end - l.pos).min(a.prefill_chunk);
+                engine.prefetch(l.id, &plans[l.plan].tokens[l.pos..l.pos + n])?;
+            }
+        }
+
         // One batched decode step.
         let n = decoding.len().min(a.decode_batch.max(1));
         if n > 0 {
@@ -399,6 +413,13 @@ fn pass(
                 res.rows[l.plan][l.pos] = Some(fingerprint(&rows[b * width..(b + 1) * width]));
                 l.pos += 1;
                 advance(l, &mut engine, &mut prefilling, &mut decoding)?;
+            }
+        }
+
+        // And those of the next decode batch while the prefill computes.
+        if !a.no_prefetch {
+            for l in decoding.iter().take(a.decode_batch) {
+                engine.prefetch(l.id, &plans[l.plan].tokens[l.pos..l.pos + 1])?;
             }
         }
 

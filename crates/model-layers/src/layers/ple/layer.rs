@@ -519,6 +519,24 @@ impl PleLayer {
         &self.table
     }
 
+    /// Start reading the table rows a forward of `tokens` will gather,
+    /// for a sequence whose tokens so far end with `history` (only the last
+    /// `context_len` matter; a shorter one acts as if EOS-padded, as for a
+    /// fresh carry). Advice only: nothing is pinned and the results never
+    /// change; a table that holds its rows in place does nothing. Lets a
+    /// scheduler overlap the next step's reads with this step's compute.
+    pub fn prefetch(&self, history: &[u32], tokens: &[u32]) -> Result<()> {
+        self.check_live()?;
+        if tokens.is_empty() {
+            return Ok(());
+        }
+        let heads = self.dims.ngram_heads();
+        let mut ids = vec![0u64; tokens.len() * heads];
+        self.hasher
+            .ids_with_history_into(history, tokens, &mut ids)?;
+        self.table.prefetch(&ids)
+    }
+
     fn check_live(&self) -> Result<()> {
         ensure!(!self.freed, "this PLE layer was freed");
         Ok(())
