@@ -6,6 +6,11 @@
 //! as the baseline measured in the same run, a naive scalar projection
 //! against the packed GEMM with their ratio.
 //!
+//! Then, side by side in the same run when `python3` can import torch (or
+//! when `PLE_TORCH=1` demands it; `PLE_TORCH=0` skips it), the same
+//! figures from `reference/torch_bench.py` (PyTorch's CPU path doing the same
+//! math) and the ratio of ours to PyTorch's.
+//!
 //! Environment: `PLE_BENCH_ROWS` (table rows, default 3,000,000),
 //! `PLE_BENCH_REPS` (timed repetitions, default 5).
 
@@ -320,6 +325,7 @@ fn main() {
         .collect();
     let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
     let (med, best, share) = summarize(&runs);
+    let mut ours = vec![(format!("prefill chunk {t}"), t as f64 / med)];
     let prefill_proj = runs
         .iter()
         .map(|s| s.project)
@@ -364,6 +370,7 @@ fn main() {
             .collect();
         let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
         let (med, best, share) = summarize(&runs);
+        ours.push((format!("decode batch {b}"), b as f64 / med));
         println!(
             "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.2} ms/step median; {share})",
             b as f64 / med,
@@ -387,4 +394,74 @@ fn main() {
         prefill_proj * 1e3,
         naive / prefill_proj
     );
+    torch_side_by_side(rows, reps, &ours);
+}
+
+/// Run `reference/torch_bench.py` with the same table size and repetitions
+/// and print each of our medians beside PyTorch's, with the ratio.
+fn torch_side_by_side(rows: usize, reps: usize, ours: &[(String, f64)]) {
+    let want = std::env::var("PLE_TORCH").ok();
+    if want.as_deref() == Some("0") {
+        return;
+    }
+    let has_torch = std::process::Command::new("python3")
+        .args(["-c", "import torch"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !has_torch {
+        println!("PyTorch side by side: skipped (python3 cannot import torch; pip install torch)");
+        if want.as_deref() == Some("1") {
+            std::process::exit(1);
+        }
+        return;
+    }
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../reference/torch_bench.py"
+    );
+    let out = std::process::Command::new("python3")
+        .args([
+            script,
+            "--rows",
+            &rows.to_string(),
+            "--reps",
+            &reps.to_string(),
+        ])
+        .output();
+    let text = match out {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        Ok(o) => {
+            println!(
+                "PyTorch side by side: torch_bench.py failed: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            return;
+        }
+        Err(e) => {
+            println!("PyTorch side by side: cannot run python3: {e}");
+            return;
+        }
+    };
+    if let Some(first) = text.lines().next() {
+        println!("PyTorch side by side ({first})");
+    }
+    println!(
+        "  {:<18} {:>14} {:>14} {:>8}",
+        "step", "ours tok/s", "torch tok/s", "ratio"
+    );
+    for (label, ours) in ours {
+        // torch_bench.py prints e.g. "decode batch  32: median  1234.5 tokens/s".
+        let theirs = text.lines().find_map(|l| {
+            let (head, rest) = l.split_once(": median")?;
+            if head.split_whitespace().collect::<Vec<_>>() != label.split(' ').collect::<Vec<_>>() {
+                return None;
+            }
+            rest.split_whitespace().next()?.parse::<f64>().ok()
+        });
+        match theirs {
+            Some(v) => println!("  {label:<18} {ours:>14.1} {v:>14.1} {:>7.2}x", ours / v),
+            None => println!("  {label:<18} {ours:>14.1} {:>14} {:>8}", "?", "?"),
+        }
+    }
 }
