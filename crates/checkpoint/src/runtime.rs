@@ -58,7 +58,28 @@ impl Checkpoint {
                 Arc::new(CachedTable::open(files, gpu, CacheConfig::new(slots))?)
             }
         };
-        Ok(match t.fold_rows {
+        self.fold(site, inner)
+    }
+
+    /// Serve site `site`'s table behind a row cache configured by `cfg`
+    /// (slots, I/O depth, O_DIRECT, an injected reader).
+    pub fn open_cached_table(
+        &self,
+        site: usize,
+        cfg: CacheConfig,
+        gpu: Arc<dyn GpuBackend>,
+    ) -> Result<Arc<dyn RowTable>> {
+        let s = &self.sites[site];
+        let t = &s.table;
+        let files = TableFiles::open(&t.shards, Some(t.stored_rows))
+            .with_context(|| format!("opening the table shards of layer {}", s.layer))?;
+        self.fold(site, Arc::new(CachedTable::open(files, gpu, cfg)?))
+    }
+
+    /// Present a cut table at the full padded size.
+    fn fold(&self, site: usize, inner: Arc<dyn RowTable>) -> Result<Arc<dyn RowTable>> {
+        let s = &self.sites[site];
+        Ok(match s.table.fold_rows {
             Some(_) => Arc::new(FoldedTable::new(inner, s.padded_rows)?),
             None => inner,
         })

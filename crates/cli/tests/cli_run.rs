@@ -177,3 +177,41 @@ fn prompt_and_text_files_run_and_bad_ones_are_refused() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("nothing-here"), "{err}");
 }
+
+#[test]
+fn injected_read_faults_fail_only_their_sequences_and_reruns_verify() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut args = vec![
+        "run",
+        "--verify",
+        "--json",
+        "--no-prefetch",
+        "--fault-percent",
+        "5",
+        "--retries",
+        "100",
+    ];
+    args.extend_from_slice(SMALL);
+    let (o, out, err) = run(tmp.path(), &args);
+    assert!(o.status.success(), "{out}\n{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(u(&v, &["faults", "injected"]) > 0, "{out}");
+    assert!(u(&v, &["faults", "failed_calls"]) > 0, "{out}");
+    assert!(u(&v, &["faults", "retried_sequences"]) > 0, "{out}");
+    assert_eq!(u(&v, &["faults", "failed_sequences"]), 0, "{out}");
+    let first = v["faults"]["first_error"].as_str().unwrap();
+    assert!(
+        first.contains("safetensors at offset") && first.contains("row "),
+        "{first}"
+    );
+    assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");
+    assert_eq!(u(&v, &["leaked_allocations"]), 0);
+
+    // Faults are for the row cache only.
+    let (o, _, err) = run(
+        tmp.path(),
+        &["run", "--table", "resident", "--fault-percent", "1"],
+    );
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("needs --table cached"), "{err}");
+}

@@ -276,7 +276,11 @@ impl CachedTable {
                 for loads in rx.iter() {
                     let r = w.load(&loads);
                     if let Err(e) = &r {
-                        tracing::warn!(error = %format!("{e:#}"), "prefetch read failed; rows left unmapped");
+                        // Advice only: the rows stay unmapped and the resolve
+                        // that needs them reads them again and reports a
+                        // lasting fault itself, so a warning here would only
+                        // repeat it.
+                        tracing::debug!(error = %format!("{e:#}"), "prefetch read failed; rows left unmapped");
                     }
                     let mut g = w.st.lock();
                     w.finish_loads(&mut g, &loads, r.is_ok());

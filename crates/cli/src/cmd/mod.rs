@@ -4,6 +4,7 @@
 
 pub mod bench;
 pub mod common;
+pub mod faults;
 pub mod ids;
 pub mod init;
 pub mod inspect;

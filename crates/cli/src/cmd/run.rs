@@ -37,12 +37,15 @@ use metrale_engine::engine::{Engine, EngineConfig, SeqId, Site, SwapTarget};
 use metrale_engine::ple_site::PleSite;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_storage::cached::CacheConfig;
+use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::table::TableStats;
 use serde::Serialize;
 
 use metrale_ple_cli::parse::{parse_prompts, parse_text};
 
 use super::common::{bytes, cache_root};
+use super::faults::FlakyReader;
 use super::{CmdError, failure, input};
 
 /// How the table rows are served.
@@ -122,6 +125,14 @@ pub struct RunArgs {
     /// batch ahead of time (they overlap the current step by default).
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Fail this percentage of the table's read batches (EIO or a short
+    /// read; --table cached only). The sequences of a failed call are
+    /// released and run again from the start, up to --retries times.
+    #[arg(long, default_value_t = 0.0)]
+    pub fault_percent: f64,
+    /// How often a sequence hit by an injected fault is run again.
+    #[arg(long, default_value_t = 10)]
+    pub retries: u32,
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -256,6 +267,8 @@ fn fingerprint(row: &[f32]) -> u64 {
 /// The engine settings and table mode of one pass.
 struct PassConfig {
     mode: TableMode,
+    /// Read through this reader (cached tables only).
+    faults: Option<Arc<FlakyReader>>,
     engine: EngineConfig,
     resident_carries: usize,
 }
@@ -273,6 +286,14 @@ struct PassResult {
     stats: Option<metrale_engine::engine::EngineStats>,
     carry_bytes: usize,
     leaked: usize,
+    /// Calls that failed (with injected faults on).
+    failed_calls: u64,
+    /// Sequences run again after a failed call.
+    retried: u64,
+    /// Sequences given up after --retries failures.
+    failed: Vec<usize>,
+    /// The first failure's message.
+    first_fault: Option<String>,
 }
 
 struct Live {
@@ -291,7 +312,14 @@ fn build_engine(
     let g = &ck.geometry;
     let mut sites = Vec::new();
     for s in 0..ck.sites.len() {
-        let table = ck.open_table(s, pc.mode, gpu.clone())?;
+        let table = match (pc.mode, &pc.faults) {
+            (TableMode::Cached { slots }, Some(reader)) => {
+                let mut cfg = CacheConfig::new(slots);
+                cfg.reader = Some(reader.clone() as Arc<dyn PageReader>);
+                ck.open_cached_table(s, cfg, gpu.clone())?
+            }
+            _ => ck.open_table(s, pc.mode, gpu.clone())?,
+        };
         let layer = ck.build_layer(s, table, max_tokens, gpu.as_ref())?;
         sites.push(PleSite::new(layer, g.conv_kernel_size, g.dilation())?);
     }
@@ -324,7 +352,38 @@ fn pass(
     let mut prefilling: VecDeque<Live> = VecDeque::new();
     let mut decoding: VecDeque<Live> = VecDeque::new();
     let mut highway = vec![0f32; max_tokens * width];
+    let mut attempts = vec![0u32; plans.len()];
     let start = Instant::now();
+
+    // A call failed under injected faults: its sequences are lost (the
+    // engine refuses them until released). Release them, forget their
+    // rows and queue them to run again from the start, or give up.
+    let tolerate = pc.faults.is_some();
+    let mut lose = |lives: Vec<Live>,
+                    err: anyhow::Error,
+                    engine: &mut Engine<PleSite>,
+                    waiting: &mut VecDeque<usize>,
+                    res: &mut PassResult|
+     -> Result<()> {
+        if !tolerate {
+            return Err(err);
+        }
+        res.failed_calls += 1;
+        res.first_fault.get_or_insert_with(|| format!("{err:#}"));
+        for l in lives {
+            engine.release(l.id)?;
+            res.rows[l.plan].iter_mut().for_each(|r| *r = None);
+            attempts[l.plan] += 1;
+            if attempts[l.plan] <= a.retries {
+                res.retried += 1;
+                waiting.push_front(l.plan);
+            } else {
+                res.failed.push(l.plan);
+                bar.inc(1);
+            }
+        }
+        Ok(())
+    };
 
     // Move `l` on to its next segment, or release it when it is done.
     let advance = |l: Live,
@@ -407,8 +466,12 @@ fn pass(
                 embed(t, &mut rows[b * width..(b + 1) * width]);
             }
             let t0 = Instant::now();
-            engine.decode(&batch, rows).context("batched decode")?;
+            let done = engine.decode(&batch, rows).context("batched decode");
             res.decode_time += t0.elapsed();
+            if let Err(e) = done {
+                lose(batch_seqs, e, &mut engine, &mut waiting, &mut res)?;
+                continue;
+            }
             for (b, mut l) in batch_seqs.into_iter().enumerate() {
                 res.rows[l.plan][l.pos] = Some(fingerprint(&rows[b * width..(b + 1) * width]));
                 l.pos += 1;
@@ -435,10 +498,14 @@ fn pass(
                 embed(t, &mut rows[i * width..(i + 1) * width]);
             }
             let t0 = Instant::now();
-            engine
+            let done = engine
                 .prefill(l.id, toks, rows)
-                .with_context(|| format!("prefill of sequence {}", l.plan))?;
+                .with_context(|| format!("prefill of sequence {}", l.plan));
             res.prefill_time += t0.elapsed();
+            if let Err(e) = done {
+                lose(vec![l], e, &mut engine, &mut waiting, &mut res)?;
+                continue;
+            }
             for i in 0..n {
                 res.rows[l.plan][l.pos + i] = Some(fingerprint(&rows[i * width..(i + 1) * width]));
             }
@@ -488,7 +555,18 @@ struct Summary {
     carry: CarrySummary,
     wall_seconds: f64,
     leaked_allocations: usize,
+    faults: Option<FaultSummary>,
     verify: Option<VerifySummary>,
+}
+
+#[derive(Serialize)]
+struct FaultSummary {
+    percent: f64,
+    injected: u64,
+    failed_calls: u64,
+    retried_sequences: u64,
+    failed_sequences: usize,
+    first_error: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -611,6 +689,13 @@ fn render(s: &Summary) -> String {
             None => " (no budget)".to_string(),
         }
     );
+    if let Some(f) = &s.faults {
+        let _ = writeln!(
+            o,
+            "  read faults     {} injected ({}% of read batches): {} calls failed, {} sequences rerun, {} given up",
+            f.injected, f.percent, f.failed_calls, f.retried_sequences, f.failed_sequences
+        );
+    }
     let _ = writeln!(o, "  wall time       {:.2} s", s.wall_seconds);
     match &s.verify {
         Some(VerifySummary {
@@ -694,6 +779,17 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             a.decode_batch
         )));
     }
+    if !(0.0..=100.0).contains(&a.fault_percent) {
+        return Err(input(anyhow!(
+            "--fault-percent {} is not a percentage (0 to 100)",
+            a.fault_percent
+        )));
+    }
+    if a.fault_percent > 0.0 && a.table != TableArg::Cached {
+        return Err(input(anyhow!(
+            "--fault-percent injects read faults into the row cache; it needs --table cached"
+        )));
+    }
     if a.block_size == 0 {
         return Err(input(anyhow!("--block-size must be positive")));
     }
@@ -735,8 +831,18 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         TableArg::Mapped => TableMode::Mapped,
         TableArg::Resident => TableMode::Resident,
     };
+    let faults = if a.fault_percent > 0.0 {
+        Some(Arc::new(FlakyReader::new(
+            default_reader(32).map_err(failure)?,
+            a.fault_percent,
+            a.seed,
+        )))
+    } else {
+        None
+    };
     let main = PassConfig {
         mode,
+        faults: faults.clone(),
         engine: EngineConfig {
             prefill_chunk: a.prefill_chunk,
             block_size: a.block_size,
@@ -760,6 +866,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     let verify = if a.verify {
         let check = PassConfig {
             mode: TableMode::Resident,
+            faults: None,
             engine: EngineConfig {
                 prefix_cache_bytes: 0,
                 ..main.engine.clone()
@@ -837,6 +944,14 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         },
         wall_seconds: r.wall.as_secs_f64(),
         leaked_allocations: r.leaked,
+        faults: faults.as_ref().map(|f| FaultSummary {
+            percent: a.fault_percent,
+            injected: f.injected(),
+            failed_calls: r.failed_calls,
+            retried_sequences: r.retried,
+            failed_sequences: r.failed.len(),
+            first_error: r.first_fault.clone(),
+        }),
         verify,
     };
     if a.json {
@@ -852,6 +967,15 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     {
         return Err(failure(anyhow!(
             "verify: the output row of {at} differs from a resident, uncached run"
+        )));
+    }
+    if !r.failed.is_empty() {
+        return Err(failure(anyhow!(
+            "{} sequences still failed after {} retries (first: sequence {}); first error: {}",
+            r.failed.len(),
+            a.retries,
+            r.failed[0],
+            r.first_fault.as_deref().unwrap_or("?")
         )));
     }
     if r.leaked != 0 {

@@ -21,10 +21,9 @@
 //! Exit status: 0 when there were no mismatches, no unexplained errors and
 //! no leaked allocation, 1 otherwise.
 
-use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -36,11 +35,12 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
 use metrale_storage::cached::{CacheConfig, CachedTable};
-use metrale_storage::io::{PageReader, ReadReq, default_reader};
+use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
 use parking_lot::Mutex;
 
+use super::faults::FlakyReader;
 use super::{CmdError, failure, input};
 
 /// Arguments of `metrale-ple soak`.
@@ -69,7 +69,6 @@ const KERNEL: usize = 4;
 const DILATION: usize = 3;
 const MAX_TOKENS: usize = 16;
 const SITES: usize = 2;
-const EIO: i32 = 5;
 
 fn splitmix(v: &mut u64) -> u64 {
     *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -86,42 +85,6 @@ impl Rng {
     }
     fn pct(&mut self, p: u64) -> bool {
         splitmix(&mut self.0) % 100 < p
-    }
-}
-
-/// Fails `percent` of read batches while enabled.
-struct FlakyReader {
-    inner: Arc<dyn PageReader>,
-    percent: u64,
-    on: AtomicBool,
-    state: AtomicU64,
-    injected: AtomicU64,
-}
-
-impl PageReader for FlakyReader {
-    fn name(&self) -> &str {
-        "flaky"
-    }
-    fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
-        let mut s = self
-            .state
-            .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
-        let r = splitmix(&mut s) % 200;
-        if !self.on.load(Ordering::Relaxed) || r >= 2 * self.percent {
-            return self.inner.read_batch(reqs);
-        }
-        self.injected.fetch_add(1, Ordering::Relaxed);
-        if r % 2 == 0 {
-            reqs.iter()
-                .map(|_| Err(io::Error::from_raw_os_error(EIO)))
-                .collect()
-        } else {
-            self.inner
-                .read_batch(reqs)
-                .into_iter()
-                .map(|r| r.map(|n| n.min(64)))
-                .collect()
-        }
     }
 }
 
@@ -508,13 +471,11 @@ fn soak(a: &SoakArgs) -> Result<()> {
         .with_context(|| format!("creating {}", dir.display()))?;
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let base = gpu.live_alloc_count();
-    let flaky = Arc::new(FlakyReader {
-        inner: default_reader(8)?,
-        percent: a.fault_percent,
-        on: AtomicBool::new(true),
-        state: AtomicU64::new(a.seed),
-        injected: AtomicU64::new(0),
-    });
+    let flaky = Arc::new(FlakyReader::new(
+        default_reader(8)?,
+        a.fault_percent as f64,
+        a.seed,
+    ));
     let cfg = EngineConfig {
         prefill_chunk: 8,
         block_size: 4,
