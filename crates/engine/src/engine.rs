@@ -775,7 +775,7 @@ impl<S: Site> Engine<S> {
             self.run_one(id, &tokens[done..done + n], rows, "prefill")?;
             done += n;
             self.stats.prefill_tokens += n as u64;
-            if caching && (have + n) % b == 0 {
+            if caching && (have + n).is_multiple_of(b) {
                 // Caching is an optimisation: a failed snapshot must not fail
                 // a prefill whose forward already ran.
                 if self.cache_boundary(id).is_err() {

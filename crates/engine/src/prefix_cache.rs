@@ -240,7 +240,7 @@ impl<V: Clone> PrefixCache<V> {
         bytes: usize,
     ) -> Result<InsertOutcome, PrefixCacheError> {
         let b = self.block;
-        if tokens.is_empty() || tokens.len() % b != 0 {
+        if tokens.is_empty() || !tokens.len().is_multiple_of(b) {
             return Err(PrefixCacheError::NotBlockAligned {
                 len: tokens.len(),
                 block: b,

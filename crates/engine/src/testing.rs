@@ -32,7 +32,7 @@ impl TinyTable {
     /// A table of `bits.len() / head_dim` rows of BF16 bit patterns.
     pub fn new(gpu: Arc<dyn GpuBackend>, bits: &[u16], head_dim: usize) -> Result<Arc<Self>> {
         ensure!(
-            head_dim > 0 && !bits.is_empty() && bits.len() % head_dim == 0,
+            head_dim > 0 && !bits.is_empty() && bits.len().is_multiple_of(head_dim),
             "tiny table: {} values do not make whole rows of {head_dim}",
             bits.len()
         );
@@ -186,7 +186,10 @@ fn bf16_bits(x: f32) -> u16 {
 }
 
 fn is_prime(n: u64) -> bool {
-    n >= 2 && (2..).take_while(|d| d * d <= n).all(|d| n % d != 0)
+    n >= 2
+        && (2..)
+            .take_while(|d| d * d <= n)
+            .all(|d| !n.is_multiple_of(d))
 }
 
 /// The hash constants of site `site` (N = 3, `k` heads per order), derived

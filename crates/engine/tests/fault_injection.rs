@@ -271,7 +271,7 @@ fn read_faults_fail_only_their_sequences_and_a_retry_matches_a_clean_run() {
         .map(|_| {
             (0..20)
                 .map(|_| {
-                    if splitmix(&mut s) % 9 == 0 {
+                    if splitmix(&mut s).is_multiple_of(9) {
                         0
                     } else {
                         (splitmix(&mut s) % 999) as u32 + 1

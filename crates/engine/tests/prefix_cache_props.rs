@@ -31,7 +31,7 @@ impl Model {
     }
 
     fn insert(&mut self, tokens: &[u32], v: u32, bytes: usize) -> Result<InsertOutcome, ()> {
-        if tokens.is_empty() || tokens.len() % self.block != 0 || bytes > self.cap {
+        if tokens.is_empty() || !tokens.len().is_multiple_of(self.block) || bytes > self.cap {
             return Err(());
         }
         self.tick += 1;

@@ -173,7 +173,7 @@ fn kernels(gpu: &dyn GpuBackend) -> Result<()> {
         &[Ptr],
         Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
             let p = m.host_ptr(arg_ptr(a, 0)?, 4)?;
-            ensure!((p as usize) % 4 == 0, "gate flag is misaligned");
+            ensure!((p as usize).is_multiple_of(4), "gate flag is misaligned");
             // SAFETY: 4 checked, aligned bytes; others only touch them
             // atomically (the host side stores through an atomic too).
             let flag = unsafe { &*(p as *const std::sync::atomic::AtomicU32) };
@@ -556,7 +556,7 @@ pub fn host_mapped_memory(gpu: &dyn GpuBackend) -> Result<()> {
     let m = gpu.alloc_host_mapped(8192, "conformance mapped")?;
     ensure!(m.bytes == 8192 && !m.device.is_null() && !m.host.is_null());
     ensure!(
-        (m.host as usize) % 4096 == 0,
+        (m.host as usize).is_multiple_of(4096),
         "host address {:p} not page aligned",
         m.host
     );

@@ -216,7 +216,7 @@ impl dyn HostMemory + '_ {
     pub unsafe fn slice<T: Copy>(&self, ptr: DevicePtr, len: usize) -> Result<&[T]> {
         let p = self.host_ptr(ptr, len * std::mem::size_of::<T>())?;
         anyhow::ensure!(
-            (p as usize) % std::mem::align_of::<T>() == 0,
+            (p as usize).is_multiple_of(std::mem::align_of::<T>()),
             "pointer {ptr} is not aligned for {}",
             std::any::type_name::<T>()
         );
@@ -233,7 +233,7 @@ impl dyn HostMemory + '_ {
     pub unsafe fn slice_mut<T: Copy>(&self, ptr: DevicePtr, len: usize) -> Result<&mut [T]> {
         let p = self.host_ptr(ptr, len * std::mem::size_of::<T>())?;
         anyhow::ensure!(
-            (p as usize) % std::mem::align_of::<T>() == 0,
+            (p as usize).is_multiple_of(std::mem::align_of::<T>()),
             "pointer {ptr} is not aligned for {}",
             std::any::type_name::<T>()
         );

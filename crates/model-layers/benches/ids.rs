@@ -50,7 +50,7 @@ fn main() -> anyhow::Result<()> {
     let tokens: Vec<u32> = (0..t)
         .map(|_| {
             x = splitmix64(x);
-            if x % 500 == 0 {
+            if x.is_multiple_of(500) {
                 dims.eos_token_id
             } else {
                 (x % 151_936) as u32

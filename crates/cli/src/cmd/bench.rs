@@ -524,7 +524,7 @@ fn bench_ids(s: &Sizes, _dir: &Path) -> Result<Vec<Row>> {
     let tokens: Vec<u32> = (0..t)
         .map(|_| {
             x = splitmix64(x);
-            if x % 500 == 0 {
+            if x.is_multiple_of(500) {
                 EOS
             } else {
                 (x % VOCAB) as u32

@@ -67,7 +67,7 @@ impl PageReader for FlakyReader {
             return self.inner.read_batch(reqs);
         }
         self.injected.fetch_add(1, Ordering::Relaxed);
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             reqs.iter()
                 .map(|_| Err(io::Error::from_raw_os_error(EIO)))
                 .collect()

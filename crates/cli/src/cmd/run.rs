@@ -430,12 +430,12 @@ fn pass(
 
         // Start reading the rows of the next prefill chunk while the
         // decode step computes.
-        if !a.no_prefetch {
-            if let Some(l) = prefilling.front() {
-                let end = plans[l.plan].segments[l.seg].1;
-                let n = (end - l.pos).min(a.prefill_chunk);
-                engine.prefetch(l.id, &plans[l.plan].tokens[l.pos..l.pos + n])?;
-            }
+        if !a.no_prefetch
+            && let Some(l) = prefilling.front()
+        {
+            let end = plans[l.plan].segments[l.seg].1;
+            let n = (end - l.pos).min(a.prefill_chunk);
+            engine.prefetch(l.id, &plans[l.plan].tokens[l.pos..l.pos + n])?;
         }
 
         // One batched decode step.

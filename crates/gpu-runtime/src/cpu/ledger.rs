@@ -277,10 +277,10 @@ impl Ledger {
             self.host_index.write().remove(&(entry.host, ptr.0));
         }
         let mut freed = self.freed.lock();
-        if freed.order.len() >= FREED_MEMORY {
-            if let Some(old) = freed.order.pop_front() {
-                freed.by_addr.remove(&old);
-            }
+        if freed.order.len() >= FREED_MEMORY
+            && let Some(old) = freed.order.pop_front()
+        {
+            freed.by_addr.remove(&old);
         }
         freed.order.push_back(ptr.0);
         freed.by_addr.insert(

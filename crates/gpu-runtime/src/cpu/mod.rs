@@ -535,15 +535,15 @@ impl GpuBackend for CpuBackend {
         // As CUDA allows copies from page-locked memory under capture: a
         // source inside host-mapped or registered memory is recorded as a
         // copy from its device address, read at each replay.
-        if s.state.lock().capture.is_some() {
-            if let Some(dev) = self.inner.ledger.device_of_host(src.as_ptr(), src.len()) {
-                let node = Node::CopyD2D {
-                    src: dev,
-                    dst,
-                    bytes: src.len(),
-                };
-                return self.inner.submit(op, &s, &[node]);
-            }
+        if s.state.lock().capture.is_some()
+            && let Some(dev) = self.inner.ledger.device_of_host(src.as_ptr(), src.len())
+        {
+            let node = Node::CopyD2D {
+                src: dev,
+                dst,
+                bytes: src.len(),
+            };
+            return self.inner.submit(op, &s, &[node]);
         }
         // Refuse before copying the source: under capture it is never used.
         self.inner.refuse_if_capturing(

@@ -685,7 +685,7 @@ mod tests {
             .map(|_| {
                 x = splitmix64(x);
                 // Plenty of EOS to exercise segment starts.
-                if x % 7 == 0 {
+                if x.is_multiple_of(7) {
                     d.eos_token_id
                 } else {
                     (x % 151_936) as u32

@@ -218,7 +218,7 @@ impl Staging {
         let slot_bytes = (self.heads * REF_BYTES) as u64;
         if va >= bs && va < bs + slot_bytes * self.max_batch as u64 {
             anyhow::ensure!(
-                (va - bs) % slot_bytes == 0,
+                (va - bs).is_multiple_of(slot_bytes),
                 "prestaged address {va:#x} is not the start of a batch slot"
             );
             let slot = ((va - bs) / slot_bytes) as usize;

@@ -225,9 +225,13 @@ fn run_row(
         CpuPath::Portable => conv_row(dims, ti, xn, state, wt, gated, hw, y),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller checked that the CPU has AVX2 and FMA.
-        CpuPath::Avx2Fma => unsafe { conv_row_avx2(dims, ti, xn, state, wt, gated, hw, y) },
+        CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => unsafe {
+            conv_row_avx2(dims, ti, xn, state, wt, gated, hw, y)
+        },
         #[cfg(not(target_arch = "x86_64"))]
-        CpuPath::Avx2Fma => unreachable!("AVX2 is never available off x86-64"),
+        CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => {
+            unreachable!("AVX2 is never available off x86-64")
+        }
     }
 }
 

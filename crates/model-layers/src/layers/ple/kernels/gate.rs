@@ -111,9 +111,13 @@ pub fn gate_on(
                     CpuPath::Portable => gate_row(d, inp, hw, kv, gr, xr),
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: `gate_on` checked that the CPU has AVX2 and FMA.
-                    CpuPath::Avx2Fma => unsafe { gate_row_avx2(d, inp, hw, kv, gr, xr) },
+                    CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => unsafe {
+                        gate_row_avx2(d, inp, hw, kv, gr, xr)
+                    },
                     #[cfg(not(target_arch = "x86_64"))]
-                    CpuPath::Avx2Fma => unreachable!("AVX2 is never available off x86-64"),
+                    CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => {
+                        unreachable!("AVX2 is never available off x86-64")
+                    }
                 }
             }
         });

@@ -15,6 +15,14 @@
 //! CPU path. Products of BF16 values are exact in f32, so the FMA matters only
 //! for the additions, and both paths use it.
 //!
+//! The AVX-512 BF16 path keeps that order: it feeds `vdpbf16ps` pairs
+//! `(x[e], x[e+1])`, `(w[e], w[e+1])` with `e` in the half the instruction
+//! takes first, so each lane adds the exact product of `e`, rounds, then
+//! adds that of `e + 1` and rounds, as two FMAs do. It needs the activations
+//! to be exact BF16 values (rows gathered from a BF16 table are); a call
+//! with any other `x` runs on the AVX2 path. Weight blocks are re-packed into
+//! such pairs per block, as the other paths convert them to f32.
+//!
 //! Work split: token tiles of [`TILE_ROWS`] rows, sequentially; within a tile,
 //! rayon over weight panels. Each panel's weights are read once per tile and
 //! shared by every row of the tile, so a decode batch of up to `TILE_ROWS`
@@ -29,6 +37,9 @@ use super::math::bf16_to_f32;
 pub const NR: usize = 16;
 /// Rows of the register tile.
 const MR: usize = 6;
+/// Rows of the AVX-512 BF16 register tile (of 32 registers: 8 accumulators,
+/// the weight pair, the broadcasts).
+const MR_BF16: usize = 8;
 /// Depth of a weight block converted to f32 at once (16 KiB of f32, in L1).
 const KC: usize = 256;
 /// Token rows sharing one pass over the weights (a multiple of `MR`).
@@ -153,8 +164,14 @@ pub fn project_on(
     let np = panels(o);
     let min_len = (np / (rayon::current_num_threads() * 8)).max(1);
     let yp = SyncPtr(y.as_mut_ptr());
+    // BF16 pair products need activations that are BF16 values.
+    let path = if path == CpuPath::Avx512Bf16 && !x.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
+        CpuPath::Avx2Fma
+    } else {
+        path
+    };
     #[cfg(target_arch = "x86_64")]
-    if path == CpuPath::Avx2Fma && t == 1 {
+    if matches!(path, CpuPath::Avx2Fma | CpuPath::Avx512Bf16) && t == 1 {
         // One row is bound by reading the weights: convert them in registers
         // and keep GROUP panels (2 * GROUP independent FMA chains) in flight.
         let groups = np.div_ceil(GROUP);
@@ -186,14 +203,28 @@ pub fn project_on(
             });
         return Ok(());
     }
+    let e2 = e.div_ceil(2);
+    let mut pairs = Vec::new();
     for t0 in (0..t).step_by(TILE_ROWS) {
         let rows = TILE_ROWS.min(t - t0);
         let xt = &x[t0 * e..(t0 + rows) * e];
+        if path == CpuPath::Avx512Bf16 {
+            pairs.clear();
+            pairs.extend(xt.chunks_exact(e).flat_map(|row| {
+                (0..e2).map(move |i| {
+                    let hi = row[2 * i].to_bits() >> 16;
+                    let lo = row.get(2 * i + 1).map_or(0, |v| v.to_bits() >> 16);
+                    (hi << 16) | lo
+                })
+            }));
+        }
+        let xpairs = &pairs[..];
         (0..np).into_par_iter().with_min_len(min_len).for_each(|p| {
             let mut acc = [0.0f32; TILE_ROWS * NR];
             panel(
                 path,
                 xt,
+                xpairs,
                 &w[p * e * NR..(p + 1) * e * NR],
                 &mut acc[..rows * NR],
                 rows,
@@ -228,20 +259,88 @@ impl SyncPtr {
     }
 }
 
-/// One panel for `rows` token rows: `acc [rows, NR]` gets the panel's outputs.
-fn panel(path: CpuPath, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e: usize) {
+/// Pack a weight block (`kc` steps of `NR` BF16 values) into `vdpbf16ps`
+/// pairs: word `i * NR + j` holds step `2i` in its high half (taken first)
+/// and step `2i + 1` (or zero past the block) in its low half.
+fn pack_pairs(src: &[u16], kc: usize, dst: &mut [u32]) {
+    for i in 0..kc.div_ceil(2) {
+        for j in 0..NR {
+            let hi = u32::from(src[2 * i * NR + j]);
+            let lo = if 2 * i + 1 < kc {
+                u32::from(src[(2 * i + 1) * NR + j])
+            } else {
+                0
+            };
+            dst[i * NR + j] = (hi << 16) | lo;
+        }
+    }
+}
+
+/// One panel for `rows` token rows: `acc [rows, NR]` gets the panel's
+/// outputs. `xpairs` is `xt` as BF16 pairs (`ceil(e / 2)` words a row) on
+/// the AVX-512 BF16 path, empty otherwise.
+fn panel(
+    path: CpuPath,
+    xt: &[f32],
+    xpairs: &[u32],
+    wp: &[u16],
+    acc: &mut [f32],
+    rows: usize,
+    e: usize,
+) {
     let mut buf = [0.0f32; KC * NR];
+    let mut pbuf = [0u32; KC / 2 * NR];
+    let e2 = e.div_ceil(2);
     for kb in (0..e).step_by(KC) {
         let kc = KC.min(e - kb);
-        let b = &mut buf[..kc * NR];
         let src = &wp[kb * NR..(kb + kc) * NR];
+        if path == CpuPath::Avx512Bf16 {
+            let kp = kc.div_ceil(2);
+            pack_pairs(src, kc, &mut pbuf[..kp * NR]);
+            let tiles = rows.div_ceil(MR_BF16);
+            let (base, extra) = (rows / tiles, rows % tiles);
+            let mut r0 = 0;
+            for tile in 0..tiles {
+                let mr = base + usize::from(tile < extra);
+                // KC is even, so block `kb` starts at pair `kb / 2`.
+                let xs = &xpairs[r0 * e2 + kb / 2..];
+                let a = &mut acc[r0 * NR..(r0 + mr) * NR];
+                assert!(xs.len() >= (mr - 1) * e2 + kp);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `project_on` only picks this path when the CPU has
+                // AVX-512F and AVX-512 BF16; the assert above and the slice
+                // lengths bound every access.
+                unsafe {
+                    let (xp, bp, ap) = (xs.as_ptr(), pbuf.as_ptr(), a.as_mut_ptr());
+                    match mr {
+                        1 => avx512::micro_bf16::<1>(xp, e2, bp, kp, ap),
+                        2 => avx512::micro_bf16::<2>(xp, e2, bp, kp, ap),
+                        3 => avx512::micro_bf16::<3>(xp, e2, bp, kp, ap),
+                        4 => avx512::micro_bf16::<4>(xp, e2, bp, kp, ap),
+                        5 => avx512::micro_bf16::<5>(xp, e2, bp, kp, ap),
+                        6 => avx512::micro_bf16::<6>(xp, e2, bp, kp, ap),
+                        7 => avx512::micro_bf16::<7>(xp, e2, bp, kp, ap),
+                        8 => avx512::micro_bf16::<8>(xp, e2, bp, kp, ap),
+                        9 => avx512::micro_bf16::<9>(xp, e2, bp, kp, ap),
+                        10 => avx512::micro_bf16::<10>(xp, e2, bp, kp, ap),
+                        11 => avx512::micro_bf16::<11>(xp, e2, bp, kp, ap),
+                        _ => avx512::micro_bf16::<12>(xp, e2, bp, kp, ap),
+                    }
+                }
+                r0 += mr;
+            }
+            continue;
+        }
+        let b = &mut buf[..kc * NR];
         match path {
             CpuPath::Portable => convert_portable(src, b),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `project_on` checked that this CPU has AVX2 and FMA.
-            CpuPath::Avx2Fma => unsafe { avx2::convert(src, b) },
+            CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => unsafe { avx2::convert(src, b) },
             #[cfg(not(target_arch = "x86_64"))]
-            CpuPath::Avx2Fma => unreachable!("AVX2 is never available off x86-64"),
+            CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => {
+                unreachable!("AVX2 is never available off x86-64")
+            }
         }
         let b = &buf[..kc * NR];
         // Split the rows into register tiles of near-equal height (32 rows
@@ -268,7 +367,7 @@ fn panel(path: CpuPath, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e:
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: AVX2 and FMA were checked by `project_on`; the
                 // assert above and the slice lengths bound every access.
-                CpuPath::Avx2Fma => unsafe {
+                CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => unsafe {
                     match mr {
                         1 => avx2::micro::<1>(xs.as_ptr(), e, b.as_ptr(), kc, a.as_mut_ptr()),
                         2 => avx2::micro::<2>(xs.as_ptr(), e, b.as_ptr(), kc, a.as_mut_ptr()),
@@ -279,7 +378,9 @@ fn panel(path: CpuPath, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e:
                     }
                 },
                 #[cfg(not(target_arch = "x86_64"))]
-                CpuPath::Avx2Fma => unreachable!("AVX2 is never available off x86-64"),
+                CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => {
+                    unreachable!("AVX2 is never available off x86-64")
+                }
             }
             r0 += mr;
         }
@@ -406,6 +507,56 @@ mod avx2 {
             for i in 0..M {
                 _mm256_storeu_ps(acc.add(i * NR), c0[i]);
                 _mm256_storeu_ps(acc.add(i * NR + 8), c1[i]);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    //! The AVX-512 BF16 register tile.
+
+    use std::arch::x86_64::*;
+
+    use super::NR;
+
+    /// `acc [M, NR] += x [M, 2 * np] @ b [2 * np, NR]` over BF16 pairs: `x`
+    /// holds `np` pair words a row (row stride `xs` words), `b` holds `np`
+    /// groups of `NR` pair words (see `pack_pairs`). One `vdpbf16ps` per row
+    /// and pair: the exact product of the earlier step, rounded, then that
+    /// of the later one, as the FMA chain.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F and AVX-512 BF16; `x` readable at
+    /// `i * xs + p` for `i < M`, `p < np`; `b` at `np * NR` words; `acc`
+    /// readable and writable at `M * NR` values.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn micro_bf16<const M: usize>(
+        x: *const u32,
+        xs: usize,
+        b: *const u32,
+        np: usize,
+        acc: *mut f32,
+    ) {
+        // SAFETY: all reads and writes stay inside the ranges the caller
+        // guarantees; unaligned loads and stores are used throughout. The
+        // transmutes reinterpret 512 bits as BF16 pairs, which every bit
+        // pattern is.
+        unsafe {
+            let mut c = [_mm512_setzero_ps(); M];
+            for (i, ci) in c.iter_mut().enumerate() {
+                *ci = _mm512_loadu_ps(acc.add(i * NR));
+            }
+            for p in 0..np {
+                let bv: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
+                for (i, ci) in c.iter_mut().enumerate() {
+                    let a: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*x.add(i * xs + p) as i32));
+                    *ci = _mm512_dpbf16_ps(*ci, a, bv);
+                }
+            }
+            for (i, ci) in c.iter().enumerate() {
+                _mm512_storeu_ps(acc.add(i * NR), *ci);
             }
         }
     }
