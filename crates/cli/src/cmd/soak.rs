@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use metrale_engine::engine::{Engine, EngineConfig, SeqId, SwapTarget};
+use metrale_engine::engine::{Engine, EngineConfig, SeqId, Site, SwapTarget};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::testing::tiny_dims;
 use metrale_gpu_runtime::cpu::CpuBackend;
@@ -59,6 +59,11 @@ pub struct SoakArgs {
     /// Share of table read batches that fail, in percent.
     #[arg(long, default_value_t = 2)]
     fault_percent: u64,
+    /// Carries the engine's device budget holds (each thread keeps up to
+    /// six sequences, so more are preempted to host memory and swapped back
+    /// in on use); 0 for no limit.
+    #[arg(long, default_value_t = 12)]
+    resident_carries: usize,
 }
 
 const HIDDEN: usize = 32;
@@ -131,8 +136,9 @@ fn build(
     gpu: &Arc<dyn GpuBackend>,
     dir: &Path,
     reader: Option<Arc<dyn PageReader>>,
-    cfg: EngineConfig,
+    mut cfg: EngineConfig,
     slots: usize,
+    resident_carries: usize,
 ) -> Result<Engine<PleSite>> {
     let mut sites = Vec::new();
     for site in 0..SITES {
@@ -154,6 +160,10 @@ fn build(
             gpu.as_ref(),
         )?;
         sites.push(PleSite::new(layer, KERNEL, DILATION)?);
+    }
+    if resident_carries > 0 {
+        let carry: usize = sites.iter().map(Site::carry_bytes).sum();
+        cfg.device_budget_bytes = resident_carries * carry;
     }
     Engine::new(gpu.clone(), sites, cfg)
 }
@@ -484,7 +494,7 @@ fn soak(a: &SoakArgs) -> Result<()> {
         preempt_to: SwapTarget::Host,
         swap_dir: Some(dir.join("swap")),
     };
-    let engine = build(&gpu, &dir, Some(flaky.clone()), cfg, 48)?;
+    let engine = build(&gpu, &dir, Some(flaky.clone()), cfg, 48, a.resident_carries)?;
     let reference = build(
         &gpu,
         &dir,
@@ -495,6 +505,7 @@ fn soak(a: &SoakArgs) -> Result<()> {
             ..Default::default()
         },
         256,
+        0,
     )?;
     let width = engine.width();
     let sh = Shared {
