@@ -216,6 +216,40 @@ impl Geometry {
         if self.table_rows == Some(0) {
             return Err(format!("field `{TABLE_ROWS_KEY}` must be positive, got 0"));
         }
+        self.check_sizes()
+    }
+
+    /// Every size derived from the fields must be computable: a config with
+    /// absurd fields is refused here, naming them, instead of overflowing
+    /// later. The limit is what an allocation can address.
+    fn check_sizes(&self) -> std::result::Result<(), String> {
+        const LIMIT: usize = isize::MAX as usize;
+        let fits = |v: Option<usize>| v.filter(|&v| v <= LIMIT);
+        let too_big = |what: &str| Err(format!("{what} is too large to address"));
+        let Some(heads) = fits((self.ngram_size - 1).checked_mul(self.heads_per_ngram)) else {
+            return too_big("(ngram_size - 1) * heads_per_ngram");
+        };
+        if fits(heads.checked_mul(self.head_dim)).is_none() {
+            return too_big("(ngram_size - 1) * heads_per_ngram * ple_head_dim");
+        }
+        let Some(channels) = fits(self.hc_mult.checked_mul(self.hidden_size)) else {
+            return too_big("hc_mult * hidden_size");
+        };
+        let Some(state) = fits((self.conv_kernel_size - 1).checked_mul(self.ngram_size)) else {
+            return too_big("(ple_conv_kernel_size - 1) * ngram_size");
+        };
+        let blob = state
+            .checked_mul(channels)
+            .and_then(|v| v.checked_mul(4))
+            .and_then(|v| v.checked_add(self.ngram_size.checked_mul(4)?));
+        let Some(blob) = fits(blob) else {
+            return too_big(
+                "the conv state (ple_conv_kernel_size, ngram_size, hc_mult, hidden_size)",
+            );
+        };
+        if fits(blob.checked_mul(self.sites())).is_none() {
+            return too_big("the carry of all ple_layer_ids");
+        }
         Ok(())
     }
 
@@ -365,6 +399,46 @@ mod tests {
             let back = Geometry::parse(Path::new("config.json"), &g.to_config_json()).unwrap();
             assert_eq!(back, g, "{}", p.name());
         }
+    }
+
+    /// Found by the `config_json` fuzz target: a huge `hc_mult` passed the
+    /// checks and overflowed in `channels()`.
+    #[test]
+    fn sizes_that_overflow_are_refused_by_name() {
+        let base: serde_json::Value =
+            serde_json::from_str(&Preset::Tiny.geometry().to_config_json()).unwrap();
+        for (field, value, want) in [
+            (
+                "hc_mult",
+                serde_json::json!(477_777_776_777_777_777u64),
+                "hc_mult * hidden_size",
+            ),
+            (
+                "hidden_size",
+                serde_json::json!(u64::MAX / 2),
+                "hc_mult * hidden_size",
+            ),
+            (
+                "ple_conv_kernel_size",
+                serde_json::json!(u64::MAX / 2),
+                "ple_conv_kernel_size",
+            ),
+        ] {
+            let mut v = base.clone();
+            v[field] = value;
+            v.as_object_mut()
+                .unwrap()
+                .insert("ple_head_dim".into(), serde_json::json!(16));
+            let e = Geometry::parse(Path::new("c.json"), &v.to_string()).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains(want) && msg.contains("too large"),
+                "{field}: {msg}"
+            );
+        }
+        let mut g = Preset::Tiny.geometry();
+        g.ngram_size = usize::MAX;
+        assert!(g.check().unwrap_err().contains("too large"));
     }
 
     #[test]
