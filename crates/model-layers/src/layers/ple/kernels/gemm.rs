@@ -260,8 +260,9 @@ impl SyncPtr {
 }
 
 /// Pack a weight block (`kc` steps of `NR` BF16 values) into `vdpbf16ps`
-/// pairs: word `i * NR + j` holds step `2i` in its high half (taken first)
+/// pairs (the reference for the AVX2 form, which the BF16 path uses): word `i * NR + j` holds step `2i` in its high half (taken first)
 /// and step `2i + 1` (or zero past the block) in its low half.
+#[cfg_attr(target_arch = "x86_64", allow(dead_code))]
 fn pack_pairs(src: &[u16], kc: usize, dst: &mut [u32]) {
     for i in 0..kc.div_ceil(2) {
         for j in 0..NR {
@@ -296,6 +297,14 @@ fn panel(
         let src = &wp[kb * NR..(kb + kc) * NR];
         if path == CpuPath::Avx512Bf16 {
             let kp = kc.div_ceil(2);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: this path is only taken when the CPU has AVX2 (and
+            // AVX-512 BF16); `src` holds `kc * NR` values and `pbuf` at
+            // least `kp * NR` words.
+            unsafe {
+                avx512::pack_pairs_avx2(src, kc, &mut pbuf[..kp * NR])
+            };
+            #[cfg(not(target_arch = "x86_64"))]
             pack_pairs(src, kc, &mut pbuf[..kp * NR]);
             let tiles = rows.div_ceil(MR_BF16);
             let (base, extra) = (rows / tiles, rows % tiles);
@@ -520,6 +529,39 @@ mod avx512 {
 
     use super::NR;
 
+    /// `super::pack_pairs` with AVX2 shuffles: the interleave of two steps'
+    /// 16 values is two unpacks and two lane permutes. The result is the
+    /// same words (a unit test compares them).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `src` holds `kc * NR` values and `dst` at
+    /// least `kc.div_ceil(2) * NR` words.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn pack_pairs_avx2(src: &[u16], kc: usize, dst: &mut [u32]) {
+        assert!(src.len() >= kc * NR && dst.len() >= kc.div_ceil(2) * NR);
+        let full = kc / 2;
+        // SAFETY: the assert above bounds every load and store; unaligned
+        // loads and stores are used.
+        unsafe {
+            for i in 0..full {
+                let s0 = _mm256_loadu_si256(src.as_ptr().add(2 * i * NR).cast());
+                let s1 = _mm256_loadu_si256(src.as_ptr().add((2 * i + 1) * NR).cast());
+                // Words (s0[j] << 16) | s1[j]: the later step in the low half.
+                let lo = _mm256_unpacklo_epi16(s1, s0); // j 0..4, 8..12
+                let hi = _mm256_unpackhi_epi16(s1, s0); // j 4..8, 12..16
+                let a = _mm256_permute2x128_si256::<0x20>(lo, hi); // j 0..8
+                let b = _mm256_permute2x128_si256::<0x31>(lo, hi); // j 8..16
+                _mm256_storeu_si256(dst.as_mut_ptr().add(i * NR).cast(), a);
+                _mm256_storeu_si256(dst.as_mut_ptr().add(i * NR + 8).cast(), b);
+            }
+        }
+        if kc % 2 == 1 {
+            for j in 0..NR {
+                dst[full * NR + j] = u32::from(src[(kc - 1) * NR + j]) << 16;
+            }
+        }
+    }
+
     /// `acc [M, NR] += x [M, 2 * np] @ b [2 * np, NR]` over BF16 pairs: `x`
     /// holds `np` pair words a row (row stride `xs` words), `b` holds `np`
     /// groups of `NR` pair words (see `pack_pairs`). One `vdpbf16ps` per row
@@ -642,6 +684,25 @@ mod tests {
                 let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "path {path:?} differs at T={t} E={e} O={o}");
             }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn pair_packing_forms_agree() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        for kc in [1, 2, 7, 64, 255, 256] {
+            let src: Vec<u16> = (0..kc * NR)
+                .map(|i| val(i as u64 * 7 + kc as u64))
+                .collect();
+            let mut want = vec![0u32; kc.div_ceil(2) * NR];
+            let mut got = vec![1u32; kc.div_ceil(2) * NR];
+            pack_pairs(&src, kc, &mut want);
+            // SAFETY: AVX2 was detected; the lengths are as required.
+            unsafe { avx512::pack_pairs_avx2(&src, kc, &mut got) };
+            assert_eq!(got, want, "kc = {kc}");
         }
     }
 
