@@ -219,12 +219,49 @@ pub fn project_on(
             }));
         }
         let xpairs = &pairs[..];
+        if path == CpuPath::Avx512Bf16 {
+            // Two panels a task share every activation broadcast.
+            let groups = np.div_ceil(2);
+            let min_len = (groups / (rayon::current_num_threads() * 8)).max(1);
+            (0..groups)
+                .into_par_iter()
+                .with_min_len(min_len)
+                .for_each(|g| {
+                    let p0 = 2 * g;
+                    let n = 2.min(np - p0);
+                    let mut acc = [0.0f32; 2 * TILE_ROWS * NR];
+                    panels_bf16(
+                        xpairs,
+                        &w[p0 * e * NR..(p0 + n) * e * NR],
+                        n,
+                        &mut acc[..n * rows * NR],
+                        rows,
+                        e,
+                    );
+                    for q in 0..n {
+                        let p = p0 + q;
+                        let cols = NR.min(o - p * NR);
+                        for r in 0..rows {
+                            let dst = (t0 + r) * o + p * NR;
+                            // SAFETY: as below: `dst .. dst + cols` lies inside
+                            // `y` and belongs to panel `p` of this task alone.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    acc[(q * rows + r) * NR..].as_ptr(),
+                                    yp.get().add(dst),
+                                    cols,
+                                )
+                            };
+                        }
+                    }
+                });
+            continue;
+        }
         (0..np).into_par_iter().with_min_len(min_len).for_each(|p| {
             let mut acc = [0.0f32; TILE_ROWS * NR];
             panel(
                 path,
                 xt,
-                xpairs,
                 &w[p * e * NR..(p + 1) * e * NR],
                 &mut acc[..rows * NR],
                 rows,
@@ -277,69 +314,73 @@ fn pack_pairs(src: &[u16], kc: usize, dst: &mut [u32]) {
     }
 }
 
-/// One panel for `rows` token rows: `acc [rows, NR]` gets the panel's
-/// outputs. `xpairs` is `xt` as BF16 pairs (`ceil(e / 2)` words a row) on
-/// the AVX-512 BF16 path, empty otherwise.
-fn panel(
-    path: CpuPath,
-    xt: &[f32],
-    xpairs: &[u32],
-    wp: &[u16],
-    acc: &mut [f32],
-    rows: usize,
-    e: usize,
-) {
-    let mut buf = [0.0f32; KC * NR];
-    let mut pbuf = [0u32; KC / 2 * NR];
+/// `n` (1 or 2) consecutive panels on the AVX-512 BF16 path for `rows`
+/// token rows: `acc [n, rows, NR]` gets their outputs. `xpairs` holds the
+/// rows as BF16 pairs, `ceil(e / 2)` words a row.
+fn panels_bf16(xpairs: &[u32], wp: &[u16], n: usize, acc: &mut [f32], rows: usize, e: usize) {
+    assert!((1..=2).contains(&n) && wp.len() == n * e * NR && acc.len() == n * rows * NR);
+    let mut pbuf = [[0u32; KC / 2 * NR]; 2];
     let e2 = e.div_ceil(2);
+    let (acc0, acc1) = acc.split_at_mut(rows * NR);
+    for kb in (0..e).step_by(KC) {
+        let kc = KC.min(e - kb);
+        let kp = kc.div_ceil(2);
+        for (q, buf) in pbuf.iter_mut().enumerate().take(n) {
+            let src = &wp[q * e * NR + kb * NR..q * e * NR + (kb + kc) * NR];
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: this path is only taken when the CPU has AVX2 (and
+            // AVX-512 BF16); `src` holds `kc * NR` values and `buf` at
+            // least `kp * NR` words.
+            unsafe {
+                avx512::pack_pairs_avx2(src, kc, &mut buf[..kp * NR])
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            pack_pairs(src, kc, &mut buf[..kp * NR]);
+        }
+        let tiles = rows.div_ceil(MR_BF16);
+        let (base, extra) = (rows / tiles, rows % tiles);
+        let mut r0 = 0;
+        for tile in 0..tiles {
+            let mr = base + usize::from(tile < extra);
+            // KC is even, so block `kb` starts at pair `kb / 2`.
+            let xs = &xpairs[r0 * e2 + kb / 2..];
+            assert!(xs.len() >= (mr - 1) * e2 + kp);
+            let a0 = &mut acc0[r0 * NR..(r0 + mr) * NR];
+            let a1: &mut [f32] = if n == 2 {
+                &mut acc1[r0 * NR..(r0 + mr) * NR]
+            } else {
+                &mut []
+            };
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `project_on` only picks this path when the CPU has
+            // AVX-512F and AVX-512 BF16; the assert above and the slice
+            // lengths bound every access (`a1` is only written when n == 2).
+            unsafe {
+                let (xp, b0, b1) = (xs.as_ptr(), pbuf[0].as_ptr(), pbuf[1].as_ptr());
+                let (p0, p1) = (a0.as_mut_ptr(), a1.as_mut_ptr());
+                macro_rules! tile {
+                    ($($m:literal)*) => {
+                        match (mr, n) {
+                            $(($m, 2) => avx512::micro_bf16_2::<$m>(xp, e2, b0, b1, kp, p0, p1),
+                              ($m, _) => avx512::micro_bf16::<$m>(xp, e2, b0, kp, p0),)*
+                            _ => unreachable!("tile heights are at most MR_BF16"),
+                        }
+                    };
+                }
+                tile!(1 2 3 4 5 6 7 8);
+            }
+            r0 += mr;
+        }
+    }
+}
+
+/// One panel for `rows` token rows on the portable or AVX2 path:
+/// `acc [rows, NR]` gets the panel's outputs.
+fn panel(path: CpuPath, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e: usize) {
+    let mut buf = [0.0f32; KC * NR];
     for kb in (0..e).step_by(KC) {
         let kc = KC.min(e - kb);
         let src = &wp[kb * NR..(kb + kc) * NR];
-        if path == CpuPath::Avx512Bf16 {
-            let kp = kc.div_ceil(2);
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: this path is only taken when the CPU has AVX2 (and
-            // AVX-512 BF16); `src` holds `kc * NR` values and `pbuf` at
-            // least `kp * NR` words.
-            unsafe {
-                avx512::pack_pairs_avx2(src, kc, &mut pbuf[..kp * NR])
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            pack_pairs(src, kc, &mut pbuf[..kp * NR]);
-            let tiles = rows.div_ceil(MR_BF16);
-            let (base, extra) = (rows / tiles, rows % tiles);
-            let mut r0 = 0;
-            for tile in 0..tiles {
-                let mr = base + usize::from(tile < extra);
-                // KC is even, so block `kb` starts at pair `kb / 2`.
-                let xs = &xpairs[r0 * e2 + kb / 2..];
-                let a = &mut acc[r0 * NR..(r0 + mr) * NR];
-                assert!(xs.len() >= (mr - 1) * e2 + kp);
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `project_on` only picks this path when the CPU has
-                // AVX-512F and AVX-512 BF16; the assert above and the slice
-                // lengths bound every access.
-                unsafe {
-                    let (xp, bp, ap) = (xs.as_ptr(), pbuf.as_ptr(), a.as_mut_ptr());
-                    match mr {
-                        1 => avx512::micro_bf16::<1>(xp, e2, bp, kp, ap),
-                        2 => avx512::micro_bf16::<2>(xp, e2, bp, kp, ap),
-                        3 => avx512::micro_bf16::<3>(xp, e2, bp, kp, ap),
-                        4 => avx512::micro_bf16::<4>(xp, e2, bp, kp, ap),
-                        5 => avx512::micro_bf16::<5>(xp, e2, bp, kp, ap),
-                        6 => avx512::micro_bf16::<6>(xp, e2, bp, kp, ap),
-                        7 => avx512::micro_bf16::<7>(xp, e2, bp, kp, ap),
-                        8 => avx512::micro_bf16::<8>(xp, e2, bp, kp, ap),
-                        9 => avx512::micro_bf16::<9>(xp, e2, bp, kp, ap),
-                        10 => avx512::micro_bf16::<10>(xp, e2, bp, kp, ap),
-                        11 => avx512::micro_bf16::<11>(xp, e2, bp, kp, ap),
-                        _ => avx512::micro_bf16::<12>(xp, e2, bp, kp, ap),
-                    }
-                }
-                r0 += mr;
-            }
-            continue;
-        }
         let b = &mut buf[..kc * NR];
         match path {
             CpuPath::Portable => convert_portable(src, b),
@@ -558,6 +599,46 @@ mod avx512 {
         if kc % 2 == 1 {
             for j in 0..NR {
                 dst[full * NR + j] = u32::from(src[(kc - 1) * NR + j]) << 16;
+            }
+        }
+    }
+
+    /// `micro_bf16` for two panels at once (`b0`, `b1` into `acc0`,
+    /// `acc1`): each broadcast of an activation pair feeds both.
+    ///
+    /// # Safety
+    /// As `micro_bf16`, for both panels.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn micro_bf16_2<const M: usize>(
+        x: *const u32,
+        xs: usize,
+        b0: *const u32,
+        b1: *const u32,
+        np: usize,
+        acc0: *mut f32,
+        acc1: *mut f32,
+    ) {
+        // SAFETY: as in `micro_bf16`.
+        unsafe {
+            let mut c0 = [_mm512_setzero_ps(); M];
+            let mut c1 = [_mm512_setzero_ps(); M];
+            for i in 0..M {
+                c0[i] = _mm512_loadu_ps(acc0.add(i * NR));
+                c1[i] = _mm512_loadu_ps(acc1.add(i * NR));
+            }
+            for p in 0..np {
+                let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b0.add(p * NR).cast()));
+                let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b1.add(p * NR).cast()));
+                for i in 0..M {
+                    let a: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*x.add(i * xs + p) as i32));
+                    c0[i] = _mm512_dpbf16_ps(c0[i], a, w0);
+                    c1[i] = _mm512_dpbf16_ps(c1[i], a, w1);
+                }
+            }
+            for i in 0..M {
+                _mm512_storeu_ps(acc0.add(i * NR), c0[i]);
+                _mm512_storeu_ps(acc1.add(i * NR), c1[i]);
             }
         }
     }
