@@ -793,7 +793,7 @@ impl<S: Site> Engine<S> {
         let r = self.forward_rows(&mut seq, tokens, rows);
         match r {
             Ok(()) => seq.tokens.extend_from_slice(tokens),
-            Err(ref e) => self.lose(&mut seq, format!("{op} failed: {e:#}")),
+            Err(ref e) => self.lose(id, &mut seq, format!("{op} failed: {e:#}")),
         }
         self.seqs.insert(id, seq);
         r
@@ -819,9 +819,12 @@ impl<S: Site> Engine<S> {
     }
 
     /// Drop a carry whose state is unknown after a failed device operation.
-    fn lose(&self, seq: &mut Seq<S::State>, cause: String) {
+    /// Its device memory is freed, so its budget charge goes too: a lost
+    /// sequence must never be picked for preemption.
+    fn lose(&mut self, id: SeqId, seq: &mut Seq<S::State>, cause: String) {
         if let Carry::Resident(states) = &mut seq.carry {
             let _ = self.free_states(states);
+            self.budget.release(id);
         }
         seq.carry = Carry::Lost(cause);
         seq.pending = None;
@@ -886,7 +889,7 @@ impl<S: Site> Engine<S> {
         for (i, mut seq) in taken.into_iter().enumerate() {
             match &r {
                 Ok(()) => seq.tokens.push(tokens[i]),
-                Err(e) => self.lose(&mut seq, format!("a batched decode failed: {e:#}")),
+                Err(e) => self.lose(ids[i], &mut seq, format!("a batched decode failed: {e:#}")),
             }
             self.seqs.insert(ids[i], seq);
         }
@@ -1007,6 +1010,7 @@ impl<S: Site> Engine<S> {
             };
             if let Err(e) = &r {
                 self.lose(
+                    id,
                     &mut seq,
                     format!("commit could not restore the carry: {e:#}"),
                 );

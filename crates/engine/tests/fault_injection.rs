@@ -20,7 +20,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use metrale_engine::engine::{Engine, EngineConfig, SeqId};
+use metrale_engine::engine::{Engine, EngineConfig, SeqId, Site};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::testing::tiny_dims;
 use metrale_gpu_runtime::cpu::CpuBackend;
@@ -148,6 +148,16 @@ struct Rig {
 }
 
 fn rig(gpu: &Arc<dyn GpuBackend>, dir: &Path, reader: Option<Arc<dyn PageReader>>) -> Rig {
+    rig_with_budget(gpu, dir, reader, None)
+}
+
+/// `rig`, with a device budget of `carries` carries when given.
+fn rig_with_budget(
+    gpu: &Arc<dyn GpuBackend>,
+    dir: &Path,
+    reader: Option<Arc<dyn PageReader>>,
+    carries: Option<usize>,
+) -> Rig {
     let mut sites = Vec::new();
     let mut tables = Vec::new();
     for site in 0..SITES {
@@ -172,9 +182,11 @@ fn rig(gpu: &Arc<dyn GpuBackend>, dir: &Path, reader: Option<Arc<dyn PageReader>
         sites.push(PleSite::new(layer, KERNEL, DILATION).unwrap());
         tables.push(table);
     }
+    let carry: usize = sites.iter().map(Site::carry_bytes).sum();
     let cfg = EngineConfig {
         prefill_chunk: 8,
         prefix_cache_bytes: 0,
+        device_budget_bytes: carries.map_or(usize::MAX, |n| n * carry),
         ..Default::default()
     };
     Rig {
@@ -453,5 +465,59 @@ fn read_faults_fail_only_their_sequences_and_a_retry_matches_a_clean_run() {
     let Rig { engine, tables } = clean;
     engine.close().unwrap();
     drop(tables);
+    assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+}
+
+/// A sequence lost to a read fault gives its budget charge back with its
+/// device memory, so preemption never picks it (it cannot be swapped out).
+/// Found by `metrale-ple soak` once it ran under a device budget.
+#[test]
+fn a_lost_sequence_leaves_the_budget_and_is_never_preempted() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let base = gpu.live_alloc_count();
+    let dir = tempfile::tempdir().unwrap();
+    let faulty = Arc::new(FaultyReader {
+        inner: default_reader(8).unwrap(),
+        armed: AtomicU32::new(0),
+        fired: AtomicU64::new(0),
+    });
+    let mut rig = rig_with_budget(&gpu, dir.path(), Some(faulty.clone()), Some(2));
+    let e = &mut rig.engine;
+    let carry = e.carry_bytes();
+    let toks: Vec<u32> = (1..=12).collect();
+
+    let a = e.add_sequence(&toks).unwrap().id;
+    prefill(e, a, &toks).unwrap();
+    let b = e.add_sequence(&toks).unwrap().id;
+    faulty.arm(Fault::Eio);
+    // Other rows than `a`'s, so the read really happens.
+    let other: Vec<u32> = (500..512).collect();
+    let err = prefill(e, b, &other).unwrap_err();
+    assert!(faulty.fired() > 0, "the fault did not fire: {err:#}");
+    assert_eq!(e.stats().budget.used_bytes, carry, "the lost carry is still charged");
+
+    // Two more sequences: the second needs a preemption, and the victim
+    // must be `a` (resident), never `b` (lost).
+    let c = e.add_sequence(&toks).unwrap().id;
+    prefill(e, c, &toks).unwrap();
+    let d = e.add_sequence(&toks).unwrap().id;
+    prefill(e, d, &toks).unwrap();
+    assert_eq!(e.stats().preemptions, 1);
+    assert!(!e.is_resident(a).unwrap());
+    assert!(e.stats().budget.used_bytes <= 2 * carry);
+    let err = prefill(e, b, &toks).unwrap_err();
+    assert!(format!("{err:#}").contains("lost"), "{err:#}");
+
+    // `a` comes back (preempting another), `b` is released.
+    let hist = e.tokens(a).unwrap().to_vec();
+    decode(e, &[a], &[&hist], &[7]).unwrap();
+    e.release(b).unwrap();
+    for id in [a, c, d] {
+        e.release(id).unwrap();
+    }
+    assert_eq!(e.stats().budget.used_bytes, 0);
+    check_tables(&rig.tables, gpu.as_ref());
+    rig.engine.close().unwrap();
+    drop(rig.tables);
     assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
 }
