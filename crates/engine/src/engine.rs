@@ -853,7 +853,9 @@ impl<S: Site> Engine<S> {
 
     /// One decode step: token `batch[b].1` for sequence `batch[b].0`, on row
     /// `b` of `highway` (`batch.len()` rows in, out). Batches larger than
-    /// [`Self::batch_capacity`] run as several batched forwards.
+    /// [`Self::batch_capacity`], or than the device budget holds carries,
+    /// run as several batched forwards in order (outputs do not depend on
+    /// the split); if a later part fails, the earlier parts have run.
     pub fn decode(&mut self, batch: &[(SeqId, u32)], highway: &mut [f32]) -> Result<()> {
         self.check_rows("decode", batch.len(), highway)?;
         let mut seen = std::collections::HashSet::with_capacity(batch.len());
@@ -866,9 +868,11 @@ impl<S: Site> Engine<S> {
                 bail!(EngineError::NotStarted(id));
             }
         }
+        let fit = (self.budget.limit() / self.carry_bytes.max(1)).max(1);
+        let part_len = self.batch_cap.min(fit);
         for (part, rows) in batch
-            .chunks(self.batch_cap)
-            .zip(highway.chunks_mut(self.batch_cap * self.width))
+            .chunks(part_len)
+            .zip(highway.chunks_mut(part_len * self.width))
         {
             self.decode_part(part, rows)?;
         }

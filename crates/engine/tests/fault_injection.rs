@@ -494,7 +494,11 @@ fn a_lost_sequence_leaves_the_budget_and_is_never_preempted() {
     let other: Vec<u32> = (500..512).collect();
     let err = prefill(e, b, &other).unwrap_err();
     assert!(faulty.fired() > 0, "the fault did not fire: {err:#}");
-    assert_eq!(e.stats().budget.used_bytes, carry, "the lost carry is still charged");
+    assert_eq!(
+        e.stats().budget.used_bytes,
+        carry,
+        "the lost carry is still charged"
+    );
 
     // Two more sequences: the second needs a preemption, and the victim
     // must be `a` (resident), never `b` (lost).

@@ -771,14 +771,6 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             "--prefill-chunk, --decode-batch and --in-flight must be positive"
         )));
     }
-    if a.resident_carries > 0 && a.resident_carries < a.decode_batch {
-        return Err(input(anyhow!(
-            "--resident-carries {} cannot hold one decode batch of {} (--decode-batch); \
-             raise it or use 0 for no limit",
-            a.resident_carries,
-            a.decode_batch
-        )));
-    }
     if !(0.0..=100.0).contains(&a.fault_percent) {
         return Err(input(anyhow!(
             "--fault-percent {} is not a percentage (0 to 100)",
