@@ -25,7 +25,7 @@
 //!   highway a plain sequential run gives, bit for bit (this rests on the
 //!   site's forward being independent of chunking and batching);
 //! - the prefix cache holds snapshots taken at block boundaries during
-//!   prefill, keyed by the tokens; it is only valid when the highway rows
+//!   prefill and decode, keyed by the tokens; it is only valid when the highway rows
 //!   of a token are a function of the token prefix, as in a causal model.
 //!
 //! Concurrency: the engine is driven through `&mut self` from one thread; it
@@ -899,6 +899,19 @@ impl<S: Site> Engine<S> {
         }
         if r.is_ok() {
             self.stats.decode_tokens += tokens.len() as u64;
+            // Generated tokens are cached at block boundaries too, so the
+            // next turn of a conversation, sent as a new sequence, restores
+            // past them. As in prefill, a failed snapshot fails nothing.
+            if self.cfg.prefix_cache_bytes > 0 {
+                let b = self.cfg.block_size;
+                for &id in &ids {
+                    if self.seq(id)?.tokens.len().is_multiple_of(b)
+                        && self.cache_boundary(id).is_err()
+                    {
+                        self.stats.cache_snapshot_failures += 1;
+                    }
+                }
+            }
         }
         r
     }

@@ -319,3 +319,49 @@ fn a_batch_larger_than_the_budget_runs_in_parts() {
     e.close().unwrap();
     assert_eq!(gpu.live_alloc_count(), base);
 }
+
+/// Block boundaries reached by decode are cached: a new sequence whose
+/// prompt extends a conversation restores past its generated tokens, and
+/// its outputs are the sequential run's.
+#[test]
+fn decode_boundaries_are_cached_for_the_next_turn() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let base = gpu.live_alloc_count();
+    let mut e = engine(
+        &gpu,
+        EngineConfig {
+            prefill_chunk: 4,
+            block_size: 4,
+            ..Default::default()
+        },
+    );
+    let w = e.width();
+    let prompt = [5u32, 6, 7];
+    let a = e.add_sequence(&prompt).unwrap().id;
+    let mut r = rows_for(&prompt, 0, 3, w);
+    e.prefill(a, &prompt, &mut r).unwrap();
+    // Decode five tokens: the carry passes the boundaries at 4 and 8.
+    let mut all = prompt.to_vec();
+    for t in 20..25u32 {
+        all.push(t);
+        let mut r = rows_for(&all, all.len() - 1, all.len(), w);
+        e.decode(&[(a, t)], &mut r).unwrap();
+    }
+    // The next turn: the conversation so far plus new tokens.
+    let mut next = all.clone();
+    next.extend([0u32, 9, 10]);
+    let added = e.add_sequence(&next).unwrap();
+    assert_eq!(added.cached, 8, "restored up to the last decode boundary");
+    let rest = &next[added.cached..];
+    let mut r = rows_for(&next, added.cached, next.len(), w);
+    e.prefill(added.id, rest, &mut r).unwrap();
+    let want = reference_run(e.sites(), gpu.as_ref(), &next);
+    assert!(
+        r.iter()
+            .zip(&want[added.cached * w..])
+            .all(|(x, y)| x.to_bits() == y.to_bits()),
+        "restored continuation differs from the sequential run"
+    );
+    e.close().unwrap();
+    assert_eq!(gpu.live_alloc_count(), base);
+}
