@@ -165,6 +165,16 @@ fn prompt_and_text_files_run_and_bad_ones_are_refused() {
         "{err}"
     );
 
+    // Decode through captured graphs: every row still matches.
+    let mut args = vec!["run", ck, "--decode-graphs", "--verify", "--json"];
+    args.extend_from_slice(&SMALL[..SMALL.len() - 2]);
+    let (o, out, err) = run(tmp.path(), &args);
+    assert!(o.status.success(), "{out}\n{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(u(&v, &["decode_graphs", "replays"]) > 0, "{out}");
+    assert!(u(&v, &["decode_graphs", "captured"]) >= 1, "{out}");
+    assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");
+
     // A budget smaller than a decode batch: the engine splits the batch.
     let (o, out, err) = run(
         tmp.path(),

@@ -37,7 +37,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
-use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, GraphHandle, StreamId};
 use thiserror::Error;
 
 use crate::budget::{BudgetStats, MemoryBudget};
@@ -99,6 +99,53 @@ pub trait Site: Send + Sync {
     fn release(&self, st: &mut Self::State, gpu: &dyn GpuBackend) -> Result<()>;
     /// Free the site's own device memory (weights, staging).
     fn free(&mut self, gpu: &dyn GpuBackend) -> Result<()>;
+    /// Whether the site's batched decode can be captured in a graph and
+    /// replayed: [`Self::prestage_batch`], [`Self::forward_prestaged`],
+    /// [`Self::note_replayed`] and [`Self::rearm`]. The defaults refuse.
+    fn supports_graphs(&self) -> bool {
+        false
+    }
+    /// The host half of a replayable decode step: stage sequence `i`'s
+    /// token `tokens[i]` at fixed slot `i`, padding the slots up to `rows`.
+    fn prestage_batch(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        let _ = (states, tokens, rows, gpu, stream);
+        Err(anyhow!("this site cannot replay decode graphs"))
+    }
+    /// The device half: the `[rows, C]` rows at `highway` through what
+    /// `prestage_batch` staged, reading fixed addresses only, so it can be
+    /// captured (or run eagerly).
+    fn forward_prestaged(
+        &self,
+        states: &mut [&mut Self::State],
+        highway: DevicePtr,
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        let _ = (states, highway, rows, gpu, stream);
+        Err(anyhow!("this site cannot replay decode graphs"))
+    }
+    /// Right after each `launch_graph` of a captured step.
+    fn note_replayed(
+        &self,
+        states: &mut [&mut Self::State],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        let _ = (states, gpu, stream);
+        Err(anyhow!("this site cannot replay decode graphs"))
+    }
+    /// After a failed capture: give back the prestage it took.
+    fn rearm(&self, st: &mut Self::State) {
+        let _ = st;
+    }
     /// Start reading what a forward of `tokens` after a sequence whose
     /// tokens end with `history` will need. Advice: the default does
     /// nothing.
@@ -267,6 +314,10 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     /// Tokens run by decode.
     pub decode_tokens: u64,
+    /// Batched decode steps replayed from a captured graph.
+    pub graph_replays: u64,
+    /// Decode graphs captured (one per padded batch size).
+    pub graph_captures: u64,
     /// Speculative verifies.
     pub verifies: u64,
     /// Draft tokens accepted by commits.
@@ -334,6 +385,9 @@ pub struct Engine<S: Site> {
     cache: PrefixCache<Arc<Snapshot>>,
     budget: MemoryBudget,
     stats: EngineStats,
+    /// Captured decode graphs by padded batch size; `None` while decode
+    /// runs eagerly.
+    graphs: Option<HashMap<usize, GraphHandle>>,
     closed: bool,
     /// Distinguishes the swap files of engines sharing a directory.
     instance: u64,
@@ -391,6 +445,7 @@ impl<S: Site> Engine<S> {
             next_id: 1,
             cache: PrefixCache::new(cfg.block_size, cfg.prefix_cache_bytes),
             budget: MemoryBudget::new(cfg.device_budget_bytes),
+            graphs: None,
             stats: EngineStats::default(),
             closed: false,
             instance: ENGINE_INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -477,6 +532,24 @@ impl<S: Site> Engine<S> {
     /// are split.
     pub fn batch_capacity(&self) -> usize {
         self.batch_cap
+    }
+
+    /// Run batched decode as captured graphs from now on: each step stages
+    /// its rows on the host (`prestage_batch`), then replays a graph
+    /// captured once per padded batch size (the next power of two, up to
+    /// [`Self::batch_capacity`]), as a server replays CUDA graphs. Outputs
+    /// are bit-identical to eager decode. Refused when a site cannot replay.
+    pub fn enable_decode_graphs(&mut self) -> Result<()> {
+        if let Some(i) = self.sites.iter().position(|s| !s.supports_graphs()) {
+            bail!("decode graphs: site {i} cannot replay decode graphs");
+        }
+        self.graphs.get_or_insert_with(HashMap::new);
+        Ok(())
+    }
+
+    /// Whether batched decode replays captured graphs.
+    pub fn decode_graphs(&self) -> bool {
+        self.graphs.is_some()
     }
 
     /// The tokens sequence `id` has absorbed.
@@ -917,11 +990,14 @@ impl<S: Site> Engine<S> {
     }
 
     fn forward_batch_rows(
-        &self,
+        &mut self,
         taken: &mut [Seq<S::State>],
         tokens: &[u32],
         rows: &mut [f32],
     ) -> Result<()> {
+        if self.graphs.is_some() {
+            return self.forward_batch_graph(taken, tokens, rows);
+        }
         let gpu = self.gpu.as_ref();
         gpu.copy_h2d_async(as_bytes(rows), self.highway, self.stream)?;
         for (k, site) in self.sites.iter().enumerate() {
@@ -938,6 +1014,99 @@ impl<S: Site> Engine<S> {
                 })?;
         }
         gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
+    }
+
+    /// One batched decode step through a captured graph: prestage every
+    /// site, capture the step for this padded size if it is the first,
+    /// replay it, and note the replay. A failed capture gives the prestages
+    /// back and runs the same prestaged step eagerly, so nothing is hashed
+    /// twice and the outputs are the same.
+    fn forward_batch_graph(
+        &mut self,
+        taken: &mut [Seq<S::State>],
+        tokens: &[u32],
+        rows: &mut [f32],
+    ) -> Result<()> {
+        fn states_of<St>(taken: &mut [Seq<St>], k: usize) -> Result<Vec<&mut St>> {
+            taken
+                .iter_mut()
+                .map(|seq| match &mut seq.carry {
+                    Carry::Resident(st) => Ok(&mut st[k]),
+                    _ => Err(anyhow!(
+                        "internal: batched forward of a carry that is not resident"
+                    )),
+                })
+                .collect()
+        }
+        let gpu = self.gpu.clone();
+        let gpu = gpu.as_ref();
+        let stream = self.stream;
+        let padded = tokens.len().next_power_of_two().min(self.batch_cap);
+        gpu.copy_h2d_async(as_bytes(rows), self.highway, stream)?;
+        for (k, site) in self.sites.iter().enumerate() {
+            site.prestage_batch(&mut states_of(taken, k)?, tokens, padded, gpu, stream)
+                .with_context(|| format!("site {k} prestage of {} sequences", tokens.len()))?;
+        }
+        let known = self.graphs.as_ref().and_then(|g| g.get(&padded)).copied();
+        let graph = match known {
+            Some(g) => Some(g),
+            None => {
+                gpu.begin_capture(stream)?;
+                let mut captured = Ok(());
+                for (k, site) in self.sites.iter().enumerate() {
+                    captured = states_of(taken, k).and_then(|mut st| {
+                        site.forward_prestaged(&mut st, self.highway, padded, gpu, stream)
+                    });
+                    if captured.is_err() {
+                        break;
+                    }
+                }
+                match (captured, gpu.end_capture(stream)) {
+                    (Ok(()), Ok(g)) => {
+                        self.graphs
+                            .get_or_insert_with(HashMap::new)
+                            .insert(padded, g);
+                        self.stats.graph_captures += 1;
+                        Some(g)
+                    }
+                    (_, ended) => {
+                        if let Ok(g) = ended {
+                            let _ = gpu.destroy_graph(g);
+                        }
+                        for (k, site) in self.sites.iter().enumerate() {
+                            for st in states_of(taken, k)? {
+                                site.rearm(st);
+                            }
+                        }
+                        None
+                    }
+                }
+            }
+        };
+        match graph {
+            Some(g) => {
+                gpu.launch_graph(g, stream)?;
+                for (k, site) in self.sites.iter().enumerate() {
+                    site.note_replayed(&mut states_of(taken, k)?, gpu, stream)?;
+                }
+                self.stats.graph_replays += 1;
+            }
+            None => {
+                for (k, site) in self.sites.iter().enumerate() {
+                    site.forward_prestaged(
+                        &mut states_of(taken, k)?,
+                        self.highway,
+                        padded,
+                        gpu,
+                        stream,
+                    )
+                    .with_context(|| {
+                        format!("site {k} batched decode of {} sequences", tokens.len())
+                    })?;
+                }
+            }
+        }
+        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), stream)
     }
 
     /// Speculative verify: run `draft` through sequence `id` and return, in
@@ -1200,6 +1369,14 @@ impl<S: Site> Engine<S> {
             let r = self.release(id);
             if first.is_ok() {
                 first = r;
+            }
+        }
+        if let Some(graphs) = self.graphs.take() {
+            for (_, g) in graphs {
+                let r = self.gpu.destroy_graph(g);
+                if first.is_ok() {
+                    first = r;
+                }
             }
         }
         let r = self.gpu.free(self.highway);

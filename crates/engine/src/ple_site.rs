@@ -55,6 +55,48 @@ impl Site for PleSite {
         self.layer.prefetch(history, tokens)
     }
 
+    fn supports_graphs(&self) -> bool {
+        true
+    }
+
+    fn prestage_batch(
+        &self,
+        states: &mut [&mut PleSeqState],
+        tokens: &[u32],
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        self.layer.prestage_batch(states, tokens, rows, gpu, stream)
+    }
+
+    fn forward_prestaged(
+        &self,
+        states: &mut [&mut PleSeqState],
+        highway: DevicePtr,
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        let capturing = gpu.stream_is_capturing(stream)?;
+        let ctx = ForwardContext::new(gpu).capturing(capturing);
+        self.layer
+            .forward_batch(states, highway, rows, &ctx, stream)
+    }
+
+    fn note_replayed(
+        &self,
+        states: &mut [&mut PleSeqState],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        self.layer.note_replayed(states, gpu, stream)
+    }
+
+    fn rearm(&self, st: &mut PleSeqState) {
+        self.layer.rearm(st);
+    }
+
     fn geometry(&self) -> SiteGeometry {
         let l = &self.layer;
         SiteGeometry {

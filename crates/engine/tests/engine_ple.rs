@@ -21,6 +21,17 @@ fn spec() -> TinySpec {
 
 #[test]
 fn randomised_drive_matches_sequential_runs() {
+    drive_case(false);
+}
+
+/// The same drive with every batched decode step replayed from a captured
+/// graph: the outputs stay the sequential run's, bit for bit.
+#[test]
+fn randomised_drive_with_decode_graphs_matches_sequential_runs() {
+    drive_case(true);
+}
+
+fn drive_case(graphs: bool) {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let base = gpu.live_alloc_count();
     let dir = tempfile::tempdir().unwrap();
@@ -55,8 +66,22 @@ fn randomised_drive_matches_sequential_runs() {
         swap_dir: Some(dir.path().to_path_buf()),
     };
     let mut e = tiny_engine(&gpu, &spec(), 2, 3, cfg).unwrap();
+    if graphs {
+        e.enable_decode_graphs().unwrap();
+    }
     let ex = drive(&mut e, 11, 2500, 14, 6);
     let s = e.stats();
+    if graphs {
+        assert!(s.graph_replays > 100, "{} replays", s.graph_replays);
+        // One capture per padded batch size: 1, 2, 4, 8 at most.
+        assert!(
+            (1..=4).contains(&s.graph_captures),
+            "{} captures",
+            s.graph_captures
+        );
+    } else {
+        assert_eq!(s.graph_replays, 0);
+    }
     eprintln!("{ex:?}\n{s:#?}");
     assert!(ex.added >= 200, "only {} sequences", ex.added);
     assert!(

@@ -133,6 +133,11 @@ pub struct RunArgs {
     /// How often a sequence hit by an injected fault is run again.
     #[arg(long, default_value_t = 10)]
     pub retries: u32,
+    /// Run batched decode as captured graphs (prestage on the host, replay
+    /// a graph captured once per padded batch size), as a server on a GPU
+    /// does.
+    #[arg(long)]
+    pub decode_graphs: bool,
     /// Print the summary as JSON on stdout.
     #[arg(long)]
     pub json: bool,
@@ -267,6 +272,8 @@ fn fingerprint(row: &[f32]) -> u64 {
 /// The engine settings and table mode of one pass.
 struct PassConfig {
     mode: TableMode,
+    /// Decode through captured graphs.
+    graphs: bool,
     /// Read through this reader (cached tables only).
     faults: Option<Arc<FlakyReader>>,
     engine: EngineConfig,
@@ -342,6 +349,9 @@ fn pass(
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let max_tokens = a.prefill_chunk.max(a.decode_batch);
     let mut engine = build_engine(ck, &gpu, pc, max_tokens)?;
+    if pc.graphs {
+        engine.enable_decode_graphs()?;
+    }
     let width = engine.width();
     let mut res = PassResult {
         rows: plans.iter().map(|p| vec![None; p.tokens.len()]).collect(),
@@ -552,6 +562,7 @@ struct Summary {
     io_wait_share: f64,
     prefix_cache: PrefixSummary,
     swaps: SwapSummary,
+    decode_graphs: Option<GraphSummary>,
     carry: CarrySummary,
     wall_seconds: f64,
     leaked_allocations: usize,
@@ -595,6 +606,12 @@ struct SwapSummary {
     swap_outs: u64,
     swap_ins: u64,
     preemptions: u64,
+}
+
+#[derive(Serialize)]
+struct GraphSummary {
+    captured: u64,
+    replays: u64,
 }
 
 #[derive(Serialize)]
@@ -679,6 +696,13 @@ fn render(s: &Summary) -> String {
         "  swaps           {} out, {} in ({} preemptions)",
         s.swaps.swap_outs, s.swaps.swap_ins, s.swaps.preemptions
     );
+    if let Some(g) = &s.decode_graphs {
+        let _ = writeln!(
+            o,
+            "  decode graphs   {} captured, {} steps replayed",
+            g.captured, g.replays
+        );
+    }
     let _ = writeln!(
         o,
         "  carry memory    {} per sequence, peak {}{}",
@@ -834,6 +858,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     };
     let main = PassConfig {
         mode,
+        graphs: a.decode_graphs,
         faults: faults.clone(),
         engine: EngineConfig {
             prefill_chunk: a.prefill_chunk,
@@ -858,6 +883,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     let verify = if a.verify {
         let check = PassConfig {
             mode: TableMode::Resident,
+            graphs: false,
             faults: None,
             engine: EngineConfig {
                 prefix_cache_bytes: 0,
@@ -929,6 +955,10 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             swap_ins: st.swap_ins,
             preemptions: st.preemptions,
         },
+        decode_graphs: a.decode_graphs.then_some(GraphSummary {
+            captured: st.graph_captures,
+            replays: st.graph_replays,
+        }),
         carry: CarrySummary {
             bytes_per_sequence: r.carry_bytes,
             peak_bytes: st.budget.peak_bytes,
