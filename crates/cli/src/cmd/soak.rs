@@ -11,6 +11,10 @@
 //! mutex (its API takes `&mut self`); the threads contend for it and for the
 //! row caches' slots.
 //!
+//! Batched decode runs through captured graphs unless `--eager`; the
+//! engine has a device budget (`--resident-carries`), so carries are
+//! preempted and swapped back in under contention.
+//!
 //! Checking: every output row a sequence produced is recorded by position.
 //! When a sequence ends (release, or lost to an injected fault) its tokens
 //! are run through a second engine over the same files with a clean reader,
@@ -64,6 +68,9 @@ pub struct SoakArgs {
     /// in on use); 0 for no limit.
     #[arg(long, default_value_t = 12)]
     resident_carries: usize,
+    /// Decode eagerly instead of through captured graphs.
+    #[arg(long)]
+    eager: bool,
 }
 
 const HIDDEN: usize = 32;
@@ -494,7 +501,10 @@ fn soak(a: &SoakArgs) -> Result<()> {
         preempt_to: SwapTarget::Host,
         swap_dir: Some(dir.join("swap")),
     };
-    let engine = build(&gpu, &dir, Some(flaky.clone()), cfg, 48, a.resident_carries)?;
+    let mut engine = build(&gpu, &dir, Some(flaky.clone()), cfg, 48, a.resident_carries)?;
+    if !a.eager {
+        engine.enable_decode_graphs()?;
+    }
     let reference = build(
         &gpu,
         &dir,
