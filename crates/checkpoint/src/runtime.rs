@@ -47,15 +47,11 @@ impl Checkpoint {
         mode: TableMode,
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
-        let s = &self.sites[site];
-        let t = &s.table;
-        let files = TableFiles::open(&t.shards, Some(t.stored_rows))
-            .with_context(|| format!("opening the table shards of layer {}", s.layer))?;
         let inner: Arc<dyn RowTable> = match mode {
-            TableMode::Resident => Arc::new(ResidentTable::load(&files, gpu)?),
-            TableMode::Mapped => Arc::new(MappedTable::open(&files, gpu)?),
+            TableMode::Resident => Arc::new(ResidentTable::load(&self.table_files(site)?, gpu)?),
+            TableMode::Mapped => Arc::new(MappedTable::open(&self.table_files(site)?, gpu)?),
             TableMode::Cached { slots } => {
-                Arc::new(CachedTable::open(files, gpu, CacheConfig::new(slots))?)
+                return self.open_cached_table(site, CacheConfig::new(slots), gpu);
             }
         };
         self.fold(site, inner)
@@ -69,11 +65,15 @@ impl Checkpoint {
         cfg: CacheConfig,
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
-        let s = &self.sites[site];
-        let t = &s.table;
-        let files = TableFiles::open(&t.shards, Some(t.stored_rows))
-            .with_context(|| format!("opening the table shards of layer {}", s.layer))?;
+        let files = self.table_files(site)?;
         self.fold(site, Arc::new(CachedTable::open(files, gpu, cfg)?))
+    }
+
+    /// Site `site`'s validated shards, opened.
+    fn table_files(&self, site: usize) -> Result<TableFiles> {
+        let s = &self.sites[site];
+        TableFiles::open(&s.table.shards, Some(s.table.stored_rows))
+            .with_context(|| format!("opening the table shards of layer {}", s.layer))
     }
 
     /// Present a cut table at the full padded size.

@@ -524,25 +524,9 @@ mod avx2 {
             let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
             let mut c0 = [_mm256_setzero_ps(); P];
             let mut c1 = [_mm256_setzero_ps(); P];
-            for i in 0..e / 2 {
-                let a0 = _mm256_broadcast_ss(&*x.add(2 * i));
-                let a1 = _mm256_broadcast_ss(&*x.add(2 * i + 1));
-                for p in 0..P {
-                    let src = words.add(p * pw + i * NR);
-                    let v0 = _mm256_loadu_si256(src.cast());
-                    let v1 = _mm256_loadu_si256(src.add(8).cast());
-                    let e0 = _mm256_castsi256_ps(_mm256_and_si256(v0, mask));
-                    let e1 = _mm256_castsi256_ps(_mm256_and_si256(v1, mask));
-                    c0[p] = _mm256_fmadd_ps(a0, e0, c0[p]);
-                    c1[p] = _mm256_fmadd_ps(a0, e1, c1[p]);
-                    let o0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v0));
-                    let o1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v1));
-                    c0[p] = _mm256_fmadd_ps(a1, o0, c0[p]);
-                    c1[p] = _mm256_fmadd_ps(a1, o1, c1[p]);
-                }
-            }
-            if e % 2 == 1 {
-                let i = e / 2;
+            for i in 0..e.div_ceil(2) {
+                // The last pair of an odd depth has no later step.
+                let has_odd = 2 * i + 1 < e;
                 let a0 = _mm256_broadcast_ss(&*x.add(2 * i));
                 for p in 0..P {
                     let src = words.add(p * pw + i * NR);
@@ -552,6 +536,13 @@ mod avx2 {
                     let e1 = _mm256_castsi256_ps(_mm256_and_si256(v1, mask));
                     c0[p] = _mm256_fmadd_ps(a0, e0, c0[p]);
                     c1[p] = _mm256_fmadd_ps(a0, e1, c1[p]);
+                    if has_odd {
+                        let a1 = _mm256_broadcast_ss(&*x.add(2 * i + 1));
+                        let o0 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v0));
+                        let o1 = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v1));
+                        c0[p] = _mm256_fmadd_ps(a1, o0, c0[p]);
+                        c1[p] = _mm256_fmadd_ps(a1, o1, c1[p]);
+                    }
                 }
             }
             for p in 0..P {
