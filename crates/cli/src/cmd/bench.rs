@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Args;
+use metrale_checkpoint::Preset;
 use metrale_engine::engine::{EngineConfig, SwapTarget};
 use metrale_engine::testing::{TinySpec, TinyTable, tiny_engine};
 use metrale_gpu_runtime::cpu::CpuBackend;
@@ -504,18 +505,8 @@ fn print_rows(rows: &[Row], json: bool) -> Result<()> {
 // ---------------------------------------------------------------- ids
 
 fn bench_ids(s: &Sizes, _dir: &Path) -> Result<Vec<Row>> {
-    let dims = PleHashParams {
-        vocab_size: VOCAB,
-        eos_token_id: EOS,
-        ngram_size: 3,
-        heads_per_ngram: 8,
-        ngram_vocab_size_base: 20_000_000,
-        divisible_by: 128,
-        seed: 1234,
-        site: 0,
-    }
-    .derive()?
-    .dims;
+    // The flagship geometry's first site (SPEC.md section 2).
+    let dims = Preset::Flagship.geometry().hash_params(0).derive()?.dims;
     let hasher = PleIdHasher::new(&dims)?;
     let heads = dims.ngram_heads();
     // Random tokens with an EOS about every 500, as in packed text.

@@ -25,6 +25,16 @@ pub fn cache_root() -> Result<PathBuf, CmdError> {
     }
 }
 
+/// splitmix64: the one small deterministic generator behind the synthetic
+/// workloads and fault schedules, the same on every platform.
+pub fn splitmix(v: &mut u64) -> u64 {
+    *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *v;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// `1.50 GiB`-style sizes.
 pub fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];

@@ -13,15 +13,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use metrale_storage::io::{PageReader, ReadReq};
 
-const EIO: i32 = 5;
+use super::common::splitmix;
 
-fn splitmix(v: &mut u64) -> u64 {
-    *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *v;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+const EIO: i32 = 5;
 
 /// Fails `percent` of read batches while enabled.
 pub struct FlakyReader {

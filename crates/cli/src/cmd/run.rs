@@ -44,7 +44,7 @@ use serde::Serialize;
 
 use metrale_ple_cli::parse::{parse_prompts, parse_text};
 
-use super::common::{bytes, cache_root};
+use super::common::{bytes, cache_root, splitmix};
 use super::faults::FlakyReader;
 use super::{CmdError, failure, input};
 
@@ -159,14 +159,6 @@ struct Plan {
     tokens: Vec<u32>,
     /// Consecutive segments `(phase, end)`; the first is a prefill.
     segments: Vec<(Phase, usize)>,
-}
-
-fn splitmix(v: &mut u64) -> u64 {
-    *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *v;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Zipf-distributed token ids over the vocabulary, never EOS.
@@ -744,6 +736,18 @@ fn render(s: &Summary) -> String {
     o
 }
 
+/// A progress bar over `n` sequences on stderr (hidden off a terminal).
+fn sequence_bar(n: usize, msg: &'static str) -> ProgressBar {
+    let bar = ProgressBar::new(n as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} sequences {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(msg);
+    bar
+}
+
 /// Compare the rows `got` computed with those of the check run `want`
 /// (which computes every position): how many were compared, and the first
 /// that differs or is missing.
@@ -815,30 +819,28 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     let vocab = g.vocab_size;
     let eos = g.eos_token_id;
 
-    let plans = if let Some(p) = &a.prompts {
+    let prompts = if let Some(p) = &a.prompts {
         let text = std::fs::read_to_string(p)
             .with_context(|| format!("reading {}", p.display()))
             .map_err(input)?;
-        let zipf = Zipf::new(vocab, eos, a.zipf);
-        let mut st = a.seed;
-        parse_prompts(p, &text, vocab)
-            .map_err(input)?
-            .into_iter()
-            .map(|pr| from_prompt(pr, a.decode_tokens, &zipf, &mut st))
-            .collect()
+        Some(parse_prompts(p, &text, vocab).map_err(input)?)
     } else if let Some(p) = &a.text {
         let data = std::fs::read(p)
             .with_context(|| format!("reading {}", p.display()))
             .map_err(input)?;
-        let zipf = Zipf::new(vocab, eos, a.zipf);
-        let mut st = a.seed;
-        parse_text(p, &data, vocab)
-            .map_err(input)?
-            .into_iter()
-            .map(|pr| from_prompt(pr, a.decode_tokens, &zipf, &mut st))
-            .collect()
+        Some(parse_text(p, &data, vocab).map_err(input)?)
     } else {
-        synthetic(a, vocab, eos)
+        None
+    };
+    let plans = match prompts {
+        Some(list) => {
+            let zipf = Zipf::new(vocab, eos, a.zipf);
+            let mut st = a.seed;
+            list.into_iter()
+                .map(|pr| from_prompt(pr, a.decode_tokens, &zipf, &mut st))
+                .collect()
+        }
+        None => synthetic(a, vocab, eos),
     };
     let total_tokens: u64 = plans.iter().map(|p| p.tokens.len() as u64).sum();
 
@@ -870,13 +872,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         },
         resident_carries: a.resident_carries,
     };
-    let bar = ProgressBar::new(plans.len() as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} sequences {elapsed}")
-            .expect("a valid template")
-            .progress_chars("=> "),
-    );
-    bar.set_message("run");
+    let bar = sequence_bar(plans.len(), "run");
     let r = pass(&ck, &plans, a, &main, &bar).map_err(failure)?;
     bar.finish_and_clear();
 
@@ -891,13 +887,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             },
             resident_carries: 0,
         };
-        let bar = ProgressBar::new(plans.len() as u64);
-        bar.set_style(
-            ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} sequences {elapsed}")
-                .expect("a valid template")
-                .progress_chars("=> "),
-        );
-        bar.set_message("verify");
+        let bar = sequence_bar(plans.len(), "verify");
         let v = pass(&ck, &plans, a, &check, &bar).map_err(failure)?;
         bar.finish_and_clear();
         let (rows_compared, first_mismatch) = compare(&r.rows, &v.rows);

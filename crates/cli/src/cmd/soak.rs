@@ -44,6 +44,7 @@ use metrale_storage::layout::TableFiles;
 use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
 use parking_lot::Mutex;
 
+use super::common::splitmix;
 use super::faults::FlakyReader;
 use super::{CmdError, failure, input};
 
@@ -81,14 +82,6 @@ const KERNEL: usize = 4;
 const DILATION: usize = 3;
 const MAX_TOKENS: usize = 16;
 const SITES: usize = 2;
-
-fn splitmix(v: &mut u64) -> u64 {
-    *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *v;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 struct Rng(u64);
 impl Rng {
