@@ -429,7 +429,7 @@ impl<S: Site> Engine<S> {
                 for s in &mut sites {
                     let _ = s.free(gpu.as_ref());
                 }
-                return Err(e.context("engine: allocating the highway staging rows"));
+                return Err(anyhow::Error::new(e).context("engine: allocating the highway staging rows"));
             }
         };
         Ok(Engine {
@@ -697,7 +697,7 @@ impl<S: Site> Engine<S> {
             site.restore(st, blob, self.gpu.as_ref(), self.stream)
                 .with_context(|| format!("restoring site {i}"))?;
         }
-        self.gpu.synchronize(self.stream)
+        Ok(self.gpu.synchronize(self.stream)?)
     }
 
     /// Fresh states holding `blobs` (already validated). On failure nothing
@@ -888,7 +888,7 @@ impl<S: Site> Engine<S> {
             site.forward(st, tokens, self.highway, fresh, gpu, self.stream)
                 .with_context(|| format!("site {i} forward of {} tokens", tokens.len()))?;
         }
-        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
+        Ok(gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)?)
     }
 
     /// Drop a carry whose state is unknown after a failed device operation.
@@ -1013,7 +1013,7 @@ impl<S: Site> Engine<S> {
                     format!("site {k} batched decode of {} sequences", tokens.len())
                 })?;
         }
-        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
+        Ok(gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)?)
     }
 
     /// One batched decode step through a captured graph: prestage every
@@ -1106,7 +1106,7 @@ impl<S: Site> Engine<S> {
                 }
             }
         }
-        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), stream)
+        Ok(gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), stream)?)
     }
 
     /// Speculative verify: run `draft` through sequence `id` and return, in
@@ -1375,7 +1375,7 @@ impl<S: Site> Engine<S> {
             for (_, g) in graphs {
                 let r = self.gpu.destroy_graph(g);
                 if first.is_ok() {
-                    first = r;
+                    first = r.map_err(Into::into);
                 }
             }
         }

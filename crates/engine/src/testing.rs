@@ -40,7 +40,7 @@ impl TinyTable {
         let base = gpu.alloc(bytes.len(), "tiny table rows")?;
         if let Err(e) = gpu.copy_h2d(&bytes, base) {
             let _ = gpu.free(base);
-            return Err(e);
+            return Err(e.into());
         }
         Ok(Arc::new(TinyTable {
             info: TableInfo {

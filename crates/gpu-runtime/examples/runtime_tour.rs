@@ -11,7 +11,9 @@ use std::time::Instant;
 
 use anyhow::{Result, ensure};
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend, HostMemory, KernelArg, LaunchConfig};
+use metrale_gpu_runtime::gpu::{
+    ArgKind, GpuBackend, GpuError, HostMemory, KernelArg, LaunchConfig,
+};
 use rayon::prelude::*;
 
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -54,7 +56,7 @@ fn main() -> Result<()> {
                     KernelArg::F32(a),
                 ] = *args
                 else {
-                    anyhow::bail!("saxpy: bad arguments {args:?}")
+                    return Err(GpuError::kernel(format!("saxpy: bad arguments {args:?}")))
                 };
                 // SAFETY: `x` and `y` are distinct buffers and this kernel is the
                 // only user of both while it runs.

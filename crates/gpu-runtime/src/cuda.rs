@@ -7,8 +7,7 @@
 
 use std::sync::Arc;
 
-use anyhow::{Result, bail};
-
+use crate::error::{GpuError, Result};
 use crate::gpu::{
     AllocationInfo, ArgKind, DevicePtr, EventHandle, GpuBackend, GraphHandle, HostKernelFn,
     HostMapped, KernelArg, KernelHandle, LaunchConfig, StreamId,
@@ -24,13 +23,16 @@ pub struct CudaBackend {
 impl CudaBackend {
     /// Open CUDA device `device`. Always fails in this build, naming why.
     pub fn new(device: usize) -> Result<CudaBackend> {
-        bail!("CudaBackend::new(device {device}): {NO_CUDA}")
+        Err(GpuError::unsupported(
+            format!("CudaBackend::new(device {device})"),
+            NO_CUDA,
+        ))
     }
 }
 
 macro_rules! no_cuda {
     ($op:expr) => {
-        bail!("{}: {NO_CUDA}", $op)
+        Err(GpuError::unsupported($op, NO_CUDA))
     };
 }
 
@@ -41,7 +43,7 @@ impl GpuBackend for CudaBackend {
     fn alloc(&self, _bytes: usize, _label: &str) -> Result<DevicePtr> {
         no_cuda!("alloc")
     }
-    fn free(&self, _ptr: DevicePtr) -> Result<()> {
+    fn dealloc(&self, _ptr: DevicePtr) -> Result<()> {
         no_cuda!("free")
     }
     fn alloc_host_mapped(&self, _bytes: usize, _label: &str) -> Result<HostMapped> {
@@ -160,8 +162,12 @@ mod tests {
 
     #[test]
     fn construction_says_why_it_fails() {
-        let e = CudaBackend::new(0).err().unwrap().to_string();
-        assert_eq!(e, "CudaBackend::new(device 0): built without CUDA support");
+        let e = CudaBackend::new(0).err().unwrap();
+        assert!(matches!(e, GpuError::Unsupported { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "CudaBackend::new(device 0): built without CUDA support"
+        );
     }
 
     #[test]

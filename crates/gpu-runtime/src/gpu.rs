@@ -18,7 +18,8 @@
 
 use std::fmt;
 
-use anyhow::Result;
+pub use crate::error::GpuError;
+use crate::error::Result;
 
 /// A device address. `DevicePtr(0)` is null.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -185,7 +186,9 @@ unsafe impl Sync for HostMapped {}
 ///
 /// It receives a view of the backend's memory (to turn checked pointers into
 /// slices), the launch configuration and the arguments, already checked
-/// against the kernel's signature.
+/// against the kernel's signature. A body reports its own failures with
+/// [`GpuError::kernel`]; pointer errors from [`HostMemory`] pass through
+/// with `?`.
 pub type HostKernelFn =
     dyn Fn(&dyn HostMemory, &LaunchConfig, &[KernelArg]) -> Result<()> + Send + Sync;
 
@@ -207,6 +210,19 @@ pub trait HostMemory {
     }
 }
 
+/// An error unless host address `p` (of device pointer `ptr`) is aligned
+/// for `T`.
+fn check_aligned<T>(ptr: DevicePtr, p: *mut u8) -> Result<()> {
+    if (p as usize).is_multiple_of(std::mem::align_of::<T>()) {
+        Ok(())
+    } else {
+        Err(GpuError::Misaligned {
+            ptr,
+            ty: std::any::type_name::<T>(),
+        })
+    }
+}
+
 impl dyn HostMemory + '_ {
     /// `len` elements of `T` at `ptr`, read-only.
     ///
@@ -215,11 +231,7 @@ impl dyn HostMemory + '_ {
     /// use, and `ptr` must be aligned for `T` (checked).
     pub unsafe fn slice<T: Copy>(&self, ptr: DevicePtr, len: usize) -> Result<&[T]> {
         let p = self.host_ptr(ptr, len * std::mem::size_of::<T>())?;
-        anyhow::ensure!(
-            (p as usize).is_multiple_of(std::mem::align_of::<T>()),
-            "pointer {ptr} is not aligned for {}",
-            std::any::type_name::<T>()
-        );
+        check_aligned::<T>(ptr, p)?;
         // SAFETY: the ledger checked the range; the caller promised no overlap.
         Ok(unsafe { std::slice::from_raw_parts(p as *const T, len) })
     }
@@ -232,11 +244,7 @@ impl dyn HostMemory + '_ {
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn slice_mut<T: Copy>(&self, ptr: DevicePtr, len: usize) -> Result<&mut [T]> {
         let p = self.host_ptr(ptr, len * std::mem::size_of::<T>())?;
-        anyhow::ensure!(
-            (p as usize).is_multiple_of(std::mem::align_of::<T>()),
-            "pointer {ptr} is not aligned for {}",
-            std::any::type_name::<T>()
-        );
+        check_aligned::<T>(ptr, p)?;
         // SAFETY: the ledger checked the range; the caller promised no overlap.
         Ok(unsafe { std::slice::from_raw_parts_mut(p as *mut T, len) })
     }
@@ -253,8 +261,18 @@ pub trait GpuBackend: Send + Sync {
     /// [`Self::live_allocations`].
     fn alloc(&self, bytes: usize, label: &str) -> Result<DevicePtr>;
     /// Free an allocation. Freeing null is a no-op; anything that is not the
-    /// start of a live allocation is an error.
-    fn free(&self, ptr: DevicePtr) -> Result<()>;
+    /// start of a live allocation is an error ([`GpuError::DoubleFree`],
+    /// [`GpuError::InteriorFree`], [`GpuError::NotAllocated`], ...).
+    fn dealloc(&self, ptr: DevicePtr) -> Result<()>;
+    /// [`Self::dealloc`], with its [`GpuError`] carried in an
+    /// `anyhow::Error` (downcast it to match on the variant).
+    ///
+    /// The one call whose error is not typed: the carry code fixed by the
+    /// specification (`aux_state.rs`) returns this result unchanged from a
+    /// function returning `anyhow::Result<()>`, so its type is pinned.
+    fn free(&self, ptr: DevicePtr) -> anyhow::Result<()> {
+        Ok(self.dealloc(ptr)?)
+    }
     /// Allocate page-locked host memory that the device can address.
     fn alloc_host_mapped(&self, bytes: usize, label: &str) -> Result<HostMapped>;
     /// Make caller-owned host memory addressable by the device (as

@@ -6,16 +6,22 @@
 //! - [`cpu::CpuBackend`], a real backend on the host (always built);
 //! - [`cuda::CudaBackend`], behind the `cuda` feature.
 //!
-//! [`conformance`] is the behaviour every backend must show, as functions
-//! over `&dyn GpuBackend`, so each backend runs the same suite.
+//! Every call returns [`error::GpuError`], a typed error callers match on
+//! (re-exported with its [`Result`] alias at the crate root).
+//!
+//! The behaviour every backend must show lives in the separate
+//! `metrale-gpu-conformance` crate, so each backend runs the same suite
+//! without shipping it in release builds.
 
 use std::sync::Arc;
 
-pub mod conformance;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod error;
 pub mod gpu;
+
+pub use error::{GpuError, Result};
 
 /// The backend to use by default: CUDA device 0 when built with the `cuda`
 /// feature and it can be opened, else a [`cpu::CpuBackend`].

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use metrale_gpu_runtime::conformance::{self, CASES};
+use metrale_gpu_conformance::{self as conformance, CASES};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 

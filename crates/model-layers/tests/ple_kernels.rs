@@ -216,7 +216,7 @@ impl Fixture {
             .u32(K as u32)
             .u32(D as u32)
             .run(0)?;
-        g.synchronize(0)
+        Ok(g.synchronize(0)?)
     }
 
     /// The same chain through the pure functions.
@@ -376,7 +376,10 @@ fn conv_batch_launch_equals_single_row_launches() -> Result<()> {
 }
 
 /// Launch, then synchronise; the error of either.
-fn expect_err(f: &Fixture, run: impl FnOnce(&dyn GpuBackend) -> Result<()>) -> String {
+fn expect_err(
+    f: &Fixture,
+    run: impl FnOnce(&dyn GpuBackend) -> Result<(), metrale_gpu_runtime::GpuError>,
+) -> String {
     let g = f.g();
     match run(g).and_then(|_| g.synchronize(0)) {
         Ok(()) => panic!("the launch should have failed"),

@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend, KernelArg, LaunchConfig};
+use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend, GpuError, KernelArg, LaunchConfig};
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::io::{
     AlignedBuf, PAGE, PageReader, ReadReq, ShardFile, UringReader, default_reader,
@@ -114,7 +114,7 @@ fn bench_resident(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
                 KernelArg::U64(len),
             ) = (a[0], a[1], a[2], a[3], a[4])
             else {
-                anyhow::bail!("bad arguments")
+                return Err(GpuError::kernel("bad arguments"))
             };
             let n = n as usize;
             let tbl = mem.host_ptr(base, len as usize)?;
@@ -137,7 +137,9 @@ fn bench_resident(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
                         }
                     }
                     let off = r[2 * i].wrapping_sub(base.0) as usize;
-                    anyhow::ensure!(off + ROW_BYTES <= len as usize, "ref {i} outside the table");
+                    if off + ROW_BYTES > len as usize {
+                        return Err(GpuError::kernel(format!("ref {i} outside the table")));
+                    }
                     std::ptr::copy_nonoverlapping(
                         tbl.add(off),
                         o.as_mut_ptr().add(i * ROW_BYTES),

@@ -859,7 +859,7 @@ impl RowTable for CachedTable {
                 Err(e) => {
                     Inner::unpin(&mut g, &slots);
                     inner.cv.notify_all();
-                    return Err(e.context(format!(
+                    return Err(anyhow::Error::new(e).context(format!(
                         "release: lease {} came with an event the backend cannot query; its pins were dropped",
                         lease.id
                     )));

@@ -39,7 +39,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, ensure};
 use clap::Args;
 use metrale_checkpoint::Preset;
 use metrale_engine::engine::{EngineConfig, SwapTarget};
@@ -667,7 +667,12 @@ fn prefetch_row(p: *const u8) {
 /// The storage bench's gather kernel: args `refs` (n RowRefs), `n`, `out`
 /// (n rows), the table base and its length. Rows are independent random
 /// reads, so the next rows' lines are prefetched to overlap DRAM latency.
-fn gather_kernel(mem: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]) -> Result<()> {
+fn gather_kernel(
+    mem: &dyn HostMemory,
+    _c: &LaunchConfig,
+    a: &[KernelArg],
+) -> Result<(), metrale_gpu_runtime::GpuError> {
+    use metrale_gpu_runtime::GpuError;
     const DIST: usize = 16;
     let (
         KernelArg::Ptr(refs),
@@ -677,7 +682,7 @@ fn gather_kernel(mem: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]) -> Re
         KernelArg::U64(len),
     ) = (a[0], a[1], a[2], a[3], a[4])
     else {
-        bail!("bench gather: bad arguments")
+        return Err(GpuError::kernel("bench gather: bad arguments"));
     };
     let (n, len) = (n as usize, len as usize);
     let tbl = mem.host_ptr(base, len)?;
@@ -696,10 +701,11 @@ fn gather_kernel(mem: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]) -> Re
             prefetch_row(tbl.wrapping_add(pf));
         }
         let off = r[2 * i].wrapping_sub(base.addr()) as usize;
-        ensure!(
-            off.checked_add(ROW_BYTES).is_some_and(|e| e <= len),
-            "bench gather: ref {i} outside the table"
-        );
+        if !off.checked_add(ROW_BYTES).is_some_and(|e| e <= len) {
+            return Err(GpuError::kernel(format!(
+                "bench gather: ref {i} outside the table"
+            )));
+        }
         // SAFETY: `off + ROW_BYTES <= len` (checked above) and `tbl` spans
         // `len` bytes (checked by host_ptr); the table is only read.
         let src = unsafe { std::slice::from_raw_parts(tbl.add(off), ROW_BYTES) };
@@ -774,7 +780,7 @@ fn gather(s: &Sizes, files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<Ro
     let freed = gpu
         .free(refs_dev)
         .and(gpu.free(out_dev))
-        .and(gpu.destroy_stream(stream));
+        .and(gpu.destroy_stream(stream).map_err(Into::into));
     r?;
     freed?;
     Ok(Row::rate(
@@ -1011,7 +1017,7 @@ fn bench_layer(s: &Sizes, _dir: &Path) -> Result<Vec<Row>> {
         freed = freed.and(gpu.free(p));
     }
     if let Ok(st) = stream {
-        freed = freed.and(gpu.destroy_stream(st));
+        freed = freed.and(gpu.destroy_stream(st).map_err(Into::into));
     }
     let rows = r?;
     freed?;
@@ -1277,7 +1283,7 @@ fn bench_runtime(s: &Sizes, _dir: &Path) -> Result<Vec<Row>> {
             &mut [
                 &mut || {
                     gpu.copy_d2d_async(a, b, n, *stream)?;
-                    gpu.synchronize(*stream)
+                    Ok(gpu.synchronize(*stream)?)
                 },
                 &mut || {
                     dst.copy_from_slice(black_box(&src));
@@ -1290,7 +1296,7 @@ fn bench_runtime(s: &Sizes, _dir: &Path) -> Result<Vec<Row>> {
     let r = run();
     let mut freed = gpu.free(a).and(gpu.free(b));
     if let Ok(st) = stream {
-        freed = freed.and(gpu.destroy_stream(st));
+        freed = freed.and(gpu.destroy_stream(st).map_err(Into::into));
     }
     let times = r?;
     freed?;

@@ -193,7 +193,7 @@ impl Site for ToySite {
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
             .collect();
-        gpu.copy_h2d_async(&blob[4 + 4 * n..], st.conv, stream)
+        Ok(gpu.copy_h2d_async(&blob[4 + 4 * n..], st.conv, stream)?)
     }
 
     fn release(&self, st: &mut ToyState, gpu: &dyn GpuBackend) -> Result<()> {

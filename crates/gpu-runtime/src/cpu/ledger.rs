@@ -19,9 +19,9 @@ use std::alloc::Layout;
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 
-use anyhow::{Result, anyhow, bail};
 use parking_lot::{Mutex, RwLock};
 
+use crate::error::{AllocationRef, GpuError, Result};
 use crate::gpu::{AllocationInfo, DevicePtr, MemoryKind};
 
 /// First device address handed out; far from null and from small integers so
@@ -97,6 +97,15 @@ struct Freed {
     label: String,
 }
 
+/// An allocation as errors name it.
+fn alloc_ref(base: u64, bytes: usize, label: &str) -> AllocationRef {
+    AllocationRef {
+        label: label.to_string(),
+        base: DevicePtr(base),
+        bytes,
+    }
+}
+
 /// Freed ranges, oldest evicted first.
 #[derive(Default)]
 struct FreedLog {
@@ -128,16 +137,22 @@ impl Ledger {
     }
 
     /// Reserve a fresh device address range for `bytes`.
-    fn reserve(&self, op: &str, bytes: usize) -> Result<u64> {
+    fn reserve(&self, op: &str, bytes: usize, label: &str) -> Result<u64> {
+        let oom = |reason: &str| GpuError::OutOfMemory {
+            op: op.to_string(),
+            label: label.to_string(),
+            bytes,
+            reason: reason.to_string(),
+        };
         let mut next = self.next_addr.lock();
         let span = (bytes.max(1) as u64)
             .checked_next_multiple_of(ADDR_GRANULE)
             .and_then(|s| s.checked_add(GUARD_BYTES))
-            .ok_or_else(|| anyhow!("{op}: {bytes} bytes is too large"))?;
+            .ok_or_else(|| oom("too large for the device address space"))?;
         let addr = *next;
         *next = addr
             .checked_add(span)
-            .ok_or_else(|| anyhow!("{op}: device address space exhausted"))?;
+            .ok_or_else(|| oom("device address space exhausted"))?;
         Ok(addr)
     }
 
@@ -153,8 +168,13 @@ impl Ledger {
     ) -> Result<(DevicePtr, usize)> {
         // A zero-byte allocation still gets a distinct address and a real
         // (unused) buffer so that its address is valid for empty ranges.
-        let layout = Layout::from_size_align(bytes.max(1), align)
-            .map_err(|e| anyhow!("{op} '{label}': {bytes} bytes: {e}"))?;
+        let layout =
+            Layout::from_size_align(bytes.max(1), align).map_err(|e| GpuError::OutOfMemory {
+                op: op.to_string(),
+                label: label.to_string(),
+                bytes,
+                reason: e.to_string(),
+            })?;
         // SAFETY: `layout` has a non-zero size.
         let p = unsafe {
             if self.debug {
@@ -168,7 +188,12 @@ impl Ledger {
             }
         };
         if p.is_null() {
-            bail!("{op} '{label}': out of host memory allocating {bytes} bytes");
+            return Err(GpuError::OutOfMemory {
+                op: op.to_string(),
+                label: label.to_string(),
+                bytes,
+                reason: "out of host memory".into(),
+            });
         }
         let entry = Entry {
             bytes,
@@ -178,7 +203,7 @@ impl Ledger {
             backing: Backing::Owned(layout),
             poison: self.debug,
         };
-        let addr = match self.reserve(op, bytes) {
+        let addr = match self.reserve(op, bytes, label) {
             Ok(a) => a,
             Err(e) => {
                 drop(entry);
@@ -201,12 +226,18 @@ impl Ledger {
         label: &str,
     ) -> Result<DevicePtr> {
         if host.is_null() {
-            bail!("{op} '{label}': host pointer is null");
+            return Err(GpuError::invalid(
+                format!("{op} '{label}'"),
+                "host pointer is null",
+            ));
         }
         if (host as usize).checked_add(bytes).is_none() {
-            bail!("{op} '{label}': {bytes} bytes at host {host:p} wrap the address space");
+            return Err(GpuError::invalid(
+                format!("{op} '{label}'"),
+                format!("{bytes} bytes at host {host:p} wrap the address space"),
+            ));
         }
-        let addr = self.reserve(op, bytes)?;
+        let addr = self.reserve(op, bytes, label)?;
         self.host_index.write().insert((host as usize, addr), bytes);
         self.live.write().insert(
             addr,
@@ -230,33 +261,29 @@ impl Ledger {
         }
         let interior = live.range(..=ptr.0).next_back();
         if let Some((&base, e)) = interior.filter(|(b, e)| ptr.0 < **b + e.bytes.max(1) as u64) {
-            bail!(
-                "free: {ptr} is {} bytes inside allocation '{}' ({}, {} bytes), not its start",
-                ptr.0 - base,
-                e.label,
-                DevicePtr(base),
-                e.bytes
-            );
+            return Err(GpuError::InteriorFree {
+                ptr,
+                offset: ptr.0 - base,
+                alloc: alloc_ref(base, e.bytes, &e.label),
+            });
         }
         drop(live);
         let freed = self.freed.lock();
         if let Some(f) = freed.by_addr.get(&ptr.0) {
-            bail!(
-                "free: double free of {ptr} (allocation '{}', {} bytes, already freed)",
-                f.label,
-                f.bytes
-            );
+            return Err(GpuError::DoubleFree {
+                ptr,
+                alloc: alloc_ref(ptr.0, f.bytes, &f.label),
+            });
         }
         let inside = freed.by_addr.range(..=ptr.0).next_back();
         if let Some((&base, f)) = inside.filter(|(b, f)| ptr.0 < **b + f.bytes.max(1) as u64) {
-            bail!(
-                "free: {ptr} is inside allocation '{}' ({}, {} bytes), which was already freed (and is not its start)",
-                f.label,
-                DevicePtr(base),
-                f.bytes
-            );
+            return Err(GpuError::UseAfterFree {
+                op: "free".into(),
+                ptr,
+                alloc: alloc_ref(base, f.bytes, &f.label),
+            });
         }
-        bail!("free: {ptr} is not a live allocation")
+        Err(GpuError::NotAllocated { ptr })
     }
 
     /// Take the allocation starting at `ptr` out of the ledger. The caller
@@ -269,7 +296,7 @@ impl Ledger {
                 None => {
                     drop(live);
                     self.check_freeable(ptr)?;
-                    bail!("free: {ptr} is not a live allocation");
+                    return Err(GpuError::NotAllocated { ptr });
                 }
             }
         };
@@ -321,14 +348,10 @@ impl Ledger {
 
     /// The error for a range that failed [`Self::resolve`].
     #[cold]
-    fn explain<D: fmt::Display + ?Sized>(
-        &self,
-        op: &D,
-        ptr: DevicePtr,
-        bytes: usize,
-    ) -> anyhow::Error {
+    fn explain<D: fmt::Display + ?Sized>(&self, op: &D, ptr: DevicePtr, bytes: usize) -> GpuError {
+        let op = op.to_string();
         if ptr.is_null() {
-            return anyhow!("{op}: null pointer ({bytes} bytes at {ptr})");
+            return GpuError::NullPointer { op, bytes };
         }
         {
             let live = self.live.read();
@@ -336,26 +359,26 @@ impl Ledger {
                 let off = ptr.0 - base;
                 if off < e.bytes as u64 || (off == e.bytes as u64 && bytes > 0) {
                     let over = (off as u128 + bytes as u128) - e.bytes as u128;
-                    return anyhow!(
-                        "{op}: {bytes} bytes at {ptr} run {over} bytes past the end of allocation '{}' ({}, {} bytes)",
-                        e.label,
-                        DevicePtr(base),
-                        e.bytes
-                    );
+                    return GpuError::OutOfBounds {
+                        op,
+                        ptr,
+                        bytes,
+                        over: over as u64,
+                        alloc: alloc_ref(base, e.bytes, &e.label),
+                    };
                 }
             }
         }
         let freed = self.freed.lock();
         let inside = freed.by_addr.range(..=ptr.0).next_back();
         if let Some((&base, f)) = inside.filter(|(b, f)| ptr.0 - **b <= f.bytes as u64) {
-            return anyhow!(
-                "{op}: use after free: {ptr} is inside allocation '{}' ({}, {} bytes), which was freed",
-                f.label,
-                DevicePtr(base),
-                f.bytes
-            );
+            return GpuError::UseAfterFree {
+                op,
+                ptr,
+                alloc: alloc_ref(base, f.bytes, &f.label),
+            };
         }
-        anyhow!("{op}: {ptr} ({bytes} bytes) is not inside any live allocation")
+        GpuError::InvalidPointer { op, ptr, bytes }
     }
 
     /// The device address of host memory `[host, host + bytes)` when it lies

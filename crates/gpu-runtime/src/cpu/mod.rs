@@ -40,9 +40,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use anyhow::{Result, anyhow, bail};
 use parking_lot::{Mutex, RwLock};
 
+use crate::error::{GpuError, Result};
 use crate::gpu::{
     AllocationInfo, ArgKind, DevicePtr, EventHandle, GpuBackend, GraphHandle, HostKernelFn,
     HostMapped, HostMemory, KernelArg, KernelHandle, LaunchConfig, MemoryKind, StreamId,
@@ -67,6 +67,34 @@ fn non_null_ptr(a: &KernelArg) -> Option<DevicePtr> {
 
 fn on_worker() -> bool {
     ON_WORKER.with(|w| w.get())
+}
+
+/// Refuse a blocking `op` on a stream worker thread, where waiting on `on`
+/// (formatted only when refused) would deadlock.
+fn refuse_on_worker(op: &str, on: impl FnOnce() -> String) -> Result<()> {
+    if on_worker() {
+        return Err(GpuError::WouldDeadlock {
+            op: op.to_string(),
+            on: on(),
+        });
+    }
+    Ok(())
+}
+
+/// Why a copy from pageable host memory cannot be captured.
+const UNREPLAYABLE_COPY: &str = "a copy from ordinary host memory cannot be replayed (stage it \
+                                 in alloc_host_mapped memory, whose copies replay)";
+
+/// Refuse `op` on capturing `stream`: the capture is invalidated (the first
+/// refusal is kept) and the error returned.
+fn refuse(cap: &mut Capture, op: &str, stream: StreamId, why: &str) -> GpuError {
+    let e = GpuError::CaptureViolation {
+        op: op.to_string(),
+        stream,
+        why: why.to_string(),
+    };
+    cap.invalid.get_or_insert_with(|| e.clone());
+    e
 }
 
 /// Registered kernels: handles index `slots`; re-registering a name replaces
@@ -137,7 +165,10 @@ impl Inner {
             .read()
             .get(&id)
             .cloned()
-            .ok_or_else(|| anyhow!("{op}: unknown stream {id}"))
+            .ok_or_else(|| GpuError::UnknownStream {
+                op: op.to_string(),
+                stream: id,
+            })
     }
 
     fn event(&self, op: &str, ev: EventHandle) -> Result<Arc<Event>> {
@@ -145,7 +176,10 @@ impl Inner {
             .lock()
             .get(&ev.0)
             .cloned()
-            .ok_or_else(|| anyhow!("{op}: unknown event {}", ev.0))
+            .ok_or_else(|| GpuError::UnknownEvent {
+                op: op.to_string(),
+                event: ev.0,
+            })
     }
 
     /// Check every pointer of `node` against the ledger.
@@ -186,14 +220,7 @@ impl Inner {
         let mut st = stream.state.lock();
         if let Some(cap) = st.capture.as_mut() {
             if let Some(n) = nodes.iter().find(|n| matches!(n, Node::CopyH2D { .. })) {
-                let why = format!(
-                    "{}: stream {} is capturing; a copy from ordinary host memory cannot be \
-                     replayed (stage it in alloc_host_mapped memory, whose copies replay)",
-                    n.op_name(),
-                    stream.id
-                );
-                cap.invalid.get_or_insert_with(|| why.clone());
-                bail!(why);
+                return Err(refuse(cap, n.op_name(), stream.id, UNREPLAYABLE_COPY));
             }
             cap.nodes.extend_from_slice(nodes);
             return Ok(());
@@ -215,29 +242,23 @@ impl Inner {
     /// Refuse `op` if `stream` is capturing, invalidating the capture.
     fn refuse_if_capturing(&self, op: &str, stream: &Stream, what: &str) -> Result<()> {
         let mut st = stream.state.lock();
-        if let Some(cap) = st.capture.as_mut() {
-            let why = format!("{op}: stream {} is capturing; {what}", stream.id);
-            cap.invalid.get_or_insert_with(|| why.clone());
-            bail!(why);
+        match st.capture.as_mut() {
+            Some(cap) => Err(refuse(cap, op, stream.id, what)),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Wait for all work queued on `stream` and take its pending error.
     fn sync_stream(&self, op: &str, stream: &Stream) -> Result<()> {
-        if on_worker() {
-            bail!(
-                "{op}: called from inside a queued operation, where waiting on stream {} would deadlock",
-                stream.id
-            );
-        }
+        refuse_on_worker(op, || format!("stream {}", stream.id))?;
         let mut st = stream.drain();
         match st.error.take() {
             None => Ok(()),
-            Some(e) => Err(anyhow!(
-                "{op}: earlier work on stream {} failed: {e:#}",
-                stream.id
-            )),
+            Some(e) => Err(GpuError::Stream {
+                op: op.to_string(),
+                stream: stream.id,
+                cause: Box::new(e),
+            }),
         }
     }
 
@@ -277,6 +298,11 @@ impl Inner {
             }
             Node::Kernel { kernel, cfg, args } => {
                 let what = Joined(op, &kernel.qualified);
+                let failed = |cause| GpuError::KernelFailed {
+                    op: op.to_string(),
+                    kernel: kernel.qualified.clone(),
+                    cause: Box::new(cause),
+                };
                 for (i, a) in args.iter().enumerate() {
                     if let Some(p) = non_null_ptr(a) {
                         self.ledger
@@ -292,14 +318,18 @@ impl Inner {
                     body(&mem as &dyn HostMemory, cfg, args)
                 }));
                 match r {
-                    Ok(r) => r.map_err(|e| anyhow!("{what} failed: {e:#}"))?,
+                    Ok(r) => r.map_err(failed)?,
                     Err(p) => {
-                        let msg = p
+                        let message = p
                             .downcast_ref::<&str>()
                             .map(|s| s.to_string())
                             .or_else(|| p.downcast_ref::<String>().cloned())
                             .unwrap_or_else(|| "non-string panic".into());
-                        bail!("{what} panicked: {msg}");
+                        return Err(GpuError::KernelPanicked {
+                            op: op.to_string(),
+                            kernel: kernel.qualified.clone(),
+                            message,
+                        });
                     }
                 }
             }
@@ -408,7 +438,10 @@ impl CpuBackend {
         let h = std::thread::Builder::new()
             .name(format!("cpu-stream-{id}"))
             .spawn(move || worker(inner, s2, rx))
-            .map_err(|e| anyhow!("create_stream: cannot start a worker thread: {e}"))?;
+            .map_err(|e| GpuError::OutOfResources {
+                op: "create_stream".into(),
+                reason: format!("cannot start a worker thread: {e}"),
+            })?;
         s.set_worker(h);
         self.inner.streams.write().insert(id, s);
         Ok(())
@@ -447,7 +480,7 @@ impl GpuBackend for CpuBackend {
         Ok(p)
     }
 
-    fn free(&self, ptr: DevicePtr) -> Result<()> {
+    fn dealloc(&self, ptr: DevicePtr) -> Result<()> {
         if ptr.is_null() {
             return Ok(());
         }
@@ -546,12 +579,7 @@ impl GpuBackend for CpuBackend {
             return self.inner.submit(op, &s, &[node]);
         }
         // Refuse before copying the source: under capture it is never used.
-        self.inner.refuse_if_capturing(
-            op,
-            &s,
-            "a copy from ordinary host memory cannot be replayed (stage it in \
-             alloc_host_mapped memory, whose copies replay)",
-        )?;
+        self.inner.refuse_if_capturing(op, &s, UNREPLAYABLE_COPY)?;
         self.inner.submit(
             op,
             &s,
@@ -597,25 +625,27 @@ impl GpuBackend for CpuBackend {
     fn destroy_stream(&self, stream: StreamId) -> Result<()> {
         let op = "destroy_stream";
         if stream == 0 {
-            bail!("{op}: the default stream cannot be destroyed");
+            return Err(GpuError::invalid(op, "the default stream cannot be destroyed"));
         }
         let s = self.inner.stream(op, stream)?;
         if s.state.lock().capture.is_some() {
-            bail!("{op}: stream {stream} is capturing; end the capture first");
+            return Err(GpuError::AlreadyCapturing {
+                op: op.into(),
+                stream,
+            });
         }
-        if on_worker() {
-            bail!(
-                "{op}: called from inside a queued operation, where waiting on stream {stream} would deadlock"
-            );
-        }
+        refuse_on_worker(op, || format!("stream {stream}"))?;
         self.inner.streams.write().remove(&stream);
         let pending = s.drain().error.take();
         s.shutdown();
         match pending {
             None => Ok(()),
-            Some(e) => Err(anyhow!(
-                "{op}: stream {stream} is destroyed, but earlier work on it failed: {e:#}"
-            )),
+            // The stream is gone either way; its sticky error is not lost.
+            Some(e) => Err(GpuError::Stream {
+                op: op.into(),
+                stream,
+                cause: Box::new(e),
+            }),
         }
     }
 
@@ -654,12 +684,7 @@ impl GpuBackend for CpuBackend {
         if g == 0 || ev.is_complete(g) {
             return Ok(());
         }
-        if on_worker() {
-            bail!(
-                "event_synchronize: called from inside a queued operation, where waiting on event {} would deadlock",
-                ev.id
-            );
-        }
+        refuse_on_worker("event_synchronize", || format!("event {}", ev.id))?;
         ev.wait(g);
         Ok(())
     }
@@ -678,14 +703,20 @@ impl GpuBackend for CpuBackend {
             .lock()
             .remove(&event.0)
             .map(drop)
-            .ok_or_else(|| anyhow!("destroy_event: unknown event {}", event.0))
+            .ok_or_else(|| GpuError::UnknownEvent {
+                op: "destroy_event".into(),
+                event: event.0,
+            })
     }
 
     fn begin_capture(&self, stream: StreamId) -> Result<()> {
         let s = self.inner.stream("begin_capture", stream)?;
         let mut st = s.state.lock();
         if st.capture.is_some() {
-            bail!("begin_capture: stream {stream} is already capturing");
+            return Err(GpuError::AlreadyCapturing {
+                op: "begin_capture".into(),
+                stream,
+            });
         }
         st.capture = Some(Capture {
             nodes: Vec::new(),
@@ -701,9 +732,12 @@ impl GpuBackend for CpuBackend {
             .lock()
             .capture
             .take()
-            .ok_or_else(|| anyhow!("end_capture: stream {stream} is not capturing"))?;
+            .ok_or(GpuError::NotCapturing { stream })?;
         if let Some(why) = cap.invalid {
-            bail!("end_capture: the capture on stream {stream} was invalidated by: {why}");
+            return Err(GpuError::CaptureInvalidated {
+                stream,
+                cause: Box::new(why),
+            });
         }
         let id = self.inner.next_graph.fetch_add(1, Ordering::Relaxed);
         self.inner.graphs.lock().insert(id, cap.nodes.into());
@@ -723,7 +757,10 @@ impl GpuBackend for CpuBackend {
             .lock()
             .get(&graph.0)
             .cloned()
-            .ok_or_else(|| anyhow!("{op}: unknown graph {}", graph.0))?;
+            .ok_or_else(|| GpuError::UnknownGraph {
+                op: op.into(),
+                graph: graph.0,
+            })?;
         let s = self.inner.stream(op, stream)?;
         self.inner
             .submit(&format!("{op} (graph {})", graph.0), &s, &nodes)
@@ -735,7 +772,10 @@ impl GpuBackend for CpuBackend {
             .lock()
             .remove(&graph.0)
             .map(drop)
-            .ok_or_else(|| anyhow!("destroy_graph: unknown graph {}", graph.0))
+            .ok_or_else(|| GpuError::UnknownGraph {
+                op: "destroy_graph".into(),
+                graph: graph.0,
+            })
     }
 
     fn supports_host_kernels(&self) -> bool {
@@ -750,7 +790,10 @@ impl GpuBackend for CpuBackend {
         body: Arc<HostKernelFn>,
     ) -> Result<()> {
         if module.is_empty() || name.is_empty() {
-            bail!("register_host_kernel: empty module or kernel name ('{module}::{name}')");
+            return Err(GpuError::invalid(
+                "register_host_kernel",
+                format!("empty module or kernel name ('{module}::{name}')"),
+            ));
         }
         let entry = Arc::new(KernelEntry {
             qualified: format!("{module}::{name}"),
@@ -770,10 +813,11 @@ impl GpuBackend for CpuBackend {
     }
 
     fn load_module(&self, module: &str, _image: &[u8]) -> Result<()> {
-        bail!(
-            "load_module '{module}': device code modules need the CUDA backend; the CPU backend \
-             runs host kernels registered with register_host_kernel"
-        )
+        Err(GpuError::unsupported(
+            format!("load_module '{module}'"),
+            "device code modules need the CUDA backend; the CPU backend runs host kernels \
+             registered with register_host_kernel",
+        ))
     }
 
     fn kernel(&self, module: &str, name: &str) -> Result<KernelHandle> {
@@ -781,22 +825,18 @@ impl GpuBackend for CpuBackend {
         if let Some(&i) = t.by_name.get(&(module.to_string(), name.to_string())) {
             return Ok(KernelHandle(i as u64 + 1));
         }
-        let mut known: Vec<&str> = t
+        let mut known: Vec<String> = t
             .by_name
             .keys()
             .filter(|(m, _)| m == module)
-            .map(|(_, n)| n.as_str())
+            .map(|(_, n)| n.clone())
             .collect();
         known.sort_unstable();
-        if known.is_empty() {
-            bail!(
-                "kernel {module}::{name}: no such kernel (no kernels registered in module '{module}')"
-            );
-        }
-        bail!(
-            "kernel {module}::{name}: no such kernel (module '{module}' has: {})",
-            known.join(", ")
-        )
+        Err(GpuError::NoSuchKernel {
+            module: module.into(),
+            name: name.into(),
+            known,
+        })
     }
 
     fn launch_kernel(
@@ -806,38 +846,43 @@ impl GpuBackend for CpuBackend {
         args: &[KernelArg],
         stream: StreamId,
     ) -> Result<()> {
-        let op = "launch_kernel";
         let entry = {
             let t = self.inner.kernels.read();
             (kernel.0 as usize)
                 .checked_sub(1)
                 .and_then(|i| t.slots.get(i))
                 .cloned()
-                .ok_or_else(|| anyhow!("{op}: unknown kernel handle {}", kernel.0))?
+                .ok_or(GpuError::UnknownKernelHandle { handle: kernel.0 })?
         };
         let q = &entry.qualified;
         let (g, b) = (cfg.grid, cfg.block);
         if g.0 == 0 || g.1 == 0 || g.2 == 0 || b.0 == 0 || b.1 == 0 || b.2 == 0 {
-            bail!("{op} {q}: grid {g:?} and block {b:?} must have no zero dimension");
+            return Err(GpuError::InvalidLaunch {
+                kernel: q.clone(),
+                grid: g,
+                block: b,
+            });
         }
         if args.len() != entry.signature.len() {
-            bail!(
-                "{op} {q}: expected {} arguments, got {}",
-                entry.signature.len(),
-                args.len()
-            );
+            return Err(GpuError::ArgCount {
+                kernel: q.clone(),
+                expected: entry.signature.len(),
+                got: args.len(),
+            });
         }
         for (i, (a, k)) in args.iter().zip(&entry.signature).enumerate() {
             if a.kind() != *k {
-                bail!(
-                    "{op} {q}: argument {i}: expected {k:?}, got {:?} ({a:?})",
-                    a.kind()
-                );
+                return Err(GpuError::ArgType {
+                    kernel: q.clone(),
+                    index: i,
+                    expected: *k,
+                    got: *a,
+                });
             }
         }
-        let s = self.inner.stream(op, stream)?;
+        let s = self.inner.stream("launch_kernel", stream)?;
         self.inner.submit(
-            op,
+            "launch_kernel",
             &s,
             &[Node::Kernel {
                 kernel: entry,

@@ -22,10 +22,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
 
+use crate::error::{GpuError, Result};
 use crate::gpu::{ArgKind, DevicePtr, HostKernelFn, KernelArg, LaunchConfig, StreamId};
 
 /// How long a worker, or a thread waiting for one, polls before sleeping.
@@ -193,7 +193,7 @@ pub(crate) struct Capture {
     /// Nodes recorded so far.
     pub nodes: Vec<Node>,
     /// Why the capture can no longer succeed, if it cannot.
-    pub invalid: Option<String>,
+    pub invalid: Option<GpuError>,
 }
 
 /// Mutable state of a stream.
@@ -203,7 +203,7 @@ pub(crate) struct StreamState {
     /// Operations the worker has finished.
     pub completed: u64,
     /// The first error not yet reported.
-    pub error: Option<anyhow::Error>,
+    pub error: Option<GpuError>,
     /// The capture in progress.
     pub capture: Option<Capture>,
     /// Set when the stream is shut down; later submissions are refused, so
@@ -268,7 +268,7 @@ impl Stream {
                 if let Msg::Record(ev, g) = msg {
                     ev.complete(g);
                 }
-                anyhow::bail!("stream {} has been destroyed", self.id)
+                Err(GpuError::StreamDestroyed { stream: self.id })
             }
         }
     }

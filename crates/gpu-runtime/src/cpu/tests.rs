@@ -131,20 +131,24 @@ fn destroying_a_stream_reports_its_pending_error() {
         "fail",
         &[],
         Arc::new(|_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
-            anyhow::bail!("deliberate failure")
+            Err(GpuError::kernel("deliberate failure"))
         }),
     )
     .unwrap();
     let k = gpu.kernel("t", "fail").unwrap();
     gpu.launch_kernel(k, LaunchConfig::linear(1, 1), &[], s)
         .unwrap();
-    let e = gpu.destroy_stream(s).unwrap_err().to_string();
+    let e = gpu.destroy_stream(s).unwrap_err();
     assert!(
-        e.contains("destroy_stream: stream") && e.contains("deliberate failure"),
+        matches!(&e, GpuError::Stream { op, stream, .. } if op == "destroy_stream" && *stream == s),
+        "{e:?}"
+    );
+    assert!(
+        matches!(e.root(), GpuError::Kernel { message } if message == "deliberate failure"),
         "{e}"
     );
-    let e = gpu.synchronize(s).unwrap_err().to_string();
-    assert!(e.contains("unknown stream"), "{e}");
+    let e = gpu.synchronize(s).unwrap_err();
+    assert!(matches!(e, GpuError::UnknownStream { .. }), "{e}");
     gpu.free(p).unwrap();
 }
 
@@ -209,7 +213,7 @@ fn register_freeing_kernel(gpu: &Arc<CpuBackend>) -> KernelHandle {
                 let KernelArg::U64(p) = a[0] else {
                     unreachable!()
                 };
-                weak.upgrade().unwrap().free(DevicePtr(p))
+                weak.upgrade().unwrap().dealloc(DevicePtr(p))
             },
         ),
     )
@@ -323,7 +327,7 @@ fn kernels_can_check_pointers_from_rayon_workers() {
         Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
             let (KernelArg::Ptr(t), KernelArg::Ptr(o), KernelArg::U32(n)) = (a[0], a[1], a[2])
             else {
-                anyhow::bail!("bad arguments")
+                return Err(GpuError::kernel("bad arguments"))
             };
             let shared = m.as_sync().expect("the CPU backend shares its memory view");
             let sums: Vec<u32> = (0..n as usize)
@@ -334,7 +338,7 @@ fn kernels_can_check_pointers_from_rayon_workers() {
                     let row = unsafe { std::slice::from_raw_parts(p, 16) };
                     Ok(row.iter().map(|&x| x as u32).sum())
                 })
-                .collect::<anyhow::Result<_>>()?;
+                .collect::<Result<_>>()?;
             // SAFETY: sole writer of `o` while the kernel runs.
             unsafe { m.slice_mut::<u32>(o, n as usize)? }.copy_from_slice(&sums);
             Ok(())
@@ -385,11 +389,13 @@ fn a_kernel_may_drop_the_last_handle_to_the_backend() {
         Arc::new(
             move |_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
                 // Wait until the test has let go of its own handle.
-                go_rx.recv_timeout(Duration::from_secs(10))?;
+                go_rx
+                    .recv_timeout(Duration::from_secs(10))
+                    .map_err(GpuError::kernel)?;
                 let last = slot2.lock().take();
                 drop(last);
                 // Reached only if dropping the backend here did not panic.
-                done_tx.send(())?;
+                done_tx.send(()).map_err(GpuError::kernel)?;
                 Ok(())
             },
         ),

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{ArgKind, DevicePtr, GpuBackend, KernelArg, LaunchConfig, StreamId};
+use metrale_gpu_runtime::gpu::{
+    ArgKind, DevicePtr, GpuBackend, GpuError, KernelArg, LaunchConfig, StreamId,
+};
 use metrale_storage::layout::{TableFiles, scale_name};
 use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 use metrale_storage::table::{RowRef, RowTable};
@@ -102,7 +104,7 @@ pub fn backend() -> (Arc<dyn GpuBackend>, Arc<AtomicBool>) {
                 KernelArg::Ptr(scales),
             ) = (args[0], args[1], args[2], args[3], args[4])
             else {
-                anyhow::bail!("bad arguments");
+                return Err(GpuError::kernel("bad arguments"));
             };
             let (n, rb) = (n as usize, rb as usize);
             // SAFETY: test buffers; refs, out and the rows never overlap.
@@ -131,7 +133,7 @@ pub fn backend() -> (Arc<dyn GpuBackend>, Arc<AtomicBool>) {
         &[ArgKind::U32],
         Arc::new(|_mem, _cfg, args| {
             let KernelArg::U32(ms) = args[0] else {
-                anyhow::bail!("bad arguments")
+                return Err(GpuError::kernel("bad arguments"))
             };
             std::thread::sleep(std::time::Duration::from_millis(ms as u64));
             Ok(())

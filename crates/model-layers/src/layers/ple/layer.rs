@@ -587,7 +587,7 @@ impl PleLayer {
         let leases = staging::resolve_all(self.table.as_ref(), flat_ids, &mut refs, gpu)?;
         if let Err(e) = gpu.copy_h2d_async(&staging::refs_bytes(&refs), va, stream) {
             let _ = staging::release_at_tail(self.table.as_ref(), gpu, stream, leases);
-            return Err(e.context("uploading PLE row refs to the staging ring"));
+            return Err(anyhow::Error::new(e).context("uploading PLE row refs to the staging ring"));
         }
         stg.ring_commit(start, flat_ids, leases);
         Ok(va.addr())
@@ -1024,7 +1024,7 @@ impl PleLayer {
             .and_then(|()| gpu.copy_h2d_async(&table_bytes, stg.conv_table(), stream));
         if let Err(e) = up {
             let _ = staging::release_at_tail(table, gpu, stream, leases);
-            return Err(e.context("uploading the PLE batch staging"));
+            return Err(anyhow::Error::new(e).context("uploading the PLE batch staging"));
         }
         stg.batch = staging::BatchArea {
             owners: states.iter().map(|s| s.conv.addr()).collect(),
@@ -1224,7 +1224,7 @@ impl PleLayer {
         let stg = self.staging.get_mut();
         for s in std::mem::take(&mut stg.streams) {
             if let Err(e) = gpu.synchronize(s) {
-                first_err.get_or_insert(e.context(format!(
+                first_err.get_or_insert(anyhow::Error::new(e).context(format!(
                     "synchronising stream {s} before freeing the PLE layer"
                 )));
             }

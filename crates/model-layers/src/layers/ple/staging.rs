@@ -330,7 +330,7 @@ pub(super) fn release_at_tail(
                 Err(e) => {
                     if !synced {
                         if let Err(se) = gpu.synchronize(stream) {
-                            first_err.get_or_insert(se.context(format!(
+                            first_err.get_or_insert(anyhow::Error::new(se).context(format!(
                                 "synchronising stream {stream} to release PLE row leases after: {e:#}"
                             )));
                         }
@@ -357,7 +357,7 @@ fn record_tail_event(
     let ev = gpu.create_event()?;
     if let Err(e) = gpu.record_event(ev, stream) {
         let _ = gpu.destroy_event(ev);
-        return Err(e);
+        return Err(e.into());
     }
     Ok(ev)
 }

@@ -27,11 +27,13 @@ pub enum GatherDType {
 
 impl GatherDType {
     /// Decode the kernel argument; errors name the bad value.
-    pub fn from_arg(v: u32) -> anyhow::Result<Self> {
+    pub fn from_arg(v: u32) -> Result<Self, metrale_gpu_runtime::GpuError> {
         match v {
             0 => Ok(GatherDType::Bf16),
             1 => Ok(GatherDType::Fp8E4M3),
-            _ => anyhow::bail!("gather: dtype {v} is not 0 (BF16) or 1 (FP8 E4M3)"),
+            _ => Err(metrale_gpu_runtime::GpuError::kernel(format!(
+                "gather: dtype {v} is not 0 (BF16) or 1 (FP8 E4M3)"
+            ))),
         }
     }
 

@@ -7,13 +7,49 @@
 //! functions never alias); all checks run before the first write, so a
 //! refused launch leaves memory untouched.
 
-use anyhow::{Context, Result};
-use metrale_gpu_runtime::gpu::{DevicePtr, HostMemory, KernelArg, LaunchConfig};
+use std::fmt::Display;
+
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuError, HostMemory, KernelArg, LaunchConfig};
 
 use super::conv::{ConvDims, conv, conv_batch};
 use super::gate::{GateDims, GateInputs, gate};
 use super::gather::{GatherDType, RowSrc, gather_rows};
 use super::gemm::{packed_len, project};
+
+/// What a kernel body returns: failures are [`GpuError::Kernel`] messages.
+type Result<T, E = GpuError> = std::result::Result<T, E>;
+
+/// Return a [`GpuError::kernel`] error built from a format string.
+macro_rules! bail {
+    ($($t:tt)*) => {
+        return Err(GpuError::kernel(format!($($t)*)))
+    };
+}
+
+/// [`bail!`] unless the condition holds.
+macro_rules! ensure {
+    ($cond:expr, $($t:tt)*) => {
+        if !$cond {
+            bail!($($t)*);
+        }
+    };
+}
+
+/// Prefix an error with what the kernel was doing, as a kernel error whose
+/// message keeps the whole cause chain.
+trait KernelContext<T> {
+    fn context(self, what: impl Display) -> Result<T>;
+    fn with_context<D: Display>(self, what: impl FnOnce() -> D) -> Result<T>;
+}
+
+impl<T, E: Display> KernelContext<T> for std::result::Result<T, E> {
+    fn context(self, what: impl Display) -> Result<T> {
+        self.map_err(|e| GpuError::kernel(format!("{what}: {e:#}")))
+    }
+    fn with_context<D: Display>(self, what: impl FnOnce() -> D) -> Result<T> {
+        self.map_err(|e| GpuError::kernel(format!("{}: {e:#}", what())))
+    }
+}
 
 /// Typed access to a launch's arguments.
 struct Args<'a> {
@@ -23,7 +59,7 @@ struct Args<'a> {
 
 impl<'a> Args<'a> {
     fn new(kernel: &'static str, args: &'a [KernelArg], count: usize) -> Result<Self> {
-        anyhow::ensure!(
+        ensure!(
             args.len() == count,
             "{kernel}: {} arguments given, {count} expected",
             args.len()
@@ -34,7 +70,7 @@ impl<'a> Args<'a> {
     fn ptr(&self, i: usize, name: &str) -> Result<DevicePtr> {
         match self.args[i] {
             KernelArg::Ptr(p) => Ok(p),
-            other => anyhow::bail!(
+            other => bail!(
                 "{}: argument {i} ({name}) must be a pointer, got {other:?}",
                 self.kernel
             ),
@@ -44,7 +80,7 @@ impl<'a> Args<'a> {
     fn usize(&self, i: usize, name: &str) -> Result<usize> {
         match self.args[i] {
             KernelArg::U32(v) => Ok(v as usize),
-            other => anyhow::bail!(
+            other => bail!(
                 "{}: argument {i} ({name}) must be a u32, got {other:?}",
                 self.kernel
             ),
@@ -54,7 +90,7 @@ impl<'a> Args<'a> {
     fn f32(&self, i: usize, name: &str) -> Result<f32> {
         match self.args[i] {
             KernelArg::F32(v) => Ok(v),
-            other => anyhow::bail!(
+            other => bail!(
                 "{}: argument {i} ({name}) must be an f32, got {other:?}",
                 self.kernel
             ),
@@ -93,7 +129,7 @@ fn check_disjoint(kernel: &str, regions: &[Region]) -> Result<()> {
     for (i, w) in regions.iter().enumerate().filter(|(_, r)| r.write) {
         for (j, o) in regions.iter().enumerate() {
             if i != j && w.overlaps(o) {
-                anyhow::bail!(
+                bail!(
                     "{kernel}: {} ({}, {} bytes) overlaps {} ({}, {} bytes)",
                     w.name,
                     w.ptr,
@@ -112,7 +148,7 @@ fn check_disjoint(kernel: &str, regions: &[Region]) -> Result<()> {
 fn size(kernel: &str, what: &str, dims: &[usize]) -> Result<usize> {
     dims.iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| anyhow::anyhow!("{kernel}: the size of {what} overflows"))
+        .ok_or_else(|| GpuError::kernel(format!("{kernel}: the size of {what} overflows")))
 }
 
 /// `len` values of `T` at `ptr`, read-only; empty without touching memory.
@@ -163,7 +199,7 @@ pub(super) fn gather_kernel(
     let head_dim = a.usize(2, "head_dim")?;
     let dtype = GatherDType::from_arg(a.usize(3, "dtype")? as u32)?;
     let out = a.ptr(4, "out")?;
-    anyhow::ensure!(head_dim > 0, "{K}: head_dim is 0");
+    ensure!(head_dim > 0, "{K}: head_dim is 0");
     if n == 0 {
         return Ok(());
     }
@@ -186,7 +222,7 @@ pub(super) fn gather_kernel(
         let scale = match dtype {
             GatherDType::Bf16 => 0.0,
             GatherDType::Fp8E4M3 => {
-                anyhow::ensure!(
+                ensure!(
                     !scale_ptr.is_null(),
                     "{K}: row {i} is FP8 but its scale pointer is null"
                 );
@@ -221,7 +257,7 @@ pub(super) fn project_kernel(
     let a = Args::new(K, args, 6)?;
     let (x, w, y) = (a.ptr(0, "x")?, a.ptr(1, "w")?, a.ptr(2, "y")?);
     let (t, e, o) = (a.usize(3, "T")?, a.usize(4, "E")?, a.usize(5, "O")?);
-    anyhow::ensure!(
+    ensure!(
         e > 0 && o > 0,
         "{K}: E = {e} and O = {o} must both be positive"
     );
@@ -275,7 +311,7 @@ pub(super) fn gate_kernel(
         a.usize(9, "hc")?,
         a.f32(10, "eps")?,
     );
-    anyhow::ensure!(
+    ensure!(
         h > 0 && hc > 0,
         "{K}: H = {h} and hc = {hc} must both be positive"
     );
@@ -328,7 +364,7 @@ fn conv_dims(a: &Args<'_>) -> Result<ConvDims> {
         k: a.usize(7, "K")?,
         d: a.usize(8, "D")?,
     };
-    anyhow::ensure!(
+    ensure!(
         dims.c > 0 && dims.k > 0 && dims.d > 0,
         "{}: C = {}, K = {} and D = {} must all be positive",
         a.kernel,

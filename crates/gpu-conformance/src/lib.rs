@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 
-use crate::gpu::{
+use metrale_gpu_runtime::GpuError;
+use metrale_gpu_runtime::gpu::{
     ArgKind, DevicePtr, GpuBackend, HostMemory, KernelArg, LaunchConfig, MemoryKind, StreamId,
 };
 
@@ -90,7 +91,10 @@ pub fn run_all(make: &dyn Fn() -> Arc<dyn GpuBackend>) -> Report {
 // ---------------------------------------------------------------- helpers
 
 /// Check that `r` failed with a message containing every needle.
-fn expect_err<T>(r: Result<T>, needles: &[&str]) -> Result<String> {
+fn expect_err<T, E: std::fmt::Display>(
+    r: std::result::Result<T, E>,
+    needles: &[&str],
+) -> Result<String> {
     match r {
         Ok(_) => bail!("expected an error containing {needles:?}, got Ok"),
         Err(e) => {
@@ -145,17 +149,21 @@ impl Baseline {
 
 const GATE_TIMEOUT: Duration = Duration::from_secs(10);
 
-fn arg_ptr(a: &[KernelArg], i: usize) -> Result<DevicePtr> {
+fn arg_ptr(a: &[KernelArg], i: usize) -> Result<DevicePtr, GpuError> {
     match a.get(i) {
         Some(KernelArg::Ptr(p)) => Ok(*p),
-        other => bail!("argument {i}: expected a pointer, got {other:?}"),
+        other => Err(GpuError::kernel(format!(
+            "argument {i}: expected a pointer, got {other:?}"
+        ))),
     }
 }
 
-fn arg_u32(a: &[KernelArg], i: usize) -> Result<u32> {
+fn arg_u32(a: &[KernelArg], i: usize) -> Result<u32, GpuError> {
     match a.get(i) {
         Some(KernelArg::U32(v)) => Ok(*v),
-        other => bail!("argument {i}: expected a u32, got {other:?}"),
+        other => Err(GpuError::kernel(format!(
+            "argument {i}: expected a u32, got {other:?}"
+        ))),
     }
 }
 
@@ -173,13 +181,17 @@ fn kernels(gpu: &dyn GpuBackend) -> Result<()> {
         &[Ptr],
         Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
             let p = m.host_ptr(arg_ptr(a, 0)?, 4)?;
-            ensure!((p as usize).is_multiple_of(4), "gate flag is misaligned");
+            if !(p as usize).is_multiple_of(4) {
+                return Err(GpuError::kernel("gate flag is misaligned"));
+            }
             // SAFETY: 4 checked, aligned bytes; others only touch them
             // atomically (the host side stores through an atomic too).
             let flag = unsafe { &*(p as *const std::sync::atomic::AtomicU32) };
             let t0 = Instant::now();
             while flag.load(std::sync::atomic::Ordering::Acquire) == 0 {
-                ensure!(t0.elapsed() < GATE_TIMEOUT, "gate: flag never set");
+                if t0.elapsed() >= GATE_TIMEOUT {
+                    return Err(GpuError::kernel("gate: flag never set"));
+                }
                 std::thread::sleep(Duration::from_micros(200));
             }
             Ok(())
@@ -247,7 +259,10 @@ fn kernels(gpu: &dyn GpuBackend) -> Result<()> {
         "fail",
         &[U32],
         Arc::new(|_m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
-            bail!("deliberate failure #{}", arg_u32(a, 0)?)
+            Err(GpuError::kernel(format!(
+                "deliberate failure #{}",
+                arg_u32(a, 0)?
+            )))
         }),
     )?;
     // touch(p, bytes): asks for `bytes` at `p`, which may be out of bounds.
@@ -952,7 +967,7 @@ pub fn kernel_argument_errors(gpu: &dyn GpuBackend) -> Result<()> {
         &["conformance::fill", "grid"],
     )?;
     expect_err(
-        gpu.launch_kernel(crate::gpu::KernelHandle(987_654), one(), &[], 0),
+        gpu.launch_kernel(metrale_gpu_runtime::gpu::KernelHandle(987_654), one(), &[], 0),
         &["launch_kernel", "987654"],
     )?;
     expect_err(
