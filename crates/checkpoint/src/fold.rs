@@ -15,6 +15,8 @@ use std::sync::Arc;
 
 use anyhow::{Result, bail};
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
+use metrale_storage::StorageError;
+use metrale_storage::layout::check_row;
 use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats};
 
 /// A [`RowTable`] of `logical_rows` rows backed by a smaller one.
@@ -41,15 +43,10 @@ impl FoldedTable {
         })
     }
 
-    fn fold(&self, ids: &[u64]) -> Result<Vec<u64>> {
+    fn fold(&self, ids: &[u64]) -> Result<Vec<u64>, StorageError> {
         ids.iter()
             .map(|&id| {
-                if id >= self.logical_rows {
-                    bail!(
-                        "row id {id} is past the end of the table ({} rows)",
-                        self.logical_rows
-                    );
-                }
+                check_row(id, self.logical_rows)?;
                 Ok(id % self.modulus)
             })
             .collect()
@@ -66,7 +63,7 @@ impl RowTable for FoldedTable {
     fn max_resolve(&self) -> usize {
         self.inner.max_resolve()
     }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
         let folded = self.fold(ids)?;
         self.inner.resolve(&folded, out)
     }
@@ -75,10 +72,10 @@ impl RowTable for FoldedTable {
         lease: Lease,
         gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
-    ) -> Result<()> {
+    ) -> Result<(), StorageError> {
         self.inner.release(lease, gpu, after)
     }
-    fn prefetch(&self, ids: &[u64]) -> Result<()> {
+    fn prefetch(&self, ids: &[u64]) -> Result<(), StorageError> {
         // Prefetch is advisory; out-of-range ids are simply skipped here and
         // refused by the resolve that follows.
         let folded: Vec<u64> = ids
@@ -111,11 +108,9 @@ mod tests {
         fn max_resolve(&self) -> usize {
             64
         }
-        fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
+        fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
             for (i, &id) in ids.iter().enumerate() {
-                if id >= self.0 {
-                    bail!("id {id} out of range");
-                }
+                check_row(id, self.0)?;
                 out[i] = RowRef {
                     data: 1000 + 10 * id,
                     scale: 0,
@@ -123,10 +118,15 @@ mod tests {
             }
             Ok(Lease::empty())
         }
-        fn release(&self, _: Lease, _: &dyn GpuBackend, _: Option<EventHandle>) -> Result<()> {
+        fn release(
+            &self,
+            _: Lease,
+            _: &dyn GpuBackend,
+            _: Option<EventHandle>,
+        ) -> Result<(), StorageError> {
             Ok(())
         }
-        fn prefetch(&self, _: &[u64]) -> Result<()> {
+        fn prefetch(&self, _: &[u64]) -> Result<(), StorageError> {
             Ok(())
         }
         fn stats(&self) -> TableStats {

@@ -93,7 +93,7 @@ struct RawIndex {
     weight_map: BTreeMap<String, String>,
 }
 
-fn header_err(file: &Path, e: anyhow::Error) -> CheckpointError {
+fn header_err(file: &Path, e: metrale_storage::StorageError) -> CheckpointError {
     CheckpointError::Header {
         file: file.to_path_buf(),
         msg: format!("{e:#}"),

@@ -215,7 +215,7 @@ pub fn write_synthetic(
     Ok(g)
 }
 
-fn st_err(path: &Path, e: anyhow::Error) -> CheckpointError {
+fn st_err(path: &Path, e: metrale_storage::StorageError) -> CheckpointError {
     CheckpointError::Io {
         path: path.to_path_buf(),
         source: std::io::Error::other(format!("{e:#}")),

@@ -15,7 +15,11 @@ use anyhow::{Result, ensure};
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
-use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+use metrale_storage::StorageError;
+use metrale_storage::layout::check_row;
+use metrale_storage::table::{
+    Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len,
+};
 
 use crate::engine::{Engine, EngineConfig};
 use crate::ple_site::PleSite;
@@ -54,7 +58,7 @@ impl TinyTable {
         }))
     }
 
-    fn reap(&self) -> Result<()> {
+    fn reap(&self) -> Result<(), StorageError> {
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let mut keep = Vec::new();
         for ev in p.drain(..) {
@@ -78,19 +82,10 @@ impl RowTable for TinyTable {
         usize::MAX
     }
 
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(
-            out.len() == ids.len(),
-            "tiny table: {} outputs for {} ids",
-            out.len(),
-            ids.len()
-        );
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
+        check_out_len(ids, out)?;
         for (i, &id) in ids.iter().enumerate() {
-            ensure!(
-                id < self.info.rows,
-                "tiny table: row id {id} is past the end ({} rows)",
-                self.info.rows
-            );
+            check_row(id, self.info.rows)?;
             out[i] = RowRef {
                 data: self.base.offset(id as usize * self.info.row_bytes()).addr(),
                 scale: 0,
@@ -105,7 +100,7 @@ impl RowTable for TinyTable {
         _lease: Lease,
         _gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
-    ) -> Result<()> {
+    ) -> Result<(), StorageError> {
         if let Some(ev) = after {
             self.pending
                 .lock()
@@ -115,7 +110,7 @@ impl RowTable for TinyTable {
         self.reap()
     }
 
-    fn prefetch(&self, _ids: &[u64]) -> Result<()> {
+    fn prefetch(&self, _ids: &[u64]) -> Result<(), StorageError> {
         Ok(())
     }
 

@@ -967,7 +967,12 @@ pub fn kernel_argument_errors(gpu: &dyn GpuBackend) -> Result<()> {
         &["conformance::fill", "grid"],
     )?;
     expect_err(
-        gpu.launch_kernel(metrale_gpu_runtime::gpu::KernelHandle(987_654), one(), &[], 0),
+        gpu.launch_kernel(
+            metrale_gpu_runtime::gpu::KernelHandle(987_654),
+            one(),
+            &[],
+            0,
+        ),
         &["launch_kernel", "987654"],
     )?;
     expect_err(

@@ -105,7 +105,7 @@ fn main() -> anyhow::Result<()> {
         Arc::new(
             |m: &dyn HostMemory, _c: &LaunchConfig, args: &[KernelArg]| {
                 let (KernelArg::Ptr(base), KernelArg::U32(n)) = (args[0], args[1]) else {
-                    return Err(metrale_gpu_runtime::GpuError::kernel("bad arguments"))
+                    return Err(metrale_gpu_runtime::GpuError::kernel("bad arguments"));
                 };
                 let rows = (BIG / 320) as u64;
                 let mut x = 0x9E37_79B9_7F4A_7C15u64;

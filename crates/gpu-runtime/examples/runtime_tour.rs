@@ -56,7 +56,7 @@ fn main() -> Result<()> {
                     KernelArg::F32(a),
                 ] = *args
                 else {
-                    return Err(GpuError::kernel(format!("saxpy: bad arguments {args:?}")))
+                    return Err(GpuError::kernel(format!("saxpy: bad arguments {args:?}")));
                 };
                 // SAFETY: `x` and `y` are distinct buffers and this kernel is the
                 // only user of both while it runs.

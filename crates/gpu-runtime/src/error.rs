@@ -52,9 +52,7 @@ pub enum GpuError {
         bytes: usize,
     },
     /// A range that starts inside a live allocation and runs past its end.
-    #[error(
-        "{op}: {bytes} bytes at {ptr} run {over} bytes past the end of allocation {alloc}"
-    )]
+    #[error("{op}: {bytes} bytes at {ptr} run {over} bytes past the end of allocation {alloc}")]
     OutOfBounds {
         /// The operation.
         op: String,
@@ -266,7 +264,9 @@ pub enum GpuError {
         got: KernelArg,
     },
     /// A launch geometry with a zero dimension.
-    #[error("launch_kernel {kernel}: grid {grid:?} and block {block:?} must have no zero dimension")]
+    #[error(
+        "launch_kernel {kernel}: grid {grid:?} and block {block:?} must have no zero dimension"
+    )]
     InvalidLaunch {
         /// `module::name`.
         kernel: String,
@@ -428,7 +428,10 @@ mod tests {
             name: "x".into(),
             known: vec!["a".into(), "b".into()],
         };
-        assert_eq!(k.to_string(), "kernel m::x: no such kernel (module 'm' has: a, b)");
+        assert_eq!(
+            k.to_string(),
+            "kernel m::x: no such kernel (module 'm' has: a, b)"
+        );
     }
 
     #[test]

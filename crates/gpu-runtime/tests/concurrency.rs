@@ -19,7 +19,7 @@ fn threads_sharing_a_backend_keep_their_data_apart() {
         &[ArgKind::Ptr, ArgKind::U32],
         Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
             let (KernelArg::Ptr(p), KernelArg::U32(n)) = (a[0], a[1]) else {
-                return Err(GpuError::kernel("bad arguments"))
+                return Err(GpuError::kernel("bad arguments"));
             };
             // SAFETY: each buffer is used by one stream's kernel at a time.
             let b = unsafe { m.slice_mut::<u8>(p, n as usize)? };

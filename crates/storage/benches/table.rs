@@ -58,7 +58,7 @@ fn write_table(dir: &Path) -> Result<TableFiles> {
         w.finish()?;
         list.push((p, name));
     }
-    TableFiles::open(&list, None)
+    Ok(TableFiles::open(&list, None)?)
 }
 
 fn line(what: &str, v: f64, unit: &str, base_what: &str, b: f64, bunit: &str, note: &str) {
@@ -114,7 +114,7 @@ fn bench_resident(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
                 KernelArg::U64(len),
             ) = (a[0], a[1], a[2], a[3], a[4])
             else {
-                return Err(GpuError::kernel("bad arguments"))
+                return Err(GpuError::kernel("bad arguments"));
             };
             let n = n as usize;
             let tbl = mem.host_ptr(base, len as usize)?;

@@ -47,14 +47,14 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
 use crossbeam_channel::{Sender, unbounded};
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend, HostMapped};
 use parking_lot::{Condvar, Mutex};
 
+use crate::error::{Result, StorageError};
 use crate::io::{AlignedBuf, PAGE, PageReader, ReadReq, ShardFile, default_reader};
 use crate::layout::TableFiles;
-use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len};
 
 /// Largest single read: adjacent pages are merged up to this size.
 const MAX_EXTENT: u64 = 128 * 1024;
@@ -198,22 +198,26 @@ impl CachedTable {
         gpu: Arc<dyn GpuBackend>,
         cfg: CacheConfig,
     ) -> Result<CachedTable> {
-        ensure!(cfg.slots > 0, "a row cache needs at least one slot");
-        ensure!(
-            cfg.slots < u32::MAX as usize,
-            "{} slots is more than a cache can index",
-            cfg.slots
-        );
+        if cfg.slots == 0 {
+            return Err(StorageError::invalid("a row cache needs at least one slot"));
+        }
+        if cfg.slots >= u32::MAX as usize {
+            return Err(StorageError::invalid(format!(
+                "{} slots is more than a cache can index",
+                cfg.slots
+            )));
+        }
         let max_resolve = if cfg.max_resolve == 0 {
             (cfg.slots / 2).max(1)
         } else {
             cfg.max_resolve
         };
-        ensure!(
-            max_resolve <= cfg.slots,
-            "max_resolve {max_resolve} exceeds the {} slots of the arena",
-            cfg.slots
-        );
+        if max_resolve > cfg.slots {
+            return Err(StorageError::invalid(format!(
+                "max_resolve {max_resolve} exceeds the {} slots of the arena",
+                cfg.slots
+            )));
+        }
         let info = files.info;
         let row_bytes = info.row_bytes();
         let fp8 = info.dtype == RowDType::Fp8E4M3;
@@ -231,7 +235,12 @@ impl CachedTable {
         };
         let arena = gpu
             .alloc_host_mapped(arena_bytes, "ple row cache arena")
-            .with_context(|| format!("allocating a {arena_bytes}-byte row cache arena"))?;
+            .map_err(|e| {
+                StorageError::device(
+                    format!("allocating a {arena_bytes}-byte row cache arena"),
+                    e,
+                )
+            })?;
         let slots = vec![
             Slot {
                 id: NO_ID,
@@ -280,13 +289,16 @@ impl CachedTable {
                         // that needs them reads them again and reports a
                         // lasting fault itself, so a warning here would only
                         // repeat it.
-                        tracing::debug!(error = %format!("{e:#}"), "prefetch read failed; rows left unmapped");
+                        tracing::debug!(error = %e, "prefetch read failed; rows left unmapped");
                     }
                     let mut g = w.st.lock();
                     w.finish_loads(&mut g, &loads, r.is_ok());
                 }
             })
-            .context("spawning the prefetch thread")?;
+            .map_err(|cause| StorageError::Thread {
+                what: "the prefetch thread",
+                cause,
+            })?;
         Ok(CachedTable {
             inner,
             prefetch_tx: Some(tx),
@@ -329,30 +341,33 @@ impl CachedTable {
                 want[s as usize] += 1;
             }
         }
+        let broken = |m: String| Err(StorageError::Invariant { message: m });
         for (s, sl) in g.slots.iter().enumerate() {
-            ensure!(
-                sl.pins >= want[s],
-                "slot {s}: {} pins but {} held by leases",
-                sl.pins,
-                want[s]
-            );
+            if sl.pins < want[s] {
+                return broken(format!(
+                    "slot {s}: {} pins but {} held by leases",
+                    sl.pins, want[s]
+                ));
+            }
             if sl.state == FREE {
-                ensure!(sl.id == NO_ID, "free slot {s} still names row {}", sl.id);
-            } else {
-                ensure!(
-                    g.map.get(&sl.id) == Some(&(s as u32)),
+                if sl.id != NO_ID {
+                    return broken(format!("free slot {s} still names row {}", sl.id));
+                }
+            } else if g.map.get(&sl.id) != Some(&(s as u32)) {
+                return broken(format!(
                     "slot {s} holds row {} but the map disagrees",
                     sl.id
-                );
+                ));
             }
         }
         for (&id, &s) in &g.map {
             let sl = &g.slots[s as usize];
-            ensure!(
-                sl.id == id && sl.state != FREE,
-                "map sends row {id} to slot {s}, which holds {}",
-                sl.id
-            );
+            if sl.id != id || sl.state == FREE {
+                return broken(format!(
+                    "map sends row {id} to slot {s}, which holds {}",
+                    sl.id
+                ));
+            }
         }
         Ok(())
     }
@@ -533,11 +548,10 @@ impl Inner {
         if over || pinned.len() > self.max_resolve {
             Self::undo(st, &pinned, &loads);
             let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
-            bail!(
-                "a resolve of {} distinct row ids exceeds this cache's limit of {} per resolve; split the batch (resolve_in_parts)",
-                distinct.len(),
-                self.max_resolve
-            );
+            return Err(StorageError::BatchTooLarge {
+                distinct: distinct.len(),
+                limit: self.max_resolve,
+            });
         }
         if !loads.is_empty() {
             drop(g);
@@ -569,7 +583,9 @@ impl Inner {
                 }
                 if self.cv.wait_until(&mut g, deadline).timed_out() {
                     Self::unpin(&mut g, &pinned);
-                    bail!("timed out waiting for a concurrent read of table rows");
+                    return Err(StorageError::ConcurrentRead {
+                        message: "timed out waiting for a concurrent read of table rows".into(),
+                    });
                 }
             }
             if waits
@@ -689,7 +705,6 @@ impl Inner {
         self.stats.bytes_read.fetch_add(got, Relaxed);
         let mut first_err = None;
         for (e, r) in ext.iter().zip(&results) {
-            let path = self.fds[e.0].path.display();
             let rows = &needs[e.3..e.3 + e.4];
             let more = if e.4 > 1 {
                 format!(" and {} more", e.4 - 1)
@@ -698,22 +713,29 @@ impl Inner {
             };
             match r {
                 Err(err) => {
-                    first_err = Some(anyhow!(
-                        "reading {path} at offset {} ({} bytes) for row {}{more}: {err}",
+                    first_err = Some(StorageError::io_at(
+                        &self.fds[e.0].path,
                         e.1,
-                        e.2 - e.1,
-                        rows[0].id
+                        format!(
+                            "reading {} bytes at offset {} for row {}{more}",
+                            e.2 - e.1,
+                            e.1,
+                            rows[0].id
+                        ),
+                        copy_io_error(err),
                     ));
                 }
                 Ok(n) => {
                     for need in rows {
                         let end = need.off + need.len as u64 - e.1;
                         if (*n as u64) < end {
-                            first_err = Some(anyhow!(
-                                "short read of {path} at offset {}: got {n} of the {end} bytes needed for row {} (file truncated?)",
-                                e.1,
-                                need.id
-                            ));
+                            first_err = Some(StorageError::Truncated {
+                                path: self.fds[e.0].path.clone(),
+                                what: format!("row {} (short read)", need.id),
+                                offset: e.1,
+                                needed: end,
+                                got: *n as u64,
+                            });
                             break;
                         }
                     }
@@ -751,6 +773,15 @@ impl Inner {
     }
 }
 
+/// An owned copy of a reader's error (readers report by reference), keeping
+/// the OS error code when there is one.
+fn copy_io_error(e: &std::io::Error) -> std::io::Error {
+    match e.raw_os_error() {
+        Some(code) => std::io::Error::from_raw_os_error(code),
+        None => std::io::Error::new(e.kind(), e.to_string()),
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
         // A gather queued before the table was dropped may still read the
@@ -785,12 +816,7 @@ impl RowTable for CachedTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(
-            out.len() == ids.len(),
-            "resolve: {} ids but {} output slots",
-            ids.len(),
-            out.len()
-        );
+        check_out_len(ids, out)?;
         for &id in ids {
             self.inner.files.check_id(id)?;
         }
@@ -802,10 +828,13 @@ impl RowTable for CachedTable {
                 Attempt::Done(l) => return Ok(l),
                 Attempt::PeerFailed => {
                     peer_failures += 1;
-                    ensure!(
-                        peer_failures <= 3,
-                        "rows of this batch failed to load in {peer_failures} concurrent reads; giving up"
-                    );
+                    if peer_failures > 3 {
+                        return Err(StorageError::ConcurrentRead {
+                            message: format!(
+                                "rows of this batch failed to load in {peer_failures} concurrent reads; giving up"
+                            ),
+                        });
+                    }
                 }
                 Attempt::NoVictim => {
                     let mut g = inner.st.lock();
@@ -814,11 +843,11 @@ impl RowTable for CachedTable {
                     }
                     if Instant::now() >= deadline {
                         let pinned = g.slots.iter().filter(|s| s.pins > 0).count();
-                        bail!(
-                            "no free slot after {:?}: {pinned} of {} slots are pinned by live leases (release leases, or resolve fewer distinct ids)",
-                            inner.pin_wait,
-                            g.slots.len()
-                        );
+                        return Err(StorageError::NoFreeSlot {
+                            waited: inner.pin_wait,
+                            pinned,
+                            slots: g.slots.len(),
+                        });
                     }
                     inner.cv.wait_for(&mut g, Duration::from_micros(200));
                 }
@@ -840,9 +869,13 @@ impl RowTable for CachedTable {
             return Ok(());
         }
         let mut g = inner.st.lock();
-        let slots = g.leases.remove(&lease.id).with_context(|| {
-            format!("release: lease {} is not live (released twice?)", lease.id)
-        })?;
+        let slots = g
+            .leases
+            .remove(&lease.id)
+            .ok_or(StorageError::UnknownLease {
+                lease: lease.id,
+                why: "is not live (released twice?)",
+            })?;
         match after {
             None => {
                 Inner::unpin(&mut g, &slots);
@@ -859,10 +892,10 @@ impl RowTable for CachedTable {
                 Err(e) => {
                     Inner::unpin(&mut g, &slots);
                     inner.cv.notify_all();
-                    return Err(anyhow::Error::new(e).context(format!(
-                        "release: lease {} came with an event the backend cannot query; its pins were dropped",
-                        lease.id
-                    )));
+                    return Err(StorageError::LeaseEvent {
+                        lease: lease.id,
+                        cause: e,
+                    });
                 }
             },
         }

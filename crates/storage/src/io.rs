@@ -26,9 +26,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use anyhow::{Context, Result};
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use parking_lot::Mutex;
+
+use crate::error::{IoContext, Result, StorageError};
 
 /// The I/O granule: reads cover whole 4 KiB pages.
 pub const PAGE: usize = 4096;
@@ -129,13 +130,10 @@ impl ShardFile {
                         "O_DIRECT refused by the file system; reading through the page cache"
                     );
                 }
-                Err(e) => {
-                    return Err(e)
-                        .with_context(|| format!("opening {} with O_DIRECT", path.display()));
-                }
+                Err(e) => return Err(e).io_ctx(path, || "opening with O_DIRECT"),
             }
         }
-        let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let file = File::open(path).io_ctx(path, || "opening")?;
         // SAFETY: plain syscall on an fd we own.
         let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
         if rc != 0 {
@@ -411,7 +409,10 @@ impl PreadPool {
                         let _ = job.reply.send((job.index, r));
                     }
                 })
-                .context("spawning a pread thread")?;
+                .map_err(|cause| StorageError::Thread {
+                    what: "a pread thread",
+                    cause,
+                })?;
             handles.push(h);
         }
         Ok(PreadPool {

@@ -16,8 +16,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail, ensure};
-
+use crate::error::{Result, StorageError};
 use crate::safetensors::{Dtype, Header};
 use crate::table::{RowDType, TableInfo};
 
@@ -70,52 +69,67 @@ impl TableFiles {
     /// Open the shards `(file, weight tensor name)`, in id order, checking
     /// equal shapes and, when given, the total row count.
     pub fn open(shards: &[(PathBuf, String)], expected_rows: Option<u64>) -> Result<TableFiles> {
-        ensure!(!shards.is_empty(), "a table needs at least one shard");
+        if shards.is_empty() {
+            return Err(StorageError::layout(
+                None,
+                None,
+                "a table needs at least one shard",
+            ));
+        }
         let mut out = Vec::with_capacity(shards.len());
         let mut geom: Option<(u64, u64, RowDType, String)> = None;
         for (i, (path, name)) in shards.iter().enumerate() {
             let h = Header::read(path)?;
             let p = path.display();
+            let err = |m: String| StorageError::layout(Some(path.clone()), Some(i), m);
             let t = h.get(name)?;
-            ensure!(
-                t.shape.len() == 2,
-                "{p}: shard {i} tensor '{name}': shape {:?} is not [rows_per_shard, head_dim]",
-                t.shape
-            );
+            if t.shape.len() != 2 {
+                return Err(err(format!(
+                    "{p}: shard {i} tensor '{name}': shape {:?} is not [rows_per_shard, head_dim]",
+                    t.shape
+                )));
+            }
             let dtype = match t.dtype {
                 Dtype::BF16 => RowDType::Bf16,
                 Dtype::F8E4M3 | Dtype::U8 => RowDType::Fp8E4M3,
-                other => bail!(
-                    "{p}: shard {i} tensor '{name}': dtype {} is not a table dtype (BF16, F8_E4M3 or U8)",
-                    other.name()
-                ),
+                other => {
+                    return Err(err(format!(
+                        "{p}: shard {i} tensor '{name}': dtype {} is not a table dtype (BF16, F8_E4M3 or U8)",
+                        other.name()
+                    )));
+                }
             };
             let (rows, dim) = (t.shape[0], t.shape[1]);
-            ensure!(
-                rows > 0 && dim > 0,
-                "{p}: shard {i} tensor '{name}': empty shape {:?}",
-                t.shape
-            );
+            if rows == 0 || dim == 0 {
+                return Err(err(format!(
+                    "{p}: shard {i} tensor '{name}': empty shape {:?}",
+                    t.shape
+                )));
+            }
             match &geom {
                 None => geom = Some((rows, dim, dtype, name.clone())),
-                Some((r0, d0, t0, n0)) => ensure!(
-                    (*r0, *d0, *t0) == (rows, dim, dtype),
-                    "{p}: shard {i} tensor '{name}' is [{rows}, {dim}] {dtype:?}, but shard 0 ('{n0}') is [{r0}, {d0}] {t0:?}"
-                ),
+                Some((r0, d0, t0, n0)) => {
+                    if (*r0, *d0, *t0) != (rows, dim, dtype) {
+                        return Err(err(format!(
+                            "{p}: shard {i} tensor '{name}' is [{rows}, {dim}] {dtype:?}, but shard 0 ('{n0}') is [{r0}, {d0}] {t0:?}"
+                        )));
+                    }
+                }
             }
             let scale_offset = if dtype == RowDType::Fp8E4M3 {
                 let sn = scale_name(name);
-                let s = h.tensor(&sn).with_context(|| {
-                    format!(
+                let s = h.tensor(&sn).ok_or_else(|| {
+                    err(format!(
                         "{p}: FP8 shard {i} tensor '{name}' has no companion scale tensor '{sn}'"
-                    )
+                    ))
                 })?;
-                ensure!(
-                    s.dtype == Dtype::F32 && s.shape == [rows],
-                    "{p}: scale tensor '{sn}' is {:?} {}, expected [{rows}] F32",
-                    s.shape,
-                    s.dtype.name()
-                );
+                if s.dtype != Dtype::F32 || s.shape != [rows] {
+                    return Err(err(format!(
+                        "{p}: scale tensor '{sn}' is {:?} {}, expected [{rows}] F32",
+                        s.shape,
+                        s.dtype.name()
+                    )));
+                }
                 Some(s.offset)
             } else {
                 None
@@ -131,15 +145,22 @@ impl TableFiles {
         let (rows_per_shard, dim, dtype, _) = geom.expect("at least one shard");
         let rows = rows_per_shard
             .checked_mul(out.len() as u64)
-            .context("table row count overflows")?;
-        if let Some(want) = expected_rows {
-            ensure!(
-                rows == want,
-                "the table's {} shards of {rows_per_shard} rows hold {rows} rows, expected {want}",
-                out.len()
-            );
+            .ok_or_else(|| StorageError::layout(None, None, "table row count overflows"))?;
+        if let Some(want) = expected_rows
+            && rows != want
+        {
+            return Err(StorageError::layout(
+                None,
+                None,
+                format!(
+                    "the table's {} shards of {rows_per_shard} rows hold {rows} rows, expected {want}",
+                    out.len()
+                ),
+            ));
         }
-        let head_dim = usize::try_from(dim).context("head_dim does not fit in usize")?;
+        let head_dim = usize::try_from(dim).map_err(|_| {
+            StorageError::layout(None, None, format!("head_dim {dim} does not fit in usize"))
+        })?;
         Ok(TableFiles {
             info: TableInfo {
                 rows,
@@ -164,17 +185,25 @@ impl TableFiles {
                 }
             }
         }
-        ensure!(
-            !found.is_empty(),
-            "no '...ngram_embedding.shard_{{i}}.weight' tensor in the given files"
-        );
+        if found.is_empty() {
+            return Err(StorageError::layout(
+                None,
+                None,
+                "no '...ngram_embedding.shard_{i}.weight' tensor in the given files",
+            ));
+        }
         found.sort();
         for (k, (i, p, n)) in found.iter().enumerate() {
-            ensure!(
-                *i == k as u64,
-                "table shard {k} is missing or duplicated (found shard {i}: '{n}' in {})",
-                p.display()
-            );
+            if *i != k as u64 {
+                return Err(StorageError::layout(
+                    Some(p.clone()),
+                    Some(k),
+                    format!(
+                        "table shard {k} is missing or duplicated (found shard {i}: '{n}' in {})",
+                        p.display()
+                    ),
+                ));
+            }
         }
         let list: Vec<(PathBuf, String)> = found.into_iter().map(|(_, p, n)| (p, n)).collect();
         Self::open(&list, expected_rows)
@@ -197,14 +226,17 @@ impl TableFiles {
     /// An error unless `id` is a row of the table.
     #[inline]
     pub fn check_id(&self, id: u64) -> Result<()> {
-        if id >= self.info.rows {
-            bail!(
-                "row id {id} is past the end of the table ({} rows)",
-                self.info.rows
-            );
-        }
-        Ok(())
+        check_row(id, self.info.rows)
     }
+}
+
+/// An error unless `id` is below `rows`.
+#[inline]
+pub fn check_row(id: u64, rows: u64) -> Result<()> {
+    if id >= rows {
+        return Err(StorageError::RowOutOfRange { id, rows });
+    }
+    Ok(())
 }
 
 /// The `i` of a tensor named `...ngram_embedding.shard_{i}.weight`.

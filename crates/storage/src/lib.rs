@@ -9,14 +9,17 @@
 //! [`mapped::MappedTable`] (shard files memory-mapped and registered as
 //! device-addressable host memory) and [`cached::CachedTable`] (a slot
 //! arena in host-mapped memory filled by O_DIRECT reads through [`io`]).
-//! [`open_table`] opens any of them. [`parts`] splits batches larger than a
+//! [`open_table`] opens any of them, as a [`TableMode`] says. Every
+//! fallible call returns [`StorageError`]. [`parts`] splits batches larger than a
 //! table's `max_resolve`; [`pack`] aligns a shard's data section to 4 KiB.
 
 pub mod cached;
 pub mod dtype;
+pub mod error;
 pub mod io;
 pub mod layout;
 pub mod mapped;
+mod mode;
 pub mod pack;
 pub mod parts;
 pub mod resident;
@@ -25,29 +28,23 @@ pub mod table;
 
 use std::sync::Arc;
 
-use anyhow::Result;
 use metrale_gpu_runtime::gpu::GpuBackend;
 
-/// Which kind of table to open.
-#[derive(Clone)]
-pub enum TableKind {
-    /// Every row copied to device memory ([`resident::ResidentTable`]).
-    Resident,
-    /// Shard files memory-mapped and registered ([`mapped::MappedTable`]).
-    Mapped,
-    /// Rows on disk behind a slot cache ([`cached::CachedTable`]).
-    Cached(cached::CacheConfig),
-}
+pub use error::{Result, StorageError};
+pub use mode::TableMode;
 
-/// Open the table stored in `files` as `kind`.
+/// Open the table stored in `files`, serving its rows as `mode` says;
+/// `cache` configures the row cache and is used only by
+/// [`TableMode::Cached`].
 pub fn open_table(
     files: layout::TableFiles,
     gpu: Arc<dyn GpuBackend>,
-    kind: TableKind,
+    mode: TableMode,
+    cache: cached::CacheConfig,
 ) -> Result<Arc<dyn table::RowTable>> {
-    Ok(match kind {
-        TableKind::Resident => Arc::new(resident::ResidentTable::load(&files, gpu)?),
-        TableKind::Mapped => Arc::new(mapped::MappedTable::open(&files, gpu)?),
-        TableKind::Cached(cfg) => Arc::new(cached::CachedTable::open(files, gpu, cfg)?),
+    Ok(match mode {
+        TableMode::Resident => Arc::new(resident::ResidentTable::load(&files, gpu)?),
+        TableMode::Mapped => Arc::new(mapped::MappedTable::open(&files, gpu)?),
+        TableMode::Cached => Arc::new(cached::CachedTable::open(files, gpu, cache)?),
     })
 }

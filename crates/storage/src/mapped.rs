@@ -12,12 +12,12 @@
 use std::fs::File;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, ensure};
 use memmap2::{Advice, Mmap};
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
 
-use crate::layout::TableFiles;
-use crate::table::{Lease, RowRef, RowTable, TableInfo, TableStats};
+use crate::error::{IoContext, Result, StorageError};
+use crate::layout::{TableFiles, check_row};
+use crate::table::{Lease, RowRef, RowTable, TableInfo, TableStats, check_out_len};
 
 /// A table served from memory-mapped shard files.
 pub struct MappedTable {
@@ -42,16 +42,19 @@ impl MappedTable {
         let shard_bytes = files.rows_per_shard * files.info.row_bytes() as u64;
         for (i, s) in files.shards.iter().enumerate() {
             let p = s.path.display();
-            let f = File::open(&s.path).with_context(|| format!("opening {p}"))?;
+            let f = File::open(&s.path).io_ctx(&s.path, || "opening")?;
             // SAFETY: the mapping is read-only and the module contract
             // forbids modifying shard files while they are mapped.
-            let m = unsafe { Mmap::map(&f) }.with_context(|| format!("mapping {p}"))?;
-            ensure!(
-                s.data_offset + shard_bytes <= m.len() as u64,
-                "{p}: shard {i} needs {shard_bytes} bytes at offset {} but the file has {} (truncated?)",
-                s.data_offset,
-                m.len()
-            );
+            let m = unsafe { Mmap::map(&f) }.io_ctx(&s.path, || "mapping")?;
+            if s.data_offset + shard_bytes > m.len() as u64 {
+                return Err(StorageError::Truncated {
+                    path: s.path.clone(),
+                    what: format!("shard {i}"),
+                    offset: s.data_offset,
+                    needed: shard_bytes,
+                    got: (m.len() as u64).saturating_sub(s.data_offset),
+                });
+            }
             if let Err(e) = m.advise(Advice::Random) {
                 tracing::warn!(file = %p, error = %e, "madvise(RANDOM) failed");
             }
@@ -61,7 +64,7 @@ impl MappedTable {
                 t.gpu
                     .register_host(m.as_ptr() as *mut u8, m.len(), "ple mapped table shard")
             }
-            .with_context(|| format!("registering the mapping of {p}"))?;
+            .map_err(|e| StorageError::device(format!("registering the mapping of {p}"), e))?;
             t.maps.push(m);
             t.bases.push((dev, s.data_offset, s.scale_offset));
         }
@@ -69,12 +72,7 @@ impl MappedTable {
     }
 
     fn check(&self, id: u64) -> Result<()> {
-        ensure!(
-            id < self.info.rows,
-            "row id {id} is past the end of the table ({} rows)",
-            self.info.rows
-        );
-        Ok(())
+        check_row(id, self.info.rows)
     }
 }
 
@@ -88,12 +86,7 @@ impl RowTable for MappedTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(
-            out.len() == ids.len(),
-            "resolve: {} ids but {} output slots",
-            ids.len(),
-            out.len()
-        );
+        check_out_len(ids, out)?;
         let rb = self.info.row_bytes() as u64;
         for (o, &id) in out.iter_mut().zip(ids) {
             self.check(id)?;
@@ -113,11 +106,12 @@ impl RowTable for MappedTable {
         gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
     ) -> Result<()> {
-        ensure!(
-            lease.pinned == 0,
-            "release: lease {} does not belong to a mapped table",
-            lease.id
-        );
+        if lease.pinned != 0 {
+            return Err(StorageError::UnknownLease {
+                lease: lease.id,
+                why: "does not belong to a mapped table",
+            });
+        }
         if let Some(ev) = after {
             gpu.destroy_event(ev)?;
         }

@@ -17,8 +17,7 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, ensure};
-
+use crate::error::{IoContext, Result, StorageError};
 use crate::io::PAGE;
 use crate::safetensors::{Header, TensorSpec, encode_header};
 
@@ -41,11 +40,12 @@ pub struct PackReport {
 pub fn pack(src: &Path, dst: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<PackReport> {
     let h = Header::read(src)?;
     if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize()) {
-        ensure!(
-            a != b,
-            "pack: source and destination are the same file ({})",
-            src.display()
-        );
+        if a == b {
+            return Err(StorageError::invalid(format!(
+                "pack: source and destination are the same file ({})",
+                src.display()
+            )));
+        }
     }
     let entries: Vec<(TensorSpec, (u64, u64))> = h
         .tensors
@@ -72,8 +72,11 @@ pub fn pack(src: &Path, dst: &Path, progress: &mut dyn FnMut(u64, u64)) -> Resul
     }
     if let Err(e) = std::fs::rename(&tmp, dst) {
         let _ = std::fs::remove_file(&tmp);
-        return Err(e)
-            .with_context(|| format!("pack: renaming {} to {}", tmp.display(), dst.display()));
+        return Err(StorageError::io(
+            &tmp,
+            format!("pack: renaming to {}", dst.display()),
+            e,
+        ));
     }
     Ok(PackReport {
         old_data_start: h.data_start,
@@ -98,29 +101,26 @@ fn write_packed(
     tmp: &Path,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
-    let src = File::open(&h.path).with_context(|| format!("pack: opening {}", h.path.display()))?;
-    let mut out = File::create(tmp).with_context(|| format!("pack: creating {}", tmp.display()))?;
+    let src = File::open(&h.path).io_ctx(&h.path, || "pack: opening")?;
+    let mut out = File::create(tmp).io_ctx(tmp, || "pack: creating")?;
     out.write_all(header)
-        .with_context(|| format!("pack: writing the header of {}", tmp.display()))?;
+        .io_ctx_at(tmp, 0, || "pack: writing the header")?;
     let mut buf = vec![0u8; CHUNK.min(data_bytes as usize).max(1)];
     let mut done = 0u64;
     progress(0, data_bytes);
     while done < data_bytes {
         let n = (data_bytes - done).min(buf.len() as u64) as usize;
         let at = h.data_start + done;
-        src.read_exact_at(&mut buf[..n], at).with_context(|| {
-            format!(
-                "pack: reading {n} bytes at offset {at} of {} (truncated?)",
-                h.path.display()
-            )
-        })?;
+        src.read_exact_at(&mut buf[..n], at)
+            .io_ctx_at(&h.path, at, || {
+                format!("pack: reading {n} bytes at offset {at} (truncated?)")
+            })?;
         out.write_all(&buf[..n])
-            .with_context(|| format!("pack: writing {}", tmp.display()))?;
+            .io_ctx(tmp, || format!("pack: writing {n} bytes"))?;
         done += n as u64;
         progress(done, data_bytes);
     }
-    out.sync_all()
-        .with_context(|| format!("pack: syncing {}", tmp.display()))?;
+    out.sync_all().io_ctx(tmp, || "pack: syncing")?;
     Ok(())
 }
 

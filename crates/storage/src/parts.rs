@@ -11,9 +11,9 @@
 use std::collections::HashSet;
 use std::hash::BuildHasherDefault;
 
-use anyhow::{Result, ensure};
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
 
+use crate::StorageError;
 use crate::cached::IdHasher;
 use crate::table::{RowRef, RowTable};
 
@@ -44,18 +44,22 @@ pub fn split_points(ids: &[u64], limit: usize) -> Vec<std::ops::Range<usize>> {
 /// work has already completed. The part's lease is released with that
 /// event. If `gather` fails, the lease is released at once, so `gather`
 /// must not leave queued work reading the rows when it returns an error.
-/// Returns the number of parts.
-pub fn resolve_in_parts<F>(
+/// Returns the number of parts. The error type is the caller's: any `E`
+/// that table errors convert into (`StorageError` itself, `anyhow::Error`).
+pub fn resolve_in_parts<F, E>(
     table: &dyn RowTable,
     gpu: &dyn GpuBackend,
     ids: &[u64],
     mut gather: F,
-) -> Result<usize>
+) -> Result<usize, E>
 where
-    F: FnMut(usize, &[u64], &[RowRef]) -> Result<Option<EventHandle>>,
+    F: FnMut(usize, &[u64], &[RowRef]) -> Result<Option<EventHandle>, E>,
+    E: From<StorageError>,
 {
     let limit = table.max_resolve();
-    ensure!(limit > 0, "the table accepts no ids per resolve");
+    if limit == 0 {
+        return Err(StorageError::invalid("the table accepts no ids per resolve").into());
+    }
     let parts = split_points(ids, limit);
     let mut refs = vec![RowRef::default(); ids.len()];
     for r in &parts {

@@ -9,11 +9,11 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
-use anyhow::{Context, Result, ensure};
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
 
-use crate::layout::TableFiles;
-use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+use crate::error::{IoContext, Result, StorageError};
+use crate::layout::{TableFiles, check_row};
+use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len};
 
 /// Bytes copied per host-to-device transfer while loading.
 const CHUNK: usize = 16 << 20;
@@ -53,13 +53,10 @@ fn upload(
     let mut done = 0u64;
     while done < len {
         let n = (len - done).min(CHUNK as u64) as usize;
-        file.read_exact_at(&mut buf[..n], offset + done)
-            .with_context(|| {
-                format!(
-                    "{}: reading {n} table bytes at offset {} (file truncated?)",
-                    path.display(),
-                    offset + done
-                )
+        let at = offset + done;
+        file.read_exact_at(&mut buf[..n], at)
+            .io_ctx_at(path, at, || {
+                format!("reading {n} table bytes at offset {at} (file truncated?)")
             })?;
         gpu.copy_h2d(&buf[..n], dst.offset(done as usize))?;
         done += n as u64;
@@ -73,8 +70,12 @@ impl ResidentTable {
         let info = files.info;
         let row_bytes = info.row_bytes() as u64;
         let shard_bytes = files.rows_per_shard * row_bytes;
-        let total =
-            usize::try_from(info.rows * row_bytes).context("table too large for this host")?;
+        let total = usize::try_from(info.rows * row_bytes).map_err(|_| {
+            StorageError::invalid(format!(
+                "a table of {} bytes is too large for this host",
+                info.rows * row_bytes
+            ))
+        })?;
         let data = gpu.alloc(total, "ple resident table")?;
         let mut guard = FreeGuard {
             gpu: gpu.as_ref(),
@@ -89,17 +90,20 @@ impl ResidentTable {
             DevicePtr::NULL
         };
         for (i, s) in files.shards.iter().enumerate() {
-            let f = File::open(&s.path).with_context(|| format!("opening {}", s.path.display()))?;
+            let f = File::open(&s.path).io_ctx(&s.path, || "opening")?;
             let len = f
                 .metadata()
-                .with_context(|| format!("reading the size of {}", s.path.display()))?
+                .io_ctx(&s.path, || "reading the file size")?
                 .len();
-            ensure!(
-                s.data_offset + shard_bytes <= len,
-                "{}: shard {i} needs {shard_bytes} bytes at offset {} but the file has {len} (truncated?)",
-                s.path.display(),
-                s.data_offset
-            );
+            if s.data_offset + shard_bytes > len {
+                return Err(StorageError::Truncated {
+                    path: s.path.clone(),
+                    what: format!("shard {i}"),
+                    offset: s.data_offset,
+                    needed: shard_bytes,
+                    got: len.saturating_sub(s.data_offset),
+                });
+            }
             upload(
                 gpu.as_ref(),
                 &f,
@@ -141,12 +145,7 @@ impl ResidentTable {
     }
 
     fn check(&self, id: u64) -> Result<()> {
-        ensure!(
-            id < self.info.rows,
-            "row id {id} is past the end of the table ({} rows)",
-            self.info.rows
-        );
-        Ok(())
+        check_row(id, self.info.rows)
     }
 }
 
@@ -160,12 +159,7 @@ impl RowTable for ResidentTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(
-            out.len() == ids.len(),
-            "resolve: {} ids but {} output slots",
-            ids.len(),
-            out.len()
-        );
+        check_out_len(ids, out)?;
         let rb = self.info.row_bytes() as u64;
         for (o, &id) in out.iter_mut().zip(ids) {
             self.check(id)?;
@@ -187,11 +181,12 @@ impl RowTable for ResidentTable {
         gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
     ) -> Result<()> {
-        ensure!(
-            lease.pinned == 0,
-            "release: lease {} does not belong to a resident table",
-            lease.id
-        );
+        if lease.pinned != 0 {
+            return Err(StorageError::UnknownLease {
+                lease: lease.id,
+                why: "does not belong to a resident table",
+            });
+        }
         if let Some(ev) = after {
             gpu.destroy_event(ev)?;
         }

@@ -23,7 +23,22 @@ use std::io::{BufWriter, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result, bail, ensure};
+use crate::error::{IoContext, Result, StorageError};
+
+/// A malformed-header error of `path`, about `tensor`'s `field`.
+fn bad(
+    path: &Path,
+    tensor: Option<&str>,
+    field: Option<&str>,
+    message: impl Into<String>,
+) -> StorageError {
+    StorageError::Header {
+        path: path.to_path_buf(),
+        tensor: tensor.map(str::to_string),
+        field: field.map(str::to_string),
+        message: message.into(),
+    }
+}
 
 /// Largest header accepted (the format's own limit).
 pub const MAX_HEADER_BYTES: u64 = 100 * 1024 * 1024;
@@ -148,68 +163,83 @@ impl Header {
     /// Read and check the header of `path`, reading nothing past it.
     pub fn read(path: impl AsRef<Path>) -> Result<Header> {
         let path = path.as_ref();
-        let mut f = File::open(path)
-            .with_context(|| format!("opening safetensors file {}", path.display()))?;
-        let file_len = f
-            .metadata()
-            .with_context(|| format!("reading the size of {}", path.display()))?
-            .len();
-        ensure!(
-            file_len >= 8,
-            "{}: {file_len} bytes is too short for a safetensors header length",
-            path.display()
-        );
+        let mut f = File::open(path).io_ctx(path, || "opening safetensors file")?;
+        let file_len = f.metadata().io_ctx(path, || "reading the file size")?.len();
+        if file_len < 8 {
+            return Err(StorageError::Truncated {
+                path: path.to_path_buf(),
+                what: "a safetensors header length".into(),
+                offset: 0,
+                needed: 8,
+                got: file_len,
+            });
+        }
         let mut len8 = [0u8; 8];
         f.read_exact(&mut len8)
-            .with_context(|| format!("reading the header length of {}", path.display()))?;
+            .io_ctx_at(path, 0, || "reading the header length")?;
         let n = u64::from_le_bytes(len8);
-        ensure!(
-            n <= MAX_HEADER_BYTES,
-            "{}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit",
-            path.display()
-        );
-        ensure!(
-            8 + n <= file_len,
-            "{}: header length {n} runs past the end of the file ({file_len} bytes)",
-            path.display()
-        );
+        if n > MAX_HEADER_BYTES {
+            return Err(bad(
+                path,
+                None,
+                None,
+                format!("header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit"),
+            ));
+        }
+        if 8 + n > file_len {
+            return Err(StorageError::Truncated {
+                path: path.to_path_buf(),
+                what: format!("a header of length {n}"),
+                offset: 8,
+                needed: n,
+                got: file_len - 8,
+            });
+        }
         let mut json = vec![0u8; n as usize];
         f.read_exact(&mut json)
-            .with_context(|| format!("reading the header of {}", path.display()))?;
+            .io_ctx_at(path, 8, || format!("reading the {n}-byte header"))?;
         Self::parse(path, &json, file_len)
     }
 
     /// Check the header JSON `json` of a file of `file_len` bytes.
     pub fn parse(path: &Path, json: &[u8], file_len: u64) -> Result<Header> {
-        let p = path.display();
         let header_len = json.len() as u64;
         let data_start = 8 + header_len;
-        ensure!(
-            data_start <= file_len,
-            "{p}: header runs past the end of the file"
-        );
+        if data_start > file_len {
+            return Err(StorageError::Truncated {
+                path: path.to_path_buf(),
+                what: "the header".into(),
+                offset: 8,
+                needed: header_len,
+                got: file_len.saturating_sub(8),
+            });
+        }
         let data_len = file_len - data_start;
-        ensure!(
-            json.first() == Some(&b'{'),
-            "{p}: header does not start with '{{'"
-        );
-        let text =
-            std::str::from_utf8(json).with_context(|| format!("{p}: header is not UTF-8"))?;
-        let value: serde_json::Value =
-            serde_json::from_str(text).with_context(|| format!("{p}: header is not valid JSON"))?;
+        if json.first() != Some(&b'{') {
+            return Err(bad(path, None, None, "header does not start with '{'"));
+        }
+        let text = std::str::from_utf8(json)
+            .map_err(|e| bad(path, None, None, format!("header is not UTF-8: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| bad(path, None, None, format!("header is not valid JSON: {e}")))?;
         let obj = value
             .as_object()
-            .with_context(|| format!("{p}: header is not a JSON object"))?;
+            .ok_or_else(|| bad(path, None, None, "header is not a JSON object"))?;
         let mut tensors = Vec::with_capacity(obj.len());
         let mut metadata = BTreeMap::new();
         for (name, v) in obj {
             if name == "__metadata__" {
                 let m = v
                     .as_object()
-                    .with_context(|| format!("{p}: __metadata__ is not an object"))?;
+                    .ok_or_else(|| bad(path, None, None, "__metadata__ is not an object"))?;
                 for (k, mv) in m {
-                    let s = mv.as_str().with_context(|| {
-                        format!("{p}: __metadata__ entry '{k}' is not a string")
+                    let s = mv.as_str().ok_or_else(|| {
+                        bad(
+                            path,
+                            None,
+                            None,
+                            format!("__metadata__ entry '{k}' is not a string"),
+                        )
                     })?;
                     metadata.insert(k.clone(), s.to_string());
                 }
@@ -217,22 +247,22 @@ impl Header {
             }
             let t = v
                 .as_object()
-                .with_context(|| format!("{p}: tensor '{name}' is not an object"))?;
-            let dtype_s = t.get("dtype").and_then(|d| d.as_str()).with_context(|| {
-                format!("{p}: tensor '{name}': field 'dtype' missing or not a string")
-            })?;
-            let dtype = Dtype::parse(dtype_s).with_context(|| {
-                format!("{p}: tensor '{name}': field 'dtype': unknown dtype '{dtype_s}'")
-            })?;
-            let shape_v = t.get("shape").and_then(|s| s.as_array()).with_context(|| {
-                format!("{p}: tensor '{name}': field 'shape' missing or not an array")
-            })?;
+                .ok_or_else(|| bad(path, Some(name), None, "the entry is not an object"))?;
+            let field = |f: &str, m: String| bad(path, Some(name), Some(f), m);
+            let dtype_s = t
+                .get("dtype")
+                .and_then(|d| d.as_str())
+                .ok_or_else(|| field("dtype", "missing or not a string".into()))?;
+            let dtype = Dtype::parse(dtype_s)
+                .ok_or_else(|| field("dtype", format!("unknown dtype '{dtype_s}'")))?;
+            let shape_v = t
+                .get("shape")
+                .and_then(|s| s.as_array())
+                .ok_or_else(|| field("shape", "missing or not an array".into()))?;
             let mut shape = Vec::with_capacity(shape_v.len());
             for (i, d) in shape_v.iter().enumerate() {
-                let d = d.as_u64().with_context(|| {
-                    format!(
-                        "{p}: tensor '{name}': field 'shape'[{i}] is not a non-negative integer"
-                    )
+                let d = d.as_u64().ok_or_else(|| {
+                    field(&format!("shape[{i}]"), "not a non-negative integer".into())
                 })?;
                 shape.push(d);
             }
@@ -240,32 +270,35 @@ impl Header {
                 .get("data_offsets")
                 .and_then(|s| s.as_array())
                 .filter(|a| a.len() == 2)
-                .with_context(|| {
-                    format!("{p}: tensor '{name}': field 'data_offsets' is not a [begin, end] pair")
-                })?;
+                .ok_or_else(|| field("data_offsets", "not a [begin, end] pair".into()))?;
             let (Some(begin), Some(end)) = (offs[0].as_u64(), offs[1].as_u64()) else {
-                bail!("{p}: tensor '{name}': field 'data_offsets' holds a non-integer");
+                return Err(field("data_offsets", "holds a non-integer".into()));
             };
-            ensure!(
-                begin <= end,
-                "{p}: tensor '{name}': field 'data_offsets': begin {begin} > end {end}"
-            );
-            ensure!(
-                end <= data_len,
-                "{p}: tensor '{name}': field 'data_offsets': end {end} runs past the data section ({data_len} bytes; file truncated?)"
-            );
+            if begin > end {
+                return Err(field("data_offsets", format!("begin {begin} > end {end}")));
+            }
+            if end > data_len {
+                return Err(field(
+                    "data_offsets",
+                    format!(
+                        "end {end} runs past the data section ({data_len} bytes; file truncated?)"
+                    ),
+                ));
+            }
             let bytes = shape
                 .iter()
                 .try_fold(dtype.size() as u64, |acc, &d| acc.checked_mul(d))
-                .with_context(|| {
-                    format!("{p}: tensor '{name}': field 'shape' {shape:?} overflows")
-                })?;
-            ensure!(
-                bytes == end - begin,
-                "{p}: tensor '{name}': shape {shape:?} of {} needs {bytes} bytes but data_offsets span {}",
-                dtype.name(),
-                end - begin
-            );
+                .ok_or_else(|| field("shape", format!("{shape:?} overflows")))?;
+            if bytes != end - begin {
+                return Err(field(
+                    "shape",
+                    format!(
+                        "shape {shape:?} of {} needs {bytes} bytes but data_offsets span {}",
+                        dtype.name(),
+                        end - begin
+                    ),
+                ));
+            }
             tensors.push(TensorInfo {
                 name: name.clone(),
                 dtype,
@@ -276,12 +309,17 @@ impl Header {
         }
         tensors.sort_by_key(|t| (t.offset, t.len));
         for w in tensors.windows(2) {
-            ensure!(
-                w[0].offset + w[0].len <= w[1].offset,
-                "{p}: tensors '{}' and '{}' overlap in the data section",
-                w[0].name,
-                w[1].name
-            );
+            if w[0].offset + w[0].len > w[1].offset {
+                return Err(bad(
+                    path,
+                    None,
+                    None,
+                    format!(
+                        "tensors '{}' and '{}' overlap in the data section",
+                        w[0].name, w[1].name
+                    ),
+                ));
+            }
         }
         let index = tensors
             .iter()
@@ -306,24 +344,24 @@ impl Header {
 
     /// The tensor called `name`, or an error naming the file and tensor.
     pub fn get(&self, name: &str) -> Result<&TensorInfo> {
-        self.tensor(name)
-            .with_context(|| format!("{}: no tensor named '{name}'", self.path.display()))
+        self.tensor(name).ok_or_else(|| StorageError::NoTensor {
+            path: self.path.clone(),
+            name: name.to_string(),
+        })
     }
 
     /// Read the bytes of tensor `name` (positional read of its extent only).
     pub fn read_tensor(&self, name: &str) -> Result<Vec<u8>> {
         let t = self.get(name)?;
-        let f =
-            File::open(&self.path).with_context(|| format!("opening {}", self.path.display()))?;
+        let f = File::open(&self.path).io_ctx(&self.path, || "opening")?;
         let mut buf = vec![0u8; t.len as usize];
-        f.read_exact_at(&mut buf, t.offset).with_context(|| {
-            format!(
-                "{}: reading tensor '{name}' ({} bytes at offset {})",
-                self.path.display(),
-                t.len,
-                t.offset
-            )
-        })?;
+        f.read_exact_at(&mut buf, t.offset)
+            .io_ctx_at(&self.path, t.offset, || {
+                format!(
+                    "reading tensor '{name}' ({} bytes at offset {})",
+                    t.len, t.offset
+                )
+            })?;
         Ok(buf)
     }
 }
@@ -354,9 +392,17 @@ impl TensorSpec {
         self.shape
             .iter()
             .try_fold(self.dtype.size() as u64, |acc, &d| acc.checked_mul(d))
-            .with_context(|| format!("tensor '{}': shape {:?} overflows", self.name, self.shape))
+            .ok_or_else(|| {
+                StorageError::invalid(format!(
+                    "tensor '{}': shape {:?} overflows",
+                    self.name, self.shape
+                ))
+            })
     }
 }
+
+/// Strings, string maps and integer lists always serialise.
+const JSON_OK: &str = "strings, string maps and u64 lists serialise to JSON";
 
 /// Build a header (length prefix included) for tensors laid out at the given
 /// relative `(begin, end)` offsets, padded with spaces so that the data
@@ -366,38 +412,41 @@ pub fn encode_header(
     metadata: &BTreeMap<String, String>,
     align: u64,
 ) -> Result<Vec<u8>> {
-    ensure!(
-        align.is_power_of_two(),
-        "header alignment {align} is not a power of two"
-    );
+    if !align.is_power_of_two() {
+        return Err(StorageError::invalid(format!(
+            "header alignment {align} is not a power of two"
+        )));
+    }
     let align = align.max(8);
     let mut json = String::from("{");
     let mut first = true;
     if !metadata.is_empty() {
         json.push_str("\"__metadata__\":");
-        json.push_str(&serde_json::to_string(metadata)?);
+        json.push_str(&serde_json::to_string(metadata).expect(JSON_OK));
         first = false;
     }
     let mut seen = std::collections::HashSet::new();
     for (spec, (b, e)) in entries {
-        ensure!(
-            spec.name != "__metadata__",
-            "a tensor cannot be named '__metadata__'"
-        );
-        ensure!(
-            seen.insert(spec.name.as_str()),
-            "tensor '{}' is listed twice",
-            spec.name
-        );
+        if spec.name == "__metadata__" {
+            return Err(StorageError::invalid(
+                "a tensor cannot be named '__metadata__'",
+            ));
+        }
+        if !seen.insert(spec.name.as_str()) {
+            return Err(StorageError::invalid(format!(
+                "tensor '{}' is listed twice",
+                spec.name
+            )));
+        }
         if !first {
             json.push(',');
         }
         first = false;
-        json.push_str(&serde_json::to_string(&spec.name)?);
+        json.push_str(&serde_json::to_string(&spec.name).expect(JSON_OK));
         json.push_str(&format!(
             ":{{\"dtype\":\"{}\",\"shape\":{},\"data_offsets\":[{b},{e}]}}",
             spec.dtype.name(),
-            serde_json::to_string(&spec.shape)?
+            serde_json::to_string(&spec.shape).expect(JSON_OK)
         ));
     }
     json.push('}');
@@ -450,7 +499,7 @@ impl Writer {
             .unwrap_or_default();
         name.push(".partial");
         let tmp = path.with_file_name(name);
-        let f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        let f = File::create(&tmp).io_ctx(&tmp, || "creating")?;
         let mut w = Writer {
             path,
             tmp,
@@ -460,22 +509,24 @@ impl Writer {
         };
         let out = w.out.as_mut().expect("just created");
         out.write_all(&header)
-            .with_context(|| format!("writing the header of {}", w.tmp.display()))?;
+            .io_ctx_at(&w.tmp, 0, || "writing the header")?;
         Ok(w)
     }
 
     /// Append data bytes (tensors in declared order, back to back).
     pub fn write(&mut self, bytes: &[u8]) -> Result<()> {
-        ensure!(
-            self.written + bytes.len() as u64 <= self.total,
-            "{}: writing {} more bytes would exceed the declared {} bytes of tensor data",
-            self.path.display(),
-            bytes.len(),
-            self.total
-        );
-        let out = self.out.as_mut().context("writer already finished")?;
+        if self.written + bytes.len() as u64 > self.total {
+            return Err(self.refuse(format!(
+                "writing {} more bytes would exceed the declared {} bytes of tensor data",
+                bytes.len(),
+                self.total
+            )));
+        }
+        let Some(out) = self.out.as_mut() else {
+            return Err(self.refuse("writer already finished".into()));
+        };
         out.write_all(bytes)
-            .with_context(|| format!("writing {}", self.tmp.display()))?;
+            .io_ctx(&self.tmp, || format!("writing {} bytes", bytes.len()))?;
         self.written += bytes.len() as u64;
         Ok(())
     }
@@ -483,24 +534,30 @@ impl Writer {
     /// Check that every declared byte was written, flush, sync and move the
     /// file into place.
     pub fn finish(mut self) -> Result<()> {
-        ensure!(
-            self.written == self.total,
-            "{}: only {} of the declared {} bytes of tensor data were written",
-            self.path.display(),
-            self.written,
-            self.total
-        );
-        let out = self.out.take().context("writer already finished")?;
+        if self.written != self.total {
+            return Err(self.refuse(format!(
+                "only {} of the declared {} bytes of tensor data were written",
+                self.written, self.total
+            )));
+        }
+        let Some(out) = self.out.take() else {
+            return Err(self.refuse("writer already finished".into()));
+        };
         let f = out
             .into_inner()
             .map_err(|e| e.into_error())
-            .with_context(|| format!("flushing {}", self.tmp.display()))?;
-        f.sync_all()
-            .with_context(|| format!("syncing {}", self.tmp.display()))?;
-        std::fs::rename(&self.tmp, &self.path).with_context(|| {
-            format!("renaming {} to {}", self.tmp.display(), self.path.display())
-        })?;
+            .io_ctx(&self.tmp, || "flushing")?;
+        f.sync_all().io_ctx(&self.tmp, || "syncing")?;
+        std::fs::rename(&self.tmp, &self.path)
+            .io_ctx(&self.tmp, || format!("renaming to {}", self.path.display()))?;
         Ok(())
+    }
+
+    fn refuse(&self, message: String) -> StorageError {
+        StorageError::Write {
+            path: self.path.clone(),
+            message,
+        }
     }
 }
 
@@ -522,13 +579,14 @@ pub fn write_file(
     let specs: Vec<TensorSpec> = tensors.iter().map(|(s, _)| s.clone()).collect();
     let mut w = Writer::create(path, &specs, &BTreeMap::new(), align)?;
     for (s, data) in tensors {
-        ensure!(
-            data.len() as u64 == s.bytes()?,
-            "tensor '{}': {} bytes given, shape needs {}",
-            s.name,
-            data.len(),
-            s.bytes()?
-        );
+        if data.len() as u64 != s.bytes()? {
+            return Err(StorageError::invalid(format!(
+                "tensor '{}': {} bytes given, shape needs {}",
+                s.name,
+                data.len(),
+                s.bytes()?
+            )));
+        }
         w.write(data)?;
     }
     w.finish()
@@ -602,7 +660,7 @@ mod tests {
             (
                 r#"{"t":{"dtype":"U8","shape":[-1],"data_offsets":[0,2]}}"#,
                 2,
-                "field 'shape'[0]",
+                "field 'shape[0]'",
             ),
             (
                 r#"{"t":{"dtype":"U8","shape":[2]}}"#,
@@ -632,6 +690,10 @@ mod tests {
             assert!(err.contains("bad.safetensors"), "{err}");
             assert!(err.contains(want), "want '{want}' in: {err}");
             if json.starts_with("{\"t\"") && !want.contains("JSON") && !want.contains("overlap") {
+                assert!(
+                    matches!(Header::read(&p).unwrap_err(), StorageError::Header { tensor: Some(t), .. } if t == "t"),
+                    "{err}"
+                );
                 assert!(err.contains("tensor 't'"), "{err}");
             }
         }
@@ -639,9 +701,15 @@ mod tests {
         let mut v = 1000u64.to_le_bytes().to_vec();
         v.extend_from_slice(b"{}");
         std::fs::write(&p, v).unwrap();
-        assert!(format!("{:#}", Header::read(&p).unwrap_err()).contains("runs past the end"));
+        let e = Header::read(&p).unwrap_err();
+        assert!(
+            matches!(e, StorageError::Truncated { needed: 1000, .. })
+                && e.to_string().contains("truncated"),
+            "{e}"
+        );
         std::fs::write(&p, [1u8, 2]).unwrap();
-        assert!(format!("{:#}", Header::read(&p).unwrap_err()).contains("too short"));
+        let e = Header::read(&p).unwrap_err();
+        assert!(matches!(e, StorageError::Truncated { got: 2, .. }), "{e}");
     }
 
     #[test]

@@ -7,14 +7,15 @@
 //!
 //! Invariants:
 //! - `resolve` never returns a reference to a row id `>= rows()`; such an id
-//!   is an error naming it;
+//!   is an error naming it ([`crate::StorageError::RowOutOfRange`]);
 //! - a failed `resolve` holds no pins and leaves the table as it was (the
 //!   slots of a failed batch are unmapped, never half-filled);
-//! - `resolve` accepts at most `max_resolve()` distinct ids; callers split
-//!   larger batches (the layer splits them, see `staging::part_end`).
+//! - `resolve` accepts at most `max_resolve()` distinct ids (more is
+//!   [`crate::StorageError::BatchTooLarge`]); callers split larger batches (the layer splits them, see `staging::part_end`).
 
-use anyhow::Result;
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
+
+use crate::error::Result;
 
 /// The element type of table rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -120,4 +121,16 @@ pub trait RowTable: Send + Sync {
     fn prefetch(&self, ids: &[u64]) -> Result<()>;
     /// Counters so far.
     fn stats(&self) -> TableStats;
+}
+
+/// An error unless `out` has one slot per id, as `resolve` requires.
+#[inline]
+pub fn check_out_len(ids: &[u64], out: &[RowRef]) -> Result<()> {
+    if out.len() != ids.len() {
+        return Err(crate::StorageError::OutputLength {
+            ids: ids.len(),
+            out: out.len(),
+        });
+    }
+    Ok(())
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use common::*;
 use metrale_gpu_runtime::gpu::LaunchConfig;
+use metrale_storage::StorageError;
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::io::{PageReader, ReadReq, default_reader};
 use metrale_storage::parts::resolve_in_parts;
@@ -130,8 +131,12 @@ fn batches_beyond_max_resolve_are_refused_then_split() {
         .chain([3, 3, 77])
         .collect();
     let mut out = vec![RowRef::default(); ids.len()];
-    let e = t.resolve(&ids, &mut out).unwrap_err().to_string();
-    assert!(e.contains("limit of 6"), "{e}");
+    let e = t.resolve(&ids, &mut out).unwrap_err();
+    assert!(
+        matches!(e, StorageError::BatchTooLarge { limit: 6, .. }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("limit of 6"), "{e}");
     t.check_invariants().unwrap();
     assert_eq!(t.stats().misses, 0);
     // The split protocol gathers every row correctly through 8 slots.
@@ -146,7 +151,7 @@ fn batches_beyond_max_resolve_are_refused_then_split() {
         let (o, _) = bufs.read(gpu.as_ref(), s);
         got[start * rb..(start + part.len()) * rb].copy_from_slice(&o);
         bufs.free(gpu.as_ref());
-        Ok(Some(ev))
+        Ok::<_, StorageError>(Some(ev))
     })
     .unwrap();
     assert!(parts >= 7, "{parts} parts");

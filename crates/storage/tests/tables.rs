@@ -101,17 +101,13 @@ fn a_truncated_shard_is_refused_at_load() {
 
 #[test]
 fn open_table_opens_every_kind() {
-    use metrale_storage::{TableKind, cached::CacheConfig, open_table};
+    use metrale_storage::{TableMode, cached::CacheConfig, open_table};
     let d = tempfile::tempdir().unwrap();
     let files = make_table(d.path(), 2, 30, 160, false, 8);
     let (gpu, _) = backend();
     let s = gpu.create_stream().unwrap();
-    for kind in [
-        TableKind::Resident,
-        TableKind::Mapped,
-        TableKind::Cached(CacheConfig::new(8)),
-    ] {
-        let t = open_table(files.clone(), gpu.clone(), kind).unwrap();
+    for mode in TableMode::ALL {
+        let t = open_table(files.clone(), gpu.clone(), mode, CacheConfig::new(8)).unwrap();
         assert_eq!(t.info(), files.info);
         gather_and_check(gpu.as_ref(), t.as_ref(), &[0, 29, 30, 59], s);
     }

@@ -627,7 +627,7 @@ fn write_table(dir: &Path, s: &Sizes) -> Result<TableFiles> {
         w.finish()?;
         list.push((p, name));
     }
-    TableFiles::open(&list, None)
+    Ok(TableFiles::open(&list, None)?)
 }
 
 fn bench_storage(s: &Sizes, dir: &Path) -> Result<Vec<Row>> {

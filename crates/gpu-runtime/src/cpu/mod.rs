@@ -625,7 +625,10 @@ impl GpuBackend for CpuBackend {
     fn destroy_stream(&self, stream: StreamId) -> Result<()> {
         let op = "destroy_stream";
         if stream == 0 {
-            return Err(GpuError::invalid(op, "the default stream cannot be destroyed"));
+            return Err(GpuError::invalid(
+                op,
+                "the default stream cannot be destroyed",
+            ));
         }
         let s = self.inner.stream(op, stream)?;
         if s.state.lock().capture.is_some() {

@@ -327,7 +327,7 @@ fn kernels_can_check_pointers_from_rayon_workers() {
         Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
             let (KernelArg::Ptr(t), KernelArg::Ptr(o), KernelArg::U32(n)) = (a[0], a[1], a[2])
             else {
-                return Err(GpuError::kernel("bad arguments"))
+                return Err(GpuError::kernel("bad arguments"));
             };
             let shared = m.as_sync().expect("the CPU backend shares its memory view");
             let sums: Vec<u32> = (0..n as usize)

@@ -9,11 +9,15 @@
 
 use std::sync::Arc;
 
-use anyhow::{Result, ensure};
+use anyhow::Result;
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
-use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+use metrale_storage::StorageError;
+use metrale_storage::layout::check_row;
+use metrale_storage::table::{
+    Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len,
+};
 use parking_lot::Mutex;
 
 /// Deterministic pseudo-random numbers (splitmix64).
@@ -159,21 +163,17 @@ impl RowTable for TestTable {
     fn max_resolve(&self) -> usize {
         self.max_resolve
     }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(out.len() == ids.len(), "out length");
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
+        check_out_len(ids, out)?;
         let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
-        ensure!(
-            distinct.len() <= self.max_resolve,
-            "{} distinct ids, max {}",
-            distinct.len(),
-            self.max_resolve
-        );
+        if distinct.len() > self.max_resolve {
+            return Err(StorageError::BatchTooLarge {
+                distinct: distinct.len(),
+                limit: self.max_resolve,
+            });
+        }
         for (i, &id) in ids.iter().enumerate() {
-            ensure!(
-                id < self.info.rows,
-                "row id {id} past the table end {}",
-                self.info.rows
-            );
+            check_row(id, self.info.rows)?;
             let scale = if self.scales.is_null() {
                 0
             } else {
@@ -197,7 +197,7 @@ impl RowTable for TestTable {
         lease: Lease,
         _gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
-    ) -> Result<()> {
+    ) -> Result<(), StorageError> {
         let mut p = self.pins.lock();
         match after {
             Some(ev) => p.pending.push((ev, lease.pinned)),
@@ -210,7 +210,7 @@ impl RowTable for TestTable {
         }
         Ok(())
     }
-    fn prefetch(&self, _ids: &[u64]) -> Result<()> {
+    fn prefetch(&self, _ids: &[u64]) -> Result<(), StorageError> {
         Ok(())
     }
     fn stats(&self) -> TableStats {

@@ -534,7 +534,7 @@ impl PleLayer {
         let mut ids = vec![0u64; tokens.len() * heads];
         self.hasher
             .ids_with_history_into(history, tokens, &mut ids)?;
-        self.table.prefetch(&ids)
+        Ok(self.table.prefetch(&ids)?)
     }
 
     fn check_live(&self) -> Result<()> {
@@ -1235,7 +1235,7 @@ impl PleLayer {
         }
         for l in leases {
             if let Err(e) = self.table.release(l, gpu, None) {
-                first_err.get_or_insert(e);
+                first_err.get_or_insert(e.into());
             }
         }
         let mut ptrs: Vec<DevicePtr> = std::mem::take(&mut stg.pad_states);

@@ -341,7 +341,7 @@ pub(super) fn release_at_tail(
             }
         };
         if let Err(e) = r {
-            first_err.get_or_insert(e.context("releasing a PLE row lease"));
+            first_err.get_or_insert(anyhow::Error::new(e).context("releasing a PLE row lease"));
         }
     }
     match first_err {
@@ -395,7 +395,7 @@ pub(super) fn resolve_all(
                     let _ = table.release(l, gpu, None);
                 }
                 out.truncate(base);
-                return Err(e.context(format!(
+                return Err(anyhow::Error::new(e).context(format!(
                     "resolving PLE row ids {start}..{end} of {} (first id {})",
                     ids.len(),
                     ids[start]
