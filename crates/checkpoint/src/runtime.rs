@@ -25,22 +25,14 @@ use metrale_storage::table::RowTable;
 use crate::fold::FoldedTable;
 use crate::load::Checkpoint;
 
-/// How a site's table rows are served.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TableMode {
-    /// Every row copied to device memory at load.
-    Resident,
-    /// The shard files memory-mapped and registered with the device.
-    Mapped,
-    /// Rows read from disk on demand into an arena of `slots` rows.
-    Cached {
-        /// Row slots in the arena.
-        slots: usize,
-    },
-}
+/// How a site's table rows are served: the one mode enum, defined by the
+/// storage crate.
+pub use metrale_storage::TableMode;
 
 impl Checkpoint {
-    /// Serve site `site`'s table in `mode`.
+    /// Serve site `site`'s table in `mode`; a [`TableMode::Cached`] table
+    /// gets a [`CacheConfig::default`] cache (size it with
+    /// [`Self::open_cached_table`]).
     pub fn open_table(
         &self,
         site: usize,
@@ -50,8 +42,8 @@ impl Checkpoint {
         let inner: Arc<dyn RowTable> = match mode {
             TableMode::Resident => Arc::new(ResidentTable::load(&self.table_files(site)?, gpu)?),
             TableMode::Mapped => Arc::new(MappedTable::open(&self.table_files(site)?, gpu)?),
-            TableMode::Cached { slots } => {
-                return self.open_cached_table(site, CacheConfig::new(slots), gpu);
+            TableMode::Cached => {
+                return self.open_cached_table(site, CacheConfig::default(), gpu);
             }
         };
         self.fold(site, inner)

@@ -10,6 +10,7 @@ use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ForwardContext;
+use metrale_storage::cached::CacheConfig;
 
 /// Run `tokens` in the given chunks through every site of `ck`, with the
 /// table served in `mode`; returns the final highway.
@@ -23,7 +24,12 @@ fn forward_all(ck: &Checkpoint, mode: TableMode, tokens: &[u32], chunks: &[usize
     {
         let mut layers = Vec::new();
         for s in 0..ck.sites.len() {
-            let table = ck.open_table(s, mode, gpu.clone()).unwrap();
+            let table = match mode {
+                // A small cache, so the forward evicts and re-reads rows.
+                TableMode::Cached => ck.open_cached_table(s, CacheConfig::new(64), gpu.clone()),
+                m => ck.open_table(s, m, gpu.clone()),
+            }
+            .unwrap();
             layers.push(ck.build_layer(s, table, 32, gpu.as_ref()).unwrap());
         }
         let hw = gpu.alloc(host.len() * 4, "highway").unwrap();
@@ -85,7 +91,7 @@ fn check_modes(opts: &InitOptions) {
     for (mode, chunks) in [
         (TableMode::Resident, &[17usize, 23][..]),
         (TableMode::Mapped, &[40][..]),
-        (TableMode::Cached { slots: 64 }, &[5, 30, 5][..]),
+        (TableMode::Cached, &[5, 30, 5][..]),
     ] {
         let h = forward_all(&ck, mode, &tokens, chunks);
         let same = h

@@ -103,6 +103,16 @@ pub struct CacheConfig {
     pub pin_wait: Duration,
 }
 
+/// Slots of a [`CacheConfig::default`] arena (64 Ki rows).
+pub const DEFAULT_SLOTS: usize = 1 << 16;
+
+impl Default for CacheConfig {
+    /// [`CacheConfig::new`] with [`DEFAULT_SLOTS`].
+    fn default() -> Self {
+        Self::new(DEFAULT_SLOTS)
+    }
+}
+
 impl CacheConfig {
     /// Defaults for an arena of `slots` rows.
     pub fn new(slots: usize) -> Self {
