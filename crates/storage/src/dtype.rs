@@ -9,7 +9,20 @@
 //!   rounded magnitude would exceed 448, infinities and NaN to NaN (the
 //!   convention of the common ML frameworks); [`f32_to_fp8_e4m3_sat`]
 //!   clamps finite values and infinities to ±448 instead;
-//! - BF16 NaN inputs stay NaN (quietened), never rounded into infinity.
+//! - BF16 NaN inputs stay NaN (quietened), never rounded into infinity;
+//! - a scaled FP8 row stores `v / scale` per value and decodes as
+//!   `byte_value * scale`; [`fp8_row_scale`] picks `amax / 448` so the
+//!   largest magnitude lands on the largest finite code and nothing
+//!   overflows, which is how checkpoints quantise table rows.
+//!
+//! API at a glance: [`f32_to_bf16`] / [`bf16_to_f32`] (bits),
+//! [`round_to_bf16`] (an f32 rounded through BF16); [`f32_to_fp8_e4m3`] /
+//! [`fp8_e4m3_to_f32`] (bytes), [`f32_to_fp8_e4m3_scaled`] /
+//! [`fp8_e4m3_scaled_to_f32`] (with a scale), [`quantize_fp8_row`] (a whole
+//! row and its scale); row helpers for little-endian byte buffers.
+
+/// The largest finite FP8 E4M3 ("FN") magnitude.
+pub const FP8_E4M3_MAX: f32 = 448.0;
 
 /// Decode one BF16 value.
 #[inline]
@@ -28,6 +41,12 @@ pub fn f32_to_bf16(v: f32) -> u16 {
     }
     let lsb = (bits >> 16) & 1;
     (bits.wrapping_add(0x7FFF + lsb) >> 16) as u16
+}
+
+/// `v` rounded to the nearest BF16 value (ties to even), as an f32.
+#[inline]
+pub fn round_to_bf16(v: f32) -> f32 {
+    bf16_to_f32(f32_to_bf16(v))
 }
 
 /// Decode one FP8 E4M3 value by direct bit manipulation (used to build
@@ -106,6 +125,36 @@ pub fn f32_to_fp8_e4m3_sat(v: f32) -> u8 {
     f32_to_fp8_e4m3(v.clamp(-448.0, 448.0))
 }
 
+/// Encode `v` as the FP8 E4M3 byte of `v / scale` (round to nearest even;
+/// past ±448 after scaling is NaN, as [`f32_to_fp8_e4m3`]).
+#[inline]
+pub fn f32_to_fp8_e4m3_scaled(v: f32, scale: f32) -> u8 {
+    f32_to_fp8_e4m3(v / scale)
+}
+
+/// Decode FP8 E4M3 byte `b` of a row with scale `scale`.
+#[inline]
+pub fn fp8_e4m3_scaled_to_f32(b: u8, scale: f32) -> f32 {
+    fp8_e4m3_to_f32(b) * scale
+}
+
+/// The scale that maps a row's largest magnitude onto [`FP8_E4M3_MAX`]
+/// (`amax / 448`), or 1 for an all-zero row (any scale would do; 1 keeps
+/// decoding exact).
+pub fn fp8_row_scale(row: &[f32]) -> f32 {
+    let amax = row.iter().fold(0f32, |a, &v| a.max(v.abs()));
+    if amax > 0.0 { amax / FP8_E4M3_MAX } else { 1.0 }
+}
+
+/// Quantise a row to FP8 E4M3 with [`fp8_row_scale`]: appends one byte per
+/// value to `dst` and returns the scale to store beside the row.
+pub fn quantize_fp8_row(src: &[f32], dst: &mut Vec<u8>) -> f32 {
+    let scale = fp8_row_scale(src);
+    dst.reserve(src.len());
+    dst.extend(src.iter().map(|&v| f32_to_fp8_e4m3_scaled(v, scale)));
+    scale
+}
+
 /// Decode a row of little-endian BF16 bytes into `dst`.
 ///
 /// # Panics
@@ -124,7 +173,7 @@ pub fn bf16_bytes_to_f32(src: &[u8], dst: &mut [f32]) {
 pub fn fp8_bytes_to_f32(src: &[u8], scale: f32, dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "fp8 row length mismatch");
     for (d, &b) in dst.iter_mut().zip(src) {
-        *d = fp8_e4m3_to_f32(b) * scale;
+        *d = fp8_e4m3_scaled_to_f32(b, scale);
     }
 }
 
@@ -213,6 +262,25 @@ mod tests {
         assert_eq!(f32_to_fp8_e4m3_sat(1e6), 0x7E);
         assert_eq!(f32_to_fp8_e4m3_sat(f32::NEG_INFINITY), 0xFE);
         assert!(fp8_e4m3_to_f32(f32_to_fp8_e4m3_sat(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn scaled_fp8_rows_round_trip() {
+        let row = [0.5f32, -3.0, 1.25, 0.0];
+        let mut bytes = Vec::new();
+        let scale = quantize_fp8_row(&row, &mut bytes);
+        assert_eq!(scale, 3.0 / FP8_E4M3_MAX);
+        assert_eq!(bytes[1], 0xFE, "the largest magnitude takes the largest code");
+        let back: Vec<f32> = bytes
+            .iter()
+            .map(|&b| fp8_e4m3_scaled_to_f32(b, scale))
+            .collect();
+        for (a, b) in row.iter().zip(&back) {
+            assert!((a - b).abs() <= a.abs() / 16.0, "{a} -> {b}");
+        }
+        assert_eq!(fp8_row_scale(&[0.0, -0.0]), 1.0);
+        assert_eq!(f32_to_fp8_e4m3_scaled(2.0, 2.0), 0x38);
+        assert_eq!(round_to_bf16(1.0 + 2f32.powi(-9)), 1.0);
     }
 
     #[test]
