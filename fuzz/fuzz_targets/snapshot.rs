@@ -8,21 +8,12 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use metrale_engine::snapshot::{FORMAT_VERSION, GeometryFingerprint, MAGIC, SiteGeometry, Snapshot};
-use metrale_engine::testing::tiny_dims;
+use metrale_engine::snapshot::{FORMAT_VERSION, GeometryFingerprint, MAGIC, Snapshot};
+use metrale_testkit::tiny::tiny_dims;
+use metrale_model_layers::layers::ple::SiteSpec;
 
-fn geometry() -> Vec<SiteGeometry> {
-    (0..2)
-        .map(|s| SiteGeometry {
-            dims: tiny_dims(s, 1, 0),
-            head_dim: 4,
-            hidden: 2,
-            hc_mult: 1,
-            kernel: 2,
-            dilation: 3,
-            state_len: 3,
-        })
-        .collect()
+fn geometry() -> Vec<SiteSpec> {
+    (0..2).map(|s| SiteSpec::new(tiny_dims(s, 1, 0), 4, 2, 1, 2, 3)).collect()
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -222,7 +222,7 @@ fn injected_read_faults_fail_only_their_sequences_and_reruns_verify() {
     assert_eq!(u(&v, &["faults", "failed_sequences"]), 0, "{out}");
     let first = v["faults"]["first_error"].as_str().unwrap();
     assert!(
-        first.contains("safetensors at offset") && first.contains("row "),
+        first.contains(".safetensors") && first.contains(" at offset ") && first.contains("row "),
         "{first}"
     );
     assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");

@@ -12,29 +12,23 @@
 //! `METRALE_BENCH_PREFIX` sets the prefix length (default 512, rounded down
 //! to the block size of 64).
 //!
+//! The workloads are `metrale_engine::bench`'s, the ones `metrale-ple
+//! bench` times.
+//!
 //! Run: `cargo bench -p metrale-engine --bench engine`.
 
-use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use metrale_engine::engine::{EngineConfig, SwapTarget};
-use metrale_engine::testing::{TinySpec, tiny_engine};
+use metrale_engine::EngineConfig;
+use metrale_engine::bench::{PrefixRestore, SwapCarry};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_testkit::tiny::{TinySpec, tiny_engine};
 
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
-}
-
-fn rows(n: usize, width: usize, salt: u32) -> Vec<f32> {
-    (0..n * width)
-        .map(|i| {
-            let x = (i as u32).wrapping_mul(2_654_435_761) ^ salt;
-            (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5
-        })
-        .collect()
 }
 
 fn fmt(d: Duration) -> String {
@@ -78,36 +72,28 @@ fn main() {
     };
     let mut plain = tiny_engine(&gpu, &spec, 1, 1, plain_cfg).expect("building the engine");
     eprintln!("engines built in {:.2} s", t0.elapsed().as_secs_f64());
-    let w = e.width();
-    let prefix = (prefix / block).max(1) * block;
-    let prompt: Vec<u32> = (0..prefix as u32 + 1).map(|i| 1 + i * 7 % 997).collect();
 
     // ---- 1. prefix restore vs recompute ----
-    let mut recompute = Vec::new();
-    for rep in 0..3 {
-        let id = plain.add_sequence(&prompt).unwrap().id;
-        let mut hw = rows(prefix, w, rep);
-        let t = Instant::now();
-        plain.prefill(id, &prompt[..prefix], &mut hw).unwrap();
-        recompute.push(t.elapsed());
-        black_box(&hw);
-        plain.release(id).unwrap();
-    }
-    // Populate the cache: one prefill that snapshots every block boundary.
-    let id = e.add_sequence(&prompt).unwrap().id;
-    let mut hw = rows(prefix, w, 0);
     let t = Instant::now();
-    e.prefill(id, &prompt[..prefix], &mut hw).unwrap();
+    let mut w = PrefixRestore::new(&mut e, &mut plain, prefix, block).expect("filling the cache");
     let populate = t.elapsed();
-    e.release(id).unwrap();
+    let prefix = w.prefix();
+    let mut recompute = Vec::new();
+    for _ in 0..3 {
+        w.prepare_baseline().unwrap();
+        let t = Instant::now();
+        w.baseline().unwrap();
+        recompute.push(t.elapsed());
+        w.release().unwrap();
+    }
     let mut restore = Vec::new();
     for _ in 0..50 {
         let t = Instant::now();
-        let a = e.add_sequence(&prompt).unwrap();
+        w.run().unwrap();
         restore.push(t.elapsed());
-        assert_eq!(a.cached, prefix, "the whole prefix should hit");
-        e.release(a.id).unwrap();
+        w.release().unwrap();
     }
+    drop(w);
     let (rc, rs) = (median(recompute), median(restore));
     println!(
         "prefix {prefix} tokens: restore from cache {} vs recompute {} (ratio {:.0}x faster)",
@@ -123,23 +109,18 @@ fn main() {
     );
 
     // ---- 2. swap-out / swap-in vs memcpy ----
-    let id = e.add_sequence(&prompt[..65]).unwrap().id;
-    let mut hw = rows(65, w, 9);
-    e.prefill(id, &prompt[..65], &mut hw).unwrap();
-    let bytes = e.carry_bytes();
+    let mut w = SwapCarry::new(&mut e, block + 1).expect("adding the sequence");
+    let bytes = w.carry_bytes();
     let (mut outs, mut ins, mut copies) = (Vec::new(), Vec::new(), Vec::new());
-    let src = vec![0x5au8; bytes];
-    let mut dst = vec![0u8; bytes];
     for _ in 0..100 {
         let t = Instant::now();
-        e.swap_out(id, SwapTarget::Host).unwrap();
+        w.swap_out().unwrap();
         outs.push(t.elapsed());
         let t = Instant::now();
-        e.swap_in(id).unwrap();
+        w.swap_in().unwrap();
         ins.push(t.elapsed());
         let t = Instant::now();
-        dst.copy_from_slice(black_box(&src));
-        black_box(&mut dst);
+        w.baseline();
         copies.push(t.elapsed());
     }
     let (o, i, m) = (median(outs), median(ins), median(copies));
@@ -151,7 +132,7 @@ fn main() {
         i.as_secs_f64() / m.as_secs_f64(),
         fmt(m)
     );
-    e.release(id).unwrap();
+    w.close().unwrap();
     e.close().unwrap();
     plain.close().unwrap();
 }

@@ -9,13 +9,24 @@
 //!   policy that picks sequences to preempt when it runs short;
 //! - [`engine`]: sequences over the PLE sites: add, chunked prefill, batched
 //!   decode, speculative verify and commit, swap, release;
-//! - [`ple_site`]: the PLE layer as an engine site;
-//! - [`testing`]: tiny real PLE models with random weights for tests,
-//!   benchmarks and demos.
+//! - [`server`]: the serving loop over an engine: admission, chunked
+//!   prefill, batched decode, fault retries, statistics;
+//! - [`ple_site`]: the PLE layer as an engine site.
+//!
+//! Tiny test models and the other shared test helpers live in the
+//! `metrale-testkit` crate, a dev-dependency only.
 
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod budget;
 pub mod engine;
 pub mod ple_site;
 pub mod prefix_cache;
+pub mod server;
 pub mod snapshot;
-pub mod testing;
+
+pub use engine::{
+    Added, Engine, EngineConfig, EngineError, EngineStats, Place, SeqId, Site, SiteResult,
+    SwapTarget,
+};
+pub use server::{Server, ServerConfig, ServerError, ServerReport};

@@ -2,15 +2,14 @@
 //! randomised drive against plain sequential runs, bit for bit, every
 //! acceptance length of a speculative commit, and a clean backend at the end.
 
-mod common;
-
 use std::sync::Arc;
 
-use common::{drive, reference_run, rows_for};
-use metrale_engine::engine::{EngineConfig, SwapTarget};
-use metrale_engine::testing::{TinySpec, tiny_engine};
+use metrale_engine::{EngineConfig, SwapTarget};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_testkit::drive::{drive, reference_run};
+use metrale_testkit::rows::rows_for;
+use metrale_testkit::tiny::{TinySpec, tiny_engine};
 
 fn spec() -> TinySpec {
     TinySpec {

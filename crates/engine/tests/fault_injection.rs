@@ -20,17 +20,17 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use metrale_engine::engine::{Engine, EngineConfig, SeqId, Site};
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::testing::tiny_dims;
+use metrale_engine::{Engine, EngineConfig, SeqId, Site};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
+use metrale_model_layers::layers::ple::PleLayer;
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::io::{PageReader, ReadReq, default_reader};
-use metrale_storage::layout::TableFiles;
-use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
 use metrale_storage::table::RowRef;
+use metrale_testkit::Rng;
+use metrale_testkit::rows::rows_for;
+use metrale_testkit::tiny::{TinySpec, tiny_site_files};
 
 const HIDDEN: usize = 32;
 const HC: usize = 2;
@@ -92,54 +92,18 @@ impl PageReader for FaultyReader {
     }
 }
 
-fn splitmix(v: &mut u64) -> u64 {
-    *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *v;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-fn bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
-/// Write site `site`'s table shard under `dir` (once) and return its
-/// weights; both engines read the same files.
-fn site_files(dir: &Path, site: usize) -> (TableFiles, PleWeights) {
-    let dims = tiny_dims(site, K_PER_ORDER, 0);
-    let rows = dims.head_vocab_sizes.iter().sum::<u64>();
-    let e = dims.ngram_heads() * HEAD_DIM;
-    let c = HIDDEN * HC;
-    let mut s = 0xFA17 + site as u64;
-    let mut unit = move || ((splitmix(&mut s) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-    let weights = PleWeights {
-        key_proj: (0..c * e).map(|_| bf16(unit() * 0.25)).collect(),
-        value_proj: (0..HIDDEN * e).map(|_| bf16(unit() * 0.25)).collect(),
-        norm_key: (0..c).map(|_| unit() * 0.2).collect(),
-        norm_query: (0..c).map(|_| unit() * 0.2).collect(),
-        norm_conv: (0..c).map(|_| unit() * 0.2).collect(),
-        conv1d: (0..c * KERNEL).map(|_| unit() * 0.6).collect(),
-    };
-    let table: Vec<u8> = (0..rows as usize * HEAD_DIM)
-        .flat_map(|_| bf16(unit()).to_le_bytes())
-        .collect();
-    let path = dir.join(format!("site{site}.safetensors"));
-    let name = format!("model.layers.{site}.ple.ngram_embedding.shard_0.weight");
-    if !path.exists() {
-        write_file(
-            &path,
-            &[(
-                TensorSpec::new(&name, Dtype::BF16, &[rows, HEAD_DIM as u64]),
-                &table[..],
-            )],
-            4096,
-        )
-        .unwrap();
+/// The tiny model of both engines: `SITES` sites, tables on disk.
+fn model() -> TinySpec {
+    TinySpec {
+        hidden: HIDDEN,
+        hc_mult: HC,
+        heads_per_ngram: K_PER_ORDER,
+        head_dim: HEAD_DIM,
+        kernel: KERNEL,
+        dilation: DILATION,
+        max_tokens: MAX_TOKENS,
+        eos: 0,
     }
-    let files = TableFiles::open(&[(path, name)], Some(rows)).unwrap();
-    (files, weights)
 }
 
 struct Rig {
@@ -161,24 +125,11 @@ fn rig_with_budget(
     let mut sites = Vec::new();
     let mut tables = Vec::new();
     for site in 0..SITES {
-        let (files, weights) = site_files(dir, site);
+        let (spec, files, weights) = tiny_site_files(dir, &model(), site, 0xFA17).unwrap();
         let mut cfg = CacheConfig::new(SLOTS);
         cfg.reader = reader.clone();
         let table = Arc::new(CachedTable::open(files, gpu.clone(), cfg).unwrap());
-        let layer = PleLayer::new(
-            tiny_dims(site, K_PER_ORDER, 0),
-            HEAD_DIM,
-            HIDDEN,
-            HC,
-            KERNEL,
-            DILATION,
-            1e-6,
-            weights,
-            table.clone(),
-            MAX_TOKENS,
-            gpu.as_ref(),
-        )
-        .unwrap();
+        let layer = PleLayer::new(&spec, weights, table.clone(), MAX_TOKENS, gpu.as_ref()).unwrap();
         sites.push(PleSite::new(layer, KERNEL, DILATION).unwrap());
         tables.push(table);
     }
@@ -195,28 +146,9 @@ fn rig_with_budget(
     }
 }
 
-/// Highway rows for positions `from..to` of `tokens`: each a function of
-/// the token prefix alone, so a re-run of the same tokens gets the same
-/// inputs.
-fn rows(tokens: &[u32], from: usize, to: usize, width: usize) -> Vec<f32> {
-    let mut h = 0x1234_5678u64;
-    let mut out = Vec::new();
-    for (i, &t) in tokens[..to].iter().enumerate() {
-        h ^= u64::from(t).wrapping_mul(0x100_0000_01b3);
-        h = h.rotate_left(23).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        if i >= from {
-            let mut s = h;
-            out.extend(
-                (0..width).map(|_| ((splitmix(&mut s) >> 41) as f32 / (1u64 << 23) as f32) - 1.0),
-            );
-        }
-    }
-    out
-}
-
 /// Prefill `tokens` into sequence `id`; the output rows.
 fn prefill(e: &mut Engine<PleSite>, id: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
-    let mut hw = rows(tokens, 0, tokens.len(), e.width());
+    let mut hw = rows_for(tokens, 0, tokens.len(), e.width());
     e.prefill(id, tokens, &mut hw)?;
     Ok(hw)
 }
@@ -234,7 +166,7 @@ fn decode(
     for (h, &t) in hist.iter().zip(next) {
         let mut all = (*h).clone();
         all.push(t);
-        hw.extend(rows(&all, all.len() - 1, all.len(), w));
+        hw.extend(rows_for(&all, all.len() - 1, all.len(), w));
     }
     let batch: Vec<(SeqId, u32)> = ids.iter().copied().zip(next.iter().copied()).collect();
     e.decode(&batch, &mut hw)?;
@@ -277,27 +209,23 @@ fn read_faults_fail_only_their_sequences_and_a_retry_matches_a_clean_run() {
 
     // Six sequences: prompts of 20 tokens (with EOS now and then), then
     // eight decode steps in two batches of three.
-    let mut s = 77u64;
+    let mut s = Rng(77);
     let n_seq = 6;
     let prompts: Vec<Vec<u32>> = (0..n_seq)
         .map(|_| {
             (0..20)
                 .map(|_| {
-                    if splitmix(&mut s).is_multiple_of(9) {
+                    if s.next().is_multiple_of(9) {
                         0
                     } else {
-                        (splitmix(&mut s) % 999) as u32 + 1
+                        (s.next() % 999) as u32 + 1
                     }
                 })
                 .collect()
         })
         .collect();
     let steps: Vec<Vec<u32>> = (0..8)
-        .map(|_| {
-            (0..n_seq)
-                .map(|_| (splitmix(&mut s) % 999) as u32 + 1)
-                .collect()
-        })
+        .map(|_| (0..n_seq).map(|_| (s.next() % 999) as u32 + 1).collect())
         .collect();
 
     // The clean run: the outputs of every position of every sequence.

@@ -1,30 +1,22 @@
 //! Each refusal of the snapshot container, with the error text a user sees.
 
-use metrale_engine::snapshot::{
-    FORMAT_VERSION, GeometryFingerprint, SiteGeometry, Snapshot, SnapshotError,
-};
+use metrale_engine::snapshot::{FORMAT_VERSION, GeometryFingerprint, Snapshot, SnapshotError};
+use metrale_model_layers::layers::ple::SiteSpec;
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 
-fn geom(hidden: usize) -> SiteGeometry {
-    SiteGeometry {
-        dims: PleIdDims {
-            ngram_size: 3,
-            heads_per_ngram: 2,
-            multipliers: vec![3, 5, 7],
-            head_vocab_sizes: vec![11, 13, 17, 19],
-            head_offsets: vec![0, 11, 24, 41],
-            eos_token_id: 0,
-        },
-        head_dim: 8,
-        hidden,
-        hc_mult: 2,
-        kernel: 4,
-        dilation: 3,
-        state_len: 9,
-    }
+fn geom(hidden: usize) -> SiteSpec {
+    let dims = PleIdDims {
+        ngram_size: 3,
+        heads_per_ngram: 2,
+        multipliers: vec![3, 5, 7],
+        head_vocab_sizes: vec![11, 13, 17, 19],
+        head_offsets: vec![0, 11, 24, 41],
+        eos_token_id: 0,
+    };
+    SiteSpec::new(dims, 8, hidden, 2, 4, 3)
 }
 
-fn snapshot_for(sites: &[SiteGeometry]) -> Snapshot {
+fn snapshot_for(sites: &[SiteSpec]) -> Snapshot {
     Snapshot {
         fingerprint: GeometryFingerprint::of(sites),
         token_count: 7,

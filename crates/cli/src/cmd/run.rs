@@ -5,12 +5,14 @@
 //! outputs: many sequences, each a shared system prompt followed by turns of
 //! Zipf-distributed user tokens and "generated" tokens (EOS between turns);
 //! or prompts from `--prompts` (JSON lines) or `--text` (bytes as tokens),
-//! each followed by generated tokens. A scheduler keeps `--in-flight`
-//! sequences admitted and alternates one batched decode step (up to
-//! `--decode-batch` sequences) with one prefill chunk, as a serving loop
-//! does. The engine restores shared prefixes from its prefix cache and
-//! preempts carries (swapping them to host memory) when more sequences are
-//! in flight than `--resident-carries` allows.
+//! each followed by generated tokens. The engine's serving loop
+//! ([`metrale_engine::server::Server`]) keeps `--in-flight` sequences
+//! admitted and alternates one batched decode step (up to `--decode-batch`
+//! sequences) with one prefill chunk; this command only builds the
+//! workload and the engine and prints the server's report. The engine
+//! restores shared prefixes from its prefix cache and preempts carries
+//! (swapping them to host memory) when more sequences are in flight than
+//! `--resident-carries` allows.
 //!
 //! The highway rows fed in for a token are a function of the token alone
 //! (a hashed pseudo-embedding), so they are a function of the token prefix
@@ -21,11 +23,10 @@
 //! that chunking, batching, the row cache, prefix restores and swaps
 //! changed no bit of any output.
 
-use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
 use clap::{Args, ValueEnum};
@@ -33,8 +34,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
-use metrale_engine::engine::{Engine, EngineConfig, SeqId, Site, SwapTarget};
 use metrale_engine::ple_site::PleSite;
+use metrale_engine::server::{Phase, Request, Server, ServerConfig, ServerReport, Workload};
+use metrale_engine::{Engine, EngineConfig, Site, SwapTarget};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::cached::CacheConfig;
@@ -147,20 +149,6 @@ pub struct RunArgs {
     pub verify: bool,
 }
 
-/// Where a segment of a sequence's tokens goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    Prefill,
-    Decode,
-}
-
-/// One sequence of the workload: its tokens and how they are run.
-struct Plan {
-    tokens: Vec<u32>,
-    /// Consecutive segments `(phase, end)`; the first is a prefill.
-    segments: Vec<(Phase, usize)>,
-}
-
 /// Zipf-distributed token ids over the vocabulary, never EOS.
 struct Zipf {
     cdf: Vec<f64>,
@@ -201,7 +189,7 @@ fn between(state: &mut u64, lo: usize, hi: usize) -> usize {
 }
 
 /// The synthetic workload: shared system prompts, multi-turn sequences.
-fn synthetic(a: &RunArgs, vocab: u64, eos: u32) -> Vec<Plan> {
+fn synthetic(a: &RunArgs, vocab: u64, eos: u32) -> Vec<Request> {
     let zipf = Zipf::new(vocab, eos, a.zipf);
     let mut st = a.seed ^ 0x005E_ED0F_7E57;
     let systems: Vec<Vec<u32>> = (0..a.system_prompts.max(1))
@@ -228,20 +216,20 @@ fn synthetic(a: &RunArgs, vocab: u64, eos: u32) -> Vec<Plan> {
                     segments.push((Phase::Decode, tokens.len()));
                 }
             }
-            Plan { tokens, segments }
+            Request { tokens, segments }
         })
         .collect()
 }
 
 /// A prompt followed by `decode` generated tokens.
-fn from_prompt(prompt: Vec<u32>, decode: usize, zipf: &Zipf, st: &mut u64) -> Plan {
+fn from_prompt(prompt: Vec<u32>, decode: usize, zipf: &Zipf, st: &mut u64) -> Request {
     let mut tokens = prompt;
     let mut segments = vec![(Phase::Prefill, tokens.len())];
     if decode > 0 {
         tokens.extend((0..decode).map(|_| zipf.sample(st)));
         segments.push((Phase::Decode, tokens.len()));
     }
-    Plan { tokens, segments }
+    Request { tokens, segments }
 }
 
 /// The input highway row of `token`: a hashed pseudo-embedding in [-1, 1).
@@ -252,72 +240,57 @@ fn embed(token: u32, out: &mut [f32]) {
     }
 }
 
-/// A 64-bit fingerprint of one output row's bits.
-fn fingerprint(row: &[f32]) -> u64 {
-    let mut h = 0xCBF2_9CE4_8422_2325u64;
-    for v in row {
-        h = (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01B3);
-    }
-    h ^ (h >> 29)
+/// How to build an engine over a checkpoint's sites (shared with `soak`).
+pub(super) struct EngineSetup {
+    /// How the table rows are served.
+    pub(super) mode: TableMode,
+    /// Row slots per site of a cached table.
+    pub(super) slots: usize,
+    /// Read through this reader (cached tables only).
+    pub(super) faults: Option<Arc<FlakyReader>>,
+    /// The engine settings; the device budget is set from
+    /// `resident_carries` when that is positive.
+    pub(super) engine: EngineConfig,
+    /// Carries the device budget holds; 0: `engine`'s budget.
+    pub(super) resident_carries: usize,
 }
 
-/// The engine settings and table mode of one pass.
+/// One pass: the engine and whether decode replays captured graphs.
 struct PassConfig {
-    mode: TableMode,
+    setup: EngineSetup,
     /// Decode through captured graphs.
     graphs: bool,
-    /// Read through this reader (cached tables only).
-    faults: Option<Arc<FlakyReader>>,
-    engine: EngineConfig,
-    resident_carries: usize,
 }
 
 /// What one pass measured.
-#[derive(Default)]
 struct PassResult {
-    /// `rows[seq][pos]`: the fingerprint of the output row of position
-    /// `pos`, or `None` where it was restored rather than computed.
-    rows: Vec<Vec<Option<u64>>>,
-    prefill_time: Duration,
-    decode_time: Duration,
-    wall: Duration,
+    /// The server's figures and row fingerprints.
+    report: ServerReport,
     table: TableStats,
-    stats: Option<metrale_engine::engine::EngineStats>,
     carry_bytes: usize,
     leaked: usize,
-    /// Calls that failed (with injected faults on).
-    failed_calls: u64,
-    /// Sequences run again after a failed call.
-    retried: u64,
-    /// Sequences given up after --retries failures.
-    failed: Vec<usize>,
-    /// The first failure's message.
-    first_fault: Option<String>,
 }
 
-struct Live {
-    plan: usize,
-    id: SeqId,
-    pos: usize,
-    seg: usize,
-}
-
-fn build_engine(
+/// An engine over every site of `ck`, each layer taking up to
+/// `max_tokens` rows per forward.
+pub(super) fn build_engine(
     ck: &Checkpoint,
     gpu: &Arc<dyn GpuBackend>,
-    pc: &PassConfig,
+    pc: &EngineSetup,
     max_tokens: usize,
 ) -> Result<Engine<PleSite>> {
-    let g = &ck.geometry;
+    let g = &ck.spec;
     let mut sites = Vec::new();
     for s in 0..ck.sites.len() {
-        let table = match (pc.mode, &pc.faults) {
-            (TableMode::Cached { slots }, Some(reader)) => {
-                let mut cfg = CacheConfig::new(slots);
-                cfg.reader = Some(reader.clone() as Arc<dyn PageReader>);
+        let table = match pc.mode {
+            TableMode::Cached => {
+                let mut cfg = CacheConfig::new(pc.slots);
+                if let Some(reader) = &pc.faults {
+                    cfg.reader = Some(reader.clone() as Arc<dyn PageReader>);
+                }
                 ck.open_cached_table(s, cfg, gpu.clone())?
             }
-            _ => ck.open_table(s, pc.mode, gpu.clone())?,
+            mode => ck.open_table(s, mode, gpu.clone())?,
         };
         let layer = ck.build_layer(s, table, max_tokens, gpu.as_ref())?;
         sites.push(PleSite::new(layer, g.conv_kernel_size, g.dilation())?);
@@ -327,213 +300,55 @@ fn build_engine(
         let carry: usize = sites.iter().map(Site::carry_bytes).sum();
         cfg.device_budget_bytes = pc.resident_carries * carry;
     }
-    Engine::new(gpu.clone(), sites, cfg)
+    Ok(Engine::new(gpu.clone(), sites, cfg)?)
 }
 
-/// Run the workload once.
+/// Run the workload once, through the engine's server.
 fn pass(
     ck: &Checkpoint,
-    plans: &[Plan],
+    plans: &[Request],
     a: &RunArgs,
     pc: &PassConfig,
     bar: &ProgressBar,
 ) -> Result<PassResult> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let max_tokens = a.prefill_chunk.max(a.decode_batch);
-    let mut engine = build_engine(ck, &gpu, pc, max_tokens)?;
-    if pc.graphs {
-        engine.enable_decode_graphs()?;
-    }
-    let width = engine.width();
-    let mut res = PassResult {
-        rows: plans.iter().map(|p| vec![None; p.tokens.len()]).collect(),
-        carry_bytes: engine.carry_bytes(),
-        ..PassResult::default()
+    let engine = build_engine(ck, &gpu, &pc.setup, max_tokens)?;
+    let carry_bytes = engine.carry_bytes();
+    let cfg = ServerConfig {
+        in_flight: a.in_flight.max(1),
+        prefill_chunk: a.prefill_chunk,
+        decode_batch: a.decode_batch.max(1),
+        prefetch: !a.no_prefetch,
+        decode_graphs: pc.graphs,
+        // Failed calls are tolerated (and rerun) only with injected faults.
+        retries: pc.setup.faults.is_some().then_some(a.retries),
     };
-    let mut waiting: VecDeque<usize> = (0..plans.len()).collect();
-    let mut prefilling: VecDeque<Live> = VecDeque::new();
-    let mut decoding: VecDeque<Live> = VecDeque::new();
-    let mut highway = vec![0f32; max_tokens * width];
-    let mut attempts = vec![0u32; plans.len()];
-    let start = Instant::now();
-
-    // A call failed under injected faults: its sequences are lost (the
-    // engine refuses them until released). Release them, forget their
-    // rows and queue them to run again from the start, or give up.
-    let tolerate = pc.faults.is_some();
-    let mut lose = |lives: Vec<Live>,
-                    err: anyhow::Error,
-                    engine: &mut Engine<PleSite>,
-                    waiting: &mut VecDeque<usize>,
-                    res: &mut PassResult|
-     -> Result<()> {
-        if !tolerate {
-            return Err(err);
-        }
-        res.failed_calls += 1;
-        res.first_fault.get_or_insert_with(|| format!("{err:#}"));
-        for l in lives {
-            engine.release(l.id)?;
-            res.rows[l.plan].iter_mut().for_each(|r| *r = None);
-            attempts[l.plan] += 1;
-            if attempts[l.plan] <= a.retries {
-                res.retried += 1;
-                waiting.push_front(l.plan);
-            } else {
-                res.failed.push(l.plan);
-                bar.inc(1);
-            }
-        }
-        Ok(())
+    let mut server = Server::new(engine, cfg)?;
+    let workload = Workload {
+        requests: plans,
+        rows: &embed,
     };
-
-    // Move `l` on to its next segment, or release it when it is done.
-    let advance = |l: Live,
-                   engine: &mut Engine<PleSite>,
-                   prefilling: &mut VecDeque<Live>,
-                   decoding: &mut VecDeque<Live>|
-     -> Result<()> {
-        let mut l = l;
-        let segs = &plans[l.plan].segments;
-        while l.seg < segs.len() && l.pos >= segs[l.seg].1 {
-            l.seg += 1;
-        }
-        match segs.get(l.seg) {
-            None => {
-                engine.release(l.id)?;
-                bar.inc(1);
-            }
-            Some((Phase::Prefill, _)) => prefilling.push_back(l),
-            Some((Phase::Decode, _)) => decoding.push_back(l),
-        }
-        Ok(())
-    };
-
-    loop {
-        while prefilling.len() + decoding.len() < a.in_flight.max(1) {
-            let Some(p) = waiting.pop_front() else { break };
-            let prompt_end = plans[p].segments[0].1;
-            let t0 = Instant::now();
-            let added = engine
-                .add_sequence(&plans[p].tokens[..prompt_end])
-                .with_context(|| format!("adding sequence {p}"))?;
-            res.prefill_time += t0.elapsed();
-            let l = Live {
-                plan: p,
-                id: added.id,
-                pos: added.cached,
-                seg: 0,
-            };
-            advance(l, &mut engine, &mut prefilling, &mut decoding)?;
-        }
-        if prefilling.is_empty() && decoding.is_empty() {
-            break;
-        }
-
-        // Start reading the rows of the next prefill chunk while the
-        // decode step computes.
-        if !a.no_prefetch
-            && let Some(l) = prefilling.front()
-        {
-            let end = plans[l.plan].segments[l.seg].1;
-            let n = (end - l.pos).min(a.prefill_chunk);
-            engine.prefetch(l.id, &plans[l.plan].tokens[l.pos..l.pos + n])?;
-        }
-
-        // One batched decode step.
-        let n = decoding.len().min(a.decode_batch.max(1));
-        if n > 0 {
-            // Resident carries first, as a server schedules running
-            // sequences before swapped ones; the rest keep their order.
-            let mut batch_seqs = Vec::with_capacity(n);
-            let mut rest = VecDeque::with_capacity(decoding.len());
-            for l in decoding.drain(..) {
-                if batch_seqs.len() < n && engine.is_resident(l.id)? {
-                    batch_seqs.push(l);
-                } else {
-                    rest.push_back(l);
-                }
-            }
-            while batch_seqs.len() < n {
-                let Some(l) = rest.pop_front() else { break };
-                batch_seqs.push(l);
-            }
-            decoding = rest;
-            let batch: Vec<(SeqId, u32)> = batch_seqs
-                .iter()
-                .map(|l| (l.id, plans[l.plan].tokens[l.pos]))
-                .collect();
-            let rows = &mut highway[..n * width];
-            for (b, &(_, t)) in batch.iter().enumerate() {
-                embed(t, &mut rows[b * width..(b + 1) * width]);
-            }
-            let t0 = Instant::now();
-            let done = engine.decode(&batch, rows).context("batched decode");
-            res.decode_time += t0.elapsed();
-            if let Err(e) = done {
-                lose(batch_seqs, e, &mut engine, &mut waiting, &mut res)?;
-                continue;
-            }
-            for (b, mut l) in batch_seqs.into_iter().enumerate() {
-                res.rows[l.plan][l.pos] = Some(fingerprint(&rows[b * width..(b + 1) * width]));
-                l.pos += 1;
-                advance(l, &mut engine, &mut prefilling, &mut decoding)?;
-            }
-        }
-
-        // And those of the next decode batch while the prefill computes.
-        if !a.no_prefetch {
-            for l in decoding.iter().take(a.decode_batch) {
-                engine.prefetch(l.id, &plans[l.plan].tokens[l.pos..l.pos + 1])?;
-            }
-        }
-
-        // One prefill chunk; the same sequence goes on next step, so its
-        // prompt finishes before the next one starts (first come, first
-        // served).
-        if let Some(mut l) = prefilling.pop_front() {
-            let end = plans[l.plan].segments[l.seg].1;
-            let n = (end - l.pos).min(a.prefill_chunk);
-            let toks = &plans[l.plan].tokens[l.pos..l.pos + n];
-            let rows = &mut highway[..n * width];
-            for (i, &t) in toks.iter().enumerate() {
-                embed(t, &mut rows[i * width..(i + 1) * width]);
-            }
-            let t0 = Instant::now();
-            let done = engine
-                .prefill(l.id, toks, rows)
-                .with_context(|| format!("prefill of sequence {}", l.plan));
-            res.prefill_time += t0.elapsed();
-            if let Err(e) = done {
-                lose(vec![l], e, &mut engine, &mut waiting, &mut res)?;
-                continue;
-            }
-            for i in 0..n {
-                res.rows[l.plan][l.pos + i] = Some(fingerprint(&rows[i * width..(i + 1) * width]));
-            }
-            l.pos += n;
-            if l.pos < end {
-                prefilling.push_front(l);
-            } else {
-                advance(l, &mut engine, &mut prefilling, &mut decoding)?;
-            }
-        }
-    }
-    res.wall = start.elapsed();
-    res.stats = Some(engine.stats());
+    let report = server.run(workload, &mut |_| bar.inc(1))?;
+    let engine = server.into_engine();
+    let mut table = TableStats::default();
     for site in engine.sites() {
         let s = site.layer().table().stats();
-        res.table.hits += s.hits;
-        res.table.misses += s.misses;
-        res.table.evictions += s.evictions;
-        res.table.bytes_read += s.bytes_read;
-        res.table.read_calls += s.read_calls;
-        res.table.pages_coalesced += s.pages_coalesced;
-        res.table.io_wait_ns += s.io_wait_ns;
+        table.hits += s.hits;
+        table.misses += s.misses;
+        table.evictions += s.evictions;
+        table.bytes_read += s.bytes_read;
+        table.read_calls += s.read_calls;
+        table.pages_coalesced += s.pages_coalesced;
+        table.io_wait_ns += s.io_wait_ns;
     }
     engine.close()?;
-    res.leaked = gpu.live_alloc_count();
-    Ok(res)
+    Ok(PassResult {
+        report,
+        table,
+        carry_bytes,
+        leaked: gpu.live_alloc_count(),
+    })
 }
 
 /// The summary, as printed and as JSON.
@@ -769,7 +584,7 @@ fn compare(got: &[Vec<Option<u64>>], want: &[Vec<Option<u64>>]) -> (u64, Option<
 
 /// The checkpoint to run: `dir`, or the default tiny one (written on first
 /// use).
-fn checkpoint_dir(dir: &Option<PathBuf>) -> Result<PathBuf, CmdError> {
+pub(super) fn checkpoint_dir(dir: &Option<PathBuf>) -> Result<PathBuf, CmdError> {
     if let Some(d) = dir {
         return Ok(d.clone());
     }
@@ -815,7 +630,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     }
     let dir = checkpoint_dir(&a.dir)?;
     let ck = Checkpoint::open(&dir).map_err(input)?;
-    let g = &ck.geometry;
+    let g = &ck.spec;
     let vocab = g.vocab_size;
     let eos = g.eos_token_id;
 
@@ -845,7 +660,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     let total_tokens: u64 = plans.iter().map(|p| p.tokens.len() as u64).sum();
 
     let mode = match a.table {
-        TableArg::Cached => TableMode::Cached { slots: a.slots },
+        TableArg::Cached => TableMode::Cached,
         TableArg::Mapped => TableMode::Mapped,
         TableArg::Resident => TableMode::Resident,
     };
@@ -859,18 +674,21 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         None
     };
     let main = PassConfig {
-        mode,
-        graphs: a.decode_graphs,
-        faults: faults.clone(),
-        engine: EngineConfig {
-            prefill_chunk: a.prefill_chunk,
-            block_size: a.block_size,
-            prefix_cache_bytes: a.prefix_cache_mib << 20,
-            device_budget_bytes: usize::MAX,
-            preempt_to: SwapTarget::Host,
-            swap_dir: None,
+        setup: EngineSetup {
+            mode,
+            slots: a.slots,
+            faults: faults.clone(),
+            engine: EngineConfig {
+                prefill_chunk: a.prefill_chunk,
+                block_size: a.block_size,
+                prefix_cache_bytes: a.prefix_cache_mib << 20,
+                device_budget_bytes: usize::MAX,
+                preempt_to: SwapTarget::Host,
+                swap_dir: None,
+            },
+            resident_carries: a.resident_carries,
         },
-        resident_carries: a.resident_carries,
+        graphs: a.decode_graphs,
     };
     let bar = sequence_bar(plans.len(), "run");
     let r = pass(&ck, &plans, a, &main, &bar).map_err(failure)?;
@@ -878,30 +696,33 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
 
     let verify = if a.verify {
         let check = PassConfig {
-            mode: TableMode::Resident,
-            graphs: false,
-            faults: None,
-            engine: EngineConfig {
-                prefix_cache_bytes: 0,
-                ..main.engine.clone()
+            setup: EngineSetup {
+                mode: TableMode::Resident,
+                slots: a.slots,
+                faults: None,
+                engine: EngineConfig {
+                    prefix_cache_bytes: 0,
+                    ..main.setup.engine.clone()
+                },
+                resident_carries: 0,
             },
-            resident_carries: 0,
+            graphs: false,
         };
         let bar = sequence_bar(plans.len(), "verify");
         let v = pass(&ck, &plans, a, &check, &bar).map_err(failure)?;
         bar.finish_and_clear();
-        let (rows_compared, first_mismatch) = compare(&r.rows, &v.rows);
+        let (rows_compared, first_mismatch) = compare(&r.report.rows, &v.report.rows);
         Some(VerifySummary {
             rows_compared,
             identical: first_mismatch.is_none(),
             first_mismatch,
-            seconds: v.wall.as_secs_f64(),
+            seconds: v.report.wall.as_secs_f64(),
         })
     } else {
         None
     };
 
-    let st = r.stats.unwrap_or_default();
+    let st = r.report.stats;
     let lookups = r.table.hits + r.table.misses;
     let io_wait = r.table.io_wait_ns as f64 / 1e9;
     let summary = Summary {
@@ -913,14 +734,14 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         slots_per_site: (a.table == TableArg::Cached).then_some(a.slots),
         prefill: Phase2 {
             tokens: st.prefill_tokens,
-            seconds: r.prefill_time.as_secs_f64(),
-            tokens_per_second: rate(st.prefill_tokens, r.prefill_time),
+            seconds: r.report.prefill_time.as_secs_f64(),
+            tokens_per_second: rate(st.prefill_tokens, r.report.prefill_time),
             step: a.prefill_chunk,
         },
         decode: Phase2 {
             tokens: st.decode_tokens,
-            seconds: r.decode_time.as_secs_f64(),
-            tokens_per_second: rate(st.decode_tokens, r.decode_time),
+            seconds: r.report.decode_time.as_secs_f64(),
+            tokens_per_second: rate(st.decode_tokens, r.report.decode_time),
             step: a.decode_batch,
         },
         row_cache: CacheSummary {
@@ -935,7 +756,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         bytes_read: r.table.bytes_read,
         read_calls: r.table.read_calls,
         io_wait_seconds: io_wait,
-        io_wait_share: io_wait / r.wall.as_secs_f64().max(1e-9),
+        io_wait_share: io_wait / r.report.wall.as_secs_f64().max(1e-9),
         prefix_cache: PrefixSummary {
             hits: st.prefix_hits,
             tokens_restored: st.prefix_tokens_restored,
@@ -954,15 +775,15 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             peak_bytes: st.budget.peak_bytes,
             budget_bytes: (a.resident_carries > 0).then_some(a.resident_carries * r.carry_bytes),
         },
-        wall_seconds: r.wall.as_secs_f64(),
+        wall_seconds: r.report.wall.as_secs_f64(),
         leaked_allocations: r.leaked,
         faults: faults.as_ref().map(|f| FaultSummary {
             percent: a.fault_percent,
             injected: f.injected(),
-            failed_calls: r.failed_calls,
-            retried_sequences: r.retried,
-            failed_sequences: r.failed.len(),
-            first_error: r.first_fault.clone(),
+            failed_calls: r.report.failed_calls,
+            retried_sequences: r.report.retried,
+            failed_sequences: r.report.failed.len(),
+            first_error: r.report.first_fault.clone(),
         }),
         verify,
     };
@@ -981,13 +802,13 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             "verify: the output row of {at} differs from a resident, uncached run"
         )));
     }
-    if !r.failed.is_empty() {
+    if !r.report.failed.is_empty() {
         return Err(failure(anyhow!(
             "{} sequences still failed after {} retries (first: sequence {}); first error: {}",
-            r.failed.len(),
+            r.report.failed.len(),
             a.retries,
-            r.failed[0],
-            r.first_fault.as_deref().unwrap_or("?")
+            r.report.failed[0],
+            r.report.first_fault.as_deref().unwrap_or("?")
         )));
     }
     if r.leaked != 0 {

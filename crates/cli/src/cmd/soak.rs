@@ -1,9 +1,10 @@
 //! `metrale-ple soak`: random sequence lifecycles on many threads against
 //! one engine, every output checked against a sequential reference.
 //!
-//! The engine has two tiny PLE sites whose tables stay on disk behind the
-//! row cache, read through a reader that fails a small share of read
-//! batches (EIO or a short read). Each thread owns its sequences and draws
+//! The engine runs the PLE sites of the tiny synthetic checkpoint (the one
+//! `run` uses by default, written on first use); their tables stay on disk
+//! behind the row cache, read through a reader that fails a small share of
+//! read batches (EIO or a short read). Each thread owns its sequences and draws
 //! operations at random: add (sharing prompt prefixes, so the prefix cache
 //! hits), prefill in random chunks, batched decode, snapshot and restore
 //! into a new sequence, swap out (host or file), speculative verify and
@@ -19,33 +20,33 @@
 //! When a sequence ends (release, or lost to an injected fault) its tokens
 //! are run through a second engine over the same files with a clean reader,
 //! one plain prefill, and every recorded row must match bit for bit. A
-//! failed operation must be explained by an injected fault. At the end the
+//! failed operation must be explained by an injected fault: a failed site
+//! call, or a carry lost to one ([`EngineError`] variants, not message
+//! text). At the end the
 //! engines are closed and the backend must hold no live allocation.
 //!
 //! Exit status: 0 when there were no mismatches, no unexplained errors and
 //! no leaked allocation, 1 otherwise.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
-use metrale_engine::engine::{Engine, EngineConfig, SeqId, Site, SwapTarget};
+use metrale_checkpoint::Checkpoint;
+use metrale_checkpoint::runtime::TableMode;
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::testing::tiny_dims;
+use metrale_engine::{Engine, EngineConfig, EngineError, Place, SeqId, SwapTarget};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
-use metrale_storage::cached::{CacheConfig, CachedTable};
-use metrale_storage::io::{PageReader, default_reader};
-use metrale_storage::layout::TableFiles;
-use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
+use metrale_storage::io::default_reader;
 use parking_lot::Mutex;
 
 use super::common::splitmix;
 use super::faults::FlakyReader;
+use super::run::{EngineSetup, build_engine, checkpoint_dir};
 use super::{CmdError, failure, input};
 
 /// Arguments of `metrale-ple soak`.
@@ -74,14 +75,8 @@ pub struct SoakArgs {
     eager: bool,
 }
 
-const HIDDEN: usize = 32;
-const HC: usize = 2;
-const K_PER_ORDER: usize = 2;
-const HEAD_DIM: usize = 16;
-const KERNEL: usize = 4;
-const DILATION: usize = 3;
+/// Most tokens per forward (prefill chunk, decode batch) of the engines.
 const MAX_TOKENS: usize = 16;
-const SITES: usize = 2;
 
 struct Rng(u64);
 impl Rng {
@@ -93,79 +88,29 @@ impl Rng {
     }
 }
 
-fn bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
-/// Write site `site`'s table under `dir` (if absent); its files and weights.
-fn site_files(dir: &Path, site: usize) -> Result<(TableFiles, PleWeights)> {
-    let dims = tiny_dims(site, K_PER_ORDER, 0);
-    let rows = dims.head_vocab_sizes.iter().sum::<u64>();
-    let e = dims.ngram_heads() * HEAD_DIM;
-    let c = HIDDEN * HC;
-    let mut s = 0x50A4 + site as u64;
-    let mut unit = move || ((splitmix(&mut s) >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
-    let weights = PleWeights {
-        key_proj: (0..c * e).map(|_| bf16(unit() * 0.25)).collect(),
-        value_proj: (0..HIDDEN * e).map(|_| bf16(unit() * 0.25)).collect(),
-        norm_key: (0..c).map(|_| unit() * 0.2).collect(),
-        norm_query: (0..c).map(|_| unit() * 0.2).collect(),
-        norm_conv: (0..c).map(|_| unit() * 0.2).collect(),
-        conv1d: (0..c * KERNEL).map(|_| unit() * 0.6).collect(),
-    };
-    let table: Vec<u8> = (0..rows as usize * HEAD_DIM)
-        .flat_map(|_| bf16(unit()).to_le_bytes())
-        .collect();
-    let path = dir.join(format!("site{site}.safetensors"));
-    let name = format!("model.layers.{site}.ple.ngram_embedding.shard_0.weight");
-    if !path.exists() {
-        write_file(
-            &path,
-            &[(
-                TensorSpec::new(&name, Dtype::BF16, &[rows, HEAD_DIM as u64]),
-                &table[..],
-            )],
-            4096,
-        )?;
-    }
-    Ok((TableFiles::open(&[(path, name)], Some(rows))?, weights))
-}
-
+/// An engine over the checkpoint's sites, tables behind a row cache of
+/// `slots` slots per site read through `reader` (the default reader when
+/// `None`).
 fn build(
+    ck: &Checkpoint,
     gpu: &Arc<dyn GpuBackend>,
-    dir: &Path,
-    reader: Option<Arc<dyn PageReader>>,
-    mut cfg: EngineConfig,
+    reader: Option<Arc<FlakyReader>>,
+    cfg: EngineConfig,
     slots: usize,
     resident_carries: usize,
 ) -> Result<Engine<PleSite>> {
-    let mut sites = Vec::new();
-    for site in 0..SITES {
-        let (files, weights) = site_files(dir, site)?;
-        let mut c = CacheConfig::new(slots);
-        c.reader = reader.clone();
-        let table = Arc::new(CachedTable::open(files, gpu.clone(), c)?);
-        let layer = PleLayer::new(
-            tiny_dims(site, K_PER_ORDER, 0),
-            HEAD_DIM,
-            HIDDEN,
-            HC,
-            KERNEL,
-            DILATION,
-            1e-6,
-            weights,
-            table,
-            MAX_TOKENS,
-            gpu.as_ref(),
-        )?;
-        sites.push(PleSite::new(layer, KERNEL, DILATION)?);
-    }
-    if resident_carries > 0 {
-        let carry: usize = sites.iter().map(Site::carry_bytes).sum();
-        cfg.device_budget_bytes = resident_carries * carry;
-    }
-    Engine::new(gpu.clone(), sites, cfg)
+    build_engine(
+        ck,
+        gpu,
+        &EngineSetup {
+            mode: TableMode::Cached,
+            slots,
+            faults: reader,
+            engine: cfg,
+            resident_carries,
+        },
+        MAX_TOKENS,
+    )
 }
 
 /// Highway rows of positions `from..to`: a function of the token prefix.
@@ -227,7 +172,7 @@ impl Shared {
             })
         };
         if let Err(e) = r {
-            eprintln!("soak: reference run failed: {e:#}");
+            eprintln!("soak: reference run failed: {}", e.chain());
             self.c.unexplained.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -248,11 +193,12 @@ impl Shared {
 
     /// An operation failed: fine if a fault was injected meanwhile (the
     /// sequence is then lost and checked), otherwise an error to report.
-    fn failed(&self, t: Track, faults_before: u64, what: &str, e: &anyhow::Error) {
-        let msg = format!("{e:#}");
+    fn failed(&self, t: Track, faults_before: u64, what: &str, e: &EngineError) {
         let injected = self.flaky.injected.load(Ordering::Relaxed) > faults_before;
-        if !(injected && (msg.contains("row ") || msg.contains("lost"))) {
-            eprintln!("soak: {what} of sequence {} failed: {msg}", t.id);
+        // An injected read fault surfaces as a failed site call (the table
+        // read under a forward), or later as the carry it lost.
+        if !(injected && (e.is_device_failure() || e.is_lost())) {
+            eprintln!("soak: {what} of sequence {} failed: {}", t.id, e.chain());
             self.c.unexplained.fetch_add(1, Ordering::Relaxed);
         }
         self.c.lost.fetch_add(1, Ordering::Relaxed);
@@ -299,7 +245,7 @@ fn worker(sh: &Shared, seed: u64, deadline: Instant) {
                     });
                 }
                 Err(e) => {
-                    eprintln!("soak: add failed: {e:#}");
+                    eprintln!("soak: add failed: {}", e.chain());
                     sh.c.unexplained.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -407,7 +353,7 @@ fn worker(sh: &Shared, seed: u64, deadline: Instant) {
                         t.id = id;
                         sh.c.sequences.fetch_add(1, Ordering::Relaxed);
                     }
-                    Err(e) if t.tokens.is_empty() && format!("{e:#}").contains("no token") => {}
+                    Err(EngineError::NoTokens(_)) if t.tokens.is_empty() => {}
                     Err(e) => {
                         let t = mine.swap_remove(k);
                         sh.failed(t, faults, "snapshot/restore", &e);
@@ -422,9 +368,13 @@ fn worker(sh: &Shared, seed: u64, deadline: Instant) {
                     SwapTarget::Host
                 };
                 let r = sh.engine.lock().swap_out(mine[k].id, target);
-                if let Err(e) = r {
-                    let msg = format!("{e:#}");
-                    if !msg.contains("already swapped") {
+                match r {
+                    Ok(())
+                    | Err(EngineError::WrongPlace {
+                        place: Place::Swapped,
+                        ..
+                    }) => {}
+                    Err(e) => {
                         let t = mine.swap_remove(k);
                         sh.failed(t, faults, "swap_out", &e);
                     }
@@ -435,7 +385,7 @@ fn worker(sh: &Shared, seed: u64, deadline: Instant) {
                 let t = mine.swap_remove(k);
                 let r = sh.engine.lock().release(t.id);
                 if let Err(e) = r {
-                    eprintln!("soak: release of sequence {} failed: {e:#}", t.id);
+                    eprintln!("soak: release of sequence {} failed: {}", t.id, e.chain());
                     sh.c.unexplained.fetch_add(1, Ordering::Relaxed);
                 }
                 sh.check(&t);
@@ -445,7 +395,7 @@ fn worker(sh: &Shared, seed: u64, deadline: Instant) {
     for t in mine {
         let r = sh.engine.lock().release(t.id);
         if let Err(e) = r {
-            eprintln!("soak: release of sequence {} failed: {e:#}", t.id);
+            eprintln!("soak: release of sequence {} failed: {}", t.id, e.chain());
             sh.c.unexplained.fetch_add(1, Ordering::Relaxed);
         }
         sh.check(&t);
@@ -472,10 +422,11 @@ pub fn run(a: &SoakArgs) -> Result<(), CmdError> {
             a.fault_percent
         )));
     }
-    soak(a).map_err(failure)
+    let ck_dir = checkpoint_dir(&None)?;
+    soak(a, &ck_dir).map_err(failure)
 }
 
-fn soak(a: &SoakArgs) -> Result<()> {
+fn soak(a: &SoakArgs, ck_dir: &std::path::Path) -> Result<()> {
     let dir: PathBuf = std::env::temp_dir().join(format!("metrale-soak-{}", std::process::id()));
     std::fs::create_dir_all(dir.join("swap"))
         .with_context(|| format!("creating {}", dir.display()))?;
@@ -494,13 +445,14 @@ fn soak(a: &SoakArgs) -> Result<()> {
         preempt_to: SwapTarget::Host,
         swap_dir: Some(dir.join("swap")),
     };
-    let mut engine = build(&gpu, &dir, Some(flaky.clone()), cfg, 48, a.resident_carries)?;
+    let ck = Checkpoint::open(ck_dir)?;
+    let mut engine = build(&ck, &gpu, Some(flaky.clone()), cfg, 48, a.resident_carries)?;
     if !a.eager {
         engine.enable_decode_graphs()?;
     }
     let reference = build(
+        &ck,
         &gpu,
-        &dir,
         None,
         EngineConfig {
             prefill_chunk: MAX_TOKENS,

@@ -1,62 +1,40 @@
-//! Shared by the engine tests: deterministic highway rows, the sequential
-//! reference run, and the randomised driver that checks the engine against
-//! it.
-
-#![allow(dead_code)]
-
-pub mod toy;
+//! The plain sequential reference run and the randomised engine driver
+//! that checks an engine against it.
+//!
+//! Invariant: the reference run feeds every site one fresh carry and
+//! forwards of at most `max_tokens` tokens, with the same input rows
+//! ([`crate::rows::rows_for`]) the driver feeds the engine, so any
+//! difference is the engine's.
 
 use std::collections::HashMap;
 
-use metrale_engine::engine::{Engine, SeqId, Site, SwapTarget};
+use metrale_engine::{Engine, SeqId, Site, SwapTarget};
 use metrale_gpu_runtime::gpu::GpuBackend;
 
-/// A small deterministic generator (splitmix64), so failures replay.
-pub struct Rng(pub u64);
+use crate::Rng;
+use crate::rows::rows_for;
 
-impl Rng {
-    /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    /// True with probability `p` percent.
-    pub fn pct(&mut self, p: u64) -> bool {
-        self.next() % 100 < p
-    }
-}
-
-/// The highway rows of `tokens[from..to]`: row i is a function of the
-/// token prefix `tokens[..=i]` alone, as the hidden state of a causal model
-/// is, so cached prefixes stay valid.
-pub fn rows_for(tokens: &[u32], from: usize, to: usize, width: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity((to - from) * width);
-    let mut h: u64 = 0x51_7cc1_b727_220a;
-    for (i, &t) in tokens[..to].iter().enumerate() {
-        h = (h ^ t as u64).wrapping_mul(0x100_0000_01b3).rotate_left(17) ^ 0x9e37;
-        if i >= from {
-            let mut r = Rng(h);
-            for _ in 0..width {
-                out.push(((r.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0);
-            }
-        }
-    }
-    out
+/// Every site applied to `tokens` from a fresh carry, one forward per
+/// `max_tokens` tokens: the plain sequential run over the input rows
+/// [`rows_for`] gives.
+pub fn reference_run<S: Site>(sites: &[S], gpu: &dyn GpuBackend, tokens: &[u32]) -> Vec<f32> {
+    let g = sites[0].geometry();
+    let rows = rows_for(tokens, 0, tokens.len(), g.hc_mult * g.hidden);
+    sequential_run(sites, gpu, tokens, rows)
 }
 
 /// Every site applied to `tokens` from a fresh carry, one forward per
-/// `max_tokens` tokens: the plain sequential run.
-pub fn reference_run<S: Site>(sites: &[S], gpu: &dyn GpuBackend, tokens: &[u32]) -> Vec<f32> {
+/// `max_tokens` tokens, over the input rows `rows` (`tokens.len()` rows of
+/// the highway width): the output rows.
+pub fn sequential_run<S: Site>(
+    sites: &[S],
+    gpu: &dyn GpuBackend,
+    tokens: &[u32],
+    mut rows: Vec<f32>,
+) -> Vec<f32> {
     let g = sites[0].geometry();
     let width = g.hc_mult * g.hidden;
-    let mut rows = rows_for(tokens, 0, tokens.len(), width);
+    assert_eq!(rows.len(), tokens.len() * width, "input rows");
     let cap = sites.iter().map(Site::max_tokens).min().unwrap();
     let hw = gpu.alloc(cap * width * 4, "reference highway").unwrap();
     let mut states: Vec<S::State> = sites.iter().map(|s| s.new_state(gpu).unwrap()).collect();

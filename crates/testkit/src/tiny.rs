@@ -1,28 +1,33 @@
-//! Small real PLE models for tests, benchmarks and demos: random weights, a
-//! small device-resident BF16 table, and the engine over them.
+//! Tiny real PLE models: random weights, a small device-resident BF16
+//! table, and the engine over them.
 //!
 //! Everything here is deterministic in its seed. The hash constants follow
-//! SPEC.md section 3's derivation (splitmix64 multipliers, odd), with small
-//! prime head sizes so the table is a few hundred rows.
+//! SPEC.md section 3's derivation (the production `derive_multipliers` for a
+//! unigram vocabulary of 1000, seed 1234), with small prime head sizes so
+//! the table is a few hundred rows.
 //!
 //! Invariants: [`TinyTable`] never moves a row, so its leases pin nothing;
 //! release events it is handed are destroyed once complete (polled on every
 //! call, waited for on drop), and its device allocation is freed on drop.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
+use metrale_gpu_runtime::GpuError;
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
-use metrale_model_layers::layers::ple::ids::PleIdDims;
-use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
+use metrale_model_layers::layers::ple::ids::{PleIdDims, derive_multipliers, is_prime, splitmix64};
+use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
 use metrale_storage::StorageError;
-use metrale_storage::layout::check_row;
 use metrale_storage::table::{
     Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len,
 };
 
-use crate::engine::{Engine, EngineConfig};
-use crate::ple_site::PleSite;
+use metrale_engine::ple_site::PleSite;
+use metrale_engine::{Engine, EngineConfig, Site};
+use metrale_storage::dtype::f32_to_bf16;
+use metrale_storage::layout::TableFiles;
+use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
 
 /// A resident BF16 table in one device allocation.
 pub struct TinyTable {
@@ -58,7 +63,7 @@ impl TinyTable {
         }))
     }
 
-    fn reap(&self) -> Result<(), StorageError> {
+    fn reap(&self) -> Result<(), GpuError> {
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let mut keep = Vec::new();
         for ev in p.drain(..) {
@@ -85,7 +90,12 @@ impl RowTable for TinyTable {
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
         check_out_len(ids, out)?;
         for (i, &id) in ids.iter().enumerate() {
-            check_row(id, self.info.rows)?;
+            if id >= self.info.rows {
+                return Err(StorageError::RowOutOfRange {
+                    id,
+                    rows: self.info.rows,
+                });
+            }
             out[i] = RowRef {
                 data: self.base.offset(id as usize * self.info.row_bytes()).addr(),
                 scale: 0,
@@ -107,7 +117,7 @@ impl RowTable for TinyTable {
                 .unwrap_or_else(|e| e.into_inner())
                 .push(ev);
         }
-        self.reap()
+        Ok(self.reap()?)
     }
 
     fn prefetch(&self, _ids: &[u64]) -> Result<(), StorageError> {
@@ -167,40 +177,13 @@ impl Default for TinySpec {
     }
 }
 
-fn splitmix64(mut v: u64) -> u64 {
-    v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    v = (v ^ (v >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    v = (v ^ (v >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    v ^ (v >> 31)
-}
-
-/// `f32` to BF16 bits, round to nearest even (inputs here are finite).
-fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
-fn is_prime(n: u64) -> bool {
-    n >= 2
-        && (2..)
-            .take_while(|d| d * d <= n)
-            .all(|d| !n.is_multiple_of(d))
-}
-
 /// The hash constants of site `site` (N = 3, `k` heads per order), derived
 /// as SPEC.md section 3 does for a unigram vocabulary of 1000, seed 1234,
 /// with head sizes the primes above 60 (so the table has a few hundred rows).
 pub fn tiny_dims(site: usize, k: usize, eos: u32) -> PleIdDims {
     let n = 3usize;
-    let max = (i64::MAX as u64) / 1000;
-    let half = (max / 2).max(1);
-    let base = 1234u64.wrapping_add(10007 * site as u64);
-    let multipliers = (0..n as u64)
-        .map(|i| {
-            2 * (splitmix64(base.wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i + 1))) % half)
-                + 1
-        })
-        .collect();
+    let multipliers =
+        derive_multipliers(1000, n, 1234, site).expect("a vocabulary of 1000 derives");
     let heads = (n - 1) * k;
     let sizes: Vec<u64> = (61u64..)
         .filter(|&p| is_prime(p))
@@ -223,29 +206,26 @@ pub fn tiny_dims(site: usize, k: usize, eos: u32) -> PleIdDims {
     }
 }
 
-/// Site `site` of a tiny model: random BF16 projections and table rows,
-/// random norm and conv weights, all from `seed`.
-pub fn tiny_site(
-    gpu: &Arc<dyn GpuBackend>,
-    spec: &TinySpec,
-    site: usize,
-    seed: u64,
-) -> Result<PleSite> {
+/// Site `site` of a tiny model: its spec, random BF16 projections, random
+/// norm and conv weights, and the table rows as BF16 bits, all from `seed`.
+pub fn tiny_weights(spec: &TinySpec, site: usize, seed: u64) -> (SiteSpec, PleWeights, Vec<u16>) {
     let dims = tiny_dims(site, spec.heads_per_ngram, spec.eos);
     let e = dims.ngram_heads() * spec.head_dim;
     let c = spec.hidden * spec.hc_mult;
     let rows = dims.head_vocab_sizes.iter().sum::<u64>() as usize;
+    // Weights follow an iterated splitmix64 (each output is the next state),
+    // which fixes the tiny models' weights for a seed.
     let mut state = seed ^ (site as u64).wrapping_mul(0xA076_1D64_78BD_642F);
     let mut unit = move || {
         state = splitmix64(state);
         ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     };
-    let key_proj = (0..c * e).map(|_| bf16_bits(unit() * 0.25)).collect();
+    let key_proj = (0..c * e).map(|_| f32_to_bf16(unit() * 0.25)).collect();
     let value_proj = (0..spec.hidden * e)
-        .map(|_| bf16_bits(unit() * 0.25))
+        .map(|_| f32_to_bf16(unit() * 0.25))
         .collect();
     let table: Vec<u16> = (0..rows * spec.head_dim)
-        .map(|_| bf16_bits(unit()))
+        .map(|_| f32_to_bf16(unit()))
         .collect();
     let weights = PleWeights {
         key_proj,
@@ -255,21 +235,57 @@ pub fn tiny_site(
         norm_conv: (0..c).map(|_| unit() * 0.2).collect(),
         conv1d: (0..c * spec.kernel).map(|_| unit() * 0.6).collect(),
     };
-    let table = TinyTable::new(gpu.clone(), &table, spec.head_dim)?;
-    let layer = PleLayer::new(
+    let site_spec = SiteSpec::new(
         dims,
         spec.head_dim,
         spec.hidden,
         spec.hc_mult,
         spec.kernel,
         spec.dilation,
-        1e-6,
-        weights,
-        table,
-        spec.max_tokens,
-        gpu.as_ref(),
-    )?;
+    );
+    (site_spec, weights, table)
+}
+
+/// Site `site` of a tiny model over a [`TinyTable`].
+pub fn tiny_site(
+    gpu: &Arc<dyn GpuBackend>,
+    spec: &TinySpec,
+    site: usize,
+    seed: u64,
+) -> Result<PleSite> {
+    let (site_spec, weights, table) = tiny_weights(spec, site, seed);
+    let table = TinyTable::new(gpu.clone(), &table, spec.head_dim)?;
+    let layer = PleLayer::new(&site_spec, weights, table, spec.max_tokens, gpu.as_ref())?;
     PleSite::new(layer, spec.kernel, spec.dilation)
+}
+
+/// Site `site` of a tiny model with its table on disk: one BF16
+/// safetensors shard `site{site}.safetensors` under `dir`, written when
+/// absent (so several engines can share the files). Its spec, files and
+/// weights.
+pub fn tiny_site_files(
+    dir: &Path,
+    spec: &TinySpec,
+    site: usize,
+    seed: u64,
+) -> Result<(SiteSpec, TableFiles, PleWeights)> {
+    let (site_spec, weights, table) = tiny_weights(spec, site, seed);
+    let rows = (table.len() / spec.head_dim) as u64;
+    let path = dir.join(format!("site{site}.safetensors"));
+    let name = format!("model.layers.{site}.ple.ngram_embedding.shard_0.weight");
+    if !path.exists() {
+        let bytes: Vec<u8> = table.iter().flat_map(|b| b.to_le_bytes()).collect();
+        write_file(
+            &path,
+            &[(
+                TensorSpec::new(&name, Dtype::BF16, &[rows, spec.head_dim as u64]),
+                &bytes[..],
+            )],
+            4096,
+        )?;
+    }
+    let files = TableFiles::open(&[(path, name)], Some(rows))?;
+    Ok((site_spec, files, weights))
 }
 
 /// An engine over `sites` tiny sites (site `i` hashes with site index `i`'s
@@ -287,13 +303,13 @@ pub fn tiny_engine(
             Ok(s) => built.push(s),
             Err(e) => {
                 for mut s in built {
-                    let _ = crate::engine::Site::free(&mut s, gpu.as_ref());
+                    let _ = Site::free(&mut s, gpu.as_ref());
                 }
                 return Err(e);
             }
         }
     }
-    Engine::new(gpu.clone(), built, cfg)
+    Ok(Engine::new(gpu.clone(), built, cfg)?)
 }
 
 #[cfg(test)]
@@ -301,21 +317,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn multipliers_follow_the_spec_derivation() {
-        // SPEC.md's example: vocab 151936, seed 1234, site 0.
-        let max = (i64::MAX as u64) / 151_936;
-        let half = (max / 2).max(1);
-        let m: Vec<u64> = (0..3u64)
-            .map(|i| {
-                2 * (splitmix64(1234u64.wrapping_add(0x9E37_79B9_7F4A_7C15u64.wrapping_mul(i + 1)))
-                    % half)
-                    + 1
-            })
-            .collect();
-        assert_eq!(
-            m,
-            vec![15_411_308_609_579, 2_523_213_358_983, 11_275_943_025_685]
-        );
+    fn tiny_dims_are_odd_multipliers_over_prime_heads() {
         let d = tiny_dims(1, 2, 0);
         assert!(d.multipliers.iter().all(|m| m % 2 == 1));
         assert_eq!(d.head_vocab_sizes, vec![79, 83, 89, 97]);

@@ -1,24 +1,31 @@
-//! A small site with the PLE carry's shape (token history and a dilated
-//! conv state on the device, the seed's blob format) and simple math, so
-//! the engine's bookkeeping can be tested on its own. Its forward is
-//! sequential per token, so chunking and batching cannot change results.
+//! A toy engine site with the PLE carry's shape (token history and a
+//! dilated conv state on the device, the seed's blob format) and simple
+//! math, so the engine's bookkeeping can be tested on its own.
+//!
+//! Invariant: its forward is sequential per token, so chunking and
+//! batching cannot change results.
 
 use anyhow::{Result, ensure};
-use metrale_engine::engine::Site;
-use metrale_engine::snapshot::SiteGeometry;
+use metrale_engine::Site;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_model_layers::layers::ple::SiteSpec;
 use metrale_model_layers::layers::ple::ids::{PleIdDims, ple_ngram_ids};
 
 /// The toy site.
 pub struct ToySite {
-    pub geom: SiteGeometry,
+    /// Its geometry and hash constants.
+    pub geom: SiteSpec,
+    /// Conv weights, `C x kernel`.
     pub w: Vec<f32>,
+    /// Most tokens per forward.
     pub max_tokens: usize,
 }
 
 /// Its carry.
 pub struct ToyState {
+    /// The conv state on the device.
     pub conv: DevicePtr,
+    /// The carried token history.
     pub history: Vec<u32>,
 }
 
@@ -34,15 +41,7 @@ impl ToySite {
             head_offsets: vec![0, 11, 24, 41],
             eos_token_id: 0,
         };
-        let geom = SiteGeometry {
-            dims,
-            head_dim: 4,
-            hidden,
-            hc_mult: hc,
-            kernel: 4,
-            dilation: 3,
-            state_len: 9,
-        };
+        let geom = SiteSpec::new(dims, 4, hidden, hc, 4, 3);
         let c = hidden * hc;
         let w = (0..c * 4)
             .map(|i| ((i * 7 + salt as usize) % 13) as f32 / 13.0 - 0.4)
@@ -72,7 +71,7 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 impl Site for ToySite {
     type State = ToyState;
 
-    fn geometry(&self) -> SiteGeometry {
+    fn geometry(&self) -> SiteSpec {
         self.geom.clone()
     }
 
@@ -99,7 +98,7 @@ impl Site for ToySite {
         ensure!(tokens.len() <= self.max_tokens, "toy: too many tokens");
         let (c, s, k, d) = (
             self.c(),
-            self.geom.state_len,
+            self.geom.state_len(),
             self.geom.kernel,
             self.geom.dilation,
         );
@@ -200,10 +199,10 @@ impl Site for ToySite {
         if st.conv.is_null() {
             return Ok(());
         }
-        let r = gpu.free(st.conv);
+        let r = gpu.dealloc(st.conv);
         st.conv = DevicePtr::NULL;
         st.history.clear();
-        r
+        Ok(r?)
     }
 
     fn free(&mut self, _gpu: &dyn GpuBackend) -> Result<()> {

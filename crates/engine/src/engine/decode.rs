@@ -1,0 +1,244 @@
+//! Batched decode: one token for each of many sequences per step, eager or
+//! through graphs captured once per padded batch size and replayed.
+//!
+//! Invariants: a batch is validated whole before anything runs; a batch is
+//! split into parts the device budget and the sites' `max_tokens` hold
+//! (outputs do not depend on the split); a failed part loses the carries of
+//! its sequences. With graphs, a failed capture gives the prestages back and
+//! runs the same prestaged step eagerly, so nothing is hashed twice.
+
+use std::collections::{HashMap, HashSet};
+
+use super::{Carry, Engine, EngineError, Result, Seq, SeqId, Site, as_bytes, as_bytes_mut};
+
+impl<S: Site> Engine<S> {
+    /// its rows on the host (`prestage_batch`), then replays a graph
+    /// captured once per padded batch size (the next power of two, up to
+    /// [`Self::batch_capacity`]), as a server replays CUDA graphs. Outputs
+    /// are bit-identical to eager decode. Refused when a site cannot replay.
+    pub fn enable_decode_graphs(&mut self) -> Result<()> {
+        if let Some(i) = self.sites.iter().position(|s| !s.supports_graphs()) {
+            return Err(EngineError::GraphsUnsupported(i));
+        }
+        self.graphs.get_or_insert_with(HashMap::new);
+        Ok(())
+    }
+
+    /// Whether batched decode replays captured graphs.
+    pub fn decode_graphs(&self) -> bool {
+        self.graphs.is_some()
+    }
+
+    /// One decode step: token `batch[b].1` for sequence `batch[b].0`, on row
+    /// `b` of `highway` (`batch.len()` rows in, out). Batches larger than
+    /// [`Self::batch_capacity`], or than the device budget holds carries,
+    /// run as several batched forwards in order (outputs do not depend on
+    /// the split); if a later part fails, the earlier parts have run.
+    pub fn decode(&mut self, batch: &[(SeqId, u32)], highway: &mut [f32]) -> Result<()> {
+        self.check_rows("decode", batch.len(), highway)?;
+        let mut seen = HashSet::with_capacity(batch.len());
+        for &(id, _) in batch {
+            if !seen.insert(id) {
+                return Err(EngineError::DuplicateInBatch(id));
+            }
+            self.check_usable(id, "decode", false)?;
+            if self.seq(id)?.tokens.is_empty() {
+                return Err(EngineError::NotStarted(id));
+            }
+        }
+        let fit = (self.budget.limit() / self.carry_bytes.max(1)).max(1);
+        let part_len = self.batch_cap.min(fit);
+        for (part, rows) in batch
+            .chunks(part_len)
+            .zip(highway.chunks_mut(part_len * self.width))
+        {
+            self.decode_part(part, rows)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn decode_part(&mut self, part: &[(SeqId, u32)], rows: &mut [f32]) -> Result<()> {
+        let ids: Vec<SeqId> = part.iter().map(|p| p.0).collect();
+        for &id in &ids {
+            self.ensure_resident(id, &ids)?;
+        }
+        let tokens: Vec<u32> = part.iter().map(|p| p.1).collect();
+        let mut taken: Vec<Seq<S::State>> = ids
+            .iter()
+            .map(|id| self.seqs.remove(id).expect("validated"))
+            .collect();
+        let r = self.forward_batch_rows(&mut taken, &tokens, rows);
+        for (i, mut seq) in taken.into_iter().enumerate() {
+            match &r {
+                Ok(()) => seq.tokens.push(tokens[i]),
+                Err(e) => self.lose(
+                    ids[i],
+                    &mut seq,
+                    format!("a batched decode failed: {}", e.chain()),
+                ),
+            }
+            self.seqs.insert(ids[i], seq);
+        }
+        if r.is_ok() {
+            self.stats.decode_tokens += tokens.len() as u64;
+            // Generated tokens are cached at block boundaries too, so the
+            // next turn of a conversation, sent as a new sequence, restores
+            // past them. As in prefill, a failed snapshot fails nothing.
+            if self.cfg.prefix_cache_bytes > 0 {
+                let b = self.cfg.block_size;
+                for &id in &ids {
+                    if self.seq(id)?.tokens.len().is_multiple_of(b)
+                        && self.cache_boundary(id).is_err()
+                    {
+                        self.stats.cache_snapshot_failures += 1;
+                    }
+                }
+            }
+        }
+        r
+    }
+
+    pub(super) fn forward_batch_rows(
+        &mut self,
+        taken: &mut [Seq<S::State>],
+        tokens: &[u32],
+        rows: &mut [f32],
+    ) -> Result<()> {
+        if self.graphs.is_some() {
+            return self.forward_batch_graph(taken, tokens, rows);
+        }
+        let gpu = self.gpu.as_ref();
+        gpu.copy_h2d_async(as_bytes(rows), self.highway, self.stream)
+            .map_err(|e| EngineError::device("copying the highway rows in", e))?;
+        for (k, site) in self.sites.iter().enumerate() {
+            let mut states: Vec<&mut S::State> = Vec::with_capacity(taken.len());
+            for seq in taken.iter_mut() {
+                let Carry::Resident(st) = &mut seq.carry else {
+                    return Err(EngineError::Internal(
+                        "batched forward of a carry that is not resident",
+                    ));
+                };
+                states.push(&mut st[k]);
+            }
+            site.forward_batch(&mut states, tokens, self.highway, gpu, self.stream)
+                .map_err(|e| {
+                    EngineError::site(
+                        k,
+                        format!("site {k} batched decode of {} sequences", tokens.len()),
+                        e,
+                    )
+                })?;
+        }
+        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
+            .map_err(|e| EngineError::device("copying the highway rows out", e))
+    }
+
+    /// One batched decode step through a captured graph: prestage every
+    /// site, capture the step for this padded size if it is the first,
+    /// replay it, and note the replay. A failed capture gives the prestages
+    /// back and runs the same prestaged step eagerly, so nothing is hashed
+    /// twice and the outputs are the same.
+    pub(super) fn forward_batch_graph(
+        &mut self,
+        taken: &mut [Seq<S::State>],
+        tokens: &[u32],
+        rows: &mut [f32],
+    ) -> Result<()> {
+        fn states_of<St>(taken: &mut [Seq<St>], k: usize) -> Result<Vec<&mut St>> {
+            taken
+                .iter_mut()
+                .map(|seq| match &mut seq.carry {
+                    Carry::Resident(st) => Ok(&mut st[k]),
+                    _ => Err(EngineError::Internal(
+                        "batched forward of a carry that is not resident",
+                    )),
+                })
+                .collect()
+        }
+        let gpu = self.gpu.clone();
+        let gpu = gpu.as_ref();
+        let stream = self.stream;
+        let padded = tokens.len().next_power_of_two().min(self.batch_cap);
+        gpu.copy_h2d_async(as_bytes(rows), self.highway, stream)
+            .map_err(|e| EngineError::device("copying the highway rows in", e))?;
+        for (k, site) in self.sites.iter().enumerate() {
+            site.prestage_batch(&mut states_of(taken, k)?, tokens, padded, gpu, stream)
+                .map_err(|e| {
+                    EngineError::site(
+                        k,
+                        format!("site {k} prestage of {} sequences", tokens.len()),
+                        e,
+                    )
+                })?;
+        }
+        let known = self.graphs.as_ref().and_then(|g| g.get(&padded)).copied();
+        let graph = match known {
+            Some(g) => Some(g),
+            None => {
+                gpu.begin_capture(stream)
+                    .map_err(|e| EngineError::device("decode graph: begin_capture", e))?;
+                let mut captured = Ok(());
+                for (k, site) in self.sites.iter().enumerate() {
+                    captured = states_of(taken, k).and_then(|mut st| {
+                        site.forward_prestaged(&mut st, self.highway, padded, gpu, stream)
+                            .map_err(|e| EngineError::site(k, format!("site {k} capture"), e))
+                    });
+                    if captured.is_err() {
+                        break;
+                    }
+                }
+                match (captured, gpu.end_capture(stream)) {
+                    (Ok(()), Ok(g)) => {
+                        self.graphs
+                            .get_or_insert_with(HashMap::new)
+                            .insert(padded, g);
+                        self.stats.graph_captures += 1;
+                        Some(g)
+                    }
+                    (_, ended) => {
+                        if let Ok(g) = ended {
+                            let _ = gpu.destroy_graph(g);
+                        }
+                        for (k, site) in self.sites.iter().enumerate() {
+                            for st in states_of(taken, k)? {
+                                site.rearm(st);
+                            }
+                        }
+                        None
+                    }
+                }
+            }
+        };
+        match graph {
+            Some(g) => {
+                gpu.launch_graph(g, stream)
+                    .map_err(|e| EngineError::device("decode graph: launch_graph", e))?;
+                for (k, site) in self.sites.iter().enumerate() {
+                    site.note_replayed(&mut states_of(taken, k)?, gpu, stream)
+                        .map_err(|e| EngineError::site(k, format!("site {k} note_replayed"), e))?;
+                }
+                self.stats.graph_replays += 1;
+            }
+            None => {
+                for (k, site) in self.sites.iter().enumerate() {
+                    site.forward_prestaged(
+                        &mut states_of(taken, k)?,
+                        self.highway,
+                        padded,
+                        gpu,
+                        stream,
+                    )
+                    .map_err(|e| {
+                        EngineError::site(
+                            k,
+                            format!("site {k} batched decode of {} sequences", tokens.len()),
+                            e,
+                        )
+                    })?;
+                }
+            }
+        }
+        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), stream)
+            .map_err(|e| EngineError::device("copying the highway rows out", e))
+    }
+}

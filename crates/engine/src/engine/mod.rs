@@ -1,0 +1,605 @@
+//! The engine: sequences over one or more PLE sites, as a server drives them.
+//!
+//! A sequence is added (restoring the longest cached prefix), prefilled in
+//! chunks, decoded in batches of one token each, verified speculatively and
+//! committed, swapped out to host memory or a file and back, and released.
+//! The caller passes the highway rows (`[T, hc * hidden]` f32) of every token
+//! it runs and gets them back with every site applied in order.
+//!
+//! Invariants:
+//! - a sequence's carry is in exactly one place: resident (one state per
+//!   site, charged to the [`MemoryBudget`]), swapped (an encoded
+//!   [`Snapshot`] in host memory or in a file, nothing on the device), or
+//!   lost (a device operation failed mid-forward; every later use is refused
+//!   until it is released);
+//! - `tokens` holds exactly the tokens the carry has absorbed; a pending
+//!   speculative verify keeps the carry from before it and the draft's input
+//!   rows, so `commit(k)` can rebuild the carry of exactly `tokens ++
+//!   draft[..k]`;
+//! - every input is validated before any state changes (ids, lengths, row
+//!   counts, pending verifies), so malformed requests change nothing;
+//!   swap-in and snapshot restore build new states and install them only
+//!   when everything succeeded;
+//! - outputs do not depend on how the work is split: prefill chunking,
+//!   batching, prefix hits, swaps and speculative rollback all give the
+//!   highway a plain sequential run gives, bit for bit (this rests on the
+//!   site's forward being independent of chunking and batching);
+//! - the prefix cache holds snapshots taken at block boundaries during
+//!   prefill and decode, keyed by the tokens; it is only valid when the highway rows
+//!   of a token are a function of the token prefix, as in a causal model.
+//!
+//! Concurrency: the engine is driven through `&mut self` from one thread; it
+//! uses one stream of the backend and synchronises on it before returning
+//! outputs.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, GraphHandle, StreamId};
+
+use crate::budget::{BudgetStats, MemoryBudget};
+use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
+use crate::snapshot::{GeometryFingerprint, Snapshot};
+use metrale_model_layers::layers::ple::SiteSpec;
+
+mod decode;
+mod error;
+mod sequences;
+mod snapshots;
+mod speculate;
+mod swap;
+
+pub(crate) use error::chain as error_chain;
+pub use error::{BoxError, EngineError, Place, Result};
+
+/// What a [`Site`] returns. Sites wrap layers whose errors are
+/// `anyhow::Error`; the engine carries them as the source of
+/// [`EngineError::Site`].
+pub type SiteResult<T> = anyhow::Result<T>;
+
+/// A sequence id, unique for the engine's lifetime.
+pub type SeqId = u64;
+
+/// What the engine needs of a PLE site. [`crate::ple_site::PleSite`]
+/// implements it for the PLE layer.
+pub trait Site: Send + Sync {
+    /// The per-sequence carry.
+    type State: Send;
+
+    /// The site's geometry and hash constants.
+    fn geometry(&self) -> SiteSpec;
+    /// The most tokens one forward (or sequences one batched forward) takes.
+    fn max_tokens(&self) -> usize;
+    /// Device bytes one carry holds.
+    fn carry_bytes(&self) -> usize {
+        self.geometry().conv_bytes()
+    }
+    /// Allocate a carry.
+    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<Self::State>;
+    /// Run `tokens` of one sequence over the `[T, C]` rows at `highway`.
+    /// `fresh` starts the sequence over.
+    fn forward(
+        &self,
+        st: &mut Self::State,
+        tokens: &[u32],
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()>;
+    /// Run one token of each of `states.len()` sequences; row `b` of the
+    /// `[B, C]` rows at `highway` belongs to `states[b]`.
+    fn forward_batch(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()>;
+    /// The carry's aux blob (the seed's format).
+    fn snapshot(
+        &self,
+        st: &Self::State,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<Vec<u8>>;
+    /// Overwrite the carry from an aux blob.
+    fn restore(
+        &self,
+        st: &mut Self::State,
+        blob: &[u8],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()>;
+    /// Free the carry's device memory. Idempotent.
+    fn release(&self, st: &mut Self::State, gpu: &dyn GpuBackend) -> SiteResult<()>;
+    /// Free the site's own device memory (weights, staging).
+    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()>;
+    /// Whether the site's batched decode can be captured in a graph and
+    /// replayed: [`Self::prestage_batch`], [`Self::forward_prestaged`],
+    /// [`Self::note_replayed`] and [`Self::rearm`]. The defaults refuse.
+    fn supports_graphs(&self) -> bool {
+        false
+    }
+    /// The host half of a replayable decode step: stage sequence `i`'s
+    /// token `tokens[i]` at fixed slot `i`, padding the slots up to `rows`.
+    fn prestage_batch(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let _ = (states, tokens, rows, gpu, stream);
+        Err(anyhow::anyhow!("this site cannot replay decode graphs"))
+    }
+    /// The device half: the `[rows, C]` rows at `highway` through what
+    /// `prestage_batch` staged, reading fixed addresses only, so it can be
+    /// captured (or run eagerly).
+    fn forward_prestaged(
+        &self,
+        states: &mut [&mut Self::State],
+        highway: DevicePtr,
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let _ = (states, highway, rows, gpu, stream);
+        Err(anyhow::anyhow!("this site cannot replay decode graphs"))
+    }
+    /// Right after each `launch_graph` of a captured step.
+    fn note_replayed(
+        &self,
+        states: &mut [&mut Self::State],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let _ = (states, gpu, stream);
+        Err(anyhow::anyhow!("this site cannot replay decode graphs"))
+    }
+    /// After a failed capture: give back the prestage it took.
+    fn rearm(&self, st: &mut Self::State) {
+        let _ = st;
+    }
+    /// Start reading what a forward of `tokens` after a sequence whose
+    /// tokens end with `history` will need. Advice: the default does
+    /// nothing.
+    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
+        let _ = (history, tokens);
+        Ok(())
+    }
+}
+
+/// Where a swapped-out carry goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SwapTarget {
+    /// Host memory.
+    Host,
+    /// A file in [`EngineConfig::swap_dir`].
+    File,
+}
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Most tokens per prefill forward. At most every site's `max_tokens`.
+    pub prefill_chunk: usize,
+    /// Tokens per prefix-cache block.
+    pub block_size: usize,
+    /// Prefix-cache capacity in bytes of encoded snapshots; 0 disables it.
+    pub prefix_cache_bytes: usize,
+    /// Device bytes carries may hold; preemption keeps them within it.
+    pub device_budget_bytes: usize,
+    /// Where preemption sends carries.
+    pub preempt_to: SwapTarget,
+    /// Directory for [`SwapTarget::File`].
+    pub swap_dir: Option<PathBuf>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            prefill_chunk: 512,
+            block_size: 64,
+            prefix_cache_bytes: 256 << 20,
+            device_budget_bytes: usize::MAX,
+            preempt_to: SwapTarget::Host,
+            swap_dir: None,
+        }
+    }
+}
+
+/// Engine counters and sizes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Live sequences.
+    pub sequences: usize,
+    /// Sequences with a resident carry.
+    pub resident: usize,
+    /// Sequences swapped to host memory.
+    pub swapped_host: usize,
+    /// Sequences swapped to files.
+    pub swapped_file: usize,
+    /// Host bytes held by swapped carries.
+    pub swap_host_bytes: usize,
+    /// Swap-outs done (explicit and preemption).
+    pub swap_outs: u64,
+    /// Swap-ins done.
+    pub swap_ins: u64,
+    /// Swap-outs done by budget preemption.
+    pub preemptions: u64,
+    /// Sequences added with a prefix-cache hit.
+    pub prefix_hits: u64,
+    /// Tokens restored from the prefix cache instead of computed.
+    pub prefix_tokens_restored: u64,
+    /// Block-boundary snapshots that could not be taken (not cached).
+    pub cache_snapshot_failures: u64,
+    /// Tokens run by prefill.
+    pub prefill_tokens: u64,
+    /// Tokens run by decode.
+    pub decode_tokens: u64,
+    /// Batched decode steps replayed from a captured graph.
+    pub graph_replays: u64,
+    /// Decode graphs captured (one per padded batch size).
+    pub graph_captures: u64,
+    /// Speculative verifies.
+    pub verifies: u64,
+    /// Draft tokens accepted by commits.
+    pub accepted_tokens: u64,
+    /// Draft tokens rejected by commits.
+    pub rejected_tokens: u64,
+    /// The device memory budget.
+    pub budget: BudgetStats,
+    /// The prefix cache.
+    pub prefix_cache: PrefixCacheStats,
+}
+
+/// What [`Engine::add_sequence`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Added {
+    /// The new sequence.
+    pub id: SeqId,
+    /// Leading prompt tokens restored from the prefix cache; prefill the
+    /// rest (`prompt[cached..]`).
+    pub cached: usize,
+}
+
+enum Swapped {
+    /// The sequence had run no token: nothing to keep.
+    Empty,
+    Host(Vec<u8>),
+    File(PathBuf),
+}
+
+enum Carry<St> {
+    Resident(Vec<St>),
+    Swapped(Swapped),
+    Lost(String),
+}
+
+struct Pending {
+    /// Per-site blobs of the carry before the verify; `None` when the
+    /// sequence had run no token.
+    before: Option<Vec<Vec<u8>>>,
+    draft: Vec<u32>,
+    rows_in: Vec<f32>,
+}
+
+struct Seq<St> {
+    tokens: Vec<u32>,
+    carry: Carry<St>,
+    pending: Option<Pending>,
+}
+
+/// The engine. See the module docs.
+pub struct Engine<S: Site> {
+    gpu: Arc<dyn GpuBackend>,
+    stream: StreamId,
+    sites: Vec<S>,
+    geoms: Vec<SiteSpec>,
+    fingerprint: GeometryFingerprint,
+    width: usize,
+    carry_bytes: usize,
+    max_rows: usize,
+    batch_cap: usize,
+    cfg: EngineConfig,
+    highway: DevicePtr,
+    seqs: HashMap<SeqId, Seq<S::State>>,
+    next_id: SeqId,
+    cache: PrefixCache<Arc<Snapshot>>,
+    budget: MemoryBudget,
+    stats: EngineStats,
+    /// Captured decode graphs by padded batch size; `None` while decode
+    /// runs eagerly.
+    graphs: Option<HashMap<usize, GraphHandle>>,
+    closed: bool,
+    /// Distinguishes the swap files of engines sharing a directory.
+    instance: u64,
+}
+
+static ENGINE_INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+fn as_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and u8 has alignment 1; the view covers
+    // exactly the slice's memory and borrows it immutably.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+fn as_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; every byte pattern is a valid f32, so writes
+    // through the view cannot create an invalid value.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+}
+
+impl<S: Site> Engine<S> {
+    /// An engine over `sites` (applied in order) on `gpu`. All sites must
+    /// share the highway width `hc * hidden`.
+    pub fn new(gpu: Arc<dyn GpuBackend>, mut sites: Vec<S>, cfg: EngineConfig) -> Result<Self> {
+        let r = Self::validate(&sites, &cfg);
+        let (width, batch_cap) = match r {
+            Ok(v) => v,
+            Err(e) => {
+                for s in &mut sites {
+                    let _ = s.free(gpu.as_ref());
+                }
+                return Err(e);
+            }
+        };
+        let geoms: Vec<SiteSpec> = sites.iter().map(Site::geometry).collect();
+        let max_rows = cfg.prefill_chunk.max(batch_cap);
+        let highway = match gpu.alloc(max_rows * width * 4, "engine highway rows") {
+            Ok(p) => p,
+            Err(e) => {
+                for s in &mut sites {
+                    let _ = s.free(gpu.as_ref());
+                }
+                return Err(EngineError::device(
+                    "engine: allocating the highway staging rows",
+                    e,
+                ));
+            }
+        };
+        Ok(Engine {
+            stream: gpu.default_stream(),
+            fingerprint: GeometryFingerprint::of(&geoms),
+            carry_bytes: sites.iter().map(Site::carry_bytes).sum(),
+            geoms,
+            width,
+            max_rows,
+            batch_cap,
+            highway,
+            seqs: HashMap::new(),
+            next_id: 1,
+            cache: PrefixCache::new(cfg.block_size, cfg.prefix_cache_bytes),
+            budget: MemoryBudget::new(cfg.device_budget_bytes),
+            graphs: None,
+            stats: EngineStats::default(),
+            closed: false,
+            instance: ENGINE_INSTANCES.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            sites,
+            cfg,
+            gpu,
+        })
+    }
+
+    fn validate(sites: &[S], cfg: &EngineConfig) -> Result<(usize, usize)> {
+        let Some(first) = sites.first() else {
+            return Err(EngineError::Config(
+                "at least one PLE site is needed".into(),
+            ));
+        };
+        let g0 = first.geometry();
+        let width = g0.hc_mult * g0.hidden;
+        if width == 0 {
+            return Err(EngineError::Config(
+                "site 0 has a highway width of 0".into(),
+            ));
+        }
+        let mut cap = usize::MAX;
+        for (i, s) in sites.iter().enumerate() {
+            let g = s.geometry();
+            if g.hc_mult * g.hidden != width {
+                return Err(EngineError::Config(format!(
+                    "site {i} has highway width {} (hc {} x hidden {}), site 0 has {width}",
+                    g.hc_mult * g.hidden,
+                    g.hc_mult,
+                    g.hidden
+                )));
+            }
+            cap = cap.min(s.max_tokens());
+        }
+        if cap == 0 {
+            return Err(EngineError::Config(
+                "a site takes 0 tokens per forward".into(),
+            ));
+        }
+        if cfg.prefill_chunk == 0 || cfg.prefill_chunk > cap {
+            return Err(EngineError::Config(format!(
+                "prefill_chunk {} must be in 1..={cap} (the sites' max_tokens)",
+                cfg.prefill_chunk
+            )));
+        }
+        if cfg.block_size == 0 {
+            return Err(EngineError::Config("block_size must be at least 1".into()));
+        }
+        Ok((width, cap))
+    }
+
+    /// Values per highway row: `hc * hidden`.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// The geometry fingerprint snapshots of this engine carry.
+    pub fn fingerprint(&self) -> GeometryFingerprint {
+        self.fingerprint
+    }
+
+    /// Every site's geometry, in order.
+    pub fn geometries(&self) -> &[SiteSpec] {
+        &self.geoms
+    }
+
+    /// The sites, in order.
+    pub fn sites(&self) -> &[S] {
+        &self.sites
+    }
+
+    /// The backend.
+    pub fn gpu(&self) -> &Arc<dyn GpuBackend> {
+        &self.gpu
+    }
+
+    /// Device bytes one sequence's carry holds (all sites).
+    pub fn carry_bytes(&self) -> usize {
+        self.carry_bytes
+    }
+
+    /// The most sequences one batched forward takes; larger decode batches
+    /// are split.
+    pub fn batch_capacity(&self) -> usize {
+        self.batch_cap
+    }
+
+    /// The tokens sequence `id` has absorbed.
+    pub fn tokens(&self, id: SeqId) -> Result<&[u32]> {
+        Ok(&self.seq(id)?.tokens)
+    }
+
+    /// Start the table reads that running `tokens` through sequence `id`
+    /// next (a prefill chunk, or one decode token) will need, so they
+    /// overlap other work. Advice only: outputs never change, nothing is
+    /// pinned, and the sequence may be swapped out meanwhile.
+    pub fn prefetch(&self, id: SeqId, tokens: &[u32]) -> Result<()> {
+        let history = &self.seq(id)?.tokens;
+        for (i, site) in self.sites.iter().enumerate() {
+            site.prefetch(history, tokens)
+                .map_err(|e| EngineError::site(i, format!("site {i} prefetch"), e))?;
+        }
+        Ok(())
+    }
+
+    /// Whether sequence `id`'s carry is on the device.
+    pub fn is_resident(&self, id: SeqId) -> Result<bool> {
+        Ok(matches!(self.seq(id)?.carry, Carry::Resident(_)))
+    }
+
+    /// Live sequence ids, in no particular order.
+    pub fn sequence_ids(&self) -> Vec<SeqId> {
+        self.seqs.keys().copied().collect()
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> EngineStats {
+        let mut s = self.stats;
+        s.sequences = self.seqs.len();
+        s.resident = 0;
+        s.swapped_host = 0;
+        s.swapped_file = 0;
+        s.swap_host_bytes = 0;
+        for q in self.seqs.values() {
+            match &q.carry {
+                Carry::Resident(_) => s.resident += 1,
+                Carry::Swapped(Swapped::Host(b)) => {
+                    s.swapped_host += 1;
+                    s.swap_host_bytes += b.len();
+                }
+                Carry::Swapped(Swapped::File(_)) => s.swapped_file += 1,
+                Carry::Swapped(Swapped::Empty) => s.swapped_host += 1,
+                Carry::Lost(_) => {}
+            }
+        }
+        s.budget = self.budget.stats();
+        s.prefix_cache = self.cache.stats();
+        s
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&Seq<S::State>> {
+        self.seqs.get(&id).ok_or(EngineError::UnknownSequence(id))
+    }
+
+    fn check_usable(&self, id: SeqId, op: &'static str, pending_ok: bool) -> Result<()> {
+        let s = self.seq(id)?;
+        if let Carry::Lost(cause) = &s.carry {
+            return Err(EngineError::Lost {
+                seq: id,
+                cause: cause.clone(),
+            });
+        }
+        if !pending_ok && s.pending.is_some() {
+            return Err(EngineError::PendingVerify { op, seq: id });
+        }
+        Ok(())
+    }
+
+    fn check_rows(&self, op: &'static str, tokens: usize, rows: &[f32]) -> Result<()> {
+        if rows.len() != tokens * self.width {
+            return Err(EngineError::HighwaySize {
+                op,
+                rows: rows.len(),
+                tokens,
+                width: self.width,
+            });
+        }
+        Ok(())
+    }
+
+    fn teardown(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        let mut first: Result<()> = Ok(());
+        let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
+        for id in ids {
+            let r = self.release(id);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        if let Some(graphs) = self.graphs.take() {
+            for (_, g) in graphs {
+                let r = self
+                    .gpu
+                    .destroy_graph(g)
+                    .map_err(|e| EngineError::device("close: destroying a decode graph", e));
+                if first.is_ok() {
+                    first = r;
+                }
+            }
+        }
+        let r = self
+            .gpu
+            .dealloc(self.highway)
+            .map_err(|e| EngineError::device("close: freeing the highway staging rows", e));
+        self.highway = DevicePtr::NULL;
+        if first.is_ok() {
+            first = r;
+        }
+        let gpu = self.gpu.clone();
+        for (i, s) in self.sites.iter_mut().enumerate() {
+            let r = s
+                .free(gpu.as_ref())
+                .map_err(|e| EngineError::site(i, format!("close: freeing site {i}"), e));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// Release every sequence, free the staging rows and the sites. Dropping
+    /// the engine does the same but cannot report errors.
+    pub fn close(mut self) -> Result<()> {
+        self.teardown()
+    }
+}
+
+impl<S: Site> Drop for Engine<S> {
+    fn drop(&mut self) {
+        let _ = self.teardown();
+    }
+}

@@ -1,0 +1,501 @@
+//! The serving loop over an [`Engine`]: a fixed workload of requests driven
+//! as a server drives sequences.
+//!
+//! A [`Server`] keeps up to [`ServerConfig::in_flight`] requests admitted
+//! (restoring shared prefixes from the engine's prefix cache), and
+//! alternates one batched decode step (up to [`ServerConfig::decode_batch`]
+//! sequences, resident carries first) with one prefill chunk (at most
+//! [`ServerConfig::prefill_chunk`] tokens; the same request goes on until
+//! its prompt is done, first come, first served). Before each step it starts
+//! the table reads of the next one ([`Engine::prefetch`]) so they overlap.
+//! Preemption and swap under the device budget happen inside the engine.
+//!
+//! The workload is an input: the [`Request`]s (tokens and how they are run)
+//! and the input highway row of each token ([`Workload::rows`]). Every
+//! output row is fingerprinted ([`fingerprint`]) by request and position,
+//! so two runs of one workload can be compared row by row.
+//!
+//! Invariants:
+//! - the input rows of a token depend on the token alone, so they are a
+//!   function of the token prefix, as the prefix cache requires;
+//! - with [`ServerConfig::retries`] set, a failed call releases its
+//!   sequences, forgets their rows and queues them to run again from the
+//!   start (or gives them up after the retries); the other sequences go on.
+//!   Without it, the first failure ends the run;
+//! - a report's rows hold exactly the positions computed by the last
+//!   attempt of each request; positions restored from the prefix cache are
+//!   `None`.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+use crate::engine::{Engine, EngineError, EngineStats, SeqId, Site};
+
+/// Where a segment of a request's tokens goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Run in chunks (a prompt).
+    Prefill,
+    /// Run one token per decode step (generated tokens).
+    Decode,
+}
+
+/// One request of a workload: its tokens and how they are run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Every token the request runs.
+    pub tokens: Vec<u32>,
+    /// Consecutive segments `(phase, end)`: the tokens up to `end` (from the
+    /// previous segment's end) run in `phase`. The first is a prefill and
+    /// the last ends at `tokens.len()`.
+    pub segments: Vec<(Phase, usize)>,
+}
+
+/// What a [`Server`] runs.
+#[derive(Clone, Copy)]
+pub struct Workload<'a> {
+    /// The requests, in arrival order.
+    pub requests: &'a [Request],
+    /// Writes the input highway row (`hc * hidden` values) of a token. It
+    /// must depend on the token alone.
+    pub rows: &'a dyn Fn(u32, &mut [f32]),
+}
+
+/// How a [`Server`] schedules.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerConfig {
+    /// Requests admitted at once.
+    pub in_flight: usize,
+    /// Most tokens per prefill call.
+    pub prefill_chunk: usize,
+    /// Most sequences per batched decode step.
+    pub decode_batch: usize,
+    /// Start the table reads of the next prefill chunk and decode batch
+    /// ahead of time.
+    pub prefetch: bool,
+    /// Decode through captured graphs ([`Engine::enable_decode_graphs`]).
+    pub decode_graphs: bool,
+    /// `Some(n)`: the sequences of a failed call are released and run again,
+    /// each up to `n` times; `None`: the first failure ends the run.
+    pub retries: Option<u32>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            in_flight: 48,
+            prefill_chunk: 128,
+            decode_batch: 16,
+            prefetch: true,
+            decode_graphs: false,
+            retries: None,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug, Default)]
+pub struct ServerReport {
+    /// `rows[request][pos]`: the [`fingerprint`] of the output row of
+    /// position `pos`, or `None` where it was restored rather than computed.
+    pub rows: Vec<Vec<Option<u64>>>,
+    /// Time in adds and prefill calls.
+    pub prefill_time: Duration,
+    /// Time in decode calls.
+    pub decode_time: Duration,
+    /// Time of the whole run.
+    pub wall: Duration,
+    /// The engine's figures at the end.
+    pub stats: EngineStats,
+    /// Calls that failed (tolerated with retries on).
+    pub failed_calls: u64,
+    /// Requests run again after a failed call.
+    pub retried: u64,
+    /// Requests given up after their retries, in order.
+    pub failed: Vec<usize>,
+    /// The first failure, with its causes.
+    pub first_fault: Option<String>,
+}
+
+/// Why a run stopped.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// A scheduling setting is out of range.
+    #[error("server config: {0}")]
+    Config(String),
+    /// A request is malformed.
+    #[error("request {request}: {reason}")]
+    Request {
+        /// The request.
+        request: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Adding a request's sequence failed.
+    #[error("adding sequence {request}")]
+    Add {
+        /// The request.
+        request: usize,
+        /// The engine's error.
+        #[source]
+        source: EngineError,
+    },
+    /// A prefill call failed (retries off).
+    #[error("prefill of sequence {request}")]
+    Prefill {
+        /// The request.
+        request: usize,
+        /// The engine's error.
+        #[source]
+        source: EngineError,
+    },
+    /// A batched decode call failed (retries off).
+    #[error("batched decode")]
+    Decode {
+        /// The engine's error.
+        #[source]
+        source: EngineError,
+    },
+    /// Any other engine call failed (prefetch, release, residency query).
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+impl ServerError {
+    /// The engine error inside, if any.
+    pub fn engine_error(&self) -> Option<&EngineError> {
+        match self {
+            ServerError::Add { source, .. }
+            | ServerError::Prefill { source, .. }
+            | ServerError::Decode { source } => Some(source),
+            ServerError::Engine(e) => Some(e),
+            ServerError::Config(_) | ServerError::Request { .. } => None,
+        }
+    }
+}
+
+/// A 64-bit fingerprint of one output row's bits.
+pub fn fingerprint(row: &[f32]) -> u64 {
+    let mut h = 0xCBF2_9CE4_8422_2325u64;
+    for v in row {
+        h = (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    h ^ (h >> 29)
+}
+
+/// A serving loop over an engine. See the module docs.
+pub struct Server<S: Site> {
+    engine: Engine<S>,
+    cfg: ServerConfig,
+}
+
+/// A request in flight.
+struct Live {
+    req: usize,
+    id: SeqId,
+    pos: usize,
+    seg: usize,
+}
+
+/// The mutable state of one run.
+struct Run<'a> {
+    w: Workload<'a>,
+    waiting: VecDeque<usize>,
+    prefilling: VecDeque<Live>,
+    decoding: VecDeque<Live>,
+    attempts: Vec<u32>,
+    report: ServerReport,
+}
+
+impl<S: Site> Server<S> {
+    /// A server over `engine`. Refused when a setting is 0 or decode graphs
+    /// are asked of sites that cannot replay them.
+    pub fn new(mut engine: Engine<S>, cfg: ServerConfig) -> Result<Self, ServerError> {
+        if cfg.in_flight == 0 || cfg.prefill_chunk == 0 || cfg.decode_batch == 0 {
+            return Err(ServerError::Config(format!(
+                "in_flight ({}), prefill_chunk ({}) and decode_batch ({}) must be positive",
+                cfg.in_flight, cfg.prefill_chunk, cfg.decode_batch
+            )));
+        }
+        if cfg.decode_graphs {
+            engine.enable_decode_graphs()?;
+        }
+        Ok(Server { engine, cfg })
+    }
+
+    /// The engine.
+    pub fn engine(&self) -> &Engine<S> {
+        &self.engine
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ServerConfig {
+        &self.cfg
+    }
+
+    /// The engine back, to close it or look at its sites.
+    pub fn into_engine(self) -> Engine<S> {
+        self.engine
+    }
+
+    /// Run `w` to the end. `done(request)` is called once for each request
+    /// that finished or was given up. Every sequence the run added is
+    /// released when it returns `Ok`.
+    pub fn run(
+        &mut self,
+        w: Workload<'_>,
+        done: &mut dyn FnMut(usize),
+    ) -> Result<ServerReport, ServerError> {
+        for (i, r) in w.requests.iter().enumerate() {
+            check_request(i, r)?;
+        }
+        let mut run = Run {
+            w,
+            waiting: (0..w.requests.len()).collect(),
+            prefilling: VecDeque::new(),
+            decoding: VecDeque::new(),
+            attempts: vec![0; w.requests.len()],
+            report: ServerReport {
+                rows: w
+                    .requests
+                    .iter()
+                    .map(|r| vec![None; r.tokens.len()])
+                    .collect(),
+                ..ServerReport::default()
+            },
+        };
+        let width = self.engine.width();
+        let mut highway = vec![0f32; self.cfg.prefill_chunk.max(self.cfg.decode_batch) * width];
+        let start = Instant::now();
+        loop {
+            self.admit(&mut run, done)?;
+            if run.prefilling.is_empty() && run.decoding.is_empty() {
+                break;
+            }
+            // Start reading the rows of the next prefill chunk while the
+            // decode step computes.
+            if self.cfg.prefetch
+                && let Some(l) = run.prefilling.front()
+            {
+                let toks = &w.requests[l.req].tokens;
+                let end = w.requests[l.req].segments[l.seg].1;
+                let n = (end - l.pos).min(self.cfg.prefill_chunk);
+                self.engine.prefetch(l.id, &toks[l.pos..l.pos + n])?;
+            }
+            self.decode_step(&mut run, &mut highway, done)?;
+            // And those of the next decode batch while the prefill computes.
+            if self.cfg.prefetch {
+                for l in run.decoding.iter().take(self.cfg.decode_batch) {
+                    let toks = &w.requests[l.req].tokens;
+                    self.engine.prefetch(l.id, &toks[l.pos..l.pos + 1])?;
+                }
+            }
+            self.prefill_step(&mut run, &mut highway, done)?;
+        }
+        run.report.wall = start.elapsed();
+        run.report.stats = self.engine.stats();
+        Ok(run.report)
+    }
+
+    /// Admit waiting requests up to `in_flight`.
+    fn admit(&mut self, run: &mut Run<'_>, done: &mut dyn FnMut(usize)) -> Result<(), ServerError> {
+        while run.prefilling.len() + run.decoding.len() < self.cfg.in_flight {
+            let Some(p) = run.waiting.pop_front() else {
+                break;
+            };
+            let req = &run.w.requests[p];
+            let prompt_end = req.segments[0].1;
+            let t0 = Instant::now();
+            let added = self
+                .engine
+                .add_sequence(&req.tokens[..prompt_end])
+                .map_err(|source| ServerError::Add { request: p, source })?;
+            run.report.prefill_time += t0.elapsed();
+            let l = Live {
+                req: p,
+                id: added.id,
+                pos: added.cached,
+                seg: 0,
+            };
+            self.advance(run, l, done)?;
+        }
+        Ok(())
+    }
+
+    /// One batched decode step, resident carries first (as a server
+    /// schedules running sequences before swapped ones); the rest keep
+    /// their order.
+    fn decode_step(
+        &mut self,
+        run: &mut Run<'_>,
+        highway: &mut [f32],
+        done: &mut dyn FnMut(usize),
+    ) -> Result<(), ServerError> {
+        let n = run.decoding.len().min(self.cfg.decode_batch);
+        if n == 0 {
+            return Ok(());
+        }
+        let width = self.engine.width();
+        let mut lives = Vec::with_capacity(n);
+        let mut rest = VecDeque::with_capacity(run.decoding.len());
+        for l in run.decoding.drain(..) {
+            if lives.len() < n && self.engine.is_resident(l.id)? {
+                lives.push(l);
+            } else {
+                rest.push_back(l);
+            }
+        }
+        while lives.len() < n {
+            let Some(l) = rest.pop_front() else { break };
+            lives.push(l);
+        }
+        run.decoding = rest;
+        let batch: Vec<(SeqId, u32)> = lives
+            .iter()
+            .map(|l| (l.id, run.w.requests[l.req].tokens[l.pos]))
+            .collect();
+        let rows = &mut highway[..n * width];
+        for (b, &(_, t)) in batch.iter().enumerate() {
+            (run.w.rows)(t, &mut rows[b * width..(b + 1) * width]);
+        }
+        let t0 = Instant::now();
+        let r = self.engine.decode(&batch, rows);
+        run.report.decode_time += t0.elapsed();
+        if let Err(source) = r {
+            return self.lose(run, lives, ServerError::Decode { source }, done);
+        }
+        for (b, mut l) in lives.into_iter().enumerate() {
+            run.report.rows[l.req][l.pos] = Some(fingerprint(&rows[b * width..(b + 1) * width]));
+            l.pos += 1;
+            self.advance(run, l, done)?;
+        }
+        Ok(())
+    }
+
+    /// One prefill chunk; the same request goes on next step, so its prompt
+    /// finishes before the next one starts.
+    fn prefill_step(
+        &mut self,
+        run: &mut Run<'_>,
+        highway: &mut [f32],
+        done: &mut dyn FnMut(usize),
+    ) -> Result<(), ServerError> {
+        let Some(mut l) = run.prefilling.pop_front() else {
+            return Ok(());
+        };
+        let width = self.engine.width();
+        let req = &run.w.requests[l.req];
+        let end = req.segments[l.seg].1;
+        let n = (end - l.pos).min(self.cfg.prefill_chunk);
+        let toks = &req.tokens[l.pos..l.pos + n];
+        let rows = &mut highway[..n * width];
+        for (i, &t) in toks.iter().enumerate() {
+            (run.w.rows)(t, &mut rows[i * width..(i + 1) * width]);
+        }
+        let t0 = Instant::now();
+        let r = self.engine.prefill(l.id, toks, rows);
+        run.report.prefill_time += t0.elapsed();
+        if let Err(source) = r {
+            let e = ServerError::Prefill {
+                request: l.req,
+                source,
+            };
+            return self.lose(run, vec![l], e, done);
+        }
+        for i in 0..n {
+            run.report.rows[l.req][l.pos + i] =
+                Some(fingerprint(&rows[i * width..(i + 1) * width]));
+        }
+        l.pos += n;
+        if l.pos < end {
+            run.prefilling.push_front(l);
+            Ok(())
+        } else {
+            self.advance(run, l, done)
+        }
+    }
+
+    /// A call failed: its sequences are lost (the engine refuses them until
+    /// released). Release them, forget their rows and queue them to run
+    /// again from the start, or give up; without retries, stop.
+    fn lose(
+        &mut self,
+        run: &mut Run<'_>,
+        lives: Vec<Live>,
+        err: ServerError,
+        done: &mut dyn FnMut(usize),
+    ) -> Result<(), ServerError> {
+        let Some(retries) = self.cfg.retries else {
+            return Err(err);
+        };
+        run.report.failed_calls += 1;
+        run.report
+            .first_fault
+            .get_or_insert_with(|| crate::engine::error_chain(&err));
+        for l in lives {
+            self.engine.release(l.id)?;
+            run.report.rows[l.req].iter_mut().for_each(|r| *r = None);
+            run.attempts[l.req] += 1;
+            if run.attempts[l.req] <= retries {
+                run.report.retried += 1;
+                run.waiting.push_front(l.req);
+            } else {
+                run.report.failed.push(l.req);
+                done(l.req);
+            }
+        }
+        Ok(())
+    }
+
+    /// Move `l` on to its next segment, or release it when it is done.
+    fn advance(
+        &mut self,
+        run: &mut Run<'_>,
+        mut l: Live,
+        done: &mut dyn FnMut(usize),
+    ) -> Result<(), ServerError> {
+        let segs = &run.w.requests[l.req].segments;
+        while l.seg < segs.len() && l.pos >= segs[l.seg].1 {
+            l.seg += 1;
+        }
+        match segs.get(l.seg) {
+            None => {
+                self.engine.release(l.id)?;
+                done(l.req);
+            }
+            Some((Phase::Prefill, _)) => run.prefilling.push_back(l),
+            Some((Phase::Decode, _)) => run.decoding.push_back(l),
+        }
+        Ok(())
+    }
+}
+
+/// Segments must start with a prefill, end at the last token and not go
+/// back; a decode segment needs a token before it.
+fn check_request(i: usize, r: &Request) -> Result<(), ServerError> {
+    let bad = |reason: String| Err(ServerError::Request { request: i, reason });
+    match r.segments.first() {
+        Some((Phase::Prefill, end)) if *end >= 1 => {}
+        _ => return bad("the first segment must be a prefill of at least one token".into()),
+    }
+    let mut prev = 0;
+    for &(_, end) in &r.segments {
+        if end < prev || end > r.tokens.len() {
+            return bad(format!(
+                "segment end {end} is out of order or past the {} tokens",
+                r.tokens.len()
+            ));
+        }
+        prev = end;
+    }
+    if prev != r.tokens.len() {
+        return bad(format!(
+            "the segments end at {prev}, the request has {} tokens",
+            r.tokens.len()
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,19 @@
+//! metrale-testkit: what the tests and benches of several crates share.
+//! A dev-dependency only: no release code links it.
+//!
+//! - [`rng`]: [`rng::Rng`], a deterministic generator over the production
+//!   splitmix64, so failures replay;
+//! - [`rows`]: highway rows that are a function of the token prefix;
+//! - [`tiny`]: tiny real PLE models with random weights over a small
+//!   device-resident table, and engines over them;
+//! - [`toy`]: a toy engine site with the PLE carry's shape and simple math;
+//! - [`drive`]: the plain sequential reference run and the randomised
+//!   engine driver that checks every output row against it.
+
+pub mod drive;
+pub mod rng;
+pub mod rows;
+pub mod tiny;
+pub mod toy;
+
+pub use rng::Rng;

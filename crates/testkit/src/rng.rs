@@ -1,0 +1,55 @@
+//! A small deterministic generator, so failures replay.
+//!
+//! Invariant: the stream is the production splitmix64 of
+//! `metrale_model_layers` (`ids::splitmix64`) over a state stepped by its
+//! increment; nothing here re-derives the mixing.
+
+use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
+
+/// A splitmix64 stream.
+#[derive(Clone, Debug)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next 64 random bits.
+    #[allow(clippy::should_implement_trait)]
+    pub fn next(&mut self) -> u64 {
+        let z = splitmix64(self.0);
+        self.0 = self.0.wrapping_add(SPLITMIX64_GAMMA);
+        z
+    }
+
+    /// Uniform in `0..n` (`n` of 0 counts as 1).
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    /// True with probability `p` percent.
+    pub fn pct(&mut self, p: u64) -> bool {
+        self.next() % 100 < p
+    }
+
+    /// Uniform in `[-1, 1)`, 24 bits.
+    pub fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_like_the_textbook_splitmix64() {
+        // The reference: state += gamma, then mix the new state.
+        let mut state = 42u64;
+        let mut r = Rng(42);
+        for _ in 0..4 {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            assert_eq!(r.next(), z ^ (z >> 31));
+        }
+    }
+}
