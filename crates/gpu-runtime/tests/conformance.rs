@@ -1,21 +1,20 @@
 //! The conformance suite run against the CPU backend in debug mode, one test
-//! per case so failures are named, plus `run_all` as a whole.
+//! per case so failures are named, plus the whole suite on one backend and
+//! on a fresh backend per case.
 
 use std::sync::Arc;
 
-use metrale_gpu_conformance::{self as conformance, CASES};
+use metrale_gpu_conformance::{CASES, Failure, case, run_all, run_each};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 
 fn run(name: &str) {
-    let case = CASES
-        .iter()
-        .find(|(n, _)| *n == name)
-        .unwrap_or_else(|| panic!("no case {name}"))
-        .1;
+    let case = case(name).unwrap_or_else(|| panic!("no case {name}"));
     let gpu = CpuBackend::new_debug();
-    if let Err(e) = case(&gpu) {
-        panic!("{name}: {e:#}");
+    match case(&gpu) {
+        Ok(()) => {}
+        Err(Failure::Skipped(why)) => panic!("{name} skipped on the CPU backend: {why}"),
+        Err(Failure::Failed(what)) => panic!("{name}: {what}"),
     }
     assert_eq!(
         gpu.live_alloc_count(),
@@ -35,6 +34,7 @@ macro_rules! cases {
             for (n, _) in CASES {
                 assert!(named.contains(n), "case {n} has no #[test] here");
             }
+            assert_eq!(named.len(), CASES.len(), "a #[test] names no case");
         }
     };
 }
@@ -63,10 +63,18 @@ cases!(
 );
 
 #[test]
-fn run_all_passes_on_the_cpu_backend() {
+fn the_whole_suite_passes_on_one_cpu_backend() {
+    let gpu = CpuBackend::new();
+    let r = run_all(&gpu);
+    assert!(r.is_ok() && r.skipped.is_empty(), "{r}");
+    assert_eq!(r.passed.len(), CASES.len());
+    assert_eq!(gpu.live_alloc_count(), 0);
+}
+
+#[test]
+fn the_whole_suite_passes_on_fresh_cpu_backends() {
     let make = || Arc::new(CpuBackend::new()) as Arc<dyn GpuBackend>;
-    let r = conformance::run_all(&make);
-    assert!(r.failed.is_empty(), "failed: {:#?}", r.failed);
-    assert!(r.skipped.is_empty(), "skipped: {:#?}", r.skipped);
+    let r = run_each(&make);
+    assert!(r.is_ok() && r.skipped.is_empty(), "{r}");
     assert_eq!(r.passed.len(), CASES.len());
 }
