@@ -14,7 +14,8 @@ use libfuzzer_sys::fuzz_target;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
-use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, PleWeights};
+use metrale_model_layers::layers::ple::carry_blob;
+use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, PleWeights, SiteSpec};
 use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
 
 const HEAD_DIM: usize = 4;
@@ -94,7 +95,8 @@ fn world() -> &'static Mutex<World> {
             norm_conv: vec![0.0; c],
             conv1d: (0..c * k).map(|i| (i % 5) as f32 / 8.0).collect(),
         };
-        let layer = PleLayer::new(dims, HEAD_DIM, hidden, hc, k, 3, 1e-6, w, Arc::new(Resident { base }), 4, gpu.as_ref())
+        let spec = SiteSpec::new(dims, HEAD_DIM, hidden, hc, k, 3);
+        let layer = PleLayer::new(&spec, w, Arc::new(Resident { base }), 4, gpu.as_ref())
             .expect("fuzz layer");
         let st = layer.new_seq_state(gpu.as_ref()).unwrap();
         let highway = gpu.alloc(c * 4, "fuzz.highway").unwrap();
@@ -129,6 +131,14 @@ fuzz_target!(|data: &[u8]| {
     };
     let r = layer.restore_aux(st, &blob, gpu, 0);
     assert_eq!(r.is_ok(), want_ok, "restore_aux of {} bytes: {r:?}", blob.len());
+    // The codec accepts a subset: exactly `context_len` history tokens.
+    if let Ok(view) = carry_blob::decode(&blob, layer.spec()) {
+        assert!(want_ok, "the codec accepted a blob restore_aux refuses");
+        assert_eq!(carry_blob::encode(&view.history_tokens(), view.conv), blob);
+    } else if want_ok {
+        let n = carry_blob::declared_history_len(&blob).unwrap();
+        assert_ne!(n, layer.dims().context_len(), "the codec refused a well-formed blob");
+    }
     let after = layer.snapshot_aux(st, gpu, 0).expect("snapshot after restore");
     if want_ok {
         assert_eq!(after, blob, "an accepted blob must snapshot back unchanged");

@@ -5,6 +5,10 @@
 
 use std::path::PathBuf;
 
+use metrale_model_layers::layers::ple::LayerError;
+use metrale_model_layers::layers::ple::spec::SpecError;
+use metrale_storage::StorageError;
+
 /// Why a checkpoint could not be read, validated or written.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -17,13 +21,18 @@ pub enum CheckpointError {
         #[source]
         source: std::io::Error,
     },
-    /// `config.json` is unreadable or inconsistent.
-    #[error("{file}: invalid config: {msg}")]
+    /// `config.json` does not describe a valid model (the error names the
+    /// file and the field).
+    #[error("invalid config: {0}")]
+    Spec(#[from] SpecError),
+    /// A site's hash constants do not derive from `config.json`.
+    #[error("{file}: invalid config: {source}")]
     Config {
         /// The config file.
         file: PathBuf,
-        /// What is wrong.
-        msg: String,
+        /// What is wrong (boxed: errors are rare and this one is large).
+        #[source]
+        source: Box<SpecError>,
     },
     /// `model.safetensors.index.json` is unreadable or inconsistent.
     #[error("{file}: invalid weight map: {msg}")]
@@ -93,6 +102,26 @@ pub enum CheckpointError {
         layer: usize,
         /// What is wrong.
         msg: String,
+    },
+    /// A site's table could not be opened or served.
+    #[error("{what} of layer {layer}")]
+    Table {
+        /// The 0-based model layer of the PLE site.
+        layer: usize,
+        /// The step that failed.
+        what: &'static str,
+        /// The storage error (boxed, as `Config`'s).
+        #[source]
+        source: Box<StorageError>,
+    },
+    /// A site's layer could not be built.
+    #[error("building the PLE layer of model layer {layer}")]
+    Layer {
+        /// The 0-based model layer of the PLE site.
+        layer: usize,
+        /// Why (boxed, as `Config`'s).
+        #[source]
+        source: Box<LayerError>,
     },
     /// A request that cannot be met (bad preset, bad row count, a target
     /// directory that already holds a checkpoint).

@@ -13,11 +13,9 @@
 
 use std::sync::Arc;
 
-use anyhow::{Result, bail};
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
-use metrale_storage::StorageError;
-use metrale_storage::layout::check_row;
 use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats};
+use metrale_storage::{Result, StorageError};
 
 /// A [`RowTable`] of `logical_rows` rows backed by a smaller one.
 pub struct FoldedTable {
@@ -32,9 +30,12 @@ impl FoldedTable {
     pub fn new(inner: Arc<dyn RowTable>, logical_rows: u64) -> Result<Self> {
         let modulus = inner.info().rows;
         if modulus == 0 || modulus > logical_rows {
-            bail!(
-                "a folded table needs 0 < stored rows ({modulus}) <= logical rows ({logical_rows})"
-            );
+            return Err(StorageError::InvalidArgument {
+                message: format!(
+                    "a folded table needs 0 < stored rows ({modulus}) <= logical rows \
+                     ({logical_rows})"
+                ),
+            });
         }
         Ok(FoldedTable {
             inner,
@@ -43,10 +44,15 @@ impl FoldedTable {
         })
     }
 
-    fn fold(&self, ids: &[u64]) -> Result<Vec<u64>, StorageError> {
+    fn fold(&self, ids: &[u64]) -> Result<Vec<u64>> {
         ids.iter()
             .map(|&id| {
-                check_row(id, self.logical_rows)?;
+                if id >= self.logical_rows {
+                    return Err(StorageError::RowOutOfRange {
+                        id,
+                        rows: self.logical_rows,
+                    });
+                }
                 Ok(id % self.modulus)
             })
             .collect()
@@ -63,7 +69,7 @@ impl RowTable for FoldedTable {
     fn max_resolve(&self) -> usize {
         self.inner.max_resolve()
     }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
         let folded = self.fold(ids)?;
         self.inner.resolve(&folded, out)
     }
@@ -72,10 +78,10 @@ impl RowTable for FoldedTable {
         lease: Lease,
         gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
-    ) -> Result<(), StorageError> {
+    ) -> Result<()> {
         self.inner.release(lease, gpu, after)
     }
-    fn prefetch(&self, ids: &[u64]) -> Result<(), StorageError> {
+    fn prefetch(&self, ids: &[u64]) -> Result<()> {
         // Prefetch is advisory; out-of-range ids are simply skipped here and
         // refused by the resolve that follows.
         let folded: Vec<u64> = ids
@@ -108,9 +114,11 @@ mod tests {
         fn max_resolve(&self) -> usize {
             64
         }
-        fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
+        fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
             for (i, &id) in ids.iter().enumerate() {
-                check_row(id, self.0)?;
+                if id >= self.0 {
+                    return Err(StorageError::RowOutOfRange { id, rows: self.0 });
+                }
                 out[i] = RowRef {
                     data: 1000 + 10 * id,
                     scale: 0,
@@ -118,15 +126,10 @@ mod tests {
             }
             Ok(Lease::empty())
         }
-        fn release(
-            &self,
-            _: Lease,
-            _: &dyn GpuBackend,
-            _: Option<EventHandle>,
-        ) -> Result<(), StorageError> {
+        fn release(&self, _: Lease, _: &dyn GpuBackend, _: Option<EventHandle>) -> Result<()> {
             Ok(())
         }
-        fn prefetch(&self, _: &[u64]) -> Result<(), StorageError> {
+        fn prefetch(&self, _: &[u64]) -> Result<()> {
             Ok(())
         }
         fn stats(&self) -> TableStats {
@@ -142,7 +145,12 @@ mod tests {
         let mut out = [RowRef::default(); 3];
         let _ = t.resolve(&[3, 7, 96], &mut out).unwrap();
         assert_eq!(out.map(|r| r.data), [1030, 1000, 1050]);
-        let e = t.resolve(&[100], &mut out[..1]).unwrap_err().to_string();
+        let e = t.resolve(&[100], &mut out[..1]).unwrap_err();
+        assert!(matches!(
+            e,
+            StorageError::RowOutOfRange { id: 100, rows: 100 }
+        ));
+        let e = e.to_string();
         assert!(
             e.contains("row id 100 is past the end of the table (100 rows)"),
             "{e}"

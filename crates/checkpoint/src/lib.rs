@@ -2,7 +2,9 @@
 //! its validating loader.
 //!
 //! A checkpoint is a Hugging Face-style directory: `config.json` (the
-//! Qwen4Exp fields, see [`geometry`]), safetensors files, and
+//! Qwen4Exp fields, parsed into a
+//! [`metrale_model_layers::layers::ple::ModelSpec`]; [`preset`] holds the
+//! synthetic ones), safetensors files, and
 //! `model.safetensors.index.json` mapping every tensor to its file. Tensor
 //! names are spelled in [`names`] alone. [`synth`] writes deterministic
 //! synthetic checkpoints; [`load`] refuses anything a layer could trip on,
@@ -14,13 +16,13 @@
 
 pub mod error;
 pub mod fold;
-pub mod geometry;
 pub mod load;
 pub mod names;
+pub mod preset;
 pub mod runtime;
 pub mod synth;
 
 pub use error::CheckpointError;
-pub use geometry::{Geometry, Preset};
 pub use load::Checkpoint;
+pub use preset::Preset;
 pub use synth::{InitOptions, TableDType};

@@ -17,13 +17,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use metrale_model_layers::layers::ple::PleWeights;
-use metrale_model_layers::layers::ple::ids::PleIdDims;
+use metrale_model_layers::layers::ple::spec::{ModelSpec, SiteSpec};
+use metrale_storage::StorageError;
 use metrale_storage::safetensors::{Dtype, Header, TensorInfo};
 use metrale_storage::table::RowDType;
 use serde::Deserialize;
 
 use crate::error::{CheckpointError, Result};
-use crate::geometry::Geometry;
 use crate::names::{CONFIG_FILE, INDEX_FILE, SiteNames};
 
 /// Where one site's table rows are stored.
@@ -52,8 +52,8 @@ pub struct Site {
     pub index: usize,
     /// 0-based model layer.
     pub layer: usize,
-    /// The checked hash constants.
-    pub dims: PleIdDims,
+    /// The site's spec, with its checked hash constants.
+    pub spec: SiteSpec,
     /// Rows the ids address (the derived padded table).
     pub padded_rows: u64,
     /// The dense weights, host-side, as the layer takes them.
@@ -80,8 +80,8 @@ pub struct FileSummary {
 pub struct Checkpoint {
     /// Its directory.
     pub dir: PathBuf,
-    /// The parsed config.
-    pub geometry: Geometry,
+    /// The parsed and validated config.
+    pub spec: ModelSpec,
     /// Every site, in `ple_layer_ids` order.
     pub sites: Vec<Site>,
     /// Every safetensors file, sorted by name.
@@ -93,19 +93,22 @@ struct RawIndex {
     weight_map: BTreeMap<String, String>,
 }
 
-fn header_err(file: &Path, e: metrale_storage::StorageError) -> CheckpointError {
+fn header_err(file: &Path, e: StorageError) -> CheckpointError {
     CheckpointError::Header {
         file: file.to_path_buf(),
-        msg: format!("{e:#}"),
+        msg: e.to_string(),
     }
 }
 
-/// Read a config's geometry alone (no weights); `inspect` uses it to show
-/// a geometry even when the rest of the checkpoint is refused.
-pub fn read_geometry(dir: &Path) -> Result<Geometry> {
+/// Read a config's model spec alone (no weights); `inspect` uses it to
+/// show a model even when the rest of the checkpoint is refused.
+pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| CheckpointError::io(&path, e))?;
-    Geometry::parse(&path, &text)
+    Ok(ModelSpec::from_json_str(
+        &text,
+        &path.display().to_string(),
+    )?)
 }
 
 struct Files {
@@ -226,11 +229,11 @@ fn check_buffer(file: &Path, tensor: &str, stored: &[i64], derived: &[u64]) -> R
 impl Checkpoint {
     /// Open and fully validate the checkpoint in `dir`.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        let geometry = read_geometry(dir)?;
+        let spec = read_spec(dir)?;
         let files = Self::open_files(dir)?;
-        let mut sites = Vec::with_capacity(geometry.sites());
-        for s in 0..geometry.sites() {
-            sites.push(Self::open_site(&geometry, &files, s)?);
+        let mut sites = Vec::with_capacity(spec.sites());
+        for s in 0..spec.sites() {
+            sites.push(Self::open_site(&spec, &files, s)?);
         }
         let mut summaries: Vec<FileSummary> = files
             .headers
@@ -245,7 +248,7 @@ impl Checkpoint {
         summaries.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
-            geometry,
+            spec,
             sites,
             files: summaries,
         })
@@ -296,16 +299,13 @@ impl Checkpoint {
         })
     }
 
-    fn open_site(g: &Geometry, files: &Files, s: usize) -> Result<Site> {
+    fn open_site(g: &ModelSpec, files: &Files, s: usize) -> Result<Site> {
         let layer = g.site_layer(s);
         let n = SiteNames::new(layer);
-        let derived = g
-            .hash_params(s)
-            .derive()
-            .map_err(|e| CheckpointError::Config {
-                file: files.dir.join(CONFIG_FILE),
-                msg: format!("site {s} (layer id {}): {e:#}", g.ple_layer_ids[s]),
-            })?;
+        let derived = g.derive(s).map_err(|source| CheckpointError::Config {
+            file: files.dir.join(CONFIG_FILE),
+            source: Box::new(source),
+        })?;
         let dims = derived.dims;
 
         let (file, m) = files.read_i64(&n.layer_multipliers(), g.ngram_size)?;
@@ -343,7 +343,7 @@ impl Checkpoint {
         Ok(Site {
             index: s,
             layer,
-            dims,
+            spec: g.site_with(s, dims),
             padded_rows: derived.padded_rows,
             weights,
             table,
@@ -351,7 +351,7 @@ impl Checkpoint {
     }
 
     fn check_table(
-        g: &Geometry,
+        g: &ModelSpec,
         files: &Files,
         n: &SiteNames,
         layer: usize,

@@ -13,15 +13,16 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::PleLayer;
+use metrale_storage::StorageError;
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::mapped::MappedTable;
 use metrale_storage::resident::ResidentTable;
 use metrale_storage::table::RowTable;
 
+use crate::error::{CheckpointError, Result};
 use crate::fold::FoldedTable;
 use crate::load::Checkpoint;
 
@@ -39,9 +40,23 @@ impl Checkpoint {
         mode: TableMode,
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
+        let layer = self.sites[site].layer;
+        let err = |what| {
+            move |source: StorageError| CheckpointError::Table {
+                layer,
+                what,
+                source: Box::new(source),
+            }
+        };
         let inner: Arc<dyn RowTable> = match mode {
-            TableMode::Resident => Arc::new(ResidentTable::load(&self.table_files(site)?, gpu)?),
-            TableMode::Mapped => Arc::new(MappedTable::open(&self.table_files(site)?, gpu)?),
+            TableMode::Resident => Arc::new(
+                ResidentTable::load(&self.table_files(site)?, gpu)
+                    .map_err(err("loading the resident table"))?,
+            ),
+            TableMode::Mapped => Arc::new(
+                MappedTable::open(&self.table_files(site)?, gpu)
+                    .map_err(err("mapping the table"))?,
+            ),
             TableMode::Cached => {
                 return self.open_cached_table(site, CacheConfig::default(), gpu);
             }
@@ -58,21 +73,37 @@ impl Checkpoint {
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
         let files = self.table_files(site)?;
-        self.fold(site, Arc::new(CachedTable::open(files, gpu, cfg)?))
+        let table = CachedTable::open(files, gpu, cfg).map_err(|e| CheckpointError::Table {
+            layer: self.sites[site].layer,
+            what: "opening the row cache",
+            source: Box::new(e),
+        })?;
+        self.fold(site, Arc::new(table))
     }
 
     /// Site `site`'s validated shards, opened.
     fn table_files(&self, site: usize) -> Result<TableFiles> {
         let s = &self.sites[site];
-        TableFiles::open(&s.table.shards, Some(s.table.stored_rows))
-            .with_context(|| format!("opening the table shards of layer {}", s.layer))
+        TableFiles::open(&s.table.shards, Some(s.table.stored_rows)).map_err(|e| {
+            CheckpointError::Table {
+                layer: s.layer,
+                what: "opening the table shards",
+                source: Box::new(e),
+            }
+        })
     }
 
     /// Present a cut table at the full padded size.
     fn fold(&self, site: usize, inner: Arc<dyn RowTable>) -> Result<Arc<dyn RowTable>> {
         let s = &self.sites[site];
         Ok(match s.table.fold_rows {
-            Some(_) => Arc::new(FoldedTable::new(inner, s.padded_rows)?),
+            Some(_) => Arc::new(FoldedTable::new(inner, s.padded_rows).map_err(|e| {
+                CheckpointError::Table {
+                    layer: s.layer,
+                    what: "folding the table",
+                    source: Box::new(e),
+                }
+            })?),
             None => inner,
         })
     }
@@ -86,21 +117,12 @@ impl Checkpoint {
         max_tokens: usize,
         gpu: &dyn GpuBackend,
     ) -> Result<PleLayer> {
-        let g = &self.geometry;
         let s = &self.sites[site];
-        PleLayer::new(
-            s.dims.clone(),
-            g.head_dim,
-            g.hidden_size,
-            g.hc_mult,
-            g.conv_kernel_size,
-            g.dilation(),
-            g.rms_norm_eps as f32,
-            s.weights.clone(),
-            table,
-            max_tokens,
-            gpu,
-        )
-        .with_context(|| format!("building the PLE layer of model layer {}", s.layer))
+        PleLayer::new(&s.spec, s.weights.clone(), table, max_tokens, gpu).map_err(|source| {
+            CheckpointError::Layer {
+                layer: s.layer,
+                source: Box::new(source),
+            }
+        })
     }
 }

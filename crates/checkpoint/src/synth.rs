@@ -17,12 +17,15 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
+use metrale_model_layers::layers::ple::spec::ModelSpec;
+use metrale_storage::StorageError;
 use metrale_storage::dtype::{f32_to_bf16, f32_to_fp8_e4m3};
 use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 
 use crate::error::{CheckpointError, Result};
-use crate::geometry::{Geometry, Preset};
 use crate::names::{CONFIG_FILE, INDEX_FILE, SiteNames, shard_file};
+use crate::preset::Preset;
 
 /// The element type of the table rows written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,11 +75,9 @@ impl Stream {
         s
     }
     fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        let z = splitmix64(self.0);
+        self.0 = self.0.wrapping_add(SPLITMIX64_GAMMA);
+        z
     }
     /// Uniform in [-1, 1).
     fn unit(&mut self) -> f32 {
@@ -104,9 +105,9 @@ fn i64_tensor(v: &[u64]) -> Vec<u8> {
     v.iter().flat_map(|&x| (x as i64).to_le_bytes()).collect()
 }
 
-/// The geometry `init` writes for `opts`, with the rows stored per site.
-pub fn init_geometry(opts: &InitOptions) -> Result<(Geometry, u64)> {
-    let mut g = opts.preset.geometry();
+/// The model spec `init` writes for `opts`, with the rows stored per site.
+pub fn init_spec(opts: &InitOptions) -> Result<(ModelSpec, u64)> {
+    let mut g = opts.preset.spec();
     // Later sites take later primes, so the last site's table is the largest.
     let mut padded = 0;
     for s in 0..g.sites() {
@@ -136,24 +137,22 @@ pub fn init_geometry(opts: &InitOptions) -> Result<(Geometry, u64)> {
 }
 
 fn derive_site(
-    g: &Geometry,
+    g: &ModelSpec,
     s: usize,
 ) -> Result<metrale_model_layers::layers::ple::ids::DerivedPleIds> {
-    g.hash_params(s)
-        .derive()
-        .map_err(|e| CheckpointError::Config {
-            file: PathBuf::from(CONFIG_FILE),
-            msg: format!("site {s} (layer id {}): {e:#}", g.ple_layer_ids[s]),
-        })
+    g.derive(s).map_err(|source| CheckpointError::Config {
+        file: PathBuf::from(CONFIG_FILE),
+        source: Box::new(source),
+    })
 }
 
 /// Bytes `init` will write for `opts` (tensor data, not headers).
 pub fn planned_bytes(opts: &InitOptions) -> Result<u64> {
-    let (g, stored) = init_geometry(opts)?;
+    let (g, stored) = init_spec(opts)?;
     Ok(g.sites() as u64 * (dense_bytes(&g) + table_bytes(&g, stored, opts.dtype)))
 }
 
-fn dense_bytes(g: &Geometry) -> u64 {
+fn dense_bytes(g: &ModelSpec) -> u64 {
     let (c, e, h) = (
         g.channels() as u64,
         g.emb_dim() as u64,
@@ -164,7 +163,7 @@ fn dense_bytes(g: &Geometry) -> u64 {
         + 8 * (g.ngram_size as u64 + 2 * g.ngram_heads() as u64)
 }
 
-fn table_bytes(g: &Geometry, rows: u64, dtype: TableDType) -> u64 {
+fn table_bytes(g: &ModelSpec, rows: u64, dtype: TableDType) -> u64 {
     match dtype {
         TableDType::Bf16 => rows * g.head_dim as u64 * 2,
         TableDType::Fp8 => rows * (g.head_dim as u64 + 4),
@@ -178,7 +177,7 @@ pub fn write_synthetic(
     dir: &Path,
     opts: &InitOptions,
     progress: &mut dyn FnMut(u64, u64),
-) -> Result<Geometry> {
+) -> Result<ModelSpec> {
     if dir.exists() {
         let mut entries = std::fs::read_dir(dir).map_err(|e| CheckpointError::io(dir, e))?;
         if entries.next().is_some() {
@@ -188,7 +187,7 @@ pub fn write_synthetic(
             )));
         }
     }
-    let (g, stored) = init_geometry(opts)?;
+    let (g, stored) = init_spec(opts)?;
     let total = planned_bytes(opts)?;
     let name = dir
         .file_name()
@@ -215,16 +214,16 @@ pub fn write_synthetic(
     Ok(g)
 }
 
-fn st_err(path: &Path, e: metrale_storage::StorageError) -> CheckpointError {
+fn st_err(path: &Path, e: StorageError) -> CheckpointError {
     CheckpointError::Io {
         path: path.to_path_buf(),
-        source: std::io::Error::other(format!("{e:#}")),
+        source: std::io::Error::other(e.to_string()),
     }
 }
 
 fn write_into(
     dir: &Path,
-    g: &Geometry,
+    g: &ModelSpec,
     stored: u64,
     opts: &InitOptions,
     total: u64,

@@ -70,11 +70,11 @@ fn refusal(ck: &Path) -> String {
 }
 
 #[test]
-fn a_synthetic_checkpoint_loads_with_its_geometry() {
+fn a_synthetic_checkpoint_loads_with_its_spec() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = small(tmp.path());
     let c = Checkpoint::open(&ck).unwrap();
-    let g = &c.geometry;
+    let g = &c.spec;
     assert_eq!(g.ple_layer_ids, vec![2, 4]);
     assert_eq!(g.table_rows, Some(4096));
     assert_eq!(c.sites.len(), 2);
@@ -85,12 +85,15 @@ fn a_synthetic_checkpoint_loads_with_its_geometry() {
         assert_eq!(site.table.fold_rows, Some(4096));
         assert_eq!(site.table.dtype, RowDType::Bf16);
         assert!(site.padded_rows > 4096);
-        assert!(site.dims.multipliers.iter().all(|m| m % 2 == 1));
+        assert!(site.spec.dims.multipliers.iter().all(|m| m % 2 == 1));
         assert_eq!(site.weights.key_proj.len(), g.channels() * g.emb_dim());
         assert_eq!(site.weights.conv1d.len(), g.channels() * g.conv_kernel_size);
     }
     // Two sites hash with different constants.
-    assert_ne!(c.sites[0].dims.multipliers, c.sites[1].dims.multipliers);
+    assert_ne!(
+        c.sites[0].spec.dims.multipliers,
+        c.sites[1].spec.dims.multipliers
+    );
     assert_eq!(c.files.len(), 5);
 }
 
@@ -103,7 +106,7 @@ fn the_full_tiny_table_is_not_folded() {
         assert_eq!(site.table.fold_rows, None);
         assert!(site.table.stored_rows >= site.padded_rows);
     }
-    assert_eq!(c.geometry.table_rows, None);
+    assert_eq!(c.spec.table_rows, None);
 }
 
 #[test]
@@ -161,7 +164,7 @@ fn init_refuses_a_non_empty_directory_and_too_many_rows() {
 fn a_wrong_shape_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = small(tmp.path());
-    let g = Checkpoint::open(&ck).unwrap().geometry;
+    let g = Checkpoint::open(&ck).unwrap().spec;
     let name = SiteNames::new(1).value_proj();
     let (h, e) = (g.hidden_size as u64, g.emb_dim() as u64);
     let spec = TensorSpec::new(
@@ -188,7 +191,7 @@ fn a_wrong_shape_is_refused() {
 fn a_wrong_dtype_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = small(tmp.path());
-    let g = Checkpoint::open(&ck).unwrap().geometry;
+    let g = Checkpoint::open(&ck).unwrap().spec;
     let name = SiteNames::new(3).norm_conv();
     let c = g.channels() as u64;
     let spec = TensorSpec::new(&name, metrale_storage::safetensors::Dtype::BF16, &[c]);

@@ -17,7 +17,7 @@ use metrale_storage::cached::CacheConfig;
 fn forward_all(ck: &Checkpoint, mode: TableMode, tokens: &[u32], chunks: &[usize]) -> Vec<f32> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let start = gpu.live_alloc_count();
-    let width = ck.geometry.channels();
+    let width = ck.spec.channels();
     let mut host: Vec<f32> = (0..tokens.len() * width)
         .map(|i| ((i % 89) as f32 - 44.0) / 50.0)
         .collect();
@@ -82,7 +82,7 @@ fn check_modes(opts: &InitOptions) {
         .map(|i| if i == 19 { 256 } else { (i * 37 + 5) % 4096 })
         .collect();
     let resident = forward_all(&ck, TableMode::Resident, &tokens, &[40]);
-    let width = ck.geometry.channels();
+    let width = ck.spec.channels();
     let input: Vec<f32> = (0..tokens.len() * width)
         .map(|i| ((i % 89) as f32 - 44.0) / 50.0)
         .collect();

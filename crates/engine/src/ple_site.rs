@@ -1,8 +1,7 @@
 //! The PLE layer as an engine [`Site`].
 //!
-//! [`PleSite`] wraps a [`PleLayer`] with the conv kernel size and dilation it
-//! was built with (the geometry fingerprint needs both, and `state_len =
-//! (kernel - 1) * dilation` alone cannot tell them apart). Every call maps
+//! [`PleSite`] wraps a [`PleLayer`]; the site's geometry is the layer's
+//! [`SiteSpec`]. Every call maps
 //! onto the layer's own API: `forward` with host token ids, `forward_batch`
 //! (one gather, one projection, one gate, one batched conv for the whole
 //! batch), and the seed's `snapshot_aux` / `restore_aux` /
@@ -13,33 +12,31 @@
 
 use anyhow::{Result, ensure};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
-use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState};
+use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, SiteSpec};
 
 use crate::engine::Site;
-use crate::snapshot::SiteGeometry;
 
 /// A PLE layer driven by the engine.
 pub struct PleSite {
     layer: PleLayer,
-    kernel: usize,
-    dilation: usize,
 }
 
 impl PleSite {
     /// Wrap `layer`, built with conv kernel size `kernel` and dilation
-    /// `dilation`. Refused when they do not give the layer's state length.
+    /// `dilation`. Refused when they are not the layer spec's (a caller
+    /// that describes the site twice must describe it the same way).
     pub fn new(layer: PleLayer, kernel: usize, dilation: usize) -> Result<Self> {
+        let spec = layer.spec();
         ensure!(
-            kernel >= 1 && (kernel - 1) * dilation == layer.state_len(),
-            "PLE site: kernel {kernel} and dilation {dilation} give {} state rows, the layer has {}",
+            kernel == spec.kernel && dilation == spec.dilation,
+            "PLE site: kernel {kernel} and dilation {dilation} give {} state rows, the layer has \
+             {} (kernel {}, dilation {})",
             kernel.saturating_sub(1) * dilation,
-            layer.state_len()
+            layer.state_len(),
+            spec.kernel,
+            spec.dilation
         );
-        Ok(PleSite {
-            layer,
-            kernel,
-            dilation,
-        })
+        Ok(PleSite { layer })
     }
 
     /// The wrapped layer.
@@ -52,7 +49,7 @@ impl Site for PleSite {
     type State = PleSeqState;
 
     fn prefetch(&self, history: &[u32], tokens: &[u32]) -> Result<()> {
-        self.layer.prefetch(history, tokens)
+        Ok(self.layer.prefetch(history, tokens)?)
     }
 
     fn supports_graphs(&self) -> bool {
@@ -67,7 +64,9 @@ impl Site for PleSite {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> Result<()> {
-        self.layer.prestage_batch(states, tokens, rows, gpu, stream)
+        Ok(self
+            .layer
+            .prestage_batch(states, tokens, rows, gpu, stream)?)
     }
 
     fn forward_prestaged(
@@ -80,8 +79,9 @@ impl Site for PleSite {
     ) -> Result<()> {
         let capturing = gpu.stream_is_capturing(stream)?;
         let ctx = ForwardContext::new(gpu).capturing(capturing);
-        self.layer
-            .forward_batch(states, highway, rows, &ctx, stream)
+        Ok(self
+            .layer
+            .forward_batch(states, highway, rows, &ctx, stream)?)
     }
 
     fn note_replayed(
@@ -90,24 +90,15 @@ impl Site for PleSite {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> Result<()> {
-        self.layer.note_replayed(states, gpu, stream)
+        Ok(self.layer.note_replayed(states, gpu, stream)?)
     }
 
     fn rearm(&self, st: &mut PleSeqState) {
         self.layer.rearm(st);
     }
 
-    fn geometry(&self) -> SiteGeometry {
-        let l = &self.layer;
-        SiteGeometry {
-            dims: l.dims().clone(),
-            head_dim: l.head_dim(),
-            hidden: l.hidden(),
-            hc_mult: l.hc_mult(),
-            kernel: self.kernel,
-            dilation: self.dilation,
-            state_len: l.state_len(),
-        }
+    fn geometry(&self) -> SiteSpec {
+        self.layer.spec().clone()
     }
 
     fn max_tokens(&self) -> usize {
@@ -119,7 +110,7 @@ impl Site for PleSite {
     }
 
     fn new_state(&self, gpu: &dyn GpuBackend) -> Result<PleSeqState> {
-        self.layer.new_seq_state(gpu)
+        Ok(self.layer.new_seq_state(gpu)?)
     }
 
     fn forward(
@@ -132,8 +123,9 @@ impl Site for PleSite {
         stream: StreamId,
     ) -> Result<()> {
         let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
-        self.layer
-            .forward(st, highway, tokens.len(), fresh, &ctx, stream)
+        Ok(self
+            .layer
+            .forward(st, highway, tokens.len(), fresh, &ctx, stream)?)
     }
 
     fn forward_batch(
@@ -151,8 +143,9 @@ impl Site for PleSite {
             states.len()
         );
         let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
-        self.layer
-            .forward_batch(states, highway, states.len(), &ctx, stream)
+        Ok(self
+            .layer
+            .forward_batch(states, highway, states.len(), &ctx, stream)?)
     }
 
     fn snapshot(
@@ -179,6 +172,6 @@ impl Site for PleSite {
     }
 
     fn free(&mut self, gpu: &dyn GpuBackend) -> Result<()> {
-        self.layer.free(gpu)
+        Ok(self.layer.free(gpu)?)
     }
 }

@@ -1,8 +1,9 @@
 //! The snapshot container: a sequence's carry at one token count, for every
 //! PLE site of a model, in a self-describing, checksummed byte string.
 //!
-//! The per-site payload is the layer's aux blob unchanged (`hist_len` u32,
-//! the history u32s, the conv state's f32 bytes, little-endian). Around the
+//! The per-site payload is the layer's aux blob unchanged (docs/SPEC.md,
+//! "Aux blob format"; sized and checked by
+//! [`metrale_model_layers::layers::ple::carry_blob`]). Around the
 //! blobs the container adds what is needed to refuse a snapshot that does not
 //! fit: a magic number, a format version, a [`GeometryFingerprint`] of every
 //! site's geometry and hash constants, the token count, and a CRC32.
@@ -34,7 +35,9 @@
 //!   checksum differently; a newer snapshot is refused as such, not as
 //!   corrupted.
 
-use metrale_model_layers::layers::ple::ids::PleIdDims;
+use metrale_model_layers::layers::ple::carry_blob::{self, AuxBlobError};
+use metrale_model_layers::layers::ple::ids::splitmix64;
+use metrale_model_layers::layers::ple::spec::SiteSpec;
 use thiserror::Error;
 
 /// The magic number at offset 0.
@@ -46,65 +49,6 @@ const HEADER_LEN: usize = 48;
 /// Bytes of the trailing CRC.
 const CRC_LEN: usize = 4;
 
-/// Everything about one PLE site that decides whether its aux blob means the
-/// same thing in another engine: the id-hash constants and the carry shape.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SiteGeometry {
-    /// The hash geometry and constants.
-    pub dims: PleIdDims,
-    /// Values per table row.
-    pub head_dim: usize,
-    /// H: the width of one highway stream.
-    pub hidden: usize,
-    /// hc: the number of highway streams.
-    pub hc_mult: usize,
-    /// The conv kernel size.
-    pub kernel: usize,
-    /// The conv dilation.
-    pub dilation: usize,
-    /// Rows of conv state carried: `(kernel - 1) * dilation`.
-    pub state_len: usize,
-}
-
-impl SiteGeometry {
-    /// Bytes of the conv state: `state_len * hc * hidden` f32 values.
-    pub fn conv_bytes(&self) -> usize {
-        self.state_len * self.hc_mult * self.hidden * 4
-    }
-
-    /// Bytes of a well-formed aux blob of a sequence that has run: the
-    /// history holds exactly `context_len` tokens.
-    pub fn aux_blob_len(&self) -> usize {
-        4 + self.dims.context_len() * 4 + self.conv_bytes()
-    }
-
-    /// A canonical byte encoding: every field, fixed width, vectors with
-    /// their lengths, so that two different geometries never encode alike.
-    fn encode_canonical(&self, out: &mut Vec<u8>) {
-        let d = &self.dims;
-        for v in [d.ngram_size, d.heads_per_ngram] {
-            out.extend_from_slice(&(v as u64).to_le_bytes());
-        }
-        for list in [&d.multipliers, &d.head_vocab_sizes, &d.head_offsets] {
-            out.extend_from_slice(&(list.len() as u64).to_le_bytes());
-            for v in list.iter() {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-        }
-        out.extend_from_slice(&d.eos_token_id.to_le_bytes());
-        for v in [
-            self.head_dim,
-            self.hidden,
-            self.hc_mult,
-            self.kernel,
-            self.dilation,
-            self.state_len,
-        ] {
-            out.extend_from_slice(&(v as u64).to_le_bytes());
-        }
-    }
-}
-
 /// A 64-bit digest of the geometry and hash constants of every site of an
 /// engine, in site order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -114,7 +58,7 @@ impl GeometryFingerprint {
     /// The fingerprint of `sites`: FNV-1a over a domain tag, the site count
     /// and each site's canonical encoding, finished with a splitmix64 round
     /// so that nearby inputs spread over all 64 bits.
-    pub fn of(sites: &[SiteGeometry]) -> Self {
+    pub fn of(sites: &[SiteSpec]) -> Self {
         let mut buf = Vec::with_capacity(64 + sites.len() * 256);
         buf.extend_from_slice(b"metrale-ple geometry v1\0");
         buf.extend_from_slice(&(sites.len() as u64).to_le_bytes());
@@ -134,13 +78,6 @@ impl std::fmt::Display for GeometryFingerprint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:016x}", self.0)
     }
-}
-
-fn splitmix64(mut v: u64) -> u64 {
-    v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    v = (v ^ (v >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    v = (v ^ (v >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    v ^ (v >> 31)
 }
 
 /// Why a snapshot was refused.
@@ -398,7 +335,7 @@ impl Snapshot {
 
     /// Check that this snapshot fits an engine whose sites are `sites`: the
     /// fingerprint, the blob count, every blob's size and history length.
-    pub fn validate_for(&self, sites: &[SiteGeometry]) -> Result<(), SnapshotError> {
+    pub fn validate_for(&self, sites: &[SiteSpec]) -> Result<(), SnapshotError> {
         let expected = GeometryFingerprint::of(sites);
         if self.fingerprint != expected {
             return Err(SnapshotError::GeometryMismatch {
@@ -413,6 +350,8 @@ impl Snapshot {
             });
         }
         for (site, (blob, g)) in self.blobs.iter().zip(sites).enumerate() {
+            // The size first: a blob of the wrong size is refused as such
+            // whatever its header says.
             if blob.len() != g.aux_blob_len() {
                 return Err(SnapshotError::BlobSize {
                     site,
@@ -420,20 +359,29 @@ impl Snapshot {
                     found: blob.len(),
                 });
             }
-            let hist = read_u32(blob, 0) as usize;
-            if hist != g.dims.context_len() {
-                return Err(SnapshotError::BlobHistory {
-                    site,
-                    expected: g.dims.context_len(),
-                    found: hist,
-                });
+            match carry_blob::decode(blob, g) {
+                Ok(_) => {}
+                Err(AuxBlobError::HistoryLen { expected, found }) => {
+                    return Err(SnapshotError::BlobHistory {
+                        site,
+                        expected,
+                        found,
+                    });
+                }
+                Err(_) => {
+                    return Err(SnapshotError::BlobSize {
+                        site,
+                        expected: g.aux_blob_len(),
+                        found: blob.len(),
+                    });
+                }
             }
         }
         Ok(())
     }
 
     /// [`Self::decode`] then [`Self::validate_for`].
-    pub fn decode_for(bytes: &[u8], sites: &[SiteGeometry]) -> Result<Snapshot, SnapshotError> {
+    pub fn decode_for(bytes: &[u8], sites: &[SiteSpec]) -> Result<Snapshot, SnapshotError> {
         let s = Self::decode(bytes)?;
         s.validate_for(sites)?;
         Ok(s)
@@ -443,6 +391,9 @@ impl Snapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use metrale_model_layers::layers::ple::HashFamily;
+    use metrale_model_layers::layers::ple::ids::PleIdDims;
 
     fn dims() -> PleIdDims {
         PleIdDims {
@@ -455,25 +406,27 @@ mod tests {
         }
     }
 
-    fn geom() -> SiteGeometry {
-        SiteGeometry {
+    fn geom() -> SiteSpec {
+        SiteSpec {
+            family: HashFamily::Qwen4Exp,
+            layer: 1,
             dims: dims(),
             head_dim: 8,
             hidden: 4,
             hc_mult: 2,
             kernel: 4,
             dilation: 3,
-            state_len: 9,
+            rms_eps: 1e-6,
         }
     }
 
-    fn blob(g: &SiteGeometry, fill: u8) -> Vec<u8> {
+    fn blob(g: &SiteSpec, fill: u8) -> Vec<u8> {
         let mut b = (g.dims.context_len() as u32).to_le_bytes().to_vec();
         b.resize(g.aux_blob_len(), fill);
         b
     }
 
-    fn snap(sites: &[SiteGeometry]) -> Snapshot {
+    fn snap(sites: &[SiteSpec]) -> Snapshot {
         Snapshot {
             fingerprint: GeometryFingerprint::of(sites),
             token_count: 42,
@@ -530,6 +483,22 @@ mod tests {
         }
         assert_ne!(GeometryFingerprint::of(&[geom(), geom()]), base);
         assert_eq!(GeometryFingerprint::of(&[geom()]), base);
+        // The layer index and the eps do not change what a blob means.
+        let mut g = geom();
+        g.layer = 7;
+        g.rms_eps = 1e-5;
+        assert_eq!(GeometryFingerprint::of(&[g]), base);
+    }
+
+    /// The fingerprint of `geom()` as the first release of the format
+    /// computed it.
+    const FINGERPRINT_OF_GEOM: u64 = 0x53a8_ce51_f155_857a;
+
+    /// The fingerprint is part of every stored snapshot: its value for a
+    /// fixed geometry must never change.
+    #[test]
+    fn fingerprint_is_stable() {
+        assert_eq!(GeometryFingerprint::of(&[geom()]).0, FINGERPRINT_OF_GEOM);
     }
 
     #[test]

@@ -9,7 +9,11 @@ use std::sync::Arc;
 use layer_common::{Rng, Small, TestTable, bits, download, highway, tokens, upload, write};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState};
+use metrale_model_layers::layers::ple::carry_blob::{self, AuxBlobError};
+use metrale_model_layers::layers::ple::ids::IdError;
+use metrale_model_layers::layers::ple::{
+    ForwardContext, LayerError, PleLayer, PleSeqState, SpecError,
+};
 
 struct Fx {
     gpu: CpuBackend,
@@ -56,7 +60,7 @@ impl Fx {
     }
 }
 
-fn err_text<T>(r: anyhow::Result<T>) -> String {
+fn err_text<T, E: std::fmt::Display>(r: Result<T, E>) -> String {
     match r {
         Ok(_) => panic!("expected an error"),
         Err(e) => format!("{e:#}"),
@@ -102,6 +106,72 @@ fn restore_of_a_wrong_size_blob_fails_and_changes_nothing() {
     fx.finish(layer, vec![st]);
 }
 
+/// The codec and the seed's `snapshot_aux` / `restore_aux` read and write
+/// the same bytes, both ways.
+#[test]
+fn codec_matches_the_seed_blob_both_ways() {
+    let fx = Fx::new(11);
+    let g = fx.g();
+    let layer = fx.layer(8);
+    let spec = layer.spec().clone();
+    let c = fx.small.channels();
+    let mut r = Rng(5);
+    let mut st = layer.new_seq_state(g).unwrap();
+    let toks = tokens(&mut r, 5, 40);
+    let hw = upload(g, &highway(&mut r, 5, c), "hw");
+    layer
+        .forward(
+            &mut st,
+            hw,
+            5,
+            true,
+            &ForwardContext::new(g).with_host_ids(&toks),
+            0,
+        )
+        .unwrap();
+    // Seed to codec.
+    let seed_blob = layer.snapshot_aux(&st, g, 0).unwrap();
+    assert_eq!(
+        seed_blob.len(),
+        carry_blob::blob_len(spec.context_len(), spec.conv_bytes())
+    );
+    let view = carry_blob::decode(&seed_blob, &spec).unwrap();
+    assert_eq!(view.history_tokens(), st.history());
+    assert_eq!(view.conv.len(), spec.conv_bytes());
+    assert_eq!(carry_blob::encode(st.history(), view.conv), seed_blob);
+
+    // Codec to seed: a carry with another history and conv state.
+    let history: Vec<u32> = vec![7, 9];
+    assert_eq!(history.len(), spec.context_len());
+    let conv: Vec<u8> = (0..spec.conv_bytes() / 4)
+        .flat_map(|i| (i as f32 * 0.25 - 3.0).to_le_bytes())
+        .collect();
+    let blob = carry_blob::encode(&history, &conv);
+    let mut other = layer.new_seq_state(g).unwrap();
+    layer.restore_aux(&mut other, &blob, g, 0).unwrap();
+    assert_eq!(other.history(), &history[..]);
+    assert_eq!(layer.snapshot_aux(&other, g, 0).unwrap(), blob);
+
+    // What the codec refuses, by variant.
+    assert!(matches!(
+        carry_blob::decode(&seed_blob[..2], &spec),
+        Err(AuxBlobError::Truncated { .. })
+    ));
+    assert!(matches!(
+        carry_blob::decode(&carry_blob::encode(&[1], &conv), &spec),
+        Err(AuxBlobError::HistoryLen {
+            expected: 2,
+            found: 1
+        })
+    ));
+    assert!(matches!(
+        carry_blob::decode(&seed_blob[..seed_blob.len() - 4], &spec),
+        Err(AuxBlobError::ConvSize { .. })
+    ));
+    g.free(hw).unwrap();
+    fx.finish(layer, vec![st, other]);
+}
+
 #[test]
 fn release_twice_is_fine_and_a_released_state_is_refused() {
     let fx = Fx::new(2);
@@ -131,23 +201,36 @@ fn constructor_validates_every_shape_and_leaks_nothing() {
     let g = fx.g();
     let s = &fx.small;
     let table = || Arc::clone(&fx.table) as Arc<dyn metrale_storage::table::RowTable>;
-    let mk = |f: &dyn Fn(&mut Small)| {
+    let mk_err = |f: &dyn Fn(&mut Small)| {
         let mut s2 = Small::new(3);
         f(&mut s2);
-        err_text(PleLayer::new(
-            s2.dims.clone(),
-            s2.head_dim,
-            s2.hidden,
-            s2.hc,
-            s2.k,
-            s2.dil,
-            1e-6,
-            s2.weights.clone(),
-            table(),
-            8,
-            g,
-        ))
+        let e = PleLayer::new(&s2.spec(), s2.weights.clone(), table(), 8, g).unwrap_err();
+        (format!("{e:#}"), e)
     };
+    let mk = |f: &dyn Fn(&mut Small)| mk_err(f).0;
+    assert!(matches!(
+        mk_err(&|s| s.weights.value_proj.push(0)).1,
+        LayerError::WeightShape {
+            tensor: "value_proj",
+            ..
+        }
+    ));
+    assert!(matches!(
+        mk_err(&|s| s.weights.norm_key[4] = f32::NAN).1,
+        LayerError::NonFinite {
+            tensor: "norm_key",
+            index: 4,
+            ..
+        }
+    ));
+    assert!(matches!(
+        mk_err(&|s| s.dims.head_vocab_sizes[3] += 100).1,
+        LayerError::Ids(IdError::TableRows { .. })
+    ));
+    assert!(matches!(
+        mk_err(&|s| s.k = 1).1,
+        LayerError::Spec(SpecError::Site { .. })
+    ));
     assert!(mk(&|s| s.weights.key_proj.pop().map(|_| ()).unwrap()).contains("key_proj"));
     assert!(mk(&|s| s.weights.value_proj.push(0)).contains("value_proj"));
     assert!(mk(&|s| s.weights.norm_conv.truncate(3)).contains("norm_conv"));
@@ -161,20 +244,9 @@ fn constructor_validates_every_shape_and_leaks_nothing() {
     assert!(mk(&|s| s.dims.multipliers[1] &= !1).contains("even"));
     assert!(mk(&|s| s.dims.head_offsets[2] += 1).contains("head_offsets[2]"));
     assert!(mk(&|s| s.dims.head_vocab_sizes[3] += 100).contains("table has"));
-    let e = err_text(PleLayer::new(
-        s.dims.clone(),
-        s.head_dim,
-        s.hidden,
-        s.hc,
-        s.k,
-        s.dil,
-        1e-6,
-        s.weights.clone(),
-        table(),
-        0,
-        g,
-    ));
-    assert!(e.contains("max_tokens"), "{e}");
+    let e = PleLayer::new(&s.spec(), s.weights.clone(), table(), 0, g).unwrap_err();
+    assert!(matches!(e, LayerError::NoTokens), "{e}");
+    assert!(e.to_string().contains("max_tokens"), "{e}");
     let layer = fx.layer(8);
     fx.finish(layer, vec![]);
 }

@@ -11,7 +11,7 @@ use layer_common::{TestTable, download, upload};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ids::PleIdDims;
-use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleWeights};
+use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleWeights, SiteSpec};
 use serde_json::Value;
 
 fn dir() -> PathBuf {
@@ -111,20 +111,16 @@ fn layer_matches_the_numpy_reference_across_chunks() {
     };
     let table = TestTable::new(g, &read_u16(&meta, "table"), head_dim, 7).unwrap();
     // max_tokens 4 makes the longer chunks split inside the layer as well.
-    let mut layer = PleLayer::new(
+    let mut spec = SiteSpec::new(
         dims,
         head_dim,
         hidden,
         hc,
         usize_of(&meta, "conv_kernel"),
         usize_of(&meta, "dilation"),
-        meta["eps"].as_f64().unwrap() as f32,
-        weights,
-        Arc::clone(&table) as _,
-        4,
-        g,
-    )
-    .unwrap();
+    );
+    spec.rms_eps = meta["eps"].as_f64().unwrap() as f32;
+    let mut layer = PleLayer::new(&spec, weights, Arc::clone(&table) as _, 4, g).unwrap();
     let tokens: Vec<u32> = u64s(&meta, "tokens")
         .into_iter()
         .map(|t| t as u32)

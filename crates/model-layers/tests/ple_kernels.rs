@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, LaunchConfig};
+use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
 use metrale_model_layers::layers::ple::kernels::conv::{ConvDims, conv};
 use metrale_model_layers::layers::ple::kernels::gate::{GateDims, GateInputs, gate};
 use metrale_model_layers::layers::ple::kernels::gather::{GatherDType, RowSrc, gather_rows};
@@ -39,11 +40,9 @@ fn lin() -> LaunchConfig {
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        let z = splitmix64(self.0);
+        self.0 = self.0.wrapping_add(SPLITMIX64_GAMMA);
+        z
     }
     fn f(&mut self, a: f32) -> f32 {
         ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a

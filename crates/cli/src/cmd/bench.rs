@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, ensure};
 use clap::Args;
 use metrale_checkpoint::Preset;
+use metrale_checkpoint::names::SiteNames;
 use metrale_engine::engine::{EngineConfig, SwapTarget};
 use metrale_engine::testing::{TinySpec, TinyTable, tiny_engine};
 use metrale_gpu_runtime::cpu::CpuBackend;
@@ -52,7 +53,9 @@ use metrale_model_layers::layers::ple::ids::{
     PleHashParams, PleIdHasher, ple_ngram_ids_into_plain, splitmix64,
 };
 use metrale_model_layers::layers::ple::kernels::math::bf16_to_f32;
-use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, PleWeights};
+use metrale_model_layers::layers::ple::{
+    ForwardContext, PleLayer, PleSeqState, PleWeights, SiteSpec,
+};
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::io::{AlignedBuf, PAGE, ReadReq, ShardFile, default_reader, pread_full};
 use metrale_storage::layout::TableFiles;
@@ -506,7 +509,7 @@ fn print_rows(rows: &[Row], json: bool) -> Result<()> {
 
 fn bench_ids(s: &Sizes, _dir: &Path) -> Result<Vec<Row>> {
     // The flagship geometry's first site (SPEC.md section 2).
-    let dims = Preset::Flagship.geometry().hash_params(0).derive()?.dims;
+    let dims = Preset::Flagship.spec().derive(0)?.dims;
     let hasher = PleIdHasher::new(&dims)?;
     let heads = dims.ngram_heads();
     // Random tokens with an EOS about every 500, as in packed text.
@@ -607,7 +610,7 @@ fn write_table(dir: &Path, s: &Sizes) -> Result<TableFiles> {
     let mut chunk = vec![0u8; 1 << 20];
     for i in 0..s.shards {
         let p = dir.join(format!("bench-{i}.safetensors"));
-        let name = format!("model.layers.1.ple.ngram_embedding.shard_{i}.weight");
+        let name = SiteNames::new(1).shard_weight(i);
         let spec = TensorSpec::new(
             &name,
             Dtype::BF16,
@@ -970,13 +973,7 @@ fn bench_layer(s: &Sizes, _dir: &Path) -> Result<Vec<Row>> {
     drop(table_bits);
     let max_tokens = s.prefill_tokens.max(s.decode_batch);
     let mut layer = PleLayer::new(
-        derived.dims,
-        g.head_dim,
-        g.hidden,
-        g.hc,
-        KERNEL,
-        DILATION,
-        1e-6,
+        &SiteSpec::new(derived.dims, g.head_dim, g.hidden, g.hc, KERNEL, DILATION),
         weights.clone(),
         table,
         max_tokens,
@@ -1012,7 +1009,7 @@ fn bench_layer(s: &Sizes, _dir: &Path) -> Result<Vec<Row>> {
     for st in &mut states {
         freed = freed.and(layer.release_seq_state(st, gpu.as_ref()));
     }
-    freed = freed.and(layer.free(gpu.as_ref()));
+    freed = freed.and(layer.free(gpu.as_ref()).map_err(Into::into));
     for p in bufs {
         freed = freed.and(gpu.free(p));
     }

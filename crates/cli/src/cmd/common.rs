@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
 
 use super::{CmdError, input};
 
@@ -27,12 +28,12 @@ pub fn cache_root() -> Result<PathBuf, CmdError> {
 
 /// splitmix64: the one small deterministic generator behind the synthetic
 /// workloads and fault schedules, the same on every platform.
+/// It steps the state by the splitmix64 increment and returns the
+/// production [`splitmix64`] of the previous state.
 pub fn splitmix(v: &mut u64) -> u64 {
-    *v = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *v;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    let z = splitmix64(*v);
+    *v = v.wrapping_add(SPLITMIX64_GAMMA);
+    z
 }
 
 /// `1.50 GiB`-style sizes.

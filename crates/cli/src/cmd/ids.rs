@@ -13,7 +13,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, anyhow};
 use clap::Args;
-use metrale_model_layers::layers::ple::config::PleModelConfig;
+use metrale_model_layers::layers::ple::ModelSpec;
 use metrale_model_layers::layers::ple::ids::{
     DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, PleHashParams, PleIdHasher,
 };
@@ -21,7 +21,7 @@ use serde_json::json;
 
 use metrale_ple_cli::parse::{check_vocab, parse_tokens};
 
-use super::{CmdError, input};
+use super::{CmdError, failure, input};
 
 /// Flags of `metrale-ple ids`.
 #[derive(Args, Debug)]
@@ -71,8 +71,8 @@ pub struct IdsArgs {
 
 fn params(args: &IdsArgs) -> anyhow::Result<PleHashParams> {
     if let Some(path) = &args.config {
-        let cfg = PleModelConfig::from_file(path)?;
-        return cfg
+        let spec = ModelSpec::from_file(path)?;
+        return spec
             .hash_params(args.site)
             .with_context(|| format!("{}", path.display()));
     }
@@ -117,12 +117,12 @@ pub fn run(args: &IdsArgs) -> Result<(), CmdError> {
         }
     };
 
-    let hasher = PleIdHasher::new(dims).map_err(CmdError::Failure)?;
+    let hasher = PleIdHasher::new(dims).map_err(failure)?;
     let heads = dims.ngram_heads();
     let mut ids = vec![0u64; tokens.len() * heads];
     hasher
         .ids_with_history_into(&history, &tokens, &mut ids)
-        .map_err(CmdError::Failure)?;
+        .map_err(failure)?;
     dims.advance_history(&mut history, &tokens);
 
     let rows: Vec<&[u64]> = ids.chunks_exact(heads).collect();

@@ -109,7 +109,7 @@ pub fn run(a: InitArgs) -> Result<(), CmdError> {
 pub fn write_with_progress(
     dir: &std::path::Path,
     opts: &InitOptions,
-) -> Result<metrale_checkpoint::Geometry, CmdError> {
+) -> Result<metrale_model_layers::layers::ple::ModelSpec, CmdError> {
     use metrale_checkpoint::CheckpointError;
     let total = planned_bytes(opts).map_err(input)?;
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {

@@ -1,15 +1,16 @@
-//! `metrale-ple inspect`: a checkpoint's geometry, sizes, shard layout and
+//! `metrale-ple inspect`: a checkpoint's model spec, sizes, shard layout and
 //! validation result.
 //!
-//! The geometry is printed from `config.json` alone first, so a checkpoint
+//! The spec is printed from `config.json` alone first, so a checkpoint
 //! that fails validation still shows what it claims to be; the validation
 //! line then gives the loader's verdict (exit status 2 when refused).
 
 use std::path::PathBuf;
 
 use clap::Args;
-use metrale_checkpoint::load::read_geometry;
-use metrale_checkpoint::{Checkpoint, Geometry};
+use metrale_checkpoint::Checkpoint;
+use metrale_checkpoint::load::read_spec;
+use metrale_model_layers::layers::ple::ModelSpec;
 use metrale_storage::table::RowDType;
 
 use super::common::bytes;
@@ -23,7 +24,7 @@ pub struct InspectArgs {
     pub dir: PathBuf,
 }
 
-fn print_geometry(g: &Geometry) {
+fn print_spec(g: &ModelSpec) {
     println!("geometry");
     println!(
         "  vocab_size        {} (eos {})",
@@ -65,14 +66,14 @@ fn print_geometry(g: &Geometry) {
 /// Run `inspect`.
 pub fn run(a: InspectArgs) -> Result<(), CmdError> {
     println!("checkpoint          {}", a.dir.display());
-    let g = match read_geometry(&a.dir) {
+    let g = match read_spec(&a.dir) {
         Ok(g) => g,
         Err(e) => {
             println!("validation          REFUSED");
             return Err(input(e));
         }
     };
-    print_geometry(&g);
+    print_spec(&g);
     let ck = match Checkpoint::open(&a.dir) {
         Ok(c) => c,
         Err(e) => {
@@ -85,10 +86,10 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
     for s in &ck.sites {
         let t = &s.table;
         let row_bytes = t.head_dim as u64 * if t.dtype == RowDType::Bf16 { 2 } else { 1 };
-        gathered_per_token += row_bytes * s.dims.ngram_heads() as u64;
+        gathered_per_token += row_bytes * s.spec.dims.ngram_heads() as u64;
         println!("  site {} (model.layers.{}.ple)", s.index, s.layer);
-        println!("    multipliers     {:?}", s.dims.multipliers);
-        let sizes = &s.dims.head_vocab_sizes;
+        println!("    multipliers     {:?}", s.spec.dims.multipliers);
+        let sizes = &s.spec.dims.head_vocab_sizes;
         println!(
             "    head sizes      {} .. {} ({} heads)",
             sizes.first().copied().unwrap_or(0),
@@ -127,7 +128,7 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
             );
         }
     }
-    let heads: usize = ck.sites.iter().map(|s| s.dims.ngram_heads()).sum();
+    let heads: usize = ck.sites.iter().map(|s| s.spec.dims.ngram_heads()).sum();
     println!("sizes");
     println!(
         "  table bytes       {} ({} sites)",

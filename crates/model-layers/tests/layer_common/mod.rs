@@ -11,13 +11,10 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
-use metrale_model_layers::layers::ple::ids::PleIdDims;
-use metrale_model_layers::layers::ple::{PleLayer, PleWeights};
-use metrale_storage::StorageError;
-use metrale_storage::layout::check_row;
-use metrale_storage::table::{
-    Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len,
-};
+use metrale_model_layers::layers::ple::ids::{PleIdDims, SPLITMIX64_GAMMA, splitmix64};
+use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
+use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+use metrale_storage::{Result as StorageResult, StorageError};
 use parking_lot::Mutex;
 
 /// Deterministic pseudo-random numbers (splitmix64).
@@ -25,11 +22,9 @@ pub struct Rng(pub u64);
 
 impl Rng {
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
+        let z = splitmix64(self.0);
+        self.0 = self.0.wrapping_add(SPLITMIX64_GAMMA);
+        z
     }
     /// Uniform in [-1, 1).
     pub fn unit(&mut self) -> f32 {
@@ -163,8 +158,13 @@ impl RowTable for TestTable {
     fn max_resolve(&self) -> usize {
         self.max_resolve
     }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
-        check_out_len(ids, out)?;
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> StorageResult<Lease> {
+        if out.len() != ids.len() {
+            return Err(StorageError::OutputLength {
+                ids: ids.len(),
+                out: out.len(),
+            });
+        }
         let distinct: std::collections::HashSet<u64> = ids.iter().copied().collect();
         if distinct.len() > self.max_resolve {
             return Err(StorageError::BatchTooLarge {
@@ -173,7 +173,12 @@ impl RowTable for TestTable {
             });
         }
         for (i, &id) in ids.iter().enumerate() {
-            check_row(id, self.info.rows)?;
+            if id >= self.info.rows {
+                return Err(StorageError::RowOutOfRange {
+                    id,
+                    rows: self.info.rows,
+                });
+            }
             let scale = if self.scales.is_null() {
                 0
             } else {
@@ -197,7 +202,7 @@ impl RowTable for TestTable {
         lease: Lease,
         _gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
-    ) -> Result<(), StorageError> {
+    ) -> StorageResult<()> {
         let mut p = self.pins.lock();
         match after {
             Some(ev) => p.pending.push((ev, lease.pinned)),
@@ -210,7 +215,7 @@ impl RowTable for TestTable {
         }
         Ok(())
     }
-    fn prefetch(&self, _ids: &[u64]) -> Result<(), StorageError> {
+    fn prefetch(&self, _ids: &[u64]) -> StorageResult<()> {
         Ok(())
     }
     fn stats(&self) -> TableStats {
@@ -283,25 +288,30 @@ impl Small {
         self.hidden * self.hc
     }
 
-    pub fn layer(
-        &self,
-        gpu: &dyn GpuBackend,
-        table: Arc<dyn RowTable>,
-        max_tokens: usize,
-    ) -> Result<PleLayer> {
-        PleLayer::new(
+    pub fn spec(&self) -> SiteSpec {
+        SiteSpec::new(
             self.dims.clone(),
             self.head_dim,
             self.hidden,
             self.hc,
             self.k,
             self.dil,
-            1e-6,
+        )
+    }
+
+    pub fn layer(
+        &self,
+        gpu: &dyn GpuBackend,
+        table: Arc<dyn RowTable>,
+        max_tokens: usize,
+    ) -> Result<PleLayer> {
+        Ok(PleLayer::new(
+            &self.spec(),
             self.weights.clone(),
             table,
             max_tokens,
             gpu,
-        )
+        )?)
     }
 }
 

@@ -27,17 +27,22 @@
 //!   [`MAX_NGRAM_SIZE`]), so the hot path never allocates.
 
 mod derive;
+mod error;
 mod fastmod;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
-use anyhow::{Result, bail, ensure};
+use error::{id_bail, id_ensure};
+
+/// The result of an id-hash operation.
+type Result<T, E = IdError> = std::result::Result<T, E>;
 
 pub use derive::{
     DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, MAX_NGRAM_SIZE, MAX_PRIMES_SEARCHED,
     PleHashParams, SITE_SEED_STRIDE, SPLITMIX64_GAMMA, check_stored_buffers, derive_multipliers,
     is_prime, primes_from, splitmix64,
 };
+pub use error::IdError;
 pub use fastmod::FastMod;
 
 /// The hash geometry and constants of one PLE site.
@@ -83,23 +88,26 @@ impl PleIdDims {
     /// running sums of the sizes from 0, and the last id within `u64`.
     pub fn validate(&self) -> Result<()> {
         let n = self.ngram_size;
-        ensure!(
+        id_ensure!(
             (2..=MAX_NGRAM_SIZE).contains(&n),
+            Dims,
             "PleIdDims: ngram_size must be in 2..={MAX_NGRAM_SIZE}, got {n}"
         );
-        ensure!(
+        id_ensure!(
             self.heads_per_ngram >= 1,
+            Dims,
             "PleIdDims: heads_per_ngram must be at least 1, got 0"
         );
         let heads = (n - 1).checked_mul(self.heads_per_ngram).ok_or_else(|| {
-            anyhow::anyhow!(
+            IdError::Dims(format!(
                 "PleIdDims: ngram_heads = {} * {} overflows",
                 n - 1,
                 self.heads_per_ngram
-            )
+            ))
         })?;
-        ensure!(
+        id_ensure!(
             self.multipliers.len() == n,
+            Dims,
             "PleIdDims: {} multipliers given, ngram_size {n} needs {n}",
             self.multipliers.len()
         );
@@ -109,15 +117,20 @@ impl PleIdDims {
             .enumerate()
             .find(|(_, m)| *m % 2 == 0)
         {
-            bail!("PleIdDims: multipliers[{i}] = {m} is even; every multiplier must be odd");
+            id_bail!(
+                Dims,
+                "PleIdDims: multipliers[{i}] = {m} is even; every multiplier must be odd"
+            );
         }
-        ensure!(
+        id_ensure!(
             self.head_vocab_sizes.len() == heads,
+            Dims,
             "PleIdDims: {} head_vocab_sizes given, ngram_heads is {heads}",
             self.head_vocab_sizes.len()
         );
-        ensure!(
+        id_ensure!(
             self.head_offsets.len() == heads,
+            Dims,
             "PleIdDims: {} head_offsets given, ngram_heads is {heads}",
             self.head_offsets.len()
         );
@@ -128,15 +141,16 @@ impl PleIdDims {
             .zip(&self.head_offsets)
             .enumerate()
         {
-            ensure!(size != 0, "PleIdDims: head_vocab_sizes[{h}] is 0");
-            ensure!(
+            id_ensure!(size != 0, Dims, "PleIdDims: head_vocab_sizes[{h}] is 0");
+            id_ensure!(
                 off == running,
+                Dims,
                 "PleIdDims: head_offsets[{h}] = {off}, but the sizes of heads 0..{h} sum to {running}"
             );
             running = running.checked_add(size).ok_or_else(|| {
-                anyhow::anyhow!(
+                IdError::Dims(format!(
                     "PleIdDims: head {h} ends past 2^64 - 1 (offset {off} + size {size})"
-                )
+                ))
             })?;
         }
         Ok(())
@@ -145,11 +159,12 @@ impl PleIdDims {
     /// Check that every id fits in a table of `rows` rows.
     pub fn check_table_rows(&self, rows: u64) -> Result<()> {
         let need = self.table_rows();
-        ensure!(
-            need <= rows,
-            "PLE ids reach row {} but the table has only {rows} rows",
-            need.saturating_sub(1)
-        );
+        if need > rows {
+            return Err(IdError::TableRows {
+                last: need.saturating_sub(1),
+                rows,
+            });
+        }
         Ok(())
     }
 
@@ -396,8 +411,9 @@ fn hash_batch<'h, R: HeadRows>(
 
 fn check_out(what: &str, out_len: usize, tokens: usize, heads: usize) -> Result<()> {
     let want = tokens.checked_mul(heads);
-    ensure!(
+    id_ensure!(
         want == Some(out_len),
+        Shape,
         "{what}: output buffer has {out_len} entries, {tokens} tokens x {heads} heads need {}",
         tokens.saturating_mul(heads)
     );
@@ -585,8 +601,9 @@ impl PleIdHasher {
         tokens: &[u32],
         out: &mut [u64],
     ) -> Result<()> {
-        ensure!(
+        id_ensure!(
             histories.len() == tokens.len(),
+            Shape,
             "PleIdHasher::decode_batch_into: {} histories for {} tokens",
             histories.len(),
             tokens.len()
@@ -611,8 +628,9 @@ impl PleIdHasher {
         out: &mut [u64],
     ) -> Result<()> {
         let c = self.dims.context_len();
-        ensure!(
+        id_ensure!(
             Some(histories.len()) == tokens.len().checked_mul(c),
+            Shape,
             "PleIdHasher::decode_batch_flat_into: histories hold {} tokens, {} sequences x context_len {c} need {}",
             histories.len(),
             tokens.len(),

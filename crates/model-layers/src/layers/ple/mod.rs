@@ -1,22 +1,27 @@
-//! The PLE layer (SPEC.md sections 4 and 5).
+//! The PLE layer (docs/SPEC.md, "Layer math" and "Carry lifecycle").
 //!
+//! - [`spec`]: [`ModelSpec`] (the PLE part of config.json, parsed and
+//!   validated once) and [`SiteSpec`] (one site: hash constants, carry shape
+//!   and every size derived from them);
+//! - [`carry_blob`]: the aux blob format, its size, encoder and decoder;
 //! - [`ids`]: the n-gram id hash;
-//! - [`config`]: the PLE settings read from a checkpoint's config.json;
 //! - [`kernels`]: the kernels the layer launches (gather, project, gate,
 //!   conv, conv_batch) and their CPU implementations;
 //! - `layer`: [`PleLayer`], [`PleSeqState`], [`PleWeights`],
-//!   [`ForwardContext`]: the forward, the batched decode step and the row
-//!   staging;
+//!   [`ForwardContext`], [`LayerError`]: construction, the forward, the
+//!   batched decode step and the row staging;
 //! - `staging`: the device staging area for resolved row references and the
 //!   lease rules that keep table rows in place until the gather has run;
 //! - `aux_state`: the per-sequence carry (reset, prestage, snapshot, restore,
 //!   release).
 
 mod aux_state;
-pub mod config;
+pub mod carry_blob;
 pub mod ids;
 pub mod kernels;
 mod layer;
+pub mod spec;
 mod staging;
 
-pub use layer::{ForwardContext, MAX_HC_MULT, PleLayer, PleSeqState, PleWeights};
+pub use layer::{ForwardContext, LayerError, PleLayer, PleSeqState, PleWeights};
+pub use spec::{HashFamily, MAX_HC_MULT, ModelSpec, SiteSpec, SpecError};

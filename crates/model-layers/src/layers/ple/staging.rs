@@ -37,7 +37,11 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
-use anyhow::{Context, Result};
+use metrale_gpu_runtime::gpu::GpuError;
+
+use super::layer::{LayerError, layer_ensure, table_err};
+
+type Result<T, E = LayerError> = std::result::Result<T, E>;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::{Lease, RowRef, RowTable};
 
@@ -168,8 +172,9 @@ impl Staging {
         stream: StreamId,
     ) -> Result<(usize, DevicePtr)> {
         let cap = self.ring_tokens * self.heads;
-        anyhow::ensure!(
+        layer_ensure!(
             len > 0 && len <= cap,
+            Usage,
             "PLE prestage of {len} row refs does not fit the staging ring of {cap} refs"
         );
         let start = if self.cursor + len > cap {
@@ -217,23 +222,27 @@ impl Staging {
         let bs = self.batch_slot(0).addr();
         let slot_bytes = (self.heads * REF_BYTES) as u64;
         if va >= bs && va < bs + slot_bytes * self.max_batch as u64 {
-            anyhow::ensure!(
+            layer_ensure!(
                 (va - bs).is_multiple_of(slot_bytes),
+                Staging,
                 "prestaged address {va:#x} is not the start of a batch slot"
             );
             let slot = ((va - bs) / slot_bytes) as usize;
-            anyhow::ensure!(
+            layer_ensure!(
                 refs == self.heads,
+                Staging,
                 "a batch slot holds one token's rows, not {} tokens'",
                 refs / self.heads.max(1)
             );
-            anyhow::ensure!(
+            layer_ensure!(
                 slot < self.batch.owners.len() && self.batch.owners[slot] == owner,
+                Staging,
                 "batch slot {slot} (address {va:#x}) was prestaged again for another sequence \
                  since this sequence's prestage; prestage it again"
             );
-            anyhow::ensure!(
+            layer_ensure!(
                 self.batch.slots[slot] != SlotUse::Gathered,
+                Staging,
                 "batch slot {slot} (address {va:#x}) was already gathered by an eager forward; \
                  rearm only applies after a failed capture"
             );
@@ -243,26 +252,29 @@ impl Staging {
             .ring
             .iter()
             .position(|r| self.ring_addr(r.start).addr() == va)
-            .with_context(|| {
-                format!(
+            .ok_or_else(|| {
+                LayerError::Staging(format!(
                     "prestaged address {va:#x} is stale: it names no live staging region (the ring \
                      of {} tokens was reused since the prestage); prestage the token again",
                     self.ring_tokens
-                )
+                ))
             })?;
         let r = &self.ring[idx];
-        anyhow::ensure!(
+        layer_ensure!(
             r.len == refs,
+            Staging,
             "prestaged region at {va:#x} holds {} row refs, the forward needs {refs}",
             r.len
         );
-        anyhow::ensure!(
+        layer_ensure!(
             r.state != SlotUse::Gathered,
+            Staging,
             "prestaged region at {va:#x} was already gathered by an eager forward; \
              rearm only applies after a failed capture"
         );
-        anyhow::ensure!(
+        layer_ensure!(
             r.ids.len() >= expect.len() && r.ids[..expect.len()] == *expect,
+            Staging,
             "prestaged address {va:#x} is stale: its region was reused for another token's rows \
              (more than {} tokens were prestaged since); prestage the token again",
             self.ring_tokens
@@ -319,7 +331,7 @@ pub(super) fn release_at_tail(
     stream: StreamId,
     leases: Vec<Lease>,
 ) -> Result<()> {
-    let mut first_err: Option<anyhow::Error> = None;
+    let mut first_err: Option<LayerError> = None;
     let mut synced = false;
     for lease in leases {
         let r = if lease.pinned == 0 {
@@ -330,9 +342,13 @@ pub(super) fn release_at_tail(
                 Err(e) => {
                     if !synced {
                         if let Err(se) = gpu.synchronize(stream) {
-                            first_err.get_or_insert(anyhow::Error::new(se).context(format!(
-                                "synchronising stream {stream} to release PLE row leases after: {e:#}"
-                            )));
+                            first_err.get_or_insert(LayerError::Device {
+                                what: format!(
+                                    "synchronising stream {stream} to release PLE row leases \
+                                     after: {e}"
+                                ),
+                                error: Box::new(se),
+                            });
                         }
                         synced = true;
                     }
@@ -341,7 +357,7 @@ pub(super) fn release_at_tail(
             }
         };
         if let Err(e) = r {
-            first_err.get_or_insert(anyhow::Error::new(e).context("releasing a PLE row lease"));
+            first_err.get_or_insert(table_err("releasing a PLE row lease")(e));
         }
     }
     match first_err {
@@ -353,11 +369,11 @@ pub(super) fn release_at_tail(
 fn record_tail_event(
     gpu: &dyn GpuBackend,
     stream: StreamId,
-) -> Result<metrale_gpu_runtime::gpu::EventHandle> {
+) -> Result<metrale_gpu_runtime::gpu::EventHandle, GpuError> {
     let ev = gpu.create_event()?;
     if let Err(e) = gpu.record_event(ev, stream) {
         let _ = gpu.destroy_event(ev);
-        return Err(e.into());
+        return Err(e);
     }
     Ok(ev)
 }
@@ -395,11 +411,11 @@ pub(super) fn resolve_all(
                     let _ = table.release(l, gpu, None);
                 }
                 out.truncate(base);
-                return Err(anyhow::Error::new(e).context(format!(
+                return Err(table_err(format!(
                     "resolving PLE row ids {start}..{end} of {} (first id {})",
                     ids.len(),
                     ids[start]
-                )));
+                ))(e));
             }
         }
         start = end;

@@ -9,7 +9,8 @@
 //! sum. All arithmetic that the definition makes wrapping is wrapping;
 //! everything else is checked and overflow is an error, never a panic.
 
-use anyhow::{Result, bail, ensure};
+use super::error::{id_bail, id_ensure};
+use super::{IdError, Result};
 
 use super::PleIdDims;
 
@@ -48,7 +49,11 @@ pub fn derive_multipliers(
     seed: u64,
     site: usize,
 ) -> Result<Vec<u64>> {
-    ensure!(vocab_size >= 1, "vocab_size must be at least 1, got 0");
+    id_ensure!(
+        vocab_size >= 1,
+        Params,
+        "vocab_size must be at least 1, got 0"
+    );
     let max = (i64::MAX as u64) / vocab_size;
     let half = (max / 2).max(1);
     let base = seed.wrapping_add(SITE_SEED_STRIDE.wrapping_mul(site as u64));
@@ -117,12 +122,12 @@ pub fn primes_from(base: u64, skip: usize, count: usize) -> Result<Vec<u64>> {
         .checked_add(count)
         .filter(|&t| t <= MAX_PRIMES_SEARCHED)
         .ok_or_else(|| {
-            anyhow::anyhow!(
+            IdError::Params(format!(
                 "asked for primes {} to {} at or above {base}: more than {MAX_PRIMES_SEARCHED} \
                  (site index or head count too large)",
                 skip.saturating_add(1),
                 skip.saturating_add(count)
-            )
+            ))
         })?;
     let mut out = Vec::with_capacity(count);
     let mut found = 0usize;
@@ -137,7 +142,10 @@ pub fn primes_from(base: u64, skip: usize, count: usize) -> Result<Vec<u64>> {
         n = match n.checked_add(1) {
             Some(n) => n,
             None if found < total => {
-                bail!("fewer than {total} primes lie between {base} and 2^64 - 1")
+                id_bail!(
+                    Params,
+                    "fewer than {total} primes lie between {base} and 2^64 - 1"
+                )
             }
             None => break,
         };
@@ -180,33 +188,36 @@ pub struct DerivedPleIds {
 impl PleHashParams {
     /// Derive the site's constants; an error names the offending parameter.
     pub fn derive(&self) -> Result<DerivedPleIds> {
-        ensure!(
+        id_ensure!(
             (2..=MAX_NGRAM_SIZE).contains(&self.ngram_size),
+            Params,
             "ngram_size must be in 2..={MAX_NGRAM_SIZE}, got {}",
             self.ngram_size
         );
-        ensure!(
+        id_ensure!(
             self.heads_per_ngram >= 1,
+            Params,
             "heads_per_ngram must be at least 1, got 0"
         );
-        ensure!(
+        id_ensure!(
             self.divisible_by >= 1,
+            Params,
             "make_ngram_vocab_size_divisible_by must be at least 1, got 0"
         );
         let heads = (self.ngram_size - 1)
             .checked_mul(self.heads_per_ngram)
             .filter(|&h| h <= MAX_PRIMES_SEARCHED)
             .ok_or_else(|| {
-                anyhow::anyhow!(
+                IdError::Params(format!(
                     "ngram_heads = (ngram_size - 1) * heads_per_ngram = {} * {} is too large",
                     self.ngram_size - 1,
                     self.heads_per_ngram
-                )
+                ))
             })?;
         let skip = self
             .site
             .checked_mul(heads)
-            .ok_or_else(|| anyhow::anyhow!("site index {} is too large", self.site))?;
+            .ok_or_else(|| IdError::Params(format!("site index {} is too large", self.site)))?;
         let multipliers =
             derive_multipliers(self.vocab_size, self.ngram_size, self.seed, self.site)?;
         let head_vocab_sizes = primes_from(self.ngram_vocab_size_base, skip, heads)?;
@@ -216,16 +227,16 @@ impl PleHashParams {
             head_offsets.push(total);
             total = total
                 .checked_add(s)
-                .ok_or_else(|| anyhow::anyhow!("the head sizes sum past 2^64 - 1"))?;
+                .ok_or_else(|| IdError::Params("the head sizes sum past 2^64 - 1".into()))?;
         }
         let padded_rows = total
             .div_ceil(self.divisible_by)
             .checked_mul(self.divisible_by)
             .ok_or_else(|| {
-                anyhow::anyhow!(
+                IdError::Params(format!(
                     "{total} rows padded to a multiple of {} exceed 2^64 - 1",
                     self.divisible_by
-                )
+                ))
             })?;
         let dims = PleIdDims {
             ngram_size: self.ngram_size,
@@ -241,15 +252,17 @@ impl PleHashParams {
 }
 
 fn check_buffer(name: &str, stored: &[i64], expected: &[u64]) -> Result<()> {
-    ensure!(
+    id_ensure!(
         stored.len() == expected.len(),
+        StoredBuffer,
         "stored buffer `{name}` has {} entries, the derivation gives {}",
         stored.len(),
         expected.len()
     );
     for (i, (&s, &e)) in stored.iter().zip(expected).enumerate() {
         if u64::try_from(s).ok() != Some(e) {
-            bail!(
+            id_bail!(
+                StoredBuffer,
                 "stored buffer `{name}` differs from the derivation at index {i}: stored {s}, derived {e}"
             );
         }

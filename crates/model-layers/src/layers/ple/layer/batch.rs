@@ -1,0 +1,380 @@
+//! The batched decode step: `prestage_batch` (the host half: hash,
+//! resolve and stage every sequence's rows at fixed batch slots),
+//! `forward_batch` (one gather, projection, gate and `conv_batch` for the
+//! whole batch, capturable when prestaged), `note_replayed` (bookkeeping
+//! after a graph replay) and `free`.
+//!
+//! Invariant: batch slot `i` belongs to sequence `i` of the last
+//! `prestage_batch`; a step over any other arrangement is refused before
+//! anything is launched, and the slots' leases are released only with an
+//! event recorded after the gather that read them.
+
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_storage::table::RowRef;
+
+use super::error::{LayerError, layer_bail, layer_ensure, table_err};
+use super::{ConvTarget, DeviceBufs, ForwardContext, PleLayer, PleSeqState, Result};
+use crate::layers::ple::staging::{self, StagedAt, Staging};
+
+impl PleLayer {
+    /// The host half of one batched decode step: for sequence `i` (one new
+    /// token `tokens[i]` each), hash, resolve and stage its rows at fixed batch
+    /// slot `i`, put its conv-state address in slot `i` of the conv table, and
+    /// advance its history. Slots `B..rows` are padding (a zero row and a
+    /// layer-owned dummy conv state), so a graph captured for `rows` rows can
+    /// be replayed for any smaller batch. The previous batch's leases are
+    /// released once everything queued so far has run.
+    ///
+    /// On error nothing is staged and no history advances (a sequence whose
+    /// history had the wrong length may have been reset, as any forward would).
+    pub fn prestage_batch(
+        &self,
+        states: &mut [&mut PleSeqState],
+        tokens: &[u32],
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        self.check_live()?;
+        let b = states.len();
+        layer_ensure!(b > 0, Usage, "PLE prestage_batch with no sequences");
+        layer_ensure!(
+            tokens.len() == b,
+            Usage,
+            "PLE prestage_batch: {} tokens for {b} sequences",
+            tokens.len()
+        );
+        layer_ensure!(
+            rows >= b && rows <= self.max_batch(),
+            Usage,
+            "PLE prestage_batch: {rows} rows for {b} sequences (at most {} rows)",
+            self.max_batch()
+        );
+        layer_ensure!(
+            !gpu.stream_is_capturing(stream)?,
+            Capture,
+            "PLE prestage refused: stream {stream} is capturing (prestage before capture or replay)"
+        );
+        let mut seen = std::collections::HashSet::new();
+        for (i, st) in states.iter().enumerate() {
+            layer_ensure!(
+                !st.conv.is_null(),
+                Usage,
+                "PLE prestage_batch: sequence {i} was released"
+            );
+            layer_ensure!(
+                seen.insert(st.conv.addr()),
+                Usage,
+                "PLE prestage_batch: sequence {i} appears twice in the batch"
+            );
+        }
+        let ctxl = self.dims.context_len();
+        for st in states.iter_mut() {
+            if st.history.len() != ctxl {
+                self.reset(st, gpu, stream).map_err(LayerError::Reset)?;
+            }
+        }
+        let heads = self.dims.ngram_heads();
+        let mut ids = vec![0u64; b * heads];
+        let histories: Vec<&[u32]> = states.iter().map(|s| s.history.as_slice()).collect();
+        self.hasher
+            .decode_batch_into(&histories, tokens, &mut ids)?;
+        let new_hist: Vec<Vec<u32>> = states
+            .iter()
+            .zip(tokens)
+            .map(|(st, &tok)| {
+                let mut h = st.history.clone();
+                self.dims.advance_history(&mut h, &[tok]);
+                h
+            })
+            .collect();
+        let table = self.table.as_ref();
+        let mut stg = self.staging.lock();
+        stg.streams.insert(stream);
+        let old = std::mem::take(&mut stg.batch);
+        staging::release_at_tail(table, gpu, stream, old.leases)?;
+        while stg.pad_states.len() < rows - b {
+            let p = gpu.alloc(self.conv_state_bytes(), "ple.pad_conv_state")?;
+            stg.pad_states.push(p);
+            gpu.memset(p, 0, self.conv_state_bytes())?;
+        }
+        let mut refs = Vec::with_capacity(rows * heads);
+        let leases = staging::resolve_all(table, &ids, &mut refs, gpu)?;
+        let pad_scale = match self.dtype_code {
+            0 => 0,
+            _ => self
+                .bufs
+                .pad_row
+                .offset(self.table.info().row_bytes().div_ceil(4) * 4)
+                .addr(),
+        };
+        let pad = RowRef {
+            data: self.bufs.pad_row.addr(),
+            scale: pad_scale,
+        };
+        refs.resize(rows * heads, pad);
+        let mut table_bytes = Vec::with_capacity(rows * 8);
+        for st in states.iter() {
+            table_bytes.extend_from_slice(&st.conv.addr().to_le_bytes());
+        }
+        for p in &stg.pad_states[..rows - b] {
+            table_bytes.extend_from_slice(&p.addr().to_le_bytes());
+        }
+        let up = gpu
+            .copy_h2d_async(&staging::refs_bytes(&refs), stg.batch_slot(0), stream)
+            .and_then(|()| gpu.copy_h2d_async(&table_bytes, stg.conv_table(), stream));
+        if let Err(error) = up {
+            let _ = staging::release_at_tail(table, gpu, stream, leases);
+            return Err(LayerError::Device {
+                what: "uploading the PLE batch staging".into(),
+                error: Box::new(error),
+            });
+        }
+        stg.batch = staging::BatchArea {
+            owners: states.iter().map(|s| s.conv.addr()).collect(),
+            rows,
+            slots: vec![staging::SlotUse::Pending; b],
+            leases,
+        };
+        for (i, (st, h)) in states.iter_mut().zip(new_hist).enumerate() {
+            let va = stg.batch_slot(i).addr();
+            st.history = h;
+            st.prestaged_va = Some(va);
+            st.last_staged_va = va;
+        }
+        Ok(())
+    }
+
+    /// One decode step for `B = states.len()` sequences, one token each, over
+    /// the first `rows >= B` rows of `highway [rows, C]` (rows past `B` are
+    /// padding prestaged by [`Self::prestage_batch`]): one gather, one
+    /// projection, one gate and one `conv_batch`. Bit-identical to `B`
+    /// single-token forwards.
+    ///
+    /// With every sequence prestaged by one `prestage_batch` (sequence `i` at
+    /// slot `i`) and no override, the prestages are consumed; the step can
+    /// then be captured. Otherwise (not capturing) the tokens come from the
+    /// context, one per sequence, and the step stages them itself. The
+    /// prestages are taken in every case.
+    pub fn forward_batch(
+        &self,
+        states: &mut [&mut PleSeqState],
+        highway: DevicePtr,
+        rows: usize,
+        ctx: &ForwardContext<'_>,
+        stream: StreamId,
+    ) -> Result<()> {
+        self.check_live()?;
+        let gpu = ctx.gpu;
+        let b = states.len();
+        layer_ensure!(b > 0, Usage, "PLE forward_batch with no sequences");
+        layer_ensure!(
+            rows >= b && rows <= self.max_batch(),
+            Usage,
+            "PLE forward_batch: {rows} rows for {b} sequences (at most {} rows)",
+            self.max_batch()
+        );
+        layer_ensure!(
+            !highway.is_null(),
+            Usage,
+            "PLE forward_batch with a null highway"
+        );
+        let capturing = Self::check_capture(ctx, stream)?;
+        let staged: Vec<Option<u64>> = states.iter_mut().map(|s| s.prestaged_va.take()).collect();
+        if ctx.token_override.is_none() && staged.iter().any(Option::is_some) {
+            return self.run_batch_staged(gpu, states, &staged, highway, rows, capturing, stream);
+        }
+        if capturing {
+            Self::refuse_unstaged(ctx, stream)?;
+        }
+        let tokens = self.tokens_from(ctx, 0, b, capturing, stream)?;
+        self.prestage_batch(states, &tokens, rows, gpu, stream)?;
+        let staged: Vec<Option<u64>> = states.iter_mut().map(|s| s.prestaged_va.take()).collect();
+        self.run_batch_staged(gpu, states, &staged, highway, rows, false, stream)
+    }
+
+    /// Check that `staged[i]` is batch slot `i` of the current batch prestage,
+    /// for every sequence, and that the batch prestage has exactly these
+    /// sequences and at least `rows` rows.
+    fn check_batch_staged(
+        &self,
+        stg: &Staging,
+        states: &[&mut PleSeqState],
+        staged: &[Option<u64>],
+        rows: usize,
+    ) -> Result<()> {
+        let heads = self.dims.ngram_heads();
+        for (i, (st, va)) in states.iter().zip(staged).enumerate() {
+            let want = stg.batch_slot(i).addr();
+            layer_ensure!(
+                *va == Some(want),
+                Staging,
+                "PLE batch step: sequence {i} is not prestaged at batch slot {i} ({}); prestage the \
+                 whole batch with one prestage_batch",
+                match va {
+                    Some(v) => format!("its prestage is at {v:#x}"),
+                    None => "it has no prestage".to_string(),
+                }
+            );
+            match stg.lookup(want, heads, st.conv.addr(), &[])? {
+                StagedAt::Batch(s) if s == i => {}
+                other => layer_bail!(
+                    Staging,
+                    "PLE batch step: sequence {i} resolved to {other:?}"
+                ),
+            }
+        }
+        layer_ensure!(
+            stg.batch.owners.len() == states.len(),
+            Staging,
+            "PLE batch step over {} sequences, but the batch prestage holds {}",
+            states.len(),
+            stg.batch.owners.len()
+        );
+        layer_ensure!(
+            stg.batch.rows >= rows,
+            Staging,
+            "PLE batch step over {rows} rows, but only {} were prestaged",
+            stg.batch.rows
+        );
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_batch_staged(
+        &self,
+        gpu: &dyn GpuBackend,
+        states: &mut [&mut PleSeqState],
+        staged: &[Option<u64>],
+        highway: DevicePtr,
+        rows: usize,
+        capturing: bool,
+        stream: StreamId,
+    ) -> Result<()> {
+        let mut stg = self.staging.lock();
+        stg.streams.insert(stream);
+        self.check_batch_staged(&stg, states, staged, rows)?;
+        let heads = self.dims.ngram_heads();
+        self.launch_gather(gpu, stg.batch_slot(0), rows * heads, 0, stream)?;
+        for i in 0..states.len() {
+            if capturing {
+                stg.mark_captured(StagedAt::Batch(i));
+            } else {
+                stg.mark_gathered(StagedAt::Batch(i), self.table.as_ref(), gpu, stream)?;
+            }
+        }
+        let table_ptr = stg.conv_table();
+        drop(stg);
+        self.launch_rest(gpu, highway, rows, ConvTarget::Table(table_ptr), stream)
+    }
+
+    /// Call right after each `launch_graph` of a captured decode step whose
+    /// rows `prestage_batch` staged (the first replay after the capture
+    /// included): takes the sequences' prestages (the replay consumed them
+    /// but runs no host code, so none may be applied again to a later token)
+    /// and releases the step's leases with an event recorded now on
+    /// `stream`, i.e. after the replay's gather. Sequence `i` must hold batch
+    /// slot `i`: still prestaged there, or taken by the capture itself.
+    pub fn note_replayed(
+        &self,
+        states: &mut [&mut PleSeqState],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        self.check_live()?;
+        let mut stg = self.staging.lock();
+        stg.streams.insert(stream);
+        layer_ensure!(
+            stg.batch.owners.len() == states.len(),
+            Staging,
+            "PLE note_replayed over {} sequences, but the batch prestage holds {}",
+            states.len(),
+            stg.batch.owners.len()
+        );
+        for (i, st) in states.iter().enumerate() {
+            let slot = stg.batch_slot(i).addr();
+            layer_ensure!(
+                stg.batch.owners[i] == st.conv.addr(),
+                Staging,
+                "PLE note_replayed: batch slot {i} belongs to another sequence"
+            );
+            match st.prestaged_va {
+                Some(va) => layer_ensure!(
+                    va == slot,
+                    Staging,
+                    "PLE note_replayed: sequence {i} is prestaged at {va:#x}, not at batch slot {i}"
+                ),
+                None => layer_ensure!(
+                    stg.batch.slots[i] == staging::SlotUse::Captured,
+                    Staging,
+                    "PLE note_replayed: sequence {i} has no prestage at batch slot {i} \
+                     (already replayed, or gathered eagerly)"
+                ),
+            }
+            layer_ensure!(
+                stg.batch.slots[i] != staging::SlotUse::Gathered,
+                Staging,
+                "PLE note_replayed: batch slot {i} was already gathered"
+            );
+        }
+        for st in states.iter_mut() {
+            st.prestaged_va = None;
+        }
+        stg.batch
+            .slots
+            .iter_mut()
+            .for_each(|u| *u = staging::SlotUse::Gathered);
+        let leases = std::mem::take(&mut stg.batch.leases);
+        drop(stg);
+        staging::release_at_tail(self.table.as_ref(), gpu, stream, leases)
+    }
+
+    /// Free every device allocation of the layer, after synchronising the
+    /// streams it was used on and releasing every lease still held.
+    /// Idempotent; later calls on the layer fail. Sequence states are not
+    /// freed (see [`Self::release_seq_state`]). Call it before destroying
+    /// those streams: synchronising a destroyed stream is an error (the
+    /// memory is freed all the same, and the first error returned).
+    pub fn free(&mut self, gpu: &dyn GpuBackend) -> Result<()> {
+        if self.freed {
+            return Ok(());
+        }
+        self.freed = true;
+        let mut first_err: Option<LayerError> = None;
+        let stg = self.staging.get_mut();
+        for s in std::mem::take(&mut stg.streams) {
+            if let Err(error) = gpu.synchronize(s) {
+                first_err.get_or_insert(LayerError::Device {
+                    what: format!("synchronising stream {s} before freeing the PLE layer"),
+                    error: Box::new(error),
+                });
+            }
+        }
+        let mut leases = std::mem::take(&mut stg.batch.leases);
+        for r in stg.ring.drain(..) {
+            leases.extend(r.leases);
+        }
+        for l in leases {
+            if let Err(e) = self.table.release(l, gpu, None) {
+                first_err.get_or_insert(table_err("releasing a PLE row lease")(e));
+            }
+        }
+        let mut ptrs: Vec<DevicePtr> = std::mem::take(&mut stg.pad_states);
+        ptrs.push(stg.base);
+        stg.base = DevicePtr::NULL;
+        ptrs.extend(self.bufs.all());
+        self.bufs = DeviceBufs::default();
+        for p in ptrs {
+            if let Err(error) = gpu.dealloc(p) {
+                first_err.get_or_insert(LayerError::Device {
+                    what: format!("freeing PLE device memory at {p}"),
+                    error: Box::new(error),
+                });
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! Building a [`PleLayer`]: check the weights and the table against the
+//! site spec, register the CPU kernels where the backend runs host kernels,
+//! upload the packed projection and the norm and conv weights, and allocate
+//! the scratch and staging area.
+//!
+//! Invariant: a failed build frees everything it allocated (see
+//! `AllocGuard`), so a refused layer leaks no device memory.
+
+use std::sync::Arc;
+
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
+use metrale_storage::table::{RowDType, RowTable};
+use parking_lot::Mutex;
+
+use super::error::{DeviceContext, LayerError};
+use super::{DeviceBufs, Kernels, PleLayer, PleWeights};
+use crate::layers::ple::ids::PleIdHasher;
+use crate::layers::ple::kernels;
+use crate::layers::ple::spec::SiteSpec;
+use crate::layers::ple::staging::Staging;
+
+/// Allocations made so far by a constructor, freed if it fails.
+struct AllocGuard<'a> {
+    gpu: &'a dyn GpuBackend,
+    ptrs: Vec<DevicePtr>,
+}
+
+impl AllocGuard<'_> {
+    fn alloc(&mut self, bytes: usize, label: &str) -> Result<DevicePtr, LayerError> {
+        let p = self
+            .gpu
+            .alloc(bytes.max(4), label)
+            .device(|| format!("allocating {bytes} bytes for '{label}'"))?;
+        self.ptrs.push(p);
+        Ok(p)
+    }
+    fn upload_f32(&mut self, data: &[f32], label: &str) -> Result<DevicePtr, LayerError> {
+        let p = self.alloc(data.len() * 4, label)?;
+        self.gpu
+            .copy_h2d(&f32_bytes(data), p)
+            .device(|| format!("uploading '{label}'"))?;
+        Ok(p)
+    }
+}
+
+impl Drop for AllocGuard<'_> {
+    fn drop(&mut self) {
+        for p in self.ptrs.drain(..) {
+            let _ = self.gpu.free(p);
+        }
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(v.len() * 4);
+    for x in v {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+fn fits_u32(what: &'static str, value: usize) -> Result<u32, LayerError> {
+    u32::try_from(value).map_err(|_| LayerError::KernelArg { what, value })
+}
+
+/// Check every weight tensor's size and values against the spec.
+fn check_weights(spec: &SiteSpec, w: &PleWeights) -> Result<(), LayerError> {
+    let (c, e, hidden, k) = (spec.channels(), spec.emb_dim(), spec.hidden, spec.kernel);
+    let shape = |tensor, found: usize, expected: usize, shape: String| {
+        if found == expected {
+            Ok(())
+        } else {
+            Err(LayerError::WeightShape {
+                tensor,
+                found,
+                expected,
+                shape,
+            })
+        }
+    };
+    shape(
+        "key_proj",
+        w.key_proj.len(),
+        c * e,
+        format!("[C = hc_mult*hidden = {c}, E = ngram_heads*head_dim = {e}]"),
+    )?;
+    shape(
+        "value_proj",
+        w.value_proj.len(),
+        hidden * e,
+        format!("[H = {hidden}, E = {e}]"),
+    )?;
+    let finite = |tensor, v: &[f32]| match v.iter().position(|x| !x.is_finite()) {
+        Some(index) => Err(LayerError::NonFinite {
+            tensor,
+            index,
+            value: v[index],
+        }),
+        None => Ok(()),
+    };
+    for (name, v) in [
+        ("norm_key", &w.norm_key),
+        ("norm_query", &w.norm_query),
+        ("norm_conv", &w.norm_conv),
+    ] {
+        shape(name, v.len(), c, format!("C = {c}"))?;
+        finite(name, v)?;
+    }
+    shape(
+        "conv1d",
+        w.conv1d.len(),
+        c * k,
+        format!("[C = {c}, 1, K = {k}]"),
+    )?;
+    finite("conv1d", &w.conv1d)?;
+    for (tensor, v) in [("key_proj", &w.key_proj), ("value_proj", &w.value_proj)] {
+        if let Some(index) = v.iter().position(|b| b & 0x7f80 == 0x7f80) {
+            return Err(LayerError::NonFiniteBf16 {
+                tensor,
+                index,
+                bits: v[index],
+            });
+        }
+    }
+    Ok(())
+}
+
+impl PleLayer {
+    /// Build the layer of site `spec` over `table`: validate the spec and
+    /// every weight shape against it, register the CPU kernels where the
+    /// backend runs host kernels, upload the packed projection and the norm
+    /// and conv weights, and allocate scratch for `max_tokens` rows per
+    /// launch (longer forwards are split) and a decode batch of up to
+    /// `max_tokens` sequences.
+    pub fn new(
+        spec: &SiteSpec,
+        weights: PleWeights,
+        table: Arc<dyn RowTable>,
+        max_tokens: usize,
+        gpu: &dyn GpuBackend,
+    ) -> Result<PleLayer, LayerError> {
+        spec.validate()?;
+        let dims = spec.dims.clone();
+        let hasher = PleIdHasher::new(&dims)?;
+        if max_tokens == 0 {
+            return Err(LayerError::NoTokens);
+        }
+        let heads = spec.ngram_heads();
+        let (e, c, hidden) = (spec.emb_dim(), spec.channels(), spec.hidden);
+        let info = table.info();
+        if info.head_dim != spec.head_dim {
+            return Err(LayerError::TableHeadDim {
+                table: info.head_dim,
+                layer: spec.head_dim,
+            });
+        }
+        dims.check_table_rows(info.rows)?;
+        check_weights(spec, &weights)?;
+        let w = &weights;
+        let o = c + hidden;
+        let tokens_heads = max_tokens.checked_mul(heads).ok_or(LayerError::KernelArg {
+            what: "tokens*ngram_heads",
+            value: usize::MAX,
+        })?;
+        for (what, v) in [
+            ("tokens*ngram_heads", tokens_heads),
+            ("head_dim", spec.head_dim),
+            ("E", e),
+            ("C + hidden", o),
+            ("max_tokens", max_tokens),
+            ("kernel size", spec.kernel),
+            ("dilation", spec.dilation),
+        ] {
+            fits_u32(what, v)?;
+        }
+        let dtype_code = match info.dtype {
+            RowDType::Bf16 => 0,
+            RowDType::Fp8E4M3 => 1,
+        };
+
+        if gpu.supports_host_kernels() {
+            kernels::register_cpu_kernels(gpu).map_err(LayerError::Kernels)?;
+        }
+        let k = |name: &str| {
+            gpu.kernel("ple", name)
+                .device(|| format!("resolving PLE kernel '{name}'"))
+        };
+        let kernels = Kernels {
+            gather: k("gather")?,
+            project: k("project")?,
+            gate: k("gate")?,
+            conv: k("conv")?,
+            conv_batch: k("conv_batch")?,
+        };
+
+        let mut g = AllocGuard {
+            gpu,
+            ptrs: Vec::new(),
+        };
+        let mut wbits = Vec::with_capacity(o * e);
+        wbits.extend_from_slice(&w.key_proj);
+        wbits.extend_from_slice(&w.value_proj);
+        let packed = kernels::pack_projection(&wbits, o, e);
+        if packed.len() != kernels::packed_len(o, e) {
+            return Err(LayerError::Packing {
+                found: packed.len(),
+                expected: kernels::packed_len(o, e),
+            });
+        }
+        drop(wbits);
+        let mut bufs = DeviceBufs {
+            w_proj: g.upload_f32(&packed, "ple.w_proj")?,
+            ..Default::default()
+        };
+        drop(packed);
+        bufs.norm_q = g.upload_f32(&w.norm_query, "ple.norm_query")?;
+        bufs.norm_k = g.upload_f32(&w.norm_key, "ple.norm_key")?;
+        bufs.norm_conv = g.upload_f32(&w.norm_conv, "ple.norm_conv")?;
+        bufs.conv_w = g.upload_f32(&w.conv1d, "ple.conv1d")?;
+        bufs.emb = g.alloc(max_tokens * e * 4, "ple.emb")?;
+        bufs.kv = g.alloc(max_tokens * o * 4, "ple.kv")?;
+        bufs.gated = g.alloc(max_tokens * c * 4, "ple.gated")?;
+        bufs.xn = g.alloc(max_tokens * c * 4, "ple.xn")?;
+        // The padding row: zero values, then a zero f32 scale (FP8 only).
+        let pad_bytes = (info.row_bytes() + 7) / 4 * 4 + 4;
+        bufs.pad_row = g.alloc(pad_bytes, "ple.pad_row")?;
+        gpu.memset(bufs.pad_row, 0, pad_bytes)
+            .device(|| "zeroing the PLE padding row".into())?;
+        let max_batch = max_tokens;
+        let ring_tokens = (4 * max_tokens).max(64);
+        let slots = g.alloc(
+            Staging::total_bytes(heads, max_tokens, max_batch, ring_tokens),
+            "ple.slots",
+        )?;
+        let staging = Staging {
+            base: slots,
+            heads,
+            max_tokens,
+            max_batch,
+            ring_tokens,
+            ring: Default::default(),
+            cursor: 0,
+            batch: Default::default(),
+            pad_states: Vec::new(),
+            streams: Default::default(),
+        };
+        g.ptrs.clear();
+        Ok(PleLayer {
+            spec: spec.clone(),
+            dims,
+            hasher,
+            state_len: spec.state_len(),
+            hc_mult: spec.hc_mult,
+            hidden,
+            max_tokens,
+            table,
+            dtype_code,
+            kernels,
+            bufs,
+            staging: Mutex::new(staging),
+            freed: false,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f32_image_is_little_endian() {
+        assert_eq!(
+            f32_bytes(&[1.0, -2.5]),
+            [1.0f32.to_le_bytes(), (-2.5f32).to_le_bytes()].concat()
+        );
+    }
+
+    #[test]
+    fn oversized_kernel_arguments_are_named() {
+        assert_eq!(fits_u32("E", 7).unwrap(), 7);
+        let e = fits_u32("tokens*ngram_heads", 1 << 33)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tokens*ngram_heads") && e.contains("8589934592"),
+            "{e}"
+        );
+    }
+}

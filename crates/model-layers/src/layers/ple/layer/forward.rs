@@ -1,0 +1,390 @@
+//! The eager forward of one sequence: token ids from the context, the
+//! n-gram hash against the carried history, row resolution through the
+//! staging area, and the four kernel launches (gather, project, gate,
+//! conv). Also the staging-ring upload the seed's `prestage` uses.
+//!
+//! Invariant: the history advances once per token, chunk by chunk, only
+//! after the chunk's kernels were queued, and never under capture (a
+//! captured forward must consume a prestage made before the capture).
+
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, LaunchConfig, StreamId};
+use metrale_storage::table::RowRef;
+
+use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
+use super::{ConvTarget, ForwardContext, PleLayer, PleSeqState, Result};
+use crate::layers::ple::ids::ple_ngram_ids;
+use crate::layers::ple::staging::{self, StagedAt};
+
+impl PleLayer {
+    /// Resolve `flat_ids` through the table, upload the row refs into a fresh
+    /// region of the staging ring and return the region's device address.
+    /// The region keeps the table's leases until its rows have been gathered
+    /// (or the region is reused, or the layer freed).
+    pub(in crate::layers::ple) fn gather_host(
+        &self,
+        flat_ids: &[u64],
+        gpu: &dyn GpuBackend,
+        stream: u64,
+    ) -> Result<u64> {
+        self.check_live()?;
+        layer_ensure!(
+            !flat_ids.is_empty(),
+            Usage,
+            "PLE gather_host called with no ids"
+        );
+        layer_ensure!(
+            !gpu.stream_is_capturing(stream)?,
+            Capture,
+            "PLE prestage refused: stream {stream} is capturing (prestage before capture or replay)"
+        );
+        let mut stg = self.staging.lock();
+        stg.streams.insert(stream);
+        let (start, va) = stg.ring_take(flat_ids.len(), self.table.as_ref(), gpu, stream)?;
+        let mut refs = Vec::with_capacity(flat_ids.len());
+        let leases = staging::resolve_all(self.table.as_ref(), flat_ids, &mut refs, gpu)?;
+        if let Err(error) = gpu.copy_h2d_async(&staging::refs_bytes(&refs), va, stream) {
+            let _ = staging::release_at_tail(self.table.as_ref(), gpu, stream, leases);
+            return Err(LayerError::Device {
+                what: "uploading PLE row refs to the staging ring".into(),
+                error: Box::new(error),
+            });
+        }
+        stg.ring_commit(start, flat_ids, leases);
+        Ok(va.addr())
+    }
+
+    /// The ids of the heads of orders below N for the last token of a
+    /// post-prestage `history`: the only ones the history still determines
+    /// (order N also needs the token that left the history).
+    fn checkable_ids(&self, history: &[u32]) -> Vec<u64> {
+        if history.is_empty() {
+            return Vec::new();
+        }
+        let n = self.dims.ngram_size;
+        let known = (n - 2) * self.dims.heads_per_ngram;
+        let rows = ple_ngram_ids(&self.dims, history);
+        rows[rows.len() - 1][..known].to_vec()
+    }
+
+    /// Token ids for `n` tokens starting at entry `first` of the context's
+    /// source (override, else host ids, else a blocking device read).
+    pub(super) fn tokens_from(
+        &self,
+        ctx: &ForwardContext<'_>,
+        first: usize,
+        n: usize,
+        capturing: bool,
+        stream: StreamId,
+    ) -> Result<Vec<u32>> {
+        let pick = |src: &[u32], what: &str| -> Result<Vec<u32>> {
+            layer_ensure!(
+                src.len() >= first + n,
+                Usage,
+                "PLE forward needs {} {what} token ids, the context holds {}",
+                first + n,
+                src.len()
+            );
+            Ok(src[first..first + n].to_vec())
+        };
+        if let Some(o) = ctx.token_override {
+            return pick(o, "override");
+        }
+        if let Some(h) = ctx.host_ids {
+            return pick(h, "host");
+        }
+        if let Some(d) = ctx.device_ids {
+            layer_ensure!(
+                !capturing,
+                Capture,
+                "PLE forward refused: reading token ids back from device address {d} is a blocking \
+                 read and stream {stream} is capturing; prestage the step before capture"
+            );
+            let mut buf = vec![0u8; n * 4];
+            ctx.gpu
+                .copy_d2h_on_stream(d.offset(first * 4), &mut buf, stream)
+                .device(|| format!("reading {n} PLE token ids from device address {d}"))?;
+            return Ok(buf
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect());
+        }
+        layer_bail!(
+            Usage,
+            "PLE forward has no token ids: no override, host ids or device ids in the context, and no prestage"
+        )
+    }
+
+    pub(super) fn check_capture(ctx: &ForwardContext<'_>, stream: StreamId) -> Result<bool> {
+        Ok(ctx.capturing || ctx.gpu.stream_is_capturing(stream)?)
+    }
+
+    /// Run the forward over `num_tokens` new tokens of one sequence, adding
+    /// into `highway [num_tokens, C]`, with the semantics of docs/SPEC.md, "Carry lifecycle":
+    /// reset when `fresh` or the history has the wrong length; a single-token,
+    /// non-fresh forward without an override consumes the prestage; the
+    /// prestage is taken in every case; without one, the forward hashes,
+    /// gathers and advances the history itself, which is refused under
+    /// capture.
+    pub fn forward(
+        &self,
+        st: &mut PleSeqState,
+        highway: DevicePtr,
+        num_tokens: usize,
+        fresh: bool,
+        ctx: &ForwardContext<'_>,
+        stream: StreamId,
+    ) -> Result<()> {
+        self.check_live()?;
+        let gpu = ctx.gpu;
+        layer_ensure!(
+            !st.conv.is_null(),
+            Usage,
+            "PLE forward on a released sequence state"
+        );
+        layer_ensure!(num_tokens > 0, Usage, "PLE forward over zero tokens");
+        layer_ensure!(!highway.is_null(), Usage, "PLE forward with a null highway");
+        let capturing = Self::check_capture(ctx, stream)?;
+        let staged = st.prestaged_va.take();
+        let needs_reset = fresh || st.history.len() != self.dims.context_len();
+        if needs_reset {
+            layer_ensure!(
+                !capturing,
+                Capture,
+                "PLE forward refused: resetting a sequence (fresh, or a history of {} tokens) \
+                 cannot be captured; run it eagerly",
+                st.history.len()
+            );
+            self.reset(st, gpu, stream).map_err(LayerError::Reset)?;
+        }
+        let heads = self.dims.ngram_heads();
+        let usable = num_tokens == 1 && !needs_reset && ctx.token_override.is_none();
+        if let (Some(va), true) = (staged, usable) {
+            let mut stg = self.staging.lock();
+            stg.streams.insert(stream);
+            let expect = self.checkable_ids(&st.history);
+            let at = stg.lookup(va, heads, st.conv.addr(), &expect)?;
+            layer_ensure!(
+                !capturing || matches!(at, StagedAt::Batch(_)),
+                Capture,
+                "PLE forward refused under capture: the prestage at {va:#x} lives in the staging \
+                 ring, whose addresses change every step; use prestage_batch so that a replay \
+                 reads fixed slots"
+            );
+            self.launch_gather(gpu, DevicePtr(va), heads, 0, stream)?;
+            if capturing {
+                stg.mark_captured(at);
+            } else {
+                stg.mark_gathered(at, self.table.as_ref(), gpu, stream)?;
+            }
+            drop(stg);
+            return self.launch_rest(gpu, highway, 1, ConvTarget::Single(st.conv), stream);
+        }
+        if capturing {
+            Self::refuse_unstaged(ctx, stream)?;
+        }
+        let tokens = self.tokens_from(ctx, 0, num_tokens, capturing, stream)?;
+        self.forward_eager(gpu, st, highway, &tokens, stream)
+    }
+
+    pub(super) fn refuse_unstaged(ctx: &ForwardContext<'_>, stream: StreamId) -> Result<()> {
+        if ctx.token_override.is_none() && ctx.host_ids.is_none() && ctx.device_ids.is_some() {
+            layer_bail!(
+                Capture,
+                "PLE forward refused: reading token ids back from the device is a blocking read \
+                 and stream {stream} is capturing; prestage the step before capture"
+            );
+        }
+        layer_bail!(
+            Capture,
+            "PLE forward refused under capture: no prestage for this step, and hashing and row \
+             resolution are host work that a graph cannot replay; prestage before capture"
+        )
+    }
+
+    /// Hash `tokens` against the history, gather their rows chunk by chunk
+    /// through the eager staging part and run the kernels, advancing the
+    /// history after each chunk.
+    fn forward_eager(
+        &self,
+        gpu: &dyn GpuBackend,
+        st: &mut PleSeqState,
+        highway: DevicePtr,
+        tokens: &[u32],
+        stream: StreamId,
+    ) -> Result<()> {
+        let heads = self.dims.ngram_heads();
+        let mut all = vec![0u64; tokens.len() * heads];
+        self.hasher
+            .ids_with_history_into(&st.history, tokens, &mut all)?;
+        let c = self.channels();
+        let mut t0 = 0;
+        while t0 < tokens.len() {
+            let tn = (tokens.len() - t0).min(self.max_tokens);
+            self.gather_eager(gpu, &all[t0 * heads..(t0 + tn) * heads], stream)?;
+            self.launch_rest(
+                gpu,
+                highway.offset(t0 * c * 4),
+                tn,
+                ConvTarget::Single(st.conv),
+                stream,
+            )?;
+            // Per chunk, so a failure in a later chunk leaves a carry that is
+            // consistent with the chunks that ran.
+            self.dims
+                .advance_history(&mut st.history, &tokens[t0..t0 + tn]);
+            t0 += tn;
+        }
+        Ok(())
+    }
+
+    /// Resolve and gather `ids` (at most `max_tokens * heads`) into `emb`
+    /// through the eager staging part, in parts of at most `max_resolve()`
+    /// distinct ids; each part's lease is released with an event recorded
+    /// right after its gather.
+    fn gather_eager(&self, gpu: &dyn GpuBackend, ids: &[u64], stream: StreamId) -> Result<()> {
+        let mut stg = self.staging.lock();
+        stg.streams.insert(stream);
+        let table = self.table.as_ref();
+        let mut start = 0;
+        while start < ids.len() {
+            let end = staging::part_end(ids, start, table.max_resolve());
+            let mut refs = vec![RowRef::default(); end - start];
+            let lease = table.resolve(&ids[start..end], &mut refs).map_err(|e| {
+                table_err(format!(
+                    "resolving PLE row ids {start}..{end} of {} (first id {})",
+                    ids.len(),
+                    ids[start]
+                ))(e)
+            })?;
+            let queued = gpu
+                .copy_h2d_async(&staging::refs_bytes(&refs), stg.eager_ref(start), stream)
+                .device(|| "uploading PLE row refs".into())
+                .and_then(|()| {
+                    self.launch_gather(gpu, stg.eager_ref(start), end - start, start, stream)
+                });
+            let released = staging::release_at_tail(table, gpu, stream, vec![lease]);
+            queued?;
+            released?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Queue the gather of `n` rows whose refs are at `refs` into `emb`,
+    /// starting at emb row `first_row` (in head rows).
+    pub(super) fn launch_gather(
+        &self,
+        gpu: &dyn GpuBackend,
+        refs: DevicePtr,
+        n: usize,
+        first_row: usize,
+        stream: StreamId,
+    ) -> Result<()> {
+        gpu.launch(self.kernels.gather, LaunchConfig::linear(1, 1))
+            .ptr(refs)
+            .u32(n as u32)
+            .u32(self.spec.head_dim as u32)
+            .u32(self.dtype_code)
+            .ptr(self.bufs.emb.offset(first_row * self.spec.head_dim * 4))
+            .run(stream)
+            .device(|| format!("launching PLE gather of {n} rows from refs at {refs}"))
+    }
+
+    /// Queue projection, gate and conv over `t` rows of `emb` and `highway`.
+    pub(super) fn launch_rest(
+        &self,
+        gpu: &dyn GpuBackend,
+        highway: DevicePtr,
+        t: usize,
+        conv: ConvTarget,
+        stream: StreamId,
+    ) -> Result<()> {
+        let e = self.dims.ngram_heads() * self.spec.head_dim;
+        let c = self.channels();
+        let o = c + self.hidden;
+        let cfg = LaunchConfig::linear(1, 1);
+        gpu.launch(self.kernels.project, cfg)
+            .ptr(self.bufs.emb)
+            .ptr(self.bufs.w_proj)
+            .ptr(self.bufs.kv)
+            .u32(t as u32)
+            .u32(e as u32)
+            .u32(o as u32)
+            .run(stream)
+            .device(|| format!("launching PLE projection over {t} rows"))?;
+        gpu.launch(self.kernels.gate, cfg)
+            .ptr(highway)
+            .ptr(self.bufs.kv)
+            .ptr(self.bufs.norm_q)
+            .ptr(self.bufs.norm_k)
+            .ptr(self.bufs.norm_conv)
+            .ptr(self.bufs.gated)
+            .ptr(self.bufs.xn)
+            .u32(t as u32)
+            .u32(self.hidden as u32)
+            .u32(self.hc_mult as u32)
+            .f32(self.spec.rms_eps)
+            .run(stream)
+            .device(|| format!("launching PLE gate over {t} rows of highway {highway}"))?;
+        let (kernel, state) = match conv {
+            ConvTarget::Single(p) => (self.kernels.conv, p),
+            ConvTarget::Table(p) => (self.kernels.conv_batch, p),
+        };
+        gpu.launch(kernel, cfg)
+            .ptr(self.bufs.xn)
+            .ptr(self.bufs.gated)
+            .ptr(state)
+            .ptr(self.bufs.conv_w)
+            .ptr(highway)
+            .u32(t as u32)
+            .u32(c as u32)
+            .u32(self.spec.kernel as u32)
+            .u32(self.spec.dilation as u32)
+            .run(stream)
+            .device(|| format!("launching PLE conv over {t} rows (state {state})"))
+    }
+
+    /// One sequence's single decode token on row `row` of a batch highway
+    /// `[B, C]`: the context's ids (override, host or device) hold one id per
+    /// batch row and entry `row` is used. Otherwise exactly [`Self::forward`]
+    /// with one non-fresh token.
+    pub fn forward_row(
+        &self,
+        st: &mut PleSeqState,
+        highway: DevicePtr,
+        row: usize,
+        ctx: &ForwardContext<'_>,
+        stream: StreamId,
+    ) -> Result<()> {
+        let pick = |s: Option<&'_ [u32]>, what: &str| -> Result<Option<std::ops::Range<usize>>> {
+            match s {
+                Some(v) => {
+                    layer_ensure!(
+                        row < v.len(),
+                        Usage,
+                        "PLE forward_row: row {row} but the {what} ids hold {} rows",
+                        v.len()
+                    );
+                    Ok(Some(row..row + 1))
+                }
+                None => Ok(None),
+            }
+        };
+        let mut sub = ForwardContext::new(ctx.gpu).capturing(ctx.capturing);
+        if let (Some(o), Some(r)) = (ctx.token_override, pick(ctx.token_override, "override")?) {
+            sub.token_override = Some(&o[r]);
+        }
+        if let (Some(h), Some(r)) = (ctx.host_ids, pick(ctx.host_ids, "host")?) {
+            sub.host_ids = Some(&h[r]);
+        }
+        sub.device_ids = ctx.device_ids.map(|d| d.offset(row * 4));
+        self.forward(
+            st,
+            highway.offset(row * self.channels() * 4),
+            1,
+            false,
+            &sub,
+            stream,
+        )
+    }
+}

@@ -1,0 +1,936 @@
+//! The one description of a PLE model and of each of its sites.
+//!
+//! [`ModelSpec`] is everything `config.json` says about the PLE part of a
+//! model (docs/SPEC.md, "Geometry"): it is parsed once
+//! ([`ModelSpec::from_json_str`], [`ModelSpec::from_file`]) and validated
+//! once ([`ModelSpec::validate`]); an error is a [`SpecError`] naming the
+//! source and the field. [`ModelSpec::site`] derives one site's hash
+//! constants (docs/SPEC.md, "Constant derivation") into a [`SiteSpec`],
+//! which is what a layer is built from and what an engine fingerprints.
+//!
+//! Invariants of a validated [`ModelSpec`]: every count is at least 1,
+//! `ngram_size` is in `2..=MAX_NGRAM_SIZE`, `ple_layer_ids` is non-empty,
+//! 1-based, strictly increasing and at most `num_hidden_layers`,
+//! `eos_token_id < vocab_size`, `rms_norm_eps` is finite and positive,
+//! `table_rows` (when set) is positive, and every derived size (heads,
+//! embedding width, channels, conv state, aux blob, the carry of all sites)
+//! fits in an `isize`, so no later computation of a size can overflow.
+//!
+//! Every derived size of a site (`ngram_heads`, `emb_dim`, `channels`,
+//! `state_len`, `conv_bytes`, `aux_blob_len`, `carry_bytes`) is defined on
+//! [`SiteSpec`] alone; the aux blob layout itself lives in
+//! [`super::carry_blob`].
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+use super::carry_blob;
+use super::ids::{
+    DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, IdError, MAX_NGRAM_SIZE, PleHashParams,
+    PleIdDims,
+};
+
+/// The config.json key of the extension this project adds for cut tables.
+pub const TABLE_ROWS_KEY: &str = "ple_table_rows";
+
+/// Largest supported `hc_mult` (parallel residual streams).
+pub const MAX_HC_MULT: usize = 64;
+
+/// Why a model or site description was refused. Every variant that comes
+/// from a config file names it, and every field error names the field.
+#[derive(Debug, Error)]
+pub enum SpecError {
+    /// The config file could not be read.
+    #[error("cannot read config {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The operating-system error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The text is not JSON.
+    #[error("{file}: not valid JSON: {msg}")]
+    Json {
+        /// The source the text came from.
+        file: String,
+        /// The parser's message.
+        msg: String,
+    },
+    /// The JSON is not an object.
+    #[error("{file}: the top level must be a JSON object")]
+    NotObject {
+        /// The source the text came from.
+        file: String,
+    },
+    /// A required field is absent or null.
+    #[error("{file}: missing required field `{field}`")]
+    Missing {
+        /// The source the text came from.
+        file: String,
+        /// The field.
+        field: String,
+    },
+    /// A field has the wrong type or is out of range.
+    #[error("{file}: field `{field}` {problem}")]
+    Field {
+        /// The source the text came from.
+        file: String,
+        /// The field (with an index for list entries, e.g. `ple_layer_ids[1]`).
+        field: String,
+        /// What is wrong with it, e.g. "must be at least 1, got 0".
+        problem: String,
+    },
+    /// A size derived from the fields does not fit an allocation.
+    #[error("{file}: {what} is too large to address")]
+    TooLarge {
+        /// The source the text came from.
+        file: String,
+        /// The expression, naming the fields it is computed from.
+        what: &'static str,
+    },
+    /// A site index past `ple_layer_ids`.
+    #[error("PLE site {site} does not exist: ple_layer_ids has {count} entries ({ids:?})")]
+    NoSuchSite {
+        /// The index asked for.
+        site: usize,
+        /// How many sites there are.
+        count: usize,
+        /// `ple_layer_ids`.
+        ids: Vec<usize>,
+    },
+    /// A site's hash constants do not derive.
+    #[error("site {site} (layer id {layer_id}): {source}")]
+    Derive {
+        /// The site index.
+        site: usize,
+        /// Its 1-based layer id.
+        layer_id: usize,
+        /// Why.
+        #[source]
+        source: IdError,
+    },
+    /// A [`SiteSpec`] field a layer cannot be built with.
+    #[error("PLE {field} {problem}")]
+    Site {
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// A [`SiteSpec`]'s hash constants are unusable.
+    #[error(transparent)]
+    Ids(#[from] IdError),
+}
+
+/// The id-hash family of a site. The family decides how n-grams map to
+/// rows; every family shares the carry and the layer math.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum HashFamily {
+    /// Qwen4Exp: XOR of `token * multiplier` over an EOS-delimited window,
+    /// `mixed % prime + offset` per head (docs/SPEC.md, "Id hash").
+    #[default]
+    Qwen4Exp,
+}
+
+/// Everything `config.json` says about the PLE part of a model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelSpec {
+    /// The unigram vocabulary size.
+    pub vocab_size: u64,
+    /// H: the width of one residual stream.
+    pub hidden_size: usize,
+    /// hc: the number of parallel residual streams.
+    pub hc_mult: usize,
+    /// The epsilon of the RMS norms.
+    pub rms_norm_eps: f64,
+    /// The EOS token (the first one when config.json gives a list).
+    pub eos_token_id: u32,
+    /// N: the largest n-gram order.
+    pub ngram_size: usize,
+    /// K: hash heads per order.
+    pub heads_per_ngram: usize,
+    /// Values per table row (`ple_head_dim`, default `hidden_size /
+    /// ngram_heads` when that divides exactly).
+    pub head_dim: usize,
+    /// Head sizes are the primes above this.
+    pub ngram_vocab_size_base: u64,
+    /// The table's rows are padded to a multiple of this
+    /// (`make_ngram_vocab_size_divisible_by`, default 128).
+    pub divisible_by: u64,
+    /// The number of table shards per site.
+    pub split_ngram_parts: usize,
+    /// The conv kernel size (`ple_conv_kernel_size`).
+    pub conv_kernel_size: usize,
+    /// The 1-based model layers that hold a PLE site, in site order.
+    pub ple_layer_ids: Vec<usize>,
+    /// The hash seed (`ple_hash_seed`, 1234 by default).
+    pub hash_seed: u64,
+    /// The number of model layers (default: the largest PLE layer id).
+    pub num_hidden_layers: usize,
+    /// Rows actually stored per site when the table is cut (the
+    /// `ple_table_rows` extension, synthetic checkpoints only); `None` means
+    /// the full padded table is stored. Ids are folded into the stored rows
+    /// as `id % table_rows`.
+    pub table_rows: Option<u64>,
+}
+
+/// Reads typed fields out of the JSON object, naming the file on error.
+struct Fields<'a> {
+    map: &'a Map<String, Value>,
+    file: &'a str,
+}
+
+impl Fields<'_> {
+    fn field_err(&self, field: &str, problem: String) -> SpecError {
+        SpecError::Field {
+            file: self.file.to_string(),
+            field: field.to_string(),
+            problem,
+        }
+    }
+
+    fn get(&self, name: &str) -> Result<&Value, SpecError> {
+        match self.map.get(name) {
+            Some(v) if !v.is_null() => Ok(v),
+            _ => Err(SpecError::Missing {
+                file: self.file.to_string(),
+                field: name.to_string(),
+            }),
+        }
+    }
+
+    fn u64_of(&self, name: &str, v: &Value) -> Result<u64, SpecError> {
+        v.as_u64()
+            .ok_or_else(|| self.field_err(name, format!("must be a non-negative integer, got {v}")))
+    }
+
+    fn u64(&self, name: &str) -> Result<u64, SpecError> {
+        self.u64_of(name, self.get(name)?)
+    }
+
+    fn u64_opt(&self, name: &str) -> Result<Option<u64>, SpecError> {
+        match self.map.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => self.u64_of(name, v).map(Some),
+        }
+    }
+
+    /// A count that must be at least `min` and fit in `usize`.
+    fn count(&self, name: &str, min: u64) -> Result<usize, SpecError> {
+        self.count_of(name, self.u64(name)?, min)
+    }
+
+    fn count_of(&self, name: &str, v: u64, min: u64) -> Result<usize, SpecError> {
+        if v < min {
+            return Err(self.field_err(name, format!("must be at least {min}, got {v}")));
+        }
+        usize::try_from(v).map_err(|_| self.field_err(name, format!("= {v} is too large")))
+    }
+}
+
+impl ModelSpec {
+    /// Read, parse and validate `path`.
+    pub fn from_file(path: &Path) -> Result<Self, SpecError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SpecError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::from_json_str(&text, &path.display().to_string())
+    }
+
+    /// Parse and validate config JSON; `source` names it in errors (usually
+    /// the path). Unknown fields are ignored; `eos_token_id` may be an
+    /// integer or a list (its first entry is used).
+    pub fn from_json_str(text: &str, source: &str) -> Result<Self, SpecError> {
+        let root: Value = serde_json::from_str(text).map_err(|e| SpecError::Json {
+            file: source.to_string(),
+            msg: e.to_string(),
+        })?;
+        let Some(map) = root.as_object() else {
+            return Err(SpecError::NotObject {
+                file: source.to_string(),
+            });
+        };
+        let f = Fields { map, file: source };
+
+        let vocab_size = f.u64("vocab_size")?;
+        if vocab_size == 0 {
+            return Err(f.field_err("vocab_size", "must be at least 1, got 0".into()));
+        }
+        let hidden_size = f.count("hidden_size", 1)?;
+        let hc_mult = f.count("hc_mult", 1)?;
+        let eps_v = f.get("rms_norm_eps")?;
+        let rms_norm_eps = match eps_v.as_f64() {
+            Some(e) if e.is_finite() && e > 0.0 => e,
+            _ => {
+                return Err(f.field_err(
+                    "rms_norm_eps",
+                    format!("must be a positive number, got {eps_v}"),
+                ));
+            }
+        };
+
+        let eos = match f.get("eos_token_id")? {
+            Value::Array(items) => {
+                let first = items
+                    .first()
+                    .ok_or_else(|| f.field_err("eos_token_id", "is an empty list".into()))?;
+                f.u64_of("eos_token_id[0]", first)?
+            }
+            v => f.u64_of("eos_token_id", v)?,
+        };
+        let eos_token_id = u32::try_from(eos).map_err(|_| {
+            f.field_err(
+                "eos_token_id",
+                format!("= {eos} does not fit a u32 token id"),
+            )
+        })?;
+
+        let ngram_size = f.count("ngram_size", 2)?;
+        if ngram_size > MAX_NGRAM_SIZE {
+            return Err(f.field_err(
+                "ngram_size",
+                format!("must be at most {MAX_NGRAM_SIZE}, got {ngram_size}"),
+            ));
+        }
+        let heads_per_ngram = f.count("heads_per_ngram", 1)?;
+        let ngram_vocab_size_base = f.u64("ngram_vocab_size_base")?;
+        let divisible = f
+            .u64_opt("make_ngram_vocab_size_divisible_by")?
+            .unwrap_or(DEFAULT_DIVISIBLE_BY);
+        let divisible_by = f.count_of("make_ngram_vocab_size_divisible_by", divisible, 1)? as u64;
+        let split_ngram_parts = f.count("split_ngram_parts", 1)?;
+        let conv_kernel_size = f.count("ple_conv_kernel_size", 1)?;
+
+        let ids_v = f.get("ple_layer_ids")?;
+        let Some(items) = ids_v.as_array() else {
+            return Err(f.field_err(
+                "ple_layer_ids",
+                format!("must be a list of layer numbers, got {ids_v}"),
+            ));
+        };
+        if items.is_empty() {
+            return Err(f.field_err("ple_layer_ids", "is empty (no PLE site)".into()));
+        }
+        let mut ple_layer_ids = Vec::with_capacity(items.len());
+        for (i, v) in items.iter().enumerate() {
+            let name = format!("ple_layer_ids[{i}]");
+            let n = f.count_of(&name, f.u64_of(&name, v)?, 1)?;
+            if ple_layer_ids.contains(&n) {
+                return Err(f.field_err("ple_layer_ids", format!("lists layer {n} twice")));
+            }
+            ple_layer_ids.push(n);
+        }
+        let hash_seed = f.u64_opt("ple_hash_seed")?.unwrap_or(DEFAULT_HASH_SEED);
+
+        let ngram_heads = (ngram_size - 1)
+            .checked_mul(heads_per_ngram)
+            .ok_or_else(|| SpecError::TooLarge {
+                file: source.to_string(),
+                what: "(ngram_size - 1) * heads_per_ngram",
+            })?;
+        let head_dim = match f.u64_opt("ple_head_dim")? {
+            None => {
+                if hidden_size % ngram_heads != 0 {
+                    return Err(f.field_err(
+                        "ple_head_dim",
+                        format!(
+                            "is absent and hidden_size {hidden_size} is not a multiple of \
+                             ngram_heads {ngram_heads}"
+                        ),
+                    ));
+                }
+                hidden_size / ngram_heads
+            }
+            Some(d) => f.count_of("ple_head_dim", d, 1)?,
+        };
+        let max_layer = ple_layer_ids.iter().copied().max().unwrap_or(0);
+        let num_hidden_layers = match f.u64_opt("num_hidden_layers")? {
+            None => max_layer,
+            Some(n) => f.count_of("num_hidden_layers", n, 0)?,
+        };
+        let table_rows = f.u64_opt(TABLE_ROWS_KEY)?;
+
+        let spec = ModelSpec {
+            vocab_size,
+            hidden_size,
+            hc_mult,
+            rms_norm_eps,
+            eos_token_id,
+            ngram_size,
+            heads_per_ngram,
+            head_dim,
+            ngram_vocab_size_base,
+            divisible_by,
+            split_ngram_parts,
+            conv_kernel_size,
+            ple_layer_ids,
+            hash_seed,
+            num_hidden_layers,
+            table_rows,
+        };
+        spec.validate(source)?;
+        Ok(spec)
+    }
+
+    /// Check the invariants in the module docs; `source` names the config
+    /// in errors. Parsing runs this; call it on a spec built in code.
+    pub fn validate(&self, source: &str) -> Result<(), SpecError> {
+        let bad = |field: &str, problem: String| SpecError::Field {
+            file: source.to_string(),
+            field: field.to_string(),
+            problem,
+        };
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size as u64),
+            ("hc_mult", self.hc_mult as u64),
+            ("heads_per_ngram", self.heads_per_ngram as u64),
+            ("ple_head_dim", self.head_dim as u64),
+            ("ngram_vocab_size_base", self.ngram_vocab_size_base),
+            ("make_ngram_vocab_size_divisible_by", self.divisible_by),
+            ("split_ngram_parts", self.split_ngram_parts as u64),
+            ("ple_conv_kernel_size", self.conv_kernel_size as u64),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(bad(name, "must be positive, got 0".into()));
+            }
+        }
+        if self.ngram_size < 2 {
+            return Err(bad(
+                "ngram_size",
+                format!("must be at least 2, got {}", self.ngram_size),
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return Err(bad(
+                "rms_norm_eps",
+                format!("must be a positive number, got {}", self.rms_norm_eps),
+            ));
+        }
+        if u64::from(self.eos_token_id) >= self.vocab_size {
+            return Err(bad(
+                "eos_token_id",
+                format!(
+                    "= {} is not below vocab_size {}",
+                    self.eos_token_id, self.vocab_size
+                ),
+            ));
+        }
+        if self.ple_layer_ids.is_empty() {
+            return Err(bad("ple_layer_ids", "is empty (no PLE site)".into()));
+        }
+        for (i, &l) in self.ple_layer_ids.iter().enumerate() {
+            if l == 0 {
+                return Err(bad(
+                    &format!("ple_layer_ids[{i}]"),
+                    "is 0; layer ids are 1-based".into(),
+                ));
+            }
+            if i > 0 && l <= self.ple_layer_ids[i - 1] {
+                return Err(bad(
+                    "ple_layer_ids",
+                    format!("must be strictly increasing, but entry {i} is {l}"),
+                ));
+            }
+            if l > self.num_hidden_layers {
+                return Err(bad(
+                    &format!("ple_layer_ids[{i}]"),
+                    format!("= {l} is past num_hidden_layers {}", self.num_hidden_layers),
+                ));
+            }
+        }
+        if self.table_rows == Some(0) {
+            return Err(bad(TABLE_ROWS_KEY, "must be positive, got 0".into()));
+        }
+        self.check_sizes(source)
+    }
+
+    /// Every size derived from the fields must be computable: a config with
+    /// absurd fields is refused here, naming them, instead of overflowing
+    /// later. The limit is what an allocation can address.
+    fn check_sizes(&self, source: &str) -> Result<(), SpecError> {
+        const LIMIT: usize = isize::MAX as usize;
+        let fits = |v: Option<usize>| v.filter(|&v| v <= LIMIT);
+        let too_big = |what: &'static str| {
+            Err(SpecError::TooLarge {
+                file: source.to_string(),
+                what,
+            })
+        };
+        let Some(heads) = fits((self.ngram_size - 1).checked_mul(self.heads_per_ngram)) else {
+            return too_big("(ngram_size - 1) * heads_per_ngram");
+        };
+        if fits(heads.checked_mul(self.head_dim)).is_none() {
+            return too_big("(ngram_size - 1) * heads_per_ngram * ple_head_dim");
+        }
+        let Some(channels) = fits(self.hc_mult.checked_mul(self.hidden_size)) else {
+            return too_big("hc_mult * hidden_size");
+        };
+        let Some(state) = fits((self.conv_kernel_size - 1).checked_mul(self.ngram_size)) else {
+            return too_big("(ple_conv_kernel_size - 1) * ngram_size");
+        };
+        let blob = state
+            .checked_mul(channels)
+            .and_then(|v| v.checked_mul(4))
+            .and_then(|conv| carry_blob::checked_blob_len(self.ngram_size - 1, conv));
+        let Some(blob) = fits(blob) else {
+            return too_big(
+                "the conv state (ple_conv_kernel_size, ngram_size, hc_mult, hidden_size)",
+            );
+        };
+        if fits(blob.checked_mul(self.sites())).is_none() {
+            return too_big("the carry of all ple_layer_ids");
+        }
+        Ok(())
+    }
+
+    /// N - 1 times K: hash heads per token.
+    pub fn ngram_heads(&self) -> usize {
+        (self.ngram_size - 1) * self.heads_per_ngram
+    }
+    /// E = ngram_heads * head_dim: the width of the gathered embedding.
+    pub fn emb_dim(&self) -> usize {
+        self.ngram_heads() * self.head_dim
+    }
+    /// C = hc * H: the channels of the gate and the conv.
+    pub fn channels(&self) -> usize {
+        self.hc_mult * self.hidden_size
+    }
+    /// The conv dilation, which equals N.
+    pub fn dilation(&self) -> usize {
+        self.ngram_size
+    }
+    /// Rows of carried conv state: `(kernel - 1) * dilation`.
+    pub fn state_len(&self) -> usize {
+        (self.conv_kernel_size - 1) * self.dilation()
+    }
+    /// The number of PLE sites.
+    pub fn sites(&self) -> usize {
+        self.ple_layer_ids.len()
+    }
+    /// The 0-based model layer of site `s` (the `{layer}` in tensor names).
+    /// Panics when `s` is not a site.
+    pub fn site_layer(&self, s: usize) -> usize {
+        self.ple_layer_ids[s] - 1
+    }
+    /// Bytes of one site's aux blob (every site has the same shape).
+    pub fn aux_blob_bytes(&self) -> usize {
+        carry_blob::blob_len(self.ngram_size - 1, self.conv_bytes())
+    }
+    /// Bytes of one site's conv state: `state_len * C` f32 values.
+    pub fn conv_bytes(&self) -> usize {
+        4 * self.state_len() * self.channels()
+    }
+    /// Bytes of device memory one sequence's carry holds over all sites.
+    pub fn carry_bytes_per_seq(&self) -> usize {
+        self.sites() * self.conv_bytes()
+    }
+
+    /// The parameters that derive site `s`'s hash constants.
+    pub fn hash_params(&self, s: usize) -> Result<PleHashParams, SpecError> {
+        if s >= self.sites() {
+            return Err(SpecError::NoSuchSite {
+                site: s,
+                count: self.sites(),
+                ids: self.ple_layer_ids.clone(),
+            });
+        }
+        Ok(PleHashParams {
+            vocab_size: self.vocab_size,
+            eos_token_id: self.eos_token_id,
+            ngram_size: self.ngram_size,
+            heads_per_ngram: self.heads_per_ngram,
+            ngram_vocab_size_base: self.ngram_vocab_size_base,
+            divisible_by: self.divisible_by,
+            seed: self.hash_seed,
+            site: s,
+        })
+    }
+
+    /// Site `s`'s derived hash constants and padded table size.
+    pub fn derive(&self, s: usize) -> Result<DerivedPleIds, SpecError> {
+        self.hash_params(s)?
+            .derive()
+            .map_err(|source| SpecError::Derive {
+                site: s,
+                layer_id: self.ple_layer_ids[s],
+                source,
+            })
+    }
+
+    /// The spec of site `s`: its derived hash constants and carry shape.
+    pub fn site(&self, s: usize) -> Result<SiteSpec, SpecError> {
+        let derived = self.derive(s)?;
+        Ok(self.site_with(s, derived.dims))
+    }
+
+    /// The spec of site `s` with hash constants derived elsewhere (by
+    /// [`Self::derive`], whose padded row count the caller also needs).
+    pub fn site_with(&self, s: usize, dims: PleIdDims) -> SiteSpec {
+        SiteSpec {
+            family: HashFamily::Qwen4Exp,
+            layer: self.site_layer(s),
+            dims,
+            head_dim: self.head_dim,
+            hidden: self.hidden_size,
+            hc_mult: self.hc_mult,
+            kernel: self.conv_kernel_size,
+            dilation: self.dilation(),
+            rms_eps: self.rms_norm_eps as f32,
+        }
+    }
+
+    /// The `config.json` text of this spec.
+    pub fn to_config_json(&self) -> String {
+        let mut v = serde_json::json!({
+            "architectures": ["Qwen4ExpForCausalLM"],
+            "model_type": "qwen4exp",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "hc_mult": self.hc_mult,
+            "rms_norm_eps": self.rms_norm_eps,
+            "eos_token_id": self.eos_token_id,
+            "num_hidden_layers": self.num_hidden_layers,
+            "ngram_size": self.ngram_size,
+            "heads_per_ngram": self.heads_per_ngram,
+            "ple_head_dim": self.head_dim,
+            "ngram_vocab_size_base": self.ngram_vocab_size_base,
+            "make_ngram_vocab_size_divisible_by": self.divisible_by,
+            "split_ngram_parts": self.split_ngram_parts,
+            "ple_conv_kernel_size": self.conv_kernel_size,
+            "ple_layer_ids": self.ple_layer_ids,
+            "ple_hash_seed": self.hash_seed,
+        });
+        if let Some(r) = self.table_rows {
+            v[TABLE_ROWS_KEY] = serde_json::json!(r);
+        }
+        let mut s = serde_json::to_string_pretty(&v).expect("a JSON value always serialises");
+        s.push('\n');
+        s
+    }
+}
+
+/// Everything about one PLE site: what a layer is built from, what decides
+/// whether a carry means the same thing in another engine, and every size
+/// derived from them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SiteSpec {
+    /// How token n-grams map to table rows.
+    pub family: HashFamily,
+    /// The 0-based model layer the site sits on.
+    pub layer: usize,
+    /// The hash geometry and constants.
+    pub dims: PleIdDims,
+    /// Values per table row.
+    pub head_dim: usize,
+    /// H: the width of one highway stream.
+    pub hidden: usize,
+    /// hc: the number of highway streams.
+    pub hc_mult: usize,
+    /// The conv kernel size.
+    pub kernel: usize,
+    /// The conv dilation.
+    pub dilation: usize,
+    /// The epsilon of the grouped RMS norms.
+    pub rms_eps: f32,
+}
+
+impl SiteSpec {
+    /// A Qwen4Exp site on model layer 0 with `rms_eps` 1e-6 (the models'
+    /// value): the usual site of tests and synthetic models. Set the public
+    /// fields for anything else.
+    pub fn new(
+        dims: PleIdDims,
+        head_dim: usize,
+        hidden: usize,
+        hc_mult: usize,
+        kernel: usize,
+        dilation: usize,
+    ) -> SiteSpec {
+        SiteSpec {
+            family: HashFamily::Qwen4Exp,
+            layer: 0,
+            dims,
+            head_dim,
+            hidden,
+            hc_mult,
+            kernel,
+            dilation,
+            rms_eps: 1e-6,
+        }
+    }
+
+    /// `(N - 1) * K`: ids (table rows) per token.
+    pub fn ngram_heads(&self) -> usize {
+        self.dims.ngram_heads()
+    }
+    /// `N - 1`: tokens of history carried per sequence.
+    pub fn context_len(&self) -> usize {
+        self.dims.context_len()
+    }
+    /// E = ngram_heads * head_dim: the width of the gathered embedding.
+    pub fn emb_dim(&self) -> usize {
+        self.ngram_heads() * self.head_dim
+    }
+    /// C = hc * H: the channels of the gate and the conv.
+    pub fn channels(&self) -> usize {
+        self.hc_mult * self.hidden
+    }
+    /// Rows of conv state carried: `(kernel - 1) * dilation`.
+    pub fn state_len(&self) -> usize {
+        self.kernel.saturating_sub(1) * self.dilation
+    }
+    /// Bytes of the conv state: `state_len * C` f32 values.
+    pub fn conv_bytes(&self) -> usize {
+        self.state_len() * self.channels() * 4
+    }
+    /// Bytes of a well-formed aux blob of a sequence that has run: the
+    /// history holds exactly `context_len` tokens.
+    pub fn aux_blob_len(&self) -> usize {
+        carry_blob::blob_len(self.context_len(), self.conv_bytes())
+    }
+    /// Bytes of device memory one sequence's carry holds at this site.
+    pub fn carry_bytes(&self) -> usize {
+        self.conv_bytes()
+    }
+
+    /// Check what a layer needs beyond a parsed config: usable hash
+    /// constants, positive widths, `hc_mult` in `1..=MAX_HC_MULT`, a conv
+    /// kernel of at least 2, a dilation of at least 1, a finite
+    /// non-negative eps, and sizes that fit an allocation.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let bad = |field: &'static str, problem: String| Err(SpecError::Site { field, problem });
+        self.dims.validate()?;
+        if self.head_dim == 0 {
+            return bad("head_dim", "must be positive".into());
+        }
+        if self.hidden == 0 {
+            return bad("hidden", "must be positive".into());
+        }
+        if !(1..=MAX_HC_MULT).contains(&self.hc_mult) {
+            return bad(
+                "hc_mult",
+                format!("= {} is outside 1..={MAX_HC_MULT}", self.hc_mult),
+            );
+        }
+        if self.kernel < 2 {
+            return bad(
+                "conv kernel size",
+                format!("must be at least 2, got {}", self.kernel),
+            );
+        }
+        if self.dilation < 1 {
+            return bad(
+                "conv dilation",
+                format!("must be at least 1, got {}", self.dilation),
+            );
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return bad(
+                "rms eps",
+                format!("must be finite and >= 0, got {}", self.rms_eps),
+            );
+        }
+        const LIMIT: usize = isize::MAX as usize;
+        let sizes = self
+            .ngram_heads()
+            .checked_mul(self.head_dim)
+            .and(self.hc_mult.checked_mul(self.hidden))
+            .and_then(|c| (self.kernel - 1).checked_mul(self.dilation)?.checked_mul(c))
+            .and_then(|v| v.checked_mul(4))
+            .and_then(|conv| carry_blob::checked_blob_len(self.context_len(), conv))
+            .filter(|&v| v <= LIMIT);
+        if sizes.is_none() {
+            return bad(
+                "geometry",
+                "is too large to address (head_dim, hidden, hc_mult, kernel, dilation)".into(),
+            );
+        }
+        Ok(())
+    }
+
+    /// A canonical byte encoding of everything that gives an aux blob its
+    /// meaning: every field, fixed width, vectors with their lengths, so that
+    /// two different sites never encode alike. The layer index and the eps
+    /// are left out on purpose: a carry moves between sites of the same
+    /// shape and constants. The family is encoded only for families other
+    /// than Qwen4Exp, so fingerprints of existing snapshots stay valid.
+    pub fn encode_canonical(&self, out: &mut Vec<u8>) {
+        let d = &self.dims;
+        for v in [d.ngram_size, d.heads_per_ngram] {
+            out.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        for list in [&d.multipliers, &d.head_vocab_sizes, &d.head_offsets] {
+            out.extend_from_slice(&(list.len() as u64).to_le_bytes());
+            for v in list.iter() {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out.extend_from_slice(&d.eos_token_id.to_le_bytes());
+        for v in [
+            self.head_dim,
+            self.hidden,
+            self.hc_mult,
+            self.kernel,
+            self.dilation,
+            self.state_len(),
+        ] {
+            out.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        match self.family {
+            HashFamily::Qwen4Exp => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FLAGSHIP: &str = r#"{
+        "architectures": ["Qwen4ExpForCausalLM"],
+        "vocab_size": 151936, "hidden_size": 2560, "hc_mult": 4,
+        "rms_norm_eps": 1e-6, "eos_token_id": [151645, 151643],
+        "ngram_size": 3, "heads_per_ngram": 8, "ngram_vocab_size_base": 20000000,
+        "split_ngram_parts": 16, "ple_conv_kernel_size": 4, "ple_layer_ids": [2]
+    }"#;
+
+    fn with(field: &str, value: &str) -> String {
+        let mut v: Value = serde_json::from_str(FLAGSHIP).unwrap();
+        if value == "DELETE" {
+            v.as_object_mut().unwrap().remove(field);
+        } else {
+            v[field] = serde_json::from_str(value).unwrap();
+        }
+        v.to_string()
+    }
+
+    #[test]
+    fn flagship_with_defaults() {
+        let c = ModelSpec::from_json_str(FLAGSHIP, "config.json").unwrap();
+        assert_eq!(c.eos_token_id, 151_645);
+        assert_eq!(c.divisible_by, 128);
+        assert_eq!(c.hash_seed, 1234);
+        assert_eq!(c.head_dim, 160);
+        assert_eq!(c.ngram_heads(), 16);
+        assert_eq!(c.num_hidden_layers, 2);
+        let d = c.derive(0).unwrap();
+        assert_eq!(d.padded_rows, 320_001_536);
+        let e = c.hash_params(1).unwrap_err();
+        assert!(matches!(
+            e,
+            SpecError::NoSuchSite {
+                site: 1,
+                count: 1,
+                ..
+            }
+        ));
+        let e = e.to_string();
+        assert!(e.contains("site 1") && e.contains("1 entries"), "{e}");
+        let site = c.site(0).unwrap();
+        assert_eq!(site.dims, d.dims);
+        assert_eq!((site.layer, site.kernel, site.dilation), (1, 4, 3));
+        assert_eq!(site.state_len(), 9);
+        assert_eq!(site.aux_blob_len(), 368_652);
+        site.validate().unwrap();
+    }
+
+    #[test]
+    fn eos_as_int_and_explicit_options() {
+        let text = with("eos_token_id", "7");
+        let c = ModelSpec::from_json_str(&text, "c.json").unwrap();
+        assert_eq!(c.eos_token_id, 7);
+        let mut v: Value = serde_json::from_str(FLAGSHIP).unwrap();
+        v["ple_hash_seed"] = 99.into();
+        v["make_ngram_vocab_size_divisible_by"] = 64.into();
+        v["ple_head_dim"] = 128.into();
+        let c = ModelSpec::from_json_str(&v.to_string(), "c.json").unwrap();
+        assert_eq!((c.hash_seed, c.divisible_by, c.head_dim), (99, 64, 128));
+    }
+
+    #[test]
+    fn site_validation_names_the_field() {
+        let spec = ModelSpec::from_json_str(FLAGSHIP, "c.json").unwrap();
+        let base = spec.site(0).unwrap();
+        type Edit = fn(&mut SiteSpec);
+        let cases: [(&str, Edit); 6] = [
+            ("hc_mult = 65 is outside", |s| s.hc_mult = 65),
+            ("conv kernel size must be at least 2", |s| s.kernel = 1),
+            ("conv dilation must be at least 1", |s| s.dilation = 0),
+            ("rms eps", |s| s.rms_eps = f32::NAN),
+            ("head_dim must be positive", |s| s.head_dim = 0),
+            ("multipliers[0]", |s| s.dims.multipliers[0] = 2),
+        ];
+        for (want, f) in cases {
+            let mut s = base.clone();
+            f(&mut s);
+            let e = s.validate().unwrap_err().to_string();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+    }
+
+    #[test]
+    fn errors_name_field_and_file() {
+        let cases = [
+            (
+                "vocab_size",
+                "DELETE",
+                "missing required field `vocab_size`",
+            ),
+            ("ngram_size", "null", "missing required field `ngram_size`"),
+            ("ngram_size", "1", "`ngram_size` must be at least 2"),
+            (
+                "ngram_size",
+                "\"3\"",
+                "`ngram_size` must be a non-negative integer",
+            ),
+            (
+                "heads_per_ngram",
+                "-1",
+                "`heads_per_ngram` must be a non-negative integer",
+            ),
+            ("eos_token_id", "[]", "`eos_token_id` is an empty list"),
+            ("eos_token_id", "[\"x\"]", "`eos_token_id[0]` must be"),
+            ("eos_token_id", "4294967296", "does not fit a u32"),
+            (
+                "rms_norm_eps",
+                "0",
+                "`rms_norm_eps` must be a positive number",
+            ),
+            ("ple_layer_ids", "[]", "`ple_layer_ids` is empty"),
+            (
+                "ple_layer_ids",
+                "[2, 0]",
+                "`ple_layer_ids[1]` must be at least 1",
+            ),
+            ("ple_layer_ids", "[2, 2]", "lists layer 2 twice"),
+            ("ple_layer_ids", "2", "must be a list"),
+            ("hidden_size", "2561", "not a multiple of ngram_heads 16"),
+            (
+                "make_ngram_vocab_size_divisible_by",
+                "0",
+                "must be at least 1",
+            ),
+        ];
+        for (field, value, want) in cases {
+            let e = ModelSpec::from_json_str(&with(field, value), "model/config.json").unwrap_err();
+            let msg = format!("{e:#}");
+            assert!(msg.contains(want), "{field}={value}: {msg}");
+            assert!(msg.contains("model/config.json"), "{msg}");
+        }
+        let e = ModelSpec::from_json_str("[1]", "a.json")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("a.json") && e.contains("JSON object"), "{e}");
+        let e = format!("{:#}", ModelSpec::from_json_str("{", "b.json").unwrap_err());
+        assert!(e.contains("b.json: not valid JSON"), "{e}");
+        let e = ModelSpec::from_file(Path::new("/nonexistent/c.json")).unwrap_err();
+        assert!(matches!(e, SpecError::Read { .. }), "{e}");
+        assert!(e.to_string().contains("/nonexistent/c.json"), "{e}");
+    }
+}
