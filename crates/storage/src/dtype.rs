@@ -270,7 +270,10 @@ mod tests {
         let mut bytes = Vec::new();
         let scale = quantize_fp8_row(&row, &mut bytes);
         assert_eq!(scale, 3.0 / FP8_E4M3_MAX);
-        assert_eq!(bytes[1], 0xFE, "the largest magnitude takes the largest code");
+        assert_eq!(
+            bytes[1], 0xFE,
+            "the largest magnitude takes the largest code"
+        );
         let back: Vec<f32> = bytes
             .iter()
             .map(|&b| fp8_e4m3_scaled_to_f32(b, scale))

@@ -39,13 +39,13 @@ pub struct PackReport {
 /// `progress(copied, total)` as data bytes are copied.
 pub fn pack(src: &Path, dst: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<PackReport> {
     let h = Header::read(src)?;
-    if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize()) {
-        if a == b {
-            return Err(StorageError::invalid(format!(
-                "pack: source and destination are the same file ({})",
-                src.display()
-            )));
-        }
+    if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize())
+        && a == b
+    {
+        return Err(StorageError::invalid(format!(
+            "pack: source and destination are the same file ({})",
+            src.display()
+        )));
     }
     let entries: Vec<(TensorSpec, (u64, u64))> = h
         .tensors
