@@ -10,11 +10,10 @@
 //! Invariant: the wrapper adds no state of its own, so a carry's meaning is
 //! exactly the layer's.
 
-use anyhow::{Result, ensure};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, SiteSpec};
 
-use crate::engine::Site;
+use crate::engine::{EngineError, Site, SiteResult};
 
 /// A PLE layer driven by the engine.
 pub struct PleSite {
@@ -25,17 +24,18 @@ impl PleSite {
     /// Wrap `layer`, built with conv kernel size `kernel` and dilation
     /// `dilation`. Refused when they are not the layer spec's (a caller
     /// that describes the site twice must describe it the same way).
-    pub fn new(layer: PleLayer, kernel: usize, dilation: usize) -> Result<Self> {
+    pub fn new(layer: PleLayer, kernel: usize, dilation: usize) -> Result<Self, EngineError> {
         let spec = layer.spec();
-        ensure!(
-            kernel == spec.kernel && dilation == spec.dilation,
-            "PLE site: kernel {kernel} and dilation {dilation} give {} state rows, the layer has \
-             {} (kernel {}, dilation {})",
-            kernel.saturating_sub(1) * dilation,
-            layer.state_len(),
-            spec.kernel,
-            spec.dilation
-        );
+        if kernel != spec.kernel || dilation != spec.dilation {
+            return Err(EngineError::Config(format!(
+                "PLE site: kernel {kernel} and dilation {dilation} give {} state rows, the layer \
+                 has {} (kernel {}, dilation {})",
+                kernel.saturating_sub(1) * dilation,
+                layer.state_len(),
+                spec.kernel,
+                spec.dilation
+            )));
+        }
         Ok(PleSite { layer })
     }
 
@@ -48,7 +48,7 @@ impl PleSite {
 impl Site for PleSite {
     type State = PleSeqState;
 
-    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> Result<()> {
+    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
         Ok(self.layer.prefetch(history, tokens)?)
     }
 
@@ -63,7 +63,7 @@ impl Site for PleSite {
         rows: usize,
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
+    ) -> SiteResult<()> {
         Ok(self
             .layer
             .prestage_batch(states, tokens, rows, gpu, stream)?)
@@ -76,7 +76,7 @@ impl Site for PleSite {
         rows: usize,
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
+    ) -> SiteResult<()> {
         let capturing = gpu.stream_is_capturing(stream)?;
         let ctx = ForwardContext::new(gpu).capturing(capturing);
         Ok(self
@@ -89,7 +89,7 @@ impl Site for PleSite {
         states: &mut [&mut PleSeqState],
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
+    ) -> SiteResult<()> {
         Ok(self.layer.note_replayed(states, gpu, stream)?)
     }
 
@@ -109,7 +109,7 @@ impl Site for PleSite {
         self.layer.conv_state_bytes()
     }
 
-    fn new_state(&self, gpu: &dyn GpuBackend) -> Result<PleSeqState> {
+    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<PleSeqState> {
         Ok(self.layer.new_seq_state(gpu)?)
     }
 
@@ -121,7 +121,7 @@ impl Site for PleSite {
         fresh: bool,
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
+    ) -> SiteResult<()> {
         let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
         Ok(self
             .layer
@@ -135,13 +135,15 @@ impl Site for PleSite {
         highway: DevicePtr,
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
-        ensure!(
-            tokens.len() == states.len(),
-            "PLE site: {} tokens for a batch of {} sequences",
-            tokens.len(),
-            states.len()
-        );
+    ) -> SiteResult<()> {
+        if tokens.len() != states.len() {
+            return Err(format!(
+                "PLE site: {} tokens for a batch of {} sequences",
+                tokens.len(),
+                states.len()
+            )
+            .into());
+        }
         let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
         Ok(self
             .layer
@@ -153,8 +155,8 @@ impl Site for PleSite {
         st: &PleSeqState,
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<Vec<u8>> {
-        self.layer.snapshot_aux(st, gpu, stream)
+    ) -> SiteResult<Vec<u8>> {
+        Ok(self.layer.snapshot_aux(st, gpu, stream)?)
     }
 
     fn restore(
@@ -163,15 +165,15 @@ impl Site for PleSite {
         blob: &[u8],
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
-        self.layer.restore_aux(st, blob, gpu, stream)
+    ) -> SiteResult<()> {
+        Ok(self.layer.restore_aux(st, blob, gpu, stream)?)
     }
 
-    fn release(&self, st: &mut PleSeqState, gpu: &dyn GpuBackend) -> Result<()> {
-        self.layer.release_seq_state(st, gpu)
+    fn release(&self, st: &mut PleSeqState, gpu: &dyn GpuBackend) -> SiteResult<()> {
+        Ok(self.layer.release_seq_state(st, gpu)?)
     }
 
-    fn free(&mut self, gpu: &dyn GpuBackend) -> Result<()> {
+    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
         Ok(self.layer.free(gpu)?)
     }
 }

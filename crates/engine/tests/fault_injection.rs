@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::{Engine, EngineConfig, SeqId, Site};
+use metrale_engine::{Engine, EngineConfig, EngineError, SeqId, Site};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::PleLayer;
@@ -147,7 +147,7 @@ fn rig_with_budget(
 }
 
 /// Prefill `tokens` into sequence `id`; the output rows.
-fn prefill(e: &mut Engine<PleSite>, id: SeqId, tokens: &[u32]) -> anyhow::Result<Vec<f32>> {
+fn prefill(e: &mut Engine<PleSite>, id: SeqId, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
     let mut hw = rows_for(tokens, 0, tokens.len(), e.width());
     e.prefill(id, tokens, &mut hw)?;
     Ok(hw)
@@ -160,7 +160,7 @@ fn decode(
     ids: &[SeqId],
     hist: &[&Vec<u32>],
     next: &[u32],
-) -> anyhow::Result<Vec<Vec<f32>>> {
+) -> Result<Vec<Vec<f32>>, EngineError> {
     let w = e.width();
     let mut hw = Vec::new();
     for (h, &t) in hist.iter().zip(next) {
@@ -282,8 +282,9 @@ fn read_faults_fail_only_their_sequences_and_a_retry_matches_a_clean_run() {
                 got[i] = o;
             }
             Err(err) => {
-                let msg = format!("{err:#}");
+                let msg = err.chain();
                 assert!(fault.is_some(), "sequence {i}: unexpected error {msg}");
+                assert!(matches!(err, EngineError::Site { .. }), "{msg}");
                 assert_eq!(faulty.fired(), fired + 1, "the fault hit this prefill");
                 assert!(msg.contains("row ") && msg.contains("offset"), "{msg}");
                 if fault == Some(Fault::Short) {
@@ -323,10 +324,11 @@ fn read_faults_fail_only_their_sequences_and_a_retry_matches_a_clean_run() {
                 Err(err) => {
                     assert!(
                         arm && faulty.fired() == fired + 1,
-                        "unexpected decode error {err:#}"
+                        "unexpected decode error {}",
+                        err.chain()
                     );
                     for &k in &alive {
-                        lost.insert(k, format!("{err:#}"));
+                        lost.insert(k, err.chain());
                     }
                 }
             }
@@ -421,7 +423,11 @@ fn a_lost_sequence_leaves_the_budget_and_is_never_preempted() {
     // Other rows than `a`'s, so the read really happens.
     let other: Vec<u32> = (500..512).collect();
     let err = prefill(e, b, &other).unwrap_err();
-    assert!(faulty.fired() > 0, "the fault did not fire: {err:#}");
+    assert!(
+        faulty.fired() > 0,
+        "the fault did not fire: {}",
+        err.chain()
+    );
     assert_eq!(
         e.stats().budget.used_bytes,
         carry,
@@ -438,7 +444,11 @@ fn a_lost_sequence_leaves_the_budget_and_is_never_preempted() {
     assert!(!e.is_resident(a).unwrap());
     assert!(e.stats().budget.used_bytes <= 2 * carry);
     let err = prefill(e, b, &toks).unwrap_err();
-    assert!(format!("{err:#}").contains("lost"), "{err:#}");
+    assert!(
+        matches!(err, EngineError::Lost { seq, .. } if seq == b),
+        "{}",
+        err.chain()
+    );
 
     // `a` comes back (preempting another), `b` is released.
     let hist = e.tokens(a).unwrap().to_vec();

@@ -213,7 +213,7 @@ impl<S: Site> Flaky<S> {
         let n = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
         if n.is_multiple_of(self.every) && self.left.load(Ordering::Relaxed) > 0 {
             self.left.fetch_sub(1, Ordering::Relaxed);
-            anyhow::bail!("injected fault at call {n}");
+            return Err(format!("injected fault at call {n}").into());
         }
         Ok(())
     }

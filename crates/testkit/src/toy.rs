@@ -5,8 +5,7 @@
 //! Invariant: its forward is sequential per token, so chunking and
 //! batching cannot change results.
 
-use anyhow::{Result, ensure};
-use metrale_engine::Site;
+use metrale_engine::{Site, SiteResult};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::SiteSpec;
 use metrale_model_layers::layers::ple::ids::{PleIdDims, ple_ngram_ids};
@@ -79,7 +78,7 @@ impl Site for ToySite {
         self.max_tokens
     }
 
-    fn new_state(&self, gpu: &dyn GpuBackend) -> Result<ToyState> {
+    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<ToyState> {
         Ok(ToyState {
             conv: gpu.alloc(self.geom.conv_bytes(), "toy conv")?,
             history: Vec::new(),
@@ -94,8 +93,10 @@ impl Site for ToySite {
         fresh: bool,
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
-        ensure!(tokens.len() <= self.max_tokens, "toy: too many tokens");
+    ) -> SiteResult<()> {
+        if tokens.len() > self.max_tokens {
+            return Err("toy: too many tokens".into());
+        }
         let (c, s, k, d) = (
             self.c(),
             self.geom.state_len(),
@@ -154,7 +155,7 @@ impl Site for ToySite {
         highway: DevicePtr,
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
+    ) -> SiteResult<()> {
         for (b, st) in states.iter_mut().enumerate() {
             self.forward(
                 st,
@@ -168,7 +169,12 @@ impl Site for ToySite {
         Ok(())
     }
 
-    fn snapshot(&self, st: &ToyState, gpu: &dyn GpuBackend, stream: StreamId) -> Result<Vec<u8>> {
+    fn snapshot(
+        &self,
+        st: &ToyState,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<Vec<u8>> {
         let mut blob = (st.history.len() as u32).to_le_bytes().to_vec();
         for t in &st.history {
             blob.extend_from_slice(&t.to_le_bytes());
@@ -185,8 +191,10 @@ impl Site for ToySite {
         blob: &[u8],
         gpu: &dyn GpuBackend,
         stream: StreamId,
-    ) -> Result<()> {
-        ensure!(blob.len() == self.geom.aux_blob_len(), "toy: blob size");
+    ) -> SiteResult<()> {
+        if blob.len() != self.geom.aux_blob_len() {
+            return Err("toy: blob size".into());
+        }
         let n = u32::from_le_bytes(blob[..4].try_into().unwrap()) as usize;
         st.history = blob[4..4 + 4 * n]
             .chunks_exact(4)
@@ -195,7 +203,7 @@ impl Site for ToySite {
         Ok(gpu.copy_h2d_async(&blob[4 + 4 * n..], st.conv, stream)?)
     }
 
-    fn release(&self, st: &mut ToyState, gpu: &dyn GpuBackend) -> Result<()> {
+    fn release(&self, st: &mut ToyState, gpu: &dyn GpuBackend) -> SiteResult<()> {
         if st.conv.is_null() {
             return Ok(());
         }
@@ -205,7 +213,7 @@ impl Site for ToySite {
         Ok(r?)
     }
 
-    fn free(&mut self, _gpu: &dyn GpuBackend) -> Result<()> {
+    fn free(&mut self, _gpu: &dyn GpuBackend) -> SiteResult<()> {
         Ok(())
     }
 }

@@ -53,13 +53,16 @@ mod swap;
 pub(crate) use error::chain as error_chain;
 pub use error::{BoxError, EngineError, Place, Result};
 
-/// What a [`Site`] returns. Sites wrap layers whose errors are
-/// `anyhow::Error`; the engine carries them as the source of
-/// [`EngineError::Site`].
-pub type SiteResult<T> = anyhow::Result<T>;
+/// What a [`Site`] returns: any error type of the site's layer, table or
+/// backend, boxed; the engine carries it, with its causes, as the source of
+/// [`EngineError::Site`], where callers can downcast it.
+pub type SiteResult<T> = std::result::Result<T, BoxError>;
 
 /// A sequence id, unique for the engine's lifetime.
 pub type SeqId = u64;
+
+/// What the default graph methods of [`Site`] say.
+const NO_GRAPHS: &str = "this site cannot replay decode graphs";
 
 /// What the engine needs of a PLE site. [`crate::ple_site::PleSite`]
 /// implements it for the PLE layer.
@@ -134,7 +137,7 @@ pub trait Site: Send + Sync {
         stream: StreamId,
     ) -> SiteResult<()> {
         let _ = (states, tokens, rows, gpu, stream);
-        Err(anyhow::anyhow!("this site cannot replay decode graphs"))
+        Err(NO_GRAPHS.into())
     }
     /// The device half: the `[rows, C]` rows at `highway` through what
     /// `prestage_batch` staged, reading fixed addresses only, so it can be
@@ -148,7 +151,7 @@ pub trait Site: Send + Sync {
         stream: StreamId,
     ) -> SiteResult<()> {
         let _ = (states, highway, rows, gpu, stream);
-        Err(anyhow::anyhow!("this site cannot replay decode graphs"))
+        Err(NO_GRAPHS.into())
     }
     /// Right after each `launch_graph` of a captured step.
     fn note_replayed(
@@ -158,7 +161,7 @@ pub trait Site: Send + Sync {
         stream: StreamId,
     ) -> SiteResult<()> {
         let _ = (states, gpu, stream);
-        Err(anyhow::anyhow!("this site cannot replay decode graphs"))
+        Err(NO_GRAPHS.into())
     }
     /// After a failed capture: give back the prestage it took.
     fn rearm(&self, st: &mut Self::State) {
