@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use super::*;
-use crate::gpu::{ArgKind, GpuBackend, KernelArg, LaunchConfig};
+use crate::gpu::{ArgKind, GpuBackend, HostMemory, KernelArg, LaunchConfig};
 
 fn f32s(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
