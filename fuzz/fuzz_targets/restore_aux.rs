@@ -9,7 +9,6 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use anyhow::{Result, ensure};
 use libfuzzer_sys::fuzz_target;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
@@ -17,6 +16,7 @@ use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::carry_blob;
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, PleWeights, SiteSpec};
 use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
+use metrale_storage::{Result as StorageResult, StorageError};
 
 const HEAD_DIM: usize = 4;
 const ROWS: u64 = 18;
@@ -33,22 +33,26 @@ impl RowTable for Resident {
     fn max_resolve(&self) -> usize {
         1 << 20
     }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        ensure!(ids.len() == out.len(), "resolve: {} ids, {} refs", ids.len(), out.len());
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> StorageResult<Lease> {
+        if ids.len() != out.len() {
+            return Err(StorageError::OutputLength { ids: ids.len(), out: out.len() });
+        }
         for (&id, o) in ids.iter().zip(out.iter_mut()) {
-            ensure!(id < ROWS, "row id {id} is past the end of the table ({ROWS} rows)");
+            if id >= ROWS {
+                return Err(StorageError::RowOutOfRange { id, rows: ROWS });
+            }
             *o = RowRef { data: self.base.offset(id as usize * HEAD_DIM * 2).0, scale: 0 };
         }
         Ok(Lease::empty())
     }
-    fn release(&self, _l: Lease, gpu: &dyn GpuBackend, after: Option<EventHandle>) -> Result<()> {
+    fn release(&self, _l: Lease, gpu: &dyn GpuBackend, after: Option<EventHandle>) -> StorageResult<()> {
         if let Some(ev) = after {
             gpu.event_synchronize(ev)?;
             gpu.destroy_event(ev)?;
         }
         Ok(())
     }
-    fn prefetch(&self, _ids: &[u64]) -> Result<()> {
+    fn prefetch(&self, _ids: &[u64]) -> StorageResult<()> {
         Ok(())
     }
     fn stats(&self) -> TableStats {

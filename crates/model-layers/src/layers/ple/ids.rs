@@ -1,4 +1,4 @@
-//! The PLE n-gram id hash (SPEC.md section 3): which table rows each token
+//! The PLE n-gram id hash (docs/SPEC.md, "Id hash"): which table rows each token
 //! reads.
 //!
 //! For token `i` and order `n` in `2..=N`, `mixed = XOR over p < n of

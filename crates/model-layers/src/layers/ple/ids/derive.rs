@@ -1,5 +1,5 @@
 //! How a PLE site's hash constants are derived from the model config
-//! (SPEC.md section 3), and the check of a checkpoint's stored copies.
+//! (docs/SPEC.md, "Constant derivation"), and the check of a checkpoint's stored copies.
 //!
 //! Invariants: every derived multiplier is odd; head sizes are distinct
 //! primes in increasing order (site `s` takes the `s * ngram_heads + 1`-th
@@ -30,7 +30,7 @@ pub const MAX_NGRAM_SIZE: usize = 32;
 /// (`(site + 1) * ngram_heads`); beyond it the input is taken as malformed.
 pub const MAX_PRIMES_SEARCHED: usize = 1 << 20;
 
-/// One step of splitmix64 as SPEC.md defines it (all wrapping).
+/// One step of splitmix64 as docs/SPEC.md, "Constant derivation", defines it (all wrapping).
 pub fn splitmix64(v: u64) -> u64 {
     let mut v = v.wrapping_add(SPLITMIX64_GAMMA);
     v = (v ^ (v >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
