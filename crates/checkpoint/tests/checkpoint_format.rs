@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use metrale_checkpoint::names::{INDEX_FILE, SiteNames, shard_file};
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, CheckpointError, InitOptions, Preset, TableDType};
-use metrale_storage::safetensors::{Header, TensorSpec, write_file};
+use metrale_storage::safetensors::{Header, TensorSpec};
 use metrale_storage::table::RowDType;
+use metrale_testkit::files::replace_tensor;
 
 fn opts(rows: Option<u64>, dtype: TableDType, seed: u64) -> InitOptions {
     InitOptions {
@@ -32,27 +33,6 @@ fn small(dir: &Path) -> PathBuf {
 
 fn dense(ck: &Path) -> PathBuf {
     ck.join(shard_file(1, 5))
-}
-
-/// Rewrite `file` with tensor `name` replaced by `(spec, data)`.
-fn replace_tensor(file: &Path, name: &str, spec: TensorSpec, data: Vec<u8>) {
-    let h = Header::read(file).unwrap();
-    let mut tensors: Vec<(TensorSpec, Vec<u8>)> = Vec::new();
-    for t in &h.tensors {
-        if t.name == name {
-            tensors.push((spec.clone(), data.clone()));
-        } else {
-            tensors.push((
-                TensorSpec::new(&t.name, t.dtype, &t.shape),
-                h.read_tensor(&t.name).unwrap(),
-            ));
-        }
-    }
-    let refs: Vec<(TensorSpec, &[u8])> = tensors
-        .iter()
-        .map(|(s, d)| (s.clone(), d.as_slice()))
-        .collect();
-    write_file(file, &refs, 8).unwrap();
 }
 
 fn patch_i64(file: &Path, name: &str, index: usize, value: i64) {

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Phase, Request, Workload, fingerprint};
 use metrale_engine::{
-    Engine, EngineConfig, EngineError, Server, ServerConfig, ServerError, Site, SiteResult,
-    SwapTarget,
+    Engine, EngineConfig, EngineError, Server, ServerConfig, ServerError, ServerReport, Site,
+    SiteResult, SwapTarget,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
@@ -103,6 +103,21 @@ fn check(got: &[Vec<Option<u64>>], want: &[Vec<u64>], restored: u64) {
     );
 }
 
+/// Run `reqs` through `server` with [`embed`]'s rows: the report, and how
+/// often each request was reported done.
+fn serve<S: Site>(
+    server: &mut Server<S>,
+    reqs: &[Request],
+) -> Result<(ServerReport, Vec<u32>), ServerError> {
+    let mut done = vec![0u32; reqs.len()];
+    let w = Workload {
+        requests: reqs,
+        rows: &embed,
+    };
+    let report = server.run(w, &mut |i| done[i] += 1)?;
+    Ok((report, done))
+}
+
 fn cfg(in_flight: usize) -> ServerConfig {
     ServerConfig {
         in_flight,
@@ -137,12 +152,7 @@ fn served_equals_sequential(graphs: bool) {
         },
     )
     .unwrap();
-    let mut done = vec![0u32; reqs.len()];
-    let w = Workload {
-        requests: &reqs,
-        rows: &embed,
-    };
-    let report = server.run(w, &mut |i| done[i] += 1).unwrap();
+    let (report, done) = serve(&mut server, &reqs).unwrap();
     assert!(done.iter().all(|&d| d == 1), "each request done once");
     check(&report.rows, &want, report.stats.prefix_tokens_restored);
     assert!(report.stats.prefix_hits > 0, "shared prompts hit the cache");
@@ -187,11 +197,7 @@ fn a_tiny_budget_preempts_and_swaps_without_changing_a_row() {
     )
     .unwrap();
     let mut server = Server::new(engine, cfg(8)).unwrap();
-    let w = Workload {
-        requests: &reqs,
-        rows: &embed,
-    };
-    let report = server.run(w, &mut |_| {}).unwrap();
+    let (report, _) = serve(&mut server, &reqs).unwrap();
     check(&report.rows, &want, report.stats.prefix_tokens_restored);
     assert!(report.stats.preemptions > 0, "{:?}", report.stats);
     assert!(report.stats.swap_ins > 0, "{:?}", report.stats);
@@ -310,12 +316,7 @@ fn a_failed_call_reruns_its_sequences_and_the_others_go_on() {
         },
     )
     .unwrap();
-    let mut done = vec![0u32; reqs.len()];
-    let w = Workload {
-        requests: &reqs,
-        rows: &embed,
-    };
-    let report = server.run(w, &mut |i| done[i] += 1).unwrap();
+    let (report, done) = serve(&mut server, &reqs).unwrap();
     assert_eq!(left.load(Ordering::Relaxed), 0, "every fault fired");
     assert_eq!(report.failed_calls, 6);
     assert!(report.retried >= 6, "{} retried", report.retried);
@@ -343,11 +344,7 @@ fn without_retries_the_first_failure_ends_the_run() {
     let reqs = workload(8, 5);
     let (engine, _) = flaky_engine(&gpu, 1);
     let mut server = Server::new(engine, cfg(4)).unwrap();
-    let w = Workload {
-        requests: &reqs,
-        rows: &embed,
-    };
-    let err = server.run(w, &mut |_| {}).unwrap_err();
+    let err = serve(&mut server, &reqs).unwrap_err();
     match &err {
         ServerError::Prefill { source, .. } | ServerError::Decode { source } => {
             assert!(
@@ -383,12 +380,7 @@ fn malformed_requests_and_settings_are_refused() {
             segments: vec![(Phase::Prefill, 2), (Phase::Decode, 1), (Phase::Decode, 3)],
         },
     ] {
-        let reqs = [bad];
-        let w = Workload {
-            requests: &reqs,
-            rows: &embed,
-        };
-        let err = server.run(w, &mut |_| {}).unwrap_err();
+        let err = serve(&mut server, &[bad]).unwrap_err();
         assert!(
             matches!(err, ServerError::Request { request: 0, .. }),
             "{err}"

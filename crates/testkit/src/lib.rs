@@ -7,10 +7,13 @@
 //! - [`tiny`]: tiny real PLE models with random weights over a small
 //!   device-resident table, and engines over them;
 //! - [`toy`]: a toy engine site with the PLE carry's shape and simple math;
+//! - [`files`]: checkpoint files damaged on purpose (a tensor replaced or
+//!   reshaped) for refusal tests;
 //! - [`drive`]: the plain sequential reference run and the randomised
 //!   engine driver that checks every output row against it.
 
 pub mod drive;
+pub mod files;
 pub mod rng;
 pub mod rows;
 pub mod tiny;

@@ -183,9 +183,9 @@ pub enum EngineError {
     Device {
         /// The operation.
         op: String,
-        /// The backend's error.
+        /// The backend's error (boxed: it is large, and rare).
         #[source]
-        source: GpuError,
+        source: Box<GpuError>,
     },
     /// Reading, writing or removing a swap file failed.
     #[error("{op}: {}", path.display())]
@@ -223,7 +223,7 @@ impl EngineError {
     pub fn device(op: impl Into<String>, source: GpuError) -> Self {
         EngineError::Device {
             op: op.into(),
-            source,
+            source: Box::new(source),
         }
     }
 
