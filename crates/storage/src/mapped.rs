@@ -17,7 +17,9 @@ use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
 
 use crate::error::{IoContext, Result, StorageError};
 use crate::layout::{TableFiles, check_row};
-use crate::table::{Lease, RowRef, RowTable, TableInfo, TableStats, check_out_len};
+use crate::table::{
+    Lease, RowRef, RowTable, TableInfo, TableStats, release_in_place, resolve_in_place,
+};
 
 /// A table served from memory-mapped shard files.
 pub struct MappedTable {
@@ -86,18 +88,15 @@ impl RowTable for MappedTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        check_out_len(ids, out)?;
         let rb = self.info.row_bytes() as u64;
-        for (o, &id) in out.iter_mut().zip(ids) {
-            self.check(id)?;
+        resolve_in_place(ids, out, self.info.rows, |id| {
             let (base, d0, s0) = self.bases[(id / self.rows_per_shard) as usize];
             let r = id % self.rows_per_shard;
-            *o = RowRef {
+            RowRef {
                 data: base.0 + d0 + r * rb,
                 scale: s0.map_or(0, |s0| base.0 + s0 + r * 4),
-            };
-        }
-        Ok(Lease::empty())
+            }
+        })
     }
 
     fn release(
@@ -106,16 +105,7 @@ impl RowTable for MappedTable {
         gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
     ) -> Result<()> {
-        if lease.pinned != 0 {
-            return Err(StorageError::UnknownLease {
-                lease: lease.id,
-                why: "does not belong to a mapped table",
-            });
-        }
-        if let Some(ev) = after {
-            gpu.destroy_event(ev)?;
-        }
-        Ok(())
+        release_in_place(lease, gpu, after, "does not belong to a mapped table")
     }
 
     fn prefetch(&self, ids: &[u64]) -> Result<()> {

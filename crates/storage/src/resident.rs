@@ -13,7 +13,9 @@ use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
 
 use crate::error::{IoContext, Result, StorageError};
 use crate::layout::{TableFiles, check_row};
-use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len};
+use crate::table::{
+    Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, release_in_place, resolve_in_place,
+};
 
 /// Bytes copied per host-to-device transfer while loading.
 const CHUNK: usize = 16 << 20;
@@ -159,20 +161,15 @@ impl RowTable for ResidentTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        check_out_len(ids, out)?;
         let rb = self.info.row_bytes() as u64;
-        for (o, &id) in out.iter_mut().zip(ids) {
-            self.check(id)?;
-            *o = RowRef {
-                data: self.data.0 + id * rb,
-                scale: if self.scales.is_null() {
-                    0
-                } else {
-                    self.scales.0 + id * 4
-                },
-            };
-        }
-        Ok(Lease::empty())
+        resolve_in_place(ids, out, self.info.rows, |id| RowRef {
+            data: self.data.0 + id * rb,
+            scale: if self.scales.is_null() {
+                0
+            } else {
+                self.scales.0 + id * 4
+            },
+        })
     }
 
     fn release(
@@ -181,16 +178,7 @@ impl RowTable for ResidentTable {
         gpu: &dyn GpuBackend,
         after: Option<EventHandle>,
     ) -> Result<()> {
-        if lease.pinned != 0 {
-            return Err(StorageError::UnknownLease {
-                lease: lease.id,
-                why: "does not belong to a resident table",
-            });
-        }
-        if let Some(ev) = after {
-            gpu.destroy_event(ev)?;
-        }
-        Ok(())
+        release_in_place(lease, gpu, after, "does not belong to a resident table")
     }
 
     fn prefetch(&self, ids: &[u64]) -> Result<()> {

@@ -134,3 +134,41 @@ pub fn check_out_len(ids: &[u64], out: &[RowRef]) -> Result<()> {
     }
     Ok(())
 }
+
+/// `resolve` of a table that holds every row in place: checks the lengths
+/// and every id against `rows`, writes `locate(id)` for each, and hands out
+/// an empty lease (nothing can be evicted).
+pub(crate) fn resolve_in_place(
+    ids: &[u64],
+    out: &mut [RowRef],
+    rows: u64,
+    locate: impl Fn(u64) -> RowRef,
+) -> Result<Lease> {
+    check_out_len(ids, out)?;
+    for (o, &id) in out.iter_mut().zip(ids) {
+        crate::layout::check_row(id, rows)?;
+        *o = locate(id);
+    }
+    Ok(Lease::empty())
+}
+
+/// `release` of a table that holds every row in place: only empty leases
+/// are its own (`why` says which table refused another); the event, if
+/// any, is destroyed at once since no pin waits on it.
+pub(crate) fn release_in_place(
+    lease: Lease,
+    gpu: &dyn GpuBackend,
+    after: Option<EventHandle>,
+    why: &'static str,
+) -> Result<()> {
+    if lease.pinned != 0 {
+        return Err(crate::StorageError::UnknownLease {
+            lease: lease.id,
+            why,
+        });
+    }
+    if let Some(ev) = after {
+        gpu.destroy_event(ev)?;
+    }
+    Ok(())
+}
