@@ -363,7 +363,7 @@ impl Ledger {
                         op,
                         ptr,
                         bytes,
-                        over: over as u64,
+                        over: u64::try_from(over).unwrap_or(u64::MAX),
                         alloc: alloc_ref(base, e.bytes, &e.label),
                     };
                 }
