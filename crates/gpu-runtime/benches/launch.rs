@@ -8,6 +8,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use metrale_gpu_runtime::bench::CopyD2d;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{
     ArgKind, DevicePtr, GpuBackend, HostMemory, KernelArg, LaunchConfig,
@@ -52,23 +53,13 @@ fn main() -> anyhow::Result<()> {
     let one = LaunchConfig::linear(1, 1);
     let s = gpu.create_stream()?;
 
-    // Baseline: a plain memcpy of 64 MiB between two touched host buffers.
-    let src = vec![7u8; BIG];
-    let mut dst = vec![0u8; BIG];
-    let memcpy = median(15, || {
-        dst.copy_from_slice(black_box(&src));
-        black_box(&mut dst);
-    });
-
-    // 64 MiB copy_d2d_async + synchronize.
-    let a = gpu.alloc(BIG, "bench src")?;
-    let b = gpu.alloc(BIG, "bench dst")?;
-    gpu.copy_h2d(&src, a)?;
-    gpu.memset(b, 0, BIG)?;
-    let d2d = median(15, || {
-        gpu.copy_d2d_async(a, b, BIG, s).unwrap();
-        gpu.synchronize(s).unwrap();
-    });
+    // The shared workload: 64 MiB copy_d2d_async + synchronize, and its
+    // baseline, a plain memcpy of 64 MiB between two touched host buffers.
+    let mut copy = CopyD2d::new(gpu, BIG)?;
+    let memcpy = median(15, || copy.baseline());
+    let d2d = median(15, || copy.run().unwrap());
+    copy.close()?;
+    let a = gpu.alloc(BIG, "bench rows")?;
 
     // One empty kernel launch followed by synchronize, per launch.
     for _ in 0..200 {
@@ -128,7 +119,7 @@ fn main() -> anyhow::Result<()> {
         gpu.synchronize(s).unwrap();
     }) / lookups;
 
-    for p in others.into_iter().chain([a, b]) {
+    for p in others.into_iter().chain([a]) {
         gpu.free(p)?;
     }
     gpu.destroy_stream(s)?;

@@ -17,6 +17,8 @@
 
 use std::sync::Arc;
 
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

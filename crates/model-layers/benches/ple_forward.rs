@@ -17,12 +17,14 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
+use metrale_model_layers::bench::{Rng, naive_project};
+use metrale_model_layers::layers::ple::PleWeights;
 use metrale_model_layers::layers::ple::kernels::conv::{ConvDims, conv, conv_batch};
 use metrale_model_layers::layers::ple::kernels::gate::{GateDims, GateInputs, gate};
 use metrale_model_layers::layers::ple::kernels::gather::{GatherDType, RowSrc, gather_rows};
 use metrale_model_layers::layers::ple::kernels::gemm::{packed_as_bf16, project};
-use metrale_model_layers::layers::ple::kernels::math::bf16_to_f32;
 use metrale_model_layers::layers::ple::kernels::{cpu, pack_projection};
+use metrale_storage::dtype::bf16_to_f32;
 
 const H: usize = 2560;
 const HC: usize = 4;
@@ -35,26 +37,6 @@ const KSIZE: usize = 4;
 const DIL: usize = 3;
 const S: usize = (KSIZE - 1) * DIL;
 const EPS: f32 = 1e-6;
-
-/// splitmix64: a fast deterministic generator for weights and ids.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-a, a).
-    fn f(&mut self, a: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
-    }
-    /// BF16 bits of a value uniform in [-a, a).
-    fn bf16(&mut self, a: f32) -> u16 {
-        (self.f(a).to_bits() >> 16) as u16
-    }
-}
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -94,7 +76,8 @@ struct Model {
     table: Vec<u8>,
     rows: usize,
     packed: Vec<f32>,
-    w_raw: Vec<u16>,
+    /// The unpacked projections, for the baseline.
+    weights: PleWeights,
     norm_q: Vec<f32>,
     norm_k: Vec<f32>,
     norm_conv: Vec<f32>,
@@ -251,22 +234,6 @@ fn step(
     });
 }
 
-/// The baseline: `y = x @ W^T` as a plain triple loop over the unpacked
-/// BF16 weight.
-fn naive_project(x: &[f32], w: &[u16], y: &mut [f32], t: usize) {
-    for ti in 0..t {
-        for o in 0..O {
-            let mut acc = 0.0f32;
-            let wr = &w[o * E..(o + 1) * E];
-            let xr = &x[ti * E..(ti + 1) * E];
-            for e in 0..E {
-                acc += xr[e] * bf16_to_f32(wr[e]);
-            }
-            y[ti * O + o] = acc;
-        }
-    }
-}
-
 fn main() {
     let rows = env_usize("PLE_BENCH_ROWS", 3_000_000);
     let reps = env_usize("PLE_BENCH_REPS", 5).max(1);
@@ -276,33 +243,41 @@ fn main() {
         rayon::current_num_threads(),
         cpu::best_path()
     );
-    let mut rng = Rng(0x5EED);
+    let mut rng = Rng::new(0x5EED);
     let t0 = Instant::now();
     let table: Vec<u8> = (0..rows * HEAD_DIM)
         .flat_map(|_| rng.bf16(1.0).to_le_bytes())
         .collect();
-    let w_raw: Vec<u16> = (0..O * E).map(|_| rng.bf16(0.02)).collect();
-    let packed = pack_projection(&w_raw, O, E);
+    let key_proj: Vec<u16> = (0..C * E).map(|_| rng.bf16(0.02)).collect();
+    let value_proj: Vec<u16> = (0..H * E).map(|_| rng.bf16(0.02)).collect();
+    let packed = pack_projection(&[key_proj.as_slice(), &value_proj].concat(), O, E);
     let m = Model {
         table,
         rows,
         packed,
-        w_raw,
-        norm_q: (0..C).map(|_| rng.f(0.1)).collect(),
-        norm_k: (0..C).map(|_| rng.f(0.1)).collect(),
-        norm_conv: (0..C).map(|_| rng.f(0.1)).collect(),
-        conv_w: (0..C * KSIZE).map(|_| rng.f(0.5)).collect(),
+        weights: PleWeights {
+            key_proj,
+            value_proj,
+            norm_key: Vec::new(),
+            norm_query: Vec::new(),
+            norm_conv: Vec::new(),
+            conv1d: Vec::new(),
+        },
+        norm_q: (0..C).map(|_| rng.f32(0.1)).collect(),
+        norm_k: (0..C).map(|_| rng.f32(0.1)).collect(),
+        norm_conv: (0..C).map(|_| rng.f32(0.1)).collect(),
+        conv_w: (0..C * KSIZE).map(|_| rng.f32(0.5)).collect(),
     };
     println!("setup {:.1} s", t0.elapsed().as_secs_f64());
 
     let ids_for = |rng: &mut Rng, t: usize| -> Vec<u64> {
-        (0..t * HEADS).map(|_| rng.next() % m.rows as u64).collect()
+        (0..t * HEADS).map(|_| rng.below(m.rows as u64)).collect()
     };
 
     // Prefill: one 512-token chunk per step of one sequence.
     let t = 512;
     let mut sc = Scratch::new(t);
-    let mut highway: Vec<f32> = (0..t * C).map(|_| rng.f(1.0)).collect();
+    let mut highway: Vec<f32> = (0..t * C).map(|_| rng.f32(1.0)).collect();
     let mut state = vec![vec![0.0f32; S * C]];
     let ids = ids_for(&mut rng, t);
     step(
@@ -344,9 +319,9 @@ fn main() {
     // Decode: B sequences, one token each, per step.
     for b in [1usize, 32, 64] {
         let mut sc = Scratch::new(b);
-        let mut highway: Vec<f32> = (0..b * C).map(|_| rng.f(1.0)).collect();
+        let mut highway: Vec<f32> = (0..b * C).map(|_| rng.f32(1.0)).collect();
         let mut states: Vec<Vec<f32>> = (0..b)
-            .map(|_| (0..S * C).map(|_| rng.f(1.0)).collect())
+            .map(|_| (0..S * C).map(|_| rng.f32(1.0)).collect())
             .collect();
         let steps = (reps * 64 / b).clamp(reps, 200);
         let ids = ids_for(&mut rng, b);
@@ -385,7 +360,9 @@ fn main() {
     let x: Vec<f32> = (0..tb * E).map(|_| bf16_to_f32(rng.bf16(1.0))).collect();
     let mut y = vec![0.0f32; tb * O];
     let t0 = Instant::now();
-    naive_project(&x, &m.w_raw, &mut y, tb);
+    for (x, y) in x.chunks_exact(E).zip(y.chunks_exact_mut(O)) {
+        naive_project(x, &m.weights, E, y);
+    }
     black_box(&y);
     let naive = t0.elapsed().as_secs_f64() / tb as f64;
     println!(

@@ -3,4 +3,6 @@
 //! `layers::ple` holds the n-gram id hash, the layer forward and the
 //! per-sequence carry.
 
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod layers;

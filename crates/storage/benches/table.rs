@@ -12,9 +12,11 @@
 //! Files live in a temporary directory (`BENCH_DIR`, default the system
 //! temp dir): about 168 MB, removed at the end. `BENCH_PF` sets the gather's
 //! software prefetch distance in rows (default 16, 0 disables it).
+//!
+//! The gather, hit and read workloads are `metrale_storage::bench`'s, the
+//! ones `metrale-ple bench` times.
 
 use std::collections::{HashMap, VecDeque};
-use std::hint::black_box;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
@@ -22,64 +24,24 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend, GpuError, KernelArg, LaunchConfig};
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_storage::bench::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 use metrale_storage::cached::{CacheConfig, CachedTable};
-use metrale_storage::io::{
-    AlignedBuf, PAGE, PageReader, ReadReq, ShardFile, UringReader, default_reader,
-};
 use metrale_storage::layout::TableFiles;
-use metrale_storage::resident::ResidentTable;
-use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 use metrale_storage::table::{RowRef, RowTable};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 const SHARDS: usize = 4;
 const ROWS_PER_SHARD: u64 = 131_072;
-const HEAD_DIM: u64 = 160;
+const HEAD_DIM: usize = 160;
 const ROW_BYTES: usize = 320;
-
-fn write_table(dir: &Path) -> Result<TableFiles> {
-    let mut rng = SmallRng::seed_from_u64(7);
-    let mut list = Vec::new();
-    let mut chunk = vec![0u8; 1 << 20];
-    for i in 0..SHARDS {
-        let p = dir.join(format!("bench-{i}.safetensors"));
-        let name = format!("model.layers.1.ple.ngram_embedding.shard_{i}.weight");
-        let spec = TensorSpec::new(&name, Dtype::BF16, &[ROWS_PER_SHARD, HEAD_DIM]);
-        let mut w = Writer::create(&p, &[spec], &Default::default(), 4096)?;
-        let mut left = ROWS_PER_SHARD as usize * ROW_BYTES;
-        while left > 0 {
-            let n = left.min(chunk.len());
-            rng.fill(&mut chunk[..n]);
-            w.write(&chunk[..n])?;
-            left -= n;
-        }
-        w.finish()?;
-        list.push((p, name));
-    }
-    Ok(TableFiles::open(&list, None)?)
-}
 
 fn line(what: &str, v: f64, unit: &str, base_what: &str, b: f64, bunit: &str, note: &str) {
     println!(
         "{what:<44} {v:>10.3} {unit:<8} | {base_what:<28} {b:>10.3} {bunit:<8} | ratio {:>6.3} {note}",
         v / b
     );
-}
-
-/// Hint the cache lines of one row (up to 6 lines for an unaligned 320 B row).
-#[inline(always)]
-fn prefetch_row(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    for k in [0, 64, 128, 192, 256, ROW_BYTES - 1] {
-        // SAFETY: prefetch never faults; the address is inside the table.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.add(k).cast())
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
 }
 
 fn best(v: Vec<f64>) -> f64 {
@@ -92,113 +54,33 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn bench_resident(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
-    let t = ResidentTable::load(files, gpu.clone())?;
-    let rows = files.info.rows;
-    let total = rows as usize * ROW_BYTES;
-    gpu.register_host_kernel(
-        "bench",
-        "gather",
-        &[
-            ArgKind::Ptr,
-            ArgKind::U32,
-            ArgKind::Ptr,
-            ArgKind::Ptr,
-            ArgKind::U64,
-        ],
-        Arc::new(|mem, _c, a| {
-            let (
-                KernelArg::Ptr(refs),
-                KernelArg::U32(n),
-                KernelArg::Ptr(out),
-                KernelArg::Ptr(base),
-                KernelArg::U64(len),
-            ) = (a[0], a[1], a[2], a[3], a[4])
-            else {
-                return Err(GpuError::kernel("bad arguments"));
-            };
-            let n = n as usize;
-            let tbl = mem.host_ptr(base, len as usize)?;
-            // SAFETY: bench buffers; refs, out and the table are distinct
-            // allocations and every ref lies inside the table (checked).
-            unsafe {
-                let r = mem.slice::<u64>(refs, 2 * n)?;
-                let o = mem.slice_mut::<u8>(out, n * ROW_BYTES)?;
-                // Rows are independent random reads: keep `dist` rows' cache
-                // lines in flight ahead of the copy so DRAM latency overlaps.
-                let dist: usize = std::env::var("BENCH_PF")
-                    .ok()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(16);
-                for i in 0..n {
-                    if dist > 0 && i + dist < n {
-                        let pf = r[2 * (i + dist)].wrapping_sub(base.0) as usize;
-                        if pf + ROW_BYTES <= len as usize {
-                            prefetch_row(tbl.add(pf));
-                        }
-                    }
-                    let off = r[2 * i].wrapping_sub(base.0) as usize;
-                    if off + ROW_BYTES > len as usize {
-                        return Err(GpuError::kernel(format!("ref {i} outside the table")));
-                    }
-                    std::ptr::copy_nonoverlapping(
-                        tbl.add(off),
-                        o.as_mut_ptr().add(i * ROW_BYTES),
-                        ROW_BYTES,
-                    );
-                }
-            }
-            Ok(())
-        }),
-    )?;
-    let k = gpu.kernel("bench", "gather")?;
-    let n = 65_536usize;
-    let mut rng = SmallRng::seed_from_u64(1);
-    let refs_dev = gpu.alloc(16 * n, "bench refs")?;
-    let out_dev = gpu.alloc(n * ROW_BYTES, "bench out")?;
-    let s = gpu.create_stream()?;
-    let mut refs = vec![RowRef::default(); n];
+    let mut w = ResidentGather::new(files, gpu.clone(), 65_536, 1)?;
+    if let Some(pf) = std::env::var("BENCH_PF").ok().and_then(|v| v.parse().ok()) {
+        w.set_prefetch(pf);
+    }
+    let (n, bytes) = (w.rows(), w.bytes() as f64);
     let mut gather = Vec::new();
     let mut resolve_ns = Vec::new();
-    // Baseline: memcpy of the same byte count, contiguous, from a buffer as
-    // large as the table (so neither side runs from cache), interleaved with
+    // Baseline: memcpy of the same byte count, contiguous, interleaved with
     // the gather so both see the same machine load.
-    let src = vec![1u8; total];
-    let mut dst = vec![0u8; n * ROW_BYTES];
     let mut copy = Vec::new();
-    for rep in 0..25 {
-        let ids: Vec<u64> = (0..n).map(|_| rng.gen_range(0..rows)).collect();
+    for _ in 0..25 {
         let t0 = Instant::now();
-        let lease = t.resolve(&ids, &mut refs)?;
+        w.resolve()?;
         resolve_ns.push(t0.elapsed().as_nanos() as f64 / n as f64);
-        let bytes: Vec<u8> = refs
-            .iter()
-            .flat_map(|r| {
-                r.data
-                    .to_le_bytes()
-                    .into_iter()
-                    .chain(r.scale.to_le_bytes())
-            })
-            .collect();
-        gpu.copy_h2d(&bytes, refs_dev)?;
+        w.upload()?;
         let t0 = Instant::now();
-        gpu.launch(k, LaunchConfig::linear(1, 1))
-            .ptr(refs_dev)
-            .u32(n as u32)
-            .ptr(out_dev)
-            .ptr(t.base())
-            .u64(total as u64)
-            .run(s)?;
-        gpu.synchronize(s)?;
-        gather.push((n * ROW_BYTES) as f64 / t0.elapsed().as_secs_f64() / 1e9);
-        t.release(lease, gpu.as_ref(), None)?;
-        let off = (rep * 7919 * PAGE) % (total - dst.len());
+        w.run()?;
+        gather.push(bytes / t0.elapsed().as_secs_f64() / 1e9);
         let t0 = Instant::now();
-        dst.copy_from_slice(&src[off..off + n * ROW_BYTES]);
-        black_box(&mut dst);
-        copy.push((n * ROW_BYTES) as f64 / t0.elapsed().as_secs_f64() / 1e9);
+        w.baseline();
+        copy.push(bytes / t0.elapsed().as_secs_f64() / 1e9);
     }
     line(
-        "resident gather, 65536 random 320 B rows (best of 25)",
+        &format!(
+            "resident gather, {n} random {} B rows (best of 25)",
+            w.row_bytes()
+        ),
         best(gather),
         "GB/s",
         "memcpy same bytes",
@@ -211,66 +93,36 @@ fn bench_resident(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
         "  resident resolve",
         median(resolve_ns)
     );
-    gpu.free(refs_dev)?;
-    gpu.free(out_dev)?;
-    gpu.destroy_stream(s)?;
-    Ok(())
+    w.close()
 }
 
 fn bench_hits(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
-    let mut c = CacheConfig::new(16_384);
-    c.max_resolve = 16_384;
-    let t = CachedTable::open(files.clone(), gpu.clone(), c)?;
-    let mut rng = SmallRng::seed_from_u64(2);
-    let hot: Vec<u64> = (0..8192)
-        .map(|_| rng.gen_range(0..files.info.rows))
-        .collect();
-    let mut refs = vec![RowRef::default(); hot.len()];
-    let l = t.resolve(&hot, &mut refs)?;
-    t.release(l, gpu.as_ref(), None)?;
-    let batch = 256;
-    let stream: Vec<u64> = (0..batch * 4000)
-        .map(|_| hot[rng.gen_range(0..hot.len())])
-        .collect();
-    let mut out = vec![RowRef::default(); batch];
-    let before = t.stats();
-    // Baseline: a std HashMap (SipHash) lookup per id writing a RowRef.
-    let map: HashMap<u64, u32> = hot
-        .iter()
-        .enumerate()
-        .map(|(i, &id)| (id, i as u32))
-        .collect();
+    let sizes = HitSizes {
+        slots: 16_384,
+        hot: 8192,
+        batch: 256,
+        batches_per_round: 100,
+        rounds: 40,
+    };
+    let mut w = CacheHits::new(files, gpu.clone(), &sizes, 2)?;
+    let ids = w.ids_per_round() as f64;
     let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-    for round in stream.chunks(batch * 100) {
+    for _ in 0..sizes.rounds {
         let t0 = Instant::now();
-        for b in round.chunks(batch) {
-            let l = t.resolve(b, &mut out)?;
-            black_box(&out);
-            t.release(l, gpu.as_ref(), None)?;
-        }
-        ours.push(t0.elapsed().as_nanos() as f64 / round.len() as f64);
+        w.run()?;
+        ours.push(t0.elapsed().as_nanos() as f64 / ids);
         let t0 = Instant::now();
-        for b in round.chunks(batch) {
-            for (o, id) in out.iter_mut().zip(b) {
-                let s = map[id];
-                *o = RowRef {
-                    data: 0x1000 + s as u64 * 320,
-                    scale: 0,
-                };
-            }
-            black_box(&out);
-        }
-        theirs.push(t0.elapsed().as_nanos() as f64 / round.len() as f64);
+        w.baseline();
+        theirs.push(t0.elapsed().as_nanos() as f64 / ids);
     }
-    let after = t.stats();
-    assert_eq!(after.misses, before.misses, "hit benchmark saw misses");
+    w.check()?;
     let ns = -best(ours.iter().map(|v| -v).collect());
     let base = -best(theirs.iter().map(|v| -v).collect());
     println!(
         "{:<44} {:>10.3} ns/id (median of {} rounds)",
         "  cache hit path, median",
         median(ours),
-        40
+        sizes.rounds
     );
     line(
         "cache hit path, batches of 256 (best round)",
@@ -317,42 +169,18 @@ fn fio_iops(file: &Path, secs: u32) -> Option<(f64, String)> {
 
 fn bench_misses(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
     let path = &files.shards[0].path;
-    let f = ShardFile::open(path, true)?;
-    let reader: Arc<dyn PageReader> = match UringReader::new(32) {
-        Ok(r) => Arc::new(r),
-        Err(e) => {
-            println!("  io_uring unavailable ({e}); measuring the fallback reader");
-            default_reader(32)?
-        }
-    };
-    let pages = std::fs::metadata(path)?.len() / PAGE as u64;
-    let mut rng = SmallRng::seed_from_u64(3);
     // Batches of 4096 keep the ring at depth 32 except for a short drain at
     // each batch end. Ours and fio alternate, twice, and each keeps its best
     // run, so both see similar load from the shared disk.
-    let per_batch = 4096;
-    let mut buf = AlignedBuf::new(per_batch * PAGE);
+    let mut w = RandomReads::new(path, 4096, 3)?;
+    let mut rng = SmallRng::seed_from_u64(3);
     let mut ours_runs = Vec::new();
     let mut fio_runs = Vec::new();
     for _ in 0..2 {
         let t0 = Instant::now();
         let mut reads = 0u64;
         while t0.elapsed().as_secs_f64() < 2.0 {
-            let mut rest = buf.as_mut_slice();
-            let mut reqs = Vec::with_capacity(per_batch);
-            for _ in 0..per_batch {
-                let (h, t) = rest.split_at_mut(PAGE);
-                rest = t;
-                reqs.push(ReadReq {
-                    fd: f.fd(),
-                    offset: rng.gen_range(0..pages) * PAGE as u64,
-                    buf: h,
-                });
-            }
-            for r in reader.read_batch(&mut reqs) {
-                anyhow::ensure!(r? == PAGE, "short bench read");
-            }
-            reads += per_batch as u64;
+            reads += w.run()?;
         }
         ours_runs.push(reads as f64 / t0.elapsed().as_secs_f64());
         if let Some(r) = fio_iops(path, 2) {
@@ -360,7 +188,7 @@ fn bench_misses(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
         }
     }
     let ours = best(ours_runs);
-    let mode = if f.direct {
+    let mode = if w.direct() {
         "O_DIRECT"
     } else {
         "buffered (O_DIRECT refused)"
@@ -371,7 +199,7 @@ fn bench_misses(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
         .fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))));
     match fio.zip(fio_runs.first().map(|r| r.1.clone())) {
         Some((fio, engine)) => line(
-            &format!("miss path: {} 4 KiB reads QD32, {mode}", reader.name()),
+            &format!("miss path: {} 4 KiB reads QD32, {mode}", w.reader_name()),
             ours / 1e3,
             "kIOPS",
             &format!("fio randread {engine} QD32"),
@@ -381,7 +209,7 @@ fn bench_misses(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
         ),
         None => println!(
             "{:<44} {:>10.3} kIOPS | fio not on PATH or failed: no baseline measured",
-            format!("miss path: {} 4 KiB reads QD32, {mode}", reader.name()),
+            format!("miss path: {} 4 KiB reads QD32, {mode}", w.reader_name()),
             ours / 1e3
         ),
     }
@@ -563,7 +391,7 @@ fn main() -> Result<()> {
     let dir = tempfile::tempdir_in(&base)
         .with_context(|| format!("creating a temp dir in {}", base.display()))?;
     let t0 = Instant::now();
-    let files = write_table(dir.path())?;
+    let files = write_table(dir.path(), SHARDS, ROWS_PER_SHARD, HEAD_DIM, 7)?;
     println!(
         "table: {} rows x {} B in {} shards under {} (written in {:.1} s)",
         files.info.rows,

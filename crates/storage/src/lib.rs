@@ -13,6 +13,8 @@
 //! fallible call returns [`StorageError`]. [`parts`] splits batches larger than a
 //! table's `max_resolve`; [`pack`] aligns a shard's data section to 4 KiB.
 
+#[cfg(feature = "bench")]
+pub mod bench;
 pub mod cached;
 pub mod dtype;
 pub mod error;
