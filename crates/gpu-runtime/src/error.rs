@@ -318,6 +318,16 @@ pub enum GpuError {
         /// Why.
         reason: String,
     },
+    /// A call into the device driver (or its run-time compiler) failed.
+    #[error("{op}: {call} failed: {error}")]
+    Driver {
+        /// The operation.
+        op: String,
+        /// The driver function called (`cuMemAlloc`, `nvrtcCompileProgram`).
+        call: String,
+        /// The driver's error: its name and description.
+        error: String,
+    },
 }
 
 fn known_list(module: &str, known: &[String]) -> String {
