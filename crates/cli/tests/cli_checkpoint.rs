@@ -5,7 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use metrale_storage::safetensors::{Dtype, Header, TensorSpec, write_file};
+use metrale_storage::safetensors::{Dtype, Header, TensorSpec};
+use metrale_testkit::files::{replace_tensor, reshape_tensor};
 
 fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_metrale-ple"));
@@ -151,35 +152,12 @@ fn every_command_has_help_with_an_example() {
     }
 }
 
-/// Rewrite `file` with tensor `name` given a new shape (zero data).
-fn reshape(file: &Path, name: &str, shape: &[u64]) {
-    let h = Header::read(file).unwrap();
-    let mut tensors: Vec<(TensorSpec, Vec<u8>)> = Vec::new();
-    for t in &h.tensors {
-        if t.name == name {
-            let spec = TensorSpec::new(&t.name, t.dtype, shape);
-            let n = spec.bytes().unwrap() as usize;
-            tensors.push((spec, vec![0u8; n]));
-        } else {
-            tensors.push((
-                TensorSpec::new(&t.name, t.dtype, &t.shape),
-                h.read_tensor(&t.name).unwrap(),
-            ));
-        }
-    }
-    let refs: Vec<(TensorSpec, &[u8])> = tensors
-        .iter()
-        .map(|(s, d)| (s.clone(), d.as_slice()))
-        .collect();
-    write_file(file, &refs, 8).unwrap();
-}
-
 #[test]
 fn a_wrong_shape_is_refused_with_file_and_tensor() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = init(tmp.path());
     let f = ck.join("model-00001-of-00005.safetensors");
-    reshape(&f, "model.layers.1.ple.key_proj.weight", &[256, 63]);
+    reshape_tensor(&f, "model.layers.1.ple.key_proj.weight", &[256, 63]);
     let err = inspect_refusal(&ck);
     assert!(err.contains("model-00001-of-00005.safetensors"), "{err}");
     assert!(
@@ -243,22 +221,12 @@ fn a_bad_dtype_and_a_bad_config_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = init(tmp.path());
     let f = ck.join("model-00001-of-00005.safetensors");
+    let name = "model.layers.1.ple.norm_key.weight";
     let h = Header::read(&f).unwrap();
-    let mut tensors: Vec<(TensorSpec, Vec<u8>)> = Vec::new();
-    for t in &h.tensors {
-        let mut spec = TensorSpec::new(&t.name, t.dtype, &t.shape);
-        let mut data = h.read_tensor(&t.name).unwrap();
-        if t.name == "model.layers.1.ple.norm_key.weight" {
-            spec.dtype = Dtype::F16;
-            data.truncate(data.len() / 2);
-        }
-        tensors.push((spec, data));
-    }
-    let refs: Vec<(TensorSpec, &[u8])> = tensors
-        .iter()
-        .map(|(s, d)| (s.clone(), d.as_slice()))
-        .collect();
-    write_file(&f, &refs, 8).unwrap();
+    let t = h.get(name).unwrap();
+    let mut data = h.read_tensor(name).unwrap();
+    data.truncate(data.len() / 2);
+    replace_tensor(&f, name, TensorSpec::new(name, Dtype::F16, &t.shape), data);
     let err = inspect_refusal(&ck);
     assert!(
         err.contains("tensor model.layers.1.ple.norm_key.weight has dtype F16, expected F32"),
