@@ -25,11 +25,19 @@ fuzz_target!(|data: &[u8]| {
     c.validate("fuzz/config.json").expect("a parsed spec validates");
     let _ = (c.ngram_heads(), c.emb_dim(), c.channels(), c.state_len(), c.sites());
     let _ = (c.aux_blob_bytes(), c.carry_bytes_per_seq());
-    let back = ModelSpec::from_json_str(&c.to_config_json(), "fuzz/back.json")
+    let mut back = ModelSpec::from_json_str(&c.to_config_json(), "fuzz/back.json")
         .expect("a spec's own config.json parses");
+    // serde_json parses floats to within an ulp, not always exactly.
+    let eps_err = (back.rms_norm_eps - c.rms_norm_eps).abs();
+    assert!(eps_err <= c.rms_norm_eps * 1e-15, "rms_norm_eps {} -> {}", c.rms_norm_eps, back.rms_norm_eps);
+    back.rms_norm_eps = c.rms_norm_eps;
     assert_eq!(back, c, "config.json round trip");
-    // Deriving is bounded work (MAX_PRIMES_SEARCHED), but keep it to the
-    // first site so one input stays fast.
+    // Deriving searches primes (bounded by MAX_PRIMES_SEARCHED, but slow
+    // near that bound): only for the first site of a small head count, so
+    // one input stays fast.
+    if c.ngram_heads() > 64 {
+        return;
+    }
     if let Ok(site) = c.site(0) {
         assert_eq!(site.aux_blob_len(), c.aux_blob_bytes());
         assert_eq!(site.conv_bytes() * c.sites(), c.carry_bytes_per_seq());
