@@ -1,0 +1,145 @@
+//! Tests of config parsing, validation and site derivation.
+
+use super::*;
+
+const FLAGSHIP: &str = r#"{
+    "architectures": ["Qwen4ExpForCausalLM"],
+    "vocab_size": 151936, "hidden_size": 2560, "hc_mult": 4,
+    "rms_norm_eps": 1e-6, "eos_token_id": [151645, 151643],
+    "ngram_size": 3, "heads_per_ngram": 8, "ngram_vocab_size_base": 20000000,
+    "split_ngram_parts": 16, "ple_conv_kernel_size": 4, "ple_layer_ids": [2]
+}"#;
+
+fn with(field: &str, value: &str) -> String {
+    let mut v: Value = serde_json::from_str(FLAGSHIP).unwrap();
+    if value == "DELETE" {
+        v.as_object_mut().unwrap().remove(field);
+    } else {
+        v[field] = serde_json::from_str(value).unwrap();
+    }
+    v.to_string()
+}
+
+#[test]
+fn flagship_with_defaults() {
+    let c = ModelSpec::from_json_str(FLAGSHIP, "config.json").unwrap();
+    assert_eq!(c.eos_token_id, 151_645);
+    assert_eq!(c.divisible_by, 128);
+    assert_eq!(c.hash_seed, 1234);
+    assert_eq!(c.head_dim, 160);
+    assert_eq!(c.ngram_heads(), 16);
+    assert_eq!(c.num_hidden_layers, 2);
+    let d = c.derive(0).unwrap();
+    assert_eq!(d.padded_rows, 320_001_536);
+    let e = c.hash_params(1).unwrap_err();
+    assert!(matches!(
+        e,
+        SpecError::NoSuchSite {
+            site: 1,
+            count: 1,
+            ..
+        }
+    ));
+    let e = e.to_string();
+    assert!(e.contains("site 1") && e.contains("1 entries"), "{e}");
+    let site = c.site(0).unwrap();
+    assert_eq!(site.dims, d.dims);
+    assert_eq!((site.layer, site.kernel, site.dilation), (1, 4, 3));
+    assert_eq!(site.state_len(), 9);
+    assert_eq!(site.aux_blob_len(), 368_652);
+    site.validate().unwrap();
+}
+
+#[test]
+fn eos_as_int_and_explicit_options() {
+    let text = with("eos_token_id", "7");
+    let c = ModelSpec::from_json_str(&text, "c.json").unwrap();
+    assert_eq!(c.eos_token_id, 7);
+    let mut v: Value = serde_json::from_str(FLAGSHIP).unwrap();
+    v["ple_hash_seed"] = 99.into();
+    v["make_ngram_vocab_size_divisible_by"] = 64.into();
+    v["ple_head_dim"] = 128.into();
+    let c = ModelSpec::from_json_str(&v.to_string(), "c.json").unwrap();
+    assert_eq!((c.hash_seed, c.divisible_by, c.head_dim), (99, 64, 128));
+}
+
+#[test]
+fn site_validation_names_the_field() {
+    let spec = ModelSpec::from_json_str(FLAGSHIP, "c.json").unwrap();
+    let base = spec.site(0).unwrap();
+    type Edit = fn(&mut SiteSpec);
+    let cases: [(&str, Edit); 6] = [
+        ("hc_mult = 65 is outside", |s| s.hc_mult = 65),
+        ("conv kernel size must be at least 2", |s| s.kernel = 1),
+        ("conv dilation must be at least 1", |s| s.dilation = 0),
+        ("rms eps", |s| s.rms_eps = f32::NAN),
+        ("head_dim must be positive", |s| s.head_dim = 0),
+        ("multipliers[0]", |s| s.dims.multipliers[0] = 2),
+    ];
+    for (want, f) in cases {
+        let mut s = base.clone();
+        f(&mut s);
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains(want), "{want}: {e}");
+    }
+}
+
+#[test]
+fn errors_name_field_and_file() {
+    let cases = [
+        (
+            "vocab_size",
+            "DELETE",
+            "missing required field `vocab_size`",
+        ),
+        ("ngram_size", "null", "missing required field `ngram_size`"),
+        ("ngram_size", "1", "`ngram_size` must be at least 2"),
+        (
+            "ngram_size",
+            "\"3\"",
+            "`ngram_size` must be a non-negative integer",
+        ),
+        (
+            "heads_per_ngram",
+            "-1",
+            "`heads_per_ngram` must be a non-negative integer",
+        ),
+        ("eos_token_id", "[]", "`eos_token_id` is an empty list"),
+        ("eos_token_id", "[\"x\"]", "`eos_token_id[0]` must be"),
+        ("eos_token_id", "4294967296", "does not fit a u32"),
+        (
+            "rms_norm_eps",
+            "0",
+            "`rms_norm_eps` must be a positive number",
+        ),
+        ("ple_layer_ids", "[]", "`ple_layer_ids` is empty"),
+        (
+            "ple_layer_ids",
+            "[2, 0]",
+            "`ple_layer_ids[1]` must be at least 1",
+        ),
+        ("ple_layer_ids", "[2, 2]", "lists layer 2 twice"),
+        ("ple_layer_ids", "2", "must be a list"),
+        ("hidden_size", "2561", "not a multiple of ngram_heads 16"),
+        (
+            "make_ngram_vocab_size_divisible_by",
+            "0",
+            "must be at least 1",
+        ),
+    ];
+    for (field, value, want) in cases {
+        let e = ModelSpec::from_json_str(&with(field, value), "model/config.json").unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(msg.contains(want), "{field}={value}: {msg}");
+        assert!(msg.contains("model/config.json"), "{msg}");
+    }
+    let e = ModelSpec::from_json_str("[1]", "a.json")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("a.json") && e.contains("JSON object"), "{e}");
+    let e = format!("{:#}", ModelSpec::from_json_str("{", "b.json").unwrap_err());
+    assert!(e.contains("b.json: not valid JSON"), "{e}");
+    let e = ModelSpec::from_file(Path::new("/nonexistent/c.json")).unwrap_err();
+    assert!(matches!(e, SpecError::Read { .. }), "{e}");
+    assert!(e.to_string().contains("/nonexistent/c.json"), "{e}");
+}
