@@ -285,7 +285,11 @@ impl<S: Site> Server<S> {
                 let n = (end - l.pos).min(self.cfg.prefill_chunk);
                 self.engine.prefetch(l.id, &toks[l.pos..l.pos + n])?;
             }
-            self.decode_step(&mut run, &mut highway, done)?;
+            if !self.decode_step(&mut run, &mut highway, done)? {
+                // A failed step starts the next round: admission refills
+                // the places of the sequences it released.
+                continue;
+            }
             // And those of the next decode batch while the prefill computes.
             if self.cfg.prefetch {
                 for l in run.decoding.iter().take(self.cfg.decode_batch) {
@@ -327,16 +331,17 @@ impl<S: Site> Server<S> {
 
     /// One batched decode step, resident carries first (as a server
     /// schedules running sequences before swapped ones); the rest keep
-    /// their order.
+    /// their order. `false` when the step failed and its sequences were
+    /// queued again.
     fn decode_step(
         &mut self,
         run: &mut Run<'_>,
         highway: &mut [f32],
         done: &mut dyn FnMut(usize),
-    ) -> Result<(), ServerError> {
+    ) -> Result<bool, ServerError> {
         let n = run.decoding.len().min(self.cfg.decode_batch);
         if n == 0 {
-            return Ok(());
+            return Ok(true);
         }
         let width = self.engine.width();
         let mut lives = Vec::with_capacity(n);
@@ -365,14 +370,15 @@ impl<S: Site> Server<S> {
         let r = self.engine.decode(&batch, rows);
         run.report.decode_time += t0.elapsed();
         if let Err(source) = r {
-            return self.lose(run, lives, ServerError::Decode { source }, done);
+            self.lose(run, lives, ServerError::Decode { source }, done)?;
+            return Ok(false);
         }
         for (b, mut l) in lives.into_iter().enumerate() {
             run.report.rows[l.req][l.pos] = Some(fingerprint(&rows[b * width..(b + 1) * width]));
             l.pos += 1;
             self.advance(run, l, done)?;
         }
-        Ok(())
+        Ok(true)
     }
 
     /// One prefill chunk; the same request goes on next step, so its prompt
