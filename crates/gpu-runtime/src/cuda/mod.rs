@@ -68,9 +68,10 @@ use crate::gpu::{
 };
 
 use ledger::{Entry, Ledger, Release};
-use params::{ParamClass, Params, ptx_entries};
+use params::Params;
 
 pub use nvrtc::Arch;
+pub use params::{ParamClass, ptx_entries};
 
 /// Page size for host-mapped memory alignment.
 const PAGE: usize = 4096;

@@ -19,7 +19,7 @@ use crate::gpu::{ArgKind, KernelArg};
 
 /// One parameter as a PTX entry declares it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ParamClass {
+pub enum ParamClass {
     /// `.u32`, `.s32`, `.b32`.
     Int32,
     /// `.u64`, `.s64`, `.b64` (pointers are these).
@@ -87,7 +87,7 @@ fn classify(decl: &str) -> Option<ParamClass> {
 }
 
 /// Every `.entry` of a PTX text with its parameter classes, by name.
-pub(crate) fn ptx_entries(ptx: &str) -> BTreeMap<String, Vec<ParamClass>> {
+pub fn ptx_entries(ptx: &str) -> BTreeMap<String, Vec<ParamClass>> {
     let mut out = BTreeMap::new();
     let mut rest = ptx;
     while let Some(at) = rest.find(".entry") {

@@ -1,0 +1,465 @@
+// PLE device kernels, module "ple".
+//
+// The kernels the CPU backend registers as host kernels (gather, project,
+// gate, conv, conv_batch) have the same names and the same argument lists
+// here, so a layer launches the same kernels on either backend:
+//
+// | name       | args                                                       |
+// |------------|------------------------------------------------------------|
+// | gather     | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3), out         |
+// | project    | x, w (packed), y, T, E, O                                  |
+// | gate       | highway, kv, norm_q, norm_k, norm_conv, gated, xn,         |
+// |            | T, H, hc, eps                                              |
+// | conv       | xn, gated, state, w, highway, T, C, K, D                   |
+// | conv_batch | xn, gated, states, w, highway, B, C, K, D                  |
+//
+// and kernels with no host counterpart, for a path that stays on the device:
+//
+// | hash        | history, hist_len, tokens, T, mults, sizes, offsets,      |
+// |             | N, K, eos, out                                            |
+// | gather_ids  | ids, n, head_dim, dtype, table, scales, rows, out         |
+// | rms_norm    | x, w, y, T, H, hc, eps                                    |
+// | highway_add | highway, out, n                                           |
+//
+// Pointers are `u64` parameters, `U32` arguments `unsigned int`, `F32`
+// arguments `float`.
+//
+// Invariants:
+// - every kernel loops grid-stride over its work items, so any grid and any
+//   block shape computes every output exactly once, except that gate and
+//   rms_norm (16 lanes per row, folded with warp shuffles) need a
+//   one-dimensional block whose size is a multiple of 32; the projection is
+//   fastest with blocks of (32, 8);
+// - arithmetic follows the host kernels operation for operation: the file
+//   is compiled with --fmad=false, so a product and a sum round separately
+//   unless the source calls fmaf; sums of a vector use the host's 16-lane
+//   layout (element i in lane i % 16, in index order) and its fold tree
+//   (8, 4, 2, 1); the projection is one sequential chain of fmaf per output
+//   in step order; silu uses the host's exp polynomial. The gate's sigmoid
+//   uses expf, which may differ from the host's exp in the last place;
+// - the conv reads the carried state before it writes it: one thread owns a
+//   channel of one sequence, computes every output of it, then shifts the
+//   state, so no other thread sees a half-moved state;
+// - rows are read through the addresses in the RowRef table, which may name
+//   device memory, registered host memory or host-mapped slots alike
+//   (zero-copy reads over the bus for the last two).
+//
+// Docs: docs/SPEC.md "Id hash" and "Layer math".
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define LANES 16
+
+// A row reference, as storage's `RowRef` (repr(C)): data and scale device
+// addresses; scale is 0 for BF16 rows.
+struct RowRef {
+    u64 data;
+    u64 scale;
+};
+
+// ------------------------------------------------------------ conversions
+
+__device__ __forceinline__ float bf16_to_f32(u16 v) {
+    return __uint_as_float(((u32)v) << 16);
+}
+
+// Round to the nearest BF16 value, ties to even; NaN stays NaN (quiet).
+__device__ __forceinline__ float bf16_round(float x) {
+    u32 bits = __float_as_uint(x);
+    if (x != x) {
+        return __uint_as_float(((bits >> 16) | 0x0040u) << 16);
+    }
+    u32 lsb = (bits >> 16) & 1u;
+    return __uint_as_float(((bits + 0x7FFFu + lsb) >> 16) << 16);
+}
+
+// FP8 E4M3 (no infinities; S.1111.111 is NaN) to f32, exactly.
+__device__ __forceinline__ float fp8_e4m3_to_f32(u8 b) {
+    u32 sign = ((u32)(b >> 7)) << 31;
+    u32 e = (b >> 3) & 0xFu;
+    u32 m = b & 0x7u;
+    if (e == 0xFu && m == 0x7u) {
+        return __uint_as_float(sign | 0x7FC00000u);
+    }
+    if (e == 0u) {
+        if (m == 0u) {
+            return __uint_as_float(sign);
+        }
+        u32 p = 31u - __clz(m);
+        u32 exp = p + 118u;
+        u32 mant = (m - (1u << p)) << (23u - p);
+        return __uint_as_float(sign | (exp << 23) | mant);
+    }
+    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// ------------------------------------------------------------------- math
+
+// The host's exp: Cody-Waite reduction and a degree-6 polynomial.
+__device__ __forceinline__ float exp_vec(float x) {
+    const float MAGIC = 12582912.0f;
+    const float LOG2E = 1.44269504088896340736f;
+    const float LN2_HI = 0.693359375f;
+    const float LN2_LO = -2.12194440e-4f;
+    // Clamp, keeping NaN.
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * LOG2E + MAGIC;
+    float n = t - MAGIC;
+    int ni = (int)__float_as_uint(t) - 0x4B400000;
+    float r = (x - n * LN2_HI) - n * LN2_LO;
+    float p = 1.9875691e-4f;
+    p = p * r + 1.3981999e-3f;
+    p = p * r + 8.3334520e-3f;
+    p = p * r + 4.1665796e-2f;
+    p = p * r + 1.6666665e-1f;
+    p = p * r + 0.5f;
+    float er = p * (r * r) + r + 1.0f;
+    return __uint_as_float(((u32)(ni + 127)) << 23) * er;
+}
+
+__device__ __forceinline__ float silu(float y) {
+    return y / (1.0f + exp_vec(-y));
+}
+
+__device__ __forceinline__ float sigmoid(float z) {
+    return 1.0f / (1.0f + expf(-z));
+}
+
+// sigmoid(sign(g) * sqrt(max(|g|, 1e-6))), sign(0) = 0, NaN passes.
+__device__ __forceinline__ float gate_sigma(float g) {
+    float sign;
+    if (g > 0.0f) {
+        sign = 1.0f;
+    } else if (g < 0.0f) {
+        sign = -1.0f;
+    } else if (g == 0.0f) {
+        sign = 0.0f;
+    } else {
+        sign = g;
+    }
+    // fmaxf, like the host's max, returns the number when g is NaN; the
+    // sign (NaN) still makes the result NaN.
+    float a = fmaxf(fabsf(g), 1e-6f);
+    return sigmoid(sign * sqrtf(a));
+}
+
+// Fold the 16 lanes of a group (lane l holds lane sum l) with the host's
+// tree: for w in 8, 4, 2, 1: acc[i] += acc[i + w]. The result is in lane 0
+// and broadcast to the group.
+__device__ __forceinline__ float fold16(float v) {
+    const u32 mask = 0xFFFFFFFFu;
+    v += __shfl_down_sync(mask, v, 8, LANES);
+    v += __shfl_down_sync(mask, v, 4, LANES);
+    v += __shfl_down_sync(mask, v, 2, LANES);
+    v += __shfl_down_sync(mask, v, 1, LANES);
+    return __shfl_sync(mask, v, 0, LANES);
+}
+
+// 1 / sqrt(mean(x^2) + eps) over n values at x, one lane of 16.
+__device__ __forceinline__ float rms_factor(const float* x, u32 n, float eps, u32 lane) {
+    float acc = 0.0f;
+    for (u32 i = lane; i < n; i += LANES) {
+        acc += x[i] * x[i];
+    }
+    float s = fold16(acc);
+    return 1.0f / sqrtf(s / (float)n + eps);
+}
+
+// ------------------------------------------------------------------ gather
+
+// out[i, :] = row i of the references, as f32: BF16 values exactly; FP8
+// values times the row's scale, rounded to BF16.
+extern "C" __global__ void gather(const RowRef* refs, u32 n, u32 head_dim, u32 dtype, float* out) {
+    u64 total = (u64)n * head_dim;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / head_dim;
+        u32 j = (u32)(i - row * head_dim);
+        RowRef r = refs[row];
+        float v;
+        if (dtype == 0u) {
+            v = bf16_to_f32(((const u16*)r.data)[j]);
+        } else {
+            float scale = *(const float*)r.scale;
+            v = bf16_round(fp8_e4m3_to_f32(((const u8*)r.data)[j]) * scale);
+        }
+        out[i] = v;
+    }
+}
+
+// Like gather, with rows addressed by id in one table of `rows` rows
+// (device memory or registered host memory): row r at table + r * row
+// bytes, its FP8 scale at scales[r]. An id past the table gives a row of
+// NaN.
+extern "C" __global__ void gather_ids(const u64* ids, u32 n, u32 head_dim, u32 dtype,
+                                      const u8* table, const float* scales, u64 rows,
+                                      float* out) {
+    u64 total = (u64)n * head_dim;
+    u64 row_bytes = (u64)head_dim * (dtype == 0u ? 2u : 1u);
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        u64 k = i / head_dim;
+        u32 j = (u32)(i - k * head_dim);
+        u64 id = ids[k];
+        float v;
+        if (id >= rows) {
+            v = __uint_as_float(0x7FC00000u);
+        } else if (dtype == 0u) {
+            v = bf16_to_f32(((const u16*)(table + id * row_bytes))[j]);
+        } else {
+            v = bf16_round(fp8_e4m3_to_f32(table[id * row_bytes + j]) * scales[id]);
+        }
+        out[i] = v;
+    }
+}
+
+// --------------------------------------------------------------------- hash
+
+// The ids of T new tokens (docs/SPEC.md "Id hash"): out[t * heads + h] for
+// heads = (N - 1) * K. The sequence is history (hist_len tokens, only the
+// last N - 1 matter) followed by tokens; positions before it read as EOS,
+// and so does every position at or before an earlier EOS.
+extern "C" __global__ void hash(const u32* history, u32 hist_len, const u32* tokens, u32 T,
+                                const u64* mults, const u64* sizes, const u64* offsets,
+                                u32 N, u32 K, u32 eos, u64* out) {
+    u32 ctx = N - 1u;
+    u32 heads = ctx * K;
+    for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < T; t += gridDim.x * blockDim.x) {
+        u64 mixed = (u64)tokens[t] * mults[0];
+        bool ended = false;
+        for (u32 p = 1; p <= ctx; ++p) {
+            u32 v = eos;
+            if (!ended) {
+                // Position t - p of tokens, or of the history before them.
+                if (p <= t) {
+                    v = tokens[t - p];
+                } else if (p - t <= hist_len) {
+                    v = history[hist_len - (p - t)];
+                }
+                if (v == eos) {
+                    ended = true;
+                }
+            }
+            mixed ^= (u64)v * mults[p];
+            u32 h0 = (p - 1u) * K;
+            for (u32 h = h0; h < h0 + K; ++h) {
+                out[(u64)t * heads + h] = mixed % sizes[h] + offsets[h];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- project
+
+#define PR_NR 16
+#define PR_TX 32
+#define PR_TY 8
+#define PR_KT 64
+
+// y[t, o] = sum_e x[t, e] * W[o, e], as acc = fmaf(x, w, acc) in e order.
+// W is packed as the host packs it: panels of 16 output rows; for each pair
+// of steps (2i, 2i+1) a panel holds 16 words, word j = (W[j, 2i] << 16) |
+// W[j, 2i+1] (BF16 bits), the last pair padded with zero when E is odd.
+// Blocks of (32, 8) threads work on tiles of 32 outputs x 8 tokens through
+// shared memory; any other block shape computes one output per thread
+// directly, with the same chain (so the same bits).
+extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T, u32 E, u32 O) {
+    __shared__ float xs[PR_TY][PR_KT];
+    u32 half_e = (E + 1u) / 2u;
+    if (blockDim.x != PR_TX || blockDim.y != PR_TY || blockDim.z != 1u) {
+        u64 total = (u64)T * O;
+        u64 nthreads = (u64)gridDim.x * blockDim.x * blockDim.y * blockDim.z;
+        u64 first = (u64)blockIdx.x * blockDim.x * blockDim.y * blockDim.z +
+                    (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+        for (u64 i = first; i < total; i += nthreads) {
+            u64 t = i / O;
+            u32 o = (u32)(i - t * O);
+            const u32* panel = w + (u64)(o / PR_NR) * half_e * PR_NR + (o % PR_NR);
+            const float* xr = x + t * E;
+            float acc = 0.0f;
+            for (u32 e = 0; e < E; e += 2u) {
+                u32 word = panel[(u64)(e / 2u) * PR_NR];
+                acc = fmaf(xr[e], bf16_to_f32((u16)(word >> 16)), acc);
+                if (e + 1u < E) {
+                    acc = fmaf(xr[e + 1u], bf16_to_f32((u16)(word & 0xFFFFu)), acc);
+                }
+            }
+            y[i] = acc;
+        }
+        return;
+    }
+    u32 tiles_o = (O + PR_TX - 1u) / PR_TX;
+    u32 tiles_t = (T + PR_TY - 1u) / PR_TY;
+    u32 tid = threadIdx.y * blockDim.x + threadIdx.x;
+    u32 nthreads = blockDim.x * blockDim.y;
+    for (u64 tile = blockIdx.x; tile < (u64)tiles_o * tiles_t; tile += gridDim.x) {
+        u32 o0 = (u32)(tile % tiles_o) * PR_TX;
+        u32 t0 = (u32)(tile / tiles_o) * PR_TY;
+        u32 o = o0 + threadIdx.x;
+        u32 t = t0 + threadIdx.y;
+        bool live = threadIdx.x < PR_TX && threadIdx.y < PR_TY && o < O && t < T;
+        const u32* panel = w + (u64)(o / PR_NR) * half_e * PR_NR + (o % PR_NR);
+        float acc = 0.0f;
+        for (u32 e0 = 0; e0 < E; e0 += PR_KT) {
+            __syncthreads();
+            for (u32 k = tid; k < PR_TY * PR_KT; k += nthreads) {
+                u32 r = k / PR_KT, c = k % PR_KT;
+                xs[r][c] = (t0 + r < T && e0 + c < E) ? x[(u64)(t0 + r) * E + e0 + c] : 0.0f;
+            }
+            __syncthreads();
+            if (live) {
+                u32 e1 = min(E, e0 + PR_KT);
+                for (u32 e = e0; e < e1; e += 2u) {
+                    u32 word = panel[(u64)(e / 2u) * PR_NR];
+                    acc = fmaf(xs[threadIdx.y][e - e0], bf16_to_f32((u16)(word >> 16)), acc);
+                    if (e + 1u < e1) {
+                        acc = fmaf(xs[threadIdx.y][e + 1u - e0], bf16_to_f32((u16)(word & 0xFFFFu)), acc);
+                    }
+                }
+            }
+        }
+        if (live) {
+            y[(u64)t * O + o] = acc;
+        }
+    }
+}
+
+// -------------------------------------------------------------------- gate
+
+// Per token t and stream s (H values each): q = highway slice, k = key
+// slice of kv (kv rows are [key (C) | value (H)]); g = dot(norm_q(q),
+// norm_k(k)) / sqrt(H); gated = sigma(g) * value; xn = norm_conv(gated).
+// Each (t, s) pair is handled by 16 lanes.
+extern "C" __global__ void gate(const float* highway, const float* kv, const float* norm_q,
+                                const float* norm_k, const float* norm_conv, float* gated,
+                                float* xn, u32 T, u32 H, u32 hc, float eps) {
+    u32 C = H * hc;
+    u32 lane = threadIdx.x % LANES;
+    u64 group = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / LANES;
+    u64 groups = ((u64)gridDim.x * blockDim.x) / LANES;
+    u64 pairs = (u64)T * hc;
+    float inv_sqrt_h = 1.0f / sqrtf((float)H);
+    // Every lane of a group runs the same number of iterations, so the
+    // shuffles always see their whole group.
+    for (u64 pair = group; pair < ((pairs + groups - 1) / groups) * groups; pair += groups) {
+        bool live = pair < pairs;
+        u64 t = live ? pair / hc : 0;
+        u32 s = live ? (u32)(pair % hc) : 0;
+        const float* q = highway + t * C + (u64)s * H;
+        const float* k = kv + t * (u64)(C + H) + (u64)s * H;
+        const float* value = kv + t * (u64)(C + H) + C;
+        const float* wq = norm_q + (u64)s * H;
+        const float* wk = norm_k + (u64)s * H;
+        const float* wc = norm_conv + (u64)s * H;
+        float* gs = gated + t * C + (u64)s * H;
+        float* xs = xn + t * C + (u64)s * H;
+        u32 n = live ? H : 0u;
+        float rq = rms_factor(q, n, eps, lane);
+        float rk = rms_factor(k, n, eps, lane);
+        float acc = 0.0f;
+        for (u32 i = lane; i < n; i += LANES) {
+            acc += (q[i] * rq * (1.0f + wq[i])) * (k[i] * rk * (1.0f + wk[i]));
+        }
+        float g = fold16(acc) * inv_sqrt_h;
+        float sigma = gate_sigma(g);
+        for (u32 i = lane; i < n; i += LANES) {
+            gs[i] = sigma * value[i];
+        }
+        __syncwarp();
+        float rc = rms_factor(gs, n, eps, lane);
+        for (u32 i = lane; i < n; i += LANES) {
+            xs[i] = gs[i] * rc * (1.0f + wc[i]);
+        }
+    }
+}
+
+// Grouped RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w) over each
+// H-wide group of x [T, hc * H], with w [hc * H]. 16 lanes per group.
+extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, u32 T, u32 H, u32 hc,
+                                    float eps) {
+    u32 C = H * hc;
+    u32 lane = threadIdx.x % LANES;
+    u64 group = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / LANES;
+    u64 groups = ((u64)gridDim.x * blockDim.x) / LANES;
+    u64 pairs = (u64)T * hc;
+    for (u64 pair = group; pair < ((pairs + groups - 1) / groups) * groups; pair += groups) {
+        bool live = pair < pairs;
+        u64 t = live ? pair / hc : 0;
+        u32 s = live ? (u32)(pair % hc) : 0;
+        u32 n = live ? H : 0u;
+        const float* xr = x + t * C + (u64)s * H;
+        const float* wr = w + (u64)s * H;
+        float* yr = y + t * C + (u64)s * H;
+        float r = rms_factor(xr, n, eps, lane);
+        for (u32 i = lane; i < n; i += LANES) {
+            yr[i] = xr[i] * r * (1.0f + wr[i]);
+        }
+    }
+}
+
+// -------------------------------------------------------------------- conv
+
+// One channel c of one sequence: y[t] = sum_j w[c, j] * x[S + t - (K-1-j)D]
+// over x = state ++ xn (S = (K-1) * D state rows), highway[t] += gated[t] +
+// silu(y[t]); then the state becomes the last S rows of state ++ xn.
+__device__ __forceinline__ void conv_channel(const float* xn, const float* gated, float* state,
+                                             const float* w, float* highway, u32 T, u32 C,
+                                             u32 K, u32 D, u32 c) {
+    u32 S = (K - 1u) * D;
+    for (u32 t = 0; t < T; ++t) {
+        float y = 0.0f;
+        for (u32 j = 0; j < K; ++j) {
+            u32 r = S + t - (K - 1u - j) * D;
+            float src = r < S ? state[(u64)r * C + c] : xn[(u64)(r - S) * C + c];
+            y += w[(u64)c * K + j] * src;
+        }
+        u64 at = (u64)t * C + c;
+        highway[at] += gated[at] + silu(y);
+    }
+    if (T >= S) {
+        for (u32 i = 0; i < S; ++i) {
+            state[(u64)i * C + c] = xn[(u64)(T - S + i) * C + c];
+        }
+    } else {
+        for (u32 i = 0; i + T < S; ++i) {
+            state[(u64)i * C + c] = state[(u64)(i + T) * C + c];
+        }
+        for (u32 i = 0; i < T; ++i) {
+            state[(u64)(S - T + i) * C + c] = xn[(u64)i * C + c];
+        }
+    }
+}
+
+// The dilated causal depthwise conv of T tokens of one sequence, with its
+// carried state [S, C], and the highway add. One thread per channel.
+extern "C" __global__ void conv(const float* xn, const float* gated, float* state, const float* w,
+                                float* highway, u32 T, u32 C, u32 K, u32 D) {
+    for (u32 c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
+        conv_channel(xn, gated, state, w, highway, T, C, K, D, c);
+    }
+}
+
+// One token of each of B sequences: row b of xn, gated and highway belongs
+// to the sequence whose state is at states[b]. One thread per (b, c).
+extern "C" __global__ void conv_batch(const float* xn, const float* gated, const u64* states,
+                                      const float* w, float* highway, u32 B, u32 C, u32 K,
+                                      u32 D) {
+    u64 total = (u64)B * C;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        u64 b = i / C;
+        u32 c = (u32)(i - b * C);
+        u64 row = b * C;
+        conv_channel(xn + row, gated + row, (float*)states[b], w, highway + row, 1u, C, K, D, c);
+    }
+}
+
+// highway[i] += out[i] for i < n.
+extern "C" __global__ void highway_add(float* highway, const float* out, u32 n) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        highway[i] += out[i];
+    }
+}
