@@ -264,3 +264,43 @@ pub(crate) fn chain(err: &(dyn std::error::Error + 'static)) -> String {
 
 /// Results of engine calls.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chains_name_every_cause_and_classify_failures() {
+        let site = EngineError::site(1, "site 1 forward of 3 tokens", "row 7: short read");
+        assert_eq!(
+            site.chain(),
+            "site 1 forward of 3 tokens: row 7: short read"
+        );
+        assert!(site.is_device_failure() && !site.is_lost());
+        let preempt = EngineError::Preempt {
+            victim: 2,
+            seq: 5,
+            source: Box::new(site),
+        };
+        assert!(preempt.is_device_failure());
+        assert_eq!(
+            preempt.chain(),
+            "preempting sequence 2 for sequence 5: site 1 forward of 3 tokens: row 7: short read"
+        );
+        let refused = EngineError::WrongPlace {
+            op: "swap_out",
+            seq: 3,
+            place: Place::Swapped,
+        };
+        assert_eq!(
+            refused.chain(),
+            "swap_out: sequence 3 is already swapped out"
+        );
+        assert!(!refused.is_device_failure());
+        let budget = EngineError::from(BudgetError::AlreadyCharged(4));
+        assert_eq!(
+            budget.to_string(),
+            "sequence 4 is already charged to the device memory budget"
+        );
+    }
+}

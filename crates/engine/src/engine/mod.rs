@@ -25,8 +25,16 @@
 //!   highway a plain sequential run gives, bit for bit (this rests on the
 //!   site's forward being independent of chunking and batching);
 //! - the prefix cache holds snapshots taken at block boundaries during
-//!   prefill and decode, keyed by the tokens; it is only valid when the highway rows
-//!   of a token are a function of the token prefix, as in a causal model.
+//!   prefill and decode, keyed by the tokens; it is only valid when the
+//!   highway rows of a token are a function of the token prefix, as in a
+//!   causal model.
+//!
+//! The methods are split by concern: this module holds the [`Site`] trait,
+//! the settings, the engine's state, its accessors and `close`;
+//! `sequences` carries, the budget, add, prefill and release; `snapshots`
+//! snapshots and the prefix cache; `swap` swap out and in; `speculate`
+//! verify and commit; `decode` batched decode and decode graphs; `error`
+//! [`EngineError`].
 //!
 //! Concurrency: the engine is driven through `&mut self` from one thread; it
 //! uses one stream of the backend and synchronises on it before returning
