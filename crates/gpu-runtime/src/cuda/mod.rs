@@ -96,7 +96,6 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemHostGetDevicePointer_v2",
-    "cuMemsetD8_v2",
     "cuMemsetD8Async",
     "cuMemcpyHtoDAsync_v2",
     "cuMemcpyDtoHAsync_v2",
@@ -174,8 +173,30 @@ struct Capture {
     invalid: Option<GpuError>,
 }
 
+/// A stream handle, destroyed when the last user drops it: an operation
+/// that looked the stream up keeps it alive even if another thread destroys
+/// the stream meanwhile.
+struct RawStream(sys::CUstream, Handle<sys::CUcontext>);
+// SAFETY: a stream handle may be used from any thread once its context is
+// current, which every user of it makes sure of.
+unsafe impl Send for RawStream {}
+// SAFETY: as above.
+unsafe impl Sync for RawStream {}
+
+impl Drop for RawStream {
+    fn drop(&mut self) {
+        // SAFETY: the stream was created by `cuStreamCreate` in this context
+        // and is destroyed once, here, with the context current; the driver
+        // lets queued work finish first.
+        unsafe {
+            sys::cuCtxSetCurrent(self.1.0);
+            sys::cuStreamDestroy_v2(self.0);
+        }
+    }
+}
+
 struct StreamEntry {
-    raw: Handle<sys::CUstream>,
+    raw: Arc<RawStream>,
     capture: Option<Capture>,
 }
 
@@ -204,12 +225,14 @@ struct KernelEntry {
 /// A CUDA device behind the [`GpuBackend`] trait.
 pub struct CudaBackend {
     ordinal: usize,
-    device: sys::CUdevice,
     ctx: Handle<sys::CUcontext>,
     arch: Arch,
     device_name: String,
     ledger: Ledger,
     streams: Mutex<HashMap<StreamId, StreamEntry>>,
+    /// A stream of the backend's own, never captured, that zeroes new
+    /// allocations.
+    util: Arc<RawStream>,
     next_stream: AtomicU64,
     events: Mutex<HashMap<u64, Handle<sys::CUevent>>>,
     next_event: AtomicU64,
@@ -217,6 +240,19 @@ pub struct CudaBackend {
     next_graph: AtomicU64,
     modules: Mutex<HashMap<String, ModuleEntry>>,
     kernels: Mutex<Vec<KernelEntry>>,
+    /// Declared last: dropped after every other field, it releases the
+    /// primary context the streams and memory belong to.
+    _primary: PrimaryCtx,
+}
+
+/// A retained primary context, released on drop.
+struct PrimaryCtx(sys::CUdevice);
+
+impl Drop for PrimaryCtx {
+    fn drop(&mut self) {
+        // SAFETY: retained once in `CudaBackend::open`, released once here.
+        unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.0) };
+    }
 }
 
 /// Whether the CUDA driver library can be loaded (probed once).
@@ -327,14 +363,22 @@ impl CudaBackend {
         check(op, "cuDevicePrimaryCtxRetain", unsafe {
             sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
         })?;
+        let primary = PrimaryCtx(device);
+        let ctx = Handle(ctx);
+        // SAFETY: the context was just retained.
+        check(op, "cuCtxSetCurrent", unsafe {
+            sys::cuCtxSetCurrent(ctx.0)
+        })?;
+        let s0 = create_stream(op, ctx)?;
+        let util = create_stream(op, ctx)?;
         let b = CudaBackend {
             ordinal,
-            device,
-            ctx: Handle(ctx),
+            ctx,
             arch,
             device_name,
             ledger: Ledger::default(),
             streams: Mutex::new(HashMap::new()),
+            util,
             next_stream: AtomicU64::new(1),
             events: Mutex::new(HashMap::new()),
             next_event: AtomicU64::new(1),
@@ -342,9 +386,8 @@ impl CudaBackend {
             next_graph: AtomicU64::new(1),
             modules: Mutex::new(HashMap::new()),
             kernels: Mutex::new(Vec::new()),
+            _primary: primary,
         };
-        b.bind(op)?;
-        let s0 = b.raw_create_stream(op)?;
         b.streams.lock().insert(
             0,
             StreamEntry {
@@ -386,23 +429,14 @@ impl CudaBackend {
         })
     }
 
-    fn raw_create_stream(&self, op: &str) -> Result<Handle<sys::CUstream>> {
-        let mut s = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the context is current.
-        check(op, "cuStreamCreate", unsafe {
-            sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
-        })?;
-        Ok(Handle(s))
-    }
-
     /// The raw stream of `stream` and whether it is capturing.
-    fn stream(&self, op: &str, stream: StreamId) -> Result<(Handle<sys::CUstream>, bool)> {
+    fn stream(&self, op: &str, stream: StreamId) -> Result<(Arc<RawStream>, bool)> {
         let t = self.streams.lock();
         let e = t.get(&stream).ok_or_else(|| GpuError::UnknownStream {
             op: op.to_string(),
             stream,
         })?;
-        Ok((e.raw, e.capture.is_some()))
+        Ok((e.raw.clone(), e.capture.is_some()))
     }
 
     /// Refuse `op` on a capturing `stream`: the capture is invalidated and
@@ -438,7 +472,7 @@ impl CudaBackend {
     }
 
     /// Wait for `stream`; a failure is the stream's sticky error.
-    fn sync_raw(&self, op: &str, stream: StreamId, raw: Handle<sys::CUstream>) -> Result<()> {
+    fn sync_raw(&self, op: &str, stream: StreamId, raw: &RawStream) -> Result<()> {
         // SAFETY: `raw` is a live stream of this context.
         let r = unsafe { sys::cuStreamSynchronize(raw.0) };
         check("queued work", "cuStreamSynchronize", r).map_err(|cause| GpuError::Stream {
@@ -449,7 +483,7 @@ impl CudaBackend {
     }
 
     /// The default stream for a synchronous call, refused while it captures.
-    fn sync_stream(&self, op: &str) -> Result<Handle<sys::CUstream>> {
+    fn sync_stream(&self, op: &str) -> Result<Arc<RawStream>> {
         let (raw, capturing) = self.stream(op, 0)?;
         if capturing {
             return Err(self.refuse_capture(
@@ -469,7 +503,7 @@ impl CudaBackend {
             .lock()
             .values()
             .filter(|s| s.capture.is_none())
-            .map(|s| s.raw)
+            .map(|s| s.raw.clone())
             .collect();
         for r in raws {
             // SAFETY: a live stream of this context.
@@ -512,6 +546,16 @@ impl CudaBackend {
     }
 }
 
+/// A new non-blocking stream in `ctx` (current on this thread).
+fn create_stream(op: &str, ctx: Handle<sys::CUcontext>) -> Result<Arc<RawStream>> {
+    let mut s = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the context is current.
+    check(op, "cuStreamCreate", unsafe {
+        sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+    })?;
+    Ok(Arc::new(RawStream(s, ctx)))
+}
+
 /// The page-aligned layout of a fallback host-mapped buffer of `bytes`.
 fn page_layout(bytes: usize) -> Option<std::alloc::Layout> {
     let size = bytes.max(1).checked_next_multiple_of(PAGE)?;
@@ -547,9 +591,10 @@ impl Drop for CudaBackend {
                     }
                 }
             }
-            // SAFETY: a live stream, destroyed once.
-            unsafe { sys::cuStreamDestroy_v2(s.raw.0) };
+            // Dropping the entry destroys the stream.
+            drop(s);
         }
+
         for (_, m) in self.modules.get_mut().drain() {
             // SAFETY: a loaded module; no work is queued any more.
             unsafe { sys::cuModuleUnload(m.raw.0) };
@@ -557,8 +602,8 @@ impl Drop for CudaBackend {
         for (p, e) in self.ledger.drain() {
             let _ = self.release("drop", p, &e);
         }
-        // SAFETY: retained once in `open`.
-        unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        // `util`, then `_primary` (which releases the context) drop after
+        // this, in field order.
     }
 }
 
@@ -581,9 +626,18 @@ impl GpuBackend for CudaBackend {
                 reason: format!("cuMemAlloc failed: {}", describe(r)),
             });
         }
-        // SAFETY: `p` is a fresh allocation of at least `bytes.max(1)` bytes.
-        let zero = unsafe { sys::cuMemsetD8_v2(p, 0, bytes.max(1)) };
-        if let Err(e) = check(OP, "cuMemsetD8", zero) {
+        // New memory reads as zeroes; the backend's own stream does it, so
+        // no stream of the caller (capturing or not) is involved.
+        // SAFETY: `p` is a fresh allocation of at least `bytes.max(1)` bytes
+        // and `util` a live stream of this context.
+        let zero = unsafe { sys::cuMemsetD8Async(p, 0, bytes.max(1), self.util.0) };
+        let zero = check(OP, "cuMemsetD8Async", zero).and_then(|()| {
+            // SAFETY: `util` is a live stream of this context.
+            check(OP, "cuStreamSynchronize", unsafe {
+                sys::cuStreamSynchronize(self.util.0)
+            })
+        });
+        if let Err(e) = zero {
             // SAFETY: freed once; nothing else knows the address yet.
             unsafe { sys::cuMemFree_v2(p) };
             return Err(e);
@@ -746,7 +800,7 @@ impl GpuBackend for CudaBackend {
                 sys::cuMemsetD8Async(dst.0, value, bytes, raw.0)
             })?;
         }
-        self.sync_raw(OP, 0, raw)
+        self.sync_raw(OP, 0, &raw)
     }
 
     fn memset_async(
@@ -782,7 +836,7 @@ impl GpuBackend for CudaBackend {
                 sys::cuMemcpyHtoDAsync_v2(dst.0, src.as_ptr() as *const c_void, src.len(), raw.0)
             })?;
         }
-        self.sync_raw(OP, 0, raw)
+        self.sync_raw(OP, 0, &raw)
     }
 
     fn copy_d2h(&self, src: DevicePtr, dst: &mut [u8]) -> Result<()> {
@@ -797,7 +851,7 @@ impl GpuBackend for CudaBackend {
                 sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.0, dst.len(), raw.0)
             })?;
         }
-        self.sync_raw(OP, 0, raw)
+        self.sync_raw(OP, 0, &raw)
     }
 
     fn copy_d2d(&self, src: DevicePtr, dst: DevicePtr, bytes: usize) -> Result<()> {
@@ -812,7 +866,7 @@ impl GpuBackend for CudaBackend {
                 sys::cuMemcpyDtoDAsync_v2(dst.0, src.0, bytes, raw.0)
             })?;
         }
-        self.sync_raw(OP, 0, raw)
+        self.sync_raw(OP, 0, &raw)
     }
 
     fn copy_h2d_async(&self, src: &[u8], dst: DevicePtr, stream: StreamId) -> Result<()> {
@@ -873,7 +927,7 @@ impl GpuBackend for CudaBackend {
                 sys::cuMemcpyDtoHAsync_v2(dst.as_mut_ptr() as *mut c_void, src.0, dst.len(), raw.0)
             })?;
         }
-        self.sync_raw(OP, stream, raw)
+        self.sync_raw(OP, stream, &raw)
     }
 
     fn copy_d2d_async(
@@ -902,7 +956,7 @@ impl GpuBackend for CudaBackend {
     fn create_stream(&self) -> Result<StreamId> {
         const OP: &str = "create_stream";
         self.bind(OP)?;
-        let raw = self.raw_create_stream(OP)?;
+        let raw = create_stream(OP, self.ctx)?;
         let id = self.next_stream.fetch_add(1, Ordering::Relaxed);
         self.streams
             .lock()
@@ -937,12 +991,8 @@ impl GpuBackend for CudaBackend {
             }
         };
         self.bind(OP)?;
-        let synced = self.sync_raw(OP, stream, e.raw);
-        // SAFETY: a live stream, out of the table, destroyed once.
-        check(OP, "cuStreamDestroy", unsafe {
-            sys::cuStreamDestroy_v2(e.raw.0)
-        })?;
-        synced
+        // Dropping the entry destroys the stream once no other call uses it.
+        self.sync_raw(OP, stream, &e.raw)
     }
 
     fn synchronize(&self, stream: StreamId) -> Result<()> {
@@ -952,7 +1002,7 @@ impl GpuBackend for CudaBackend {
             return Err(self.refuse_capture(OP, stream, "a capturing stream cannot be waited for"));
         }
         self.bind(OP)?;
-        self.sync_raw(OP, stream, raw)
+        self.sync_raw(OP, stream, &raw)
     }
 
     fn create_event(&self) -> Result<EventHandle> {
@@ -1081,7 +1131,7 @@ impl GpuBackend for CudaBackend {
                 stream,
             })?;
             let c = e.capture.take().ok_or(GpuError::NotCapturing { stream })?;
-            (e.raw, c)
+            (e.raw.clone(), c)
         };
         let mut graph = std::ptr::null_mut();
         // SAFETY: the stream is capturing (our state says so).
