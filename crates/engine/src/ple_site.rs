@@ -13,6 +13,8 @@
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, SiteSpec};
 
+use metrale_storage::table::TableStats;
+
 use crate::engine::{EngineError, Site, SiteResult};
 
 /// A PLE layer driven by the engine.
@@ -50,6 +52,10 @@ impl Site for PleSite {
 
     fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
         Ok(self.layer.prefetch(history, tokens)?)
+    }
+
+    fn table_stats(&self) -> TableStats {
+        self.layer.table().stats()
     }
 
     fn supports_graphs(&self) -> bool {

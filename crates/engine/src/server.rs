@@ -29,6 +29,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use metrale_storage::table::TableStats;
 use thiserror::Error;
 
 use crate::engine::{Engine, EngineError, EngineStats, SeqId, Site};
@@ -109,6 +110,9 @@ pub struct ServerReport {
     pub wall: Duration,
     /// The engine's figures at the end.
     pub stats: EngineStats,
+    /// The sites' row-table counters over this run (the difference between
+    /// its end and its start).
+    pub table: TableStats,
     /// Calls that failed (tolerated with retries on).
     pub failed_calls: u64,
     /// Requests run again after a failed call.
@@ -269,6 +273,7 @@ impl<S: Site> Server<S> {
         };
         let width = self.engine.width();
         let mut highway = vec![0f32; self.cfg.prefill_chunk.max(self.cfg.decode_batch) * width];
+        let table_before = self.engine.table_stats();
         let start = Instant::now();
         loop {
             self.admit(&mut run, done)?;
@@ -301,6 +306,16 @@ impl<S: Site> Server<S> {
         }
         run.report.wall = start.elapsed();
         run.report.stats = self.engine.stats();
+        let t = self.engine.table_stats();
+        run.report.table = TableStats {
+            hits: t.hits - table_before.hits,
+            misses: t.misses - table_before.misses,
+            evictions: t.evictions - table_before.evictions,
+            bytes_read: t.bytes_read - table_before.bytes_read,
+            read_calls: t.read_calls - table_before.read_calls,
+            pages_coalesced: t.pages_coalesced - table_before.pages_coalesced,
+            io_wait_ns: t.io_wait_ns - table_before.io_wait_ns,
+        };
         Ok(run.report)
     }
 

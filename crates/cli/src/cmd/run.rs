@@ -41,7 +41,6 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::cached::CacheConfig;
 use metrale_storage::io::{PageReader, default_reader};
-use metrale_storage::table::TableStats;
 use serde::Serialize;
 
 use metrale_ple_cli::parse::{parse_prompts, parse_text};
@@ -266,7 +265,6 @@ struct PassConfig {
 struct PassResult {
     /// The server's figures and row fingerprints.
     report: ServerReport,
-    table: TableStats,
     carry_bytes: usize,
     leaked: usize,
 }
@@ -331,21 +329,9 @@ fn pass(
     };
     let report = server.run(workload, &mut |_| bar.inc(1))?;
     let engine = server.into_engine();
-    let mut table = TableStats::default();
-    for site in engine.sites() {
-        let s = site.layer().table().stats();
-        table.hits += s.hits;
-        table.misses += s.misses;
-        table.evictions += s.evictions;
-        table.bytes_read += s.bytes_read;
-        table.read_calls += s.read_calls;
-        table.pages_coalesced += s.pages_coalesced;
-        table.io_wait_ns += s.io_wait_ns;
-    }
     engine.close()?;
     Ok(PassResult {
         report,
-        table,
         carry_bytes,
         leaked: gpu.live_alloc_count(),
     })
@@ -723,8 +709,8 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     };
 
     let st = r.report.stats;
-    let lookups = r.table.hits + r.table.misses;
-    let io_wait = r.table.io_wait_ns as f64 / 1e9;
+    let lookups = r.report.table.hits + r.report.table.misses;
+    let io_wait = r.report.table.io_wait_ns as f64 / 1e9;
     let summary = Summary {
         checkpoint: dir.display().to_string(),
         sequences: plans.len(),
@@ -745,16 +731,16 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             step: a.decode_batch,
         },
         row_cache: CacheSummary {
-            hits: r.table.hits,
-            misses: r.table.misses,
+            hits: r.report.table.hits,
+            misses: r.report.table.misses,
             hit_rate: if lookups == 0 {
                 0.0
             } else {
-                r.table.hits as f64 / lookups as f64
+                r.report.table.hits as f64 / lookups as f64
             },
         },
-        bytes_read: r.table.bytes_read,
-        read_calls: r.table.read_calls,
+        bytes_read: r.report.table.bytes_read,
+        read_calls: r.report.table.read_calls,
         io_wait_seconds: io_wait,
         io_wait_share: io_wait / r.report.wall.as_secs_f64().max(1e-9),
         prefix_cache: PrefixSummary {

@@ -45,6 +45,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, GraphHandle, StreamId};
+use metrale_storage::table::TableStats;
 
 use crate::budget::{BudgetStats, MemoryBudget};
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
@@ -181,6 +182,11 @@ pub trait Site: Send + Sync {
     fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
         let _ = (history, tokens);
         Ok(())
+    }
+    /// The counters of the site's row table since it was opened. The
+    /// default, for sites without a table, reports zeros.
+    fn table_stats(&self) -> TableStats {
+        TableStats::default()
     }
 }
 
@@ -501,6 +507,22 @@ impl<S: Site> Engine<S> {
     /// Live sequence ids, in no particular order.
     pub fn sequence_ids(&self) -> Vec<SeqId> {
         self.seqs.keys().copied().collect()
+    }
+
+    /// The row-table counters of every site, summed.
+    pub fn table_stats(&self) -> TableStats {
+        self.sites
+            .iter()
+            .map(Site::table_stats)
+            .fold(TableStats::default(), |a, b| TableStats {
+                hits: a.hits + b.hits,
+                misses: a.misses + b.misses,
+                evictions: a.evictions + b.evictions,
+                bytes_read: a.bytes_read + b.bytes_read,
+                read_calls: a.read_calls + b.read_calls,
+                pages_coalesced: a.pages_coalesced + b.pages_coalesced,
+                io_wait_ns: a.io_wait_ns + b.io_wait_ns,
+            })
     }
 
     /// Counters and sizes.
