@@ -12,7 +12,6 @@
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, SiteSpec};
-
 use metrale_storage::table::TableStats;
 
 use crate::engine::{EngineError, Site, SiteResult};
