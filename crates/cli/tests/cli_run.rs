@@ -148,18 +148,20 @@ fn prompt_and_text_files_run_and_bad_ones_are_refused() {
     assert!(out.contains("metrale-ple run: 2 sequences"), "{out}");
     assert!(out.contains("bit-identical"), "{out}");
 
-    let bad = tmp.path().join("bad.jsonl");
-    std::fs::write(&bad, "[1,2]\n[3,\"x\"]\n").unwrap();
-    let (o, _, err) = run(tmp.path(), &["run", ck, "--prompts", bad.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    // A bad prompt file is an input error (exit 2) naming the line.
+    let refused = |contents: &str| {
+        let bad = tmp.path().join("bad.jsonl");
+        std::fs::write(&bad, contents).unwrap();
+        let (o, _, err) = run(tmp.path(), &["run", ck, "--prompts", bad.to_str().unwrap()]);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        err
+    };
+    let err = refused("[1,2]\n[3,\"x\"]\n");
     assert!(
         err.contains("bad.jsonl line 2: expected a JSON array"),
         "{err}"
     );
-
-    std::fs::write(&bad, "[1,5000]\n").unwrap();
-    let (o, _, err) = run(tmp.path(), &["run", ck, "--prompts", bad.to_str().unwrap()]);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    let err = refused("[1,5000]\n");
     assert!(
         err.contains("line 1: token 5000 at index 1 is not below the vocabulary size 4096"),
         "{err}"
