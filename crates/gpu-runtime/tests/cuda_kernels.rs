@@ -448,6 +448,7 @@ fn check_gate(gpu: &Gpu, rng: &mut Rng) {
         F32(eps),
     ]);
     launch(gpu, "gate", LaunchConfig::linear(1, 64), &args);
+    let mut first = Vec::new();
     for (name, p, want) in [("gated", gated, &g_want), ("xn", xn, &x_want)] {
         let got = get_f32(gpu, p, t * c);
         for (i, (a, b)) in got.iter().zip(want.iter()).enumerate() {
@@ -456,6 +457,15 @@ fn check_gate(gpu: &Gpu, rng: &mut Rng) {
                 "gate {name}[{i}]: {a} vs {b}"
             );
         }
+        first.push(got.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    }
+    // One thread per row (a block that is not whole warps): the same bits.
+    gpu.memset(gated, 0, t * c * 4).unwrap();
+    gpu.memset(xn, 0, t * c * 4).unwrap();
+    launch(gpu, "gate", LaunchConfig::linear(3, 7), &args);
+    for (i, p) in [gated, xn].into_iter().enumerate() {
+        let got: Vec<u32> = get_f32(gpu, p, t * c).iter().map(|v| v.to_bits()).collect();
+        assert_eq!(got, first[i], "gate with one thread per row");
     }
     for p in ptrs.into_iter().chain([gated, xn]) {
         gpu.free(p).unwrap();

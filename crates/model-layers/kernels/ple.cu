@@ -26,10 +26,10 @@
 //
 // Invariants:
 // - every kernel loops grid-stride over its work items, so any grid and any
-//   block shape computes every output exactly once, except that gate and
-//   rms_norm (16 lanes per row, folded with warp shuffles) need a
-//   one-dimensional block whose size is a multiple of 32; the projection is
-//   fastest with blocks of (32, 8);
+//   block shape computes every output exactly once, with the same bits;
+//   the fast shapes are one-dimensional blocks of a multiple of 32 threads
+//   for gate and rms_norm (16 lanes per row, folded with warp shuffles) and
+//   blocks of (32, 8) for the projection (shared-memory tiles);
 // - arithmetic follows the host kernels operation for operation: the file
 //   is compiled with --fmad=false, so a product and a sum round separately
 //   unless the source calls fmaf; sums of a vector use the host's 16-lane
@@ -158,14 +158,68 @@ __device__ __forceinline__ float fold16(float v) {
     return __shfl_sync(mask, v, 0, LANES);
 }
 
-// 1 / sqrt(mean(x^2) + eps) over n values at x, one lane of 16.
-__device__ __forceinline__ float rms_factor(const float* x, u32 n, float eps, u32 lane) {
-    float acc = 0.0f;
-    for (u32 i = lane; i < n; i += LANES) {
-        acc += x[i] * x[i];
+// The sum of f(i) for i < n in the host's 16-lane layout and fold order.
+// Cooperative (`coop`): this thread is lane `lane` of a group of 16 threads
+// in one warp, and every lane gets the result. Otherwise this thread
+// computes all 16 lanes itself (same order, so the same bits).
+template <typename F>
+__device__ __forceinline__ float lane_sum(F f, u32 n, u32 lane, bool coop) {
+    if (coop) {
+        float acc = 0.0f;
+        for (u32 i = lane; i < n; i += LANES) {
+            acc += f(i);
+        }
+        return fold16(acc);
     }
-    float s = fold16(acc);
+    float acc[LANES];
+    for (u32 l = 0; l < LANES; ++l) {
+        acc[l] = 0.0f;
+    }
+    for (u32 i = 0; i < n; ++i) {
+        acc[i % LANES] += f(i);
+    }
+    for (u32 w = LANES / 2; w > 0; w /= 2) {
+        for (u32 l = 0; l < w; ++l) {
+            acc[l] += acc[l + w];
+        }
+    }
+    return acc[0];
+}
+
+// 1 / sqrt(mean(x^2) + eps) over n values at x.
+__device__ __forceinline__ float rms_factor(const float* x, u32 n, float eps, u32 lane, bool coop) {
+    float s = lane_sum([&](u32 i) { return x[i] * x[i]; }, n, lane, coop);
     return 1.0f / sqrtf(s / (float)n + eps);
+}
+
+// How a row-per-group kernel splits its threads: 16 lanes per row when the
+// block is one-dimensional with a multiple of 32 threads (whole warps),
+// else one thread per row. `step` is the stride of a lane's elements.
+struct Rows {
+    bool coop;
+    u32 lane;
+    u32 step;
+    u64 first;
+    u64 count;
+};
+
+__device__ __forceinline__ Rows rows_split() {
+    Rows r;
+    r.coop = blockDim.y == 1u && blockDim.z == 1u && blockDim.x % 32u == 0u;
+    u32 per = r.coop ? LANES : 1u;
+    u32 nthreads = blockDim.x * blockDim.y * blockDim.z;
+    u32 tid = (threadIdx.z * blockDim.y + threadIdx.y) * blockDim.x + threadIdx.x;
+    r.lane = r.coop ? tid % LANES : 0u;
+    r.step = per;
+    r.first = ((u64)blockIdx.x * nthreads + tid) / per;
+    r.count = ((u64)gridDim.x * nthreads) / per;
+    return r;
+}
+
+// The number of loop rounds for `items` rows: every lane of a group runs
+// the same number, so the shuffles always see their whole warp.
+__device__ __forceinline__ u64 rounds_end(u64 items, u64 count) {
+    return ((items + count - 1) / count) * count;
 }
 
 // ------------------------------------------------------------------ gather
@@ -332,19 +386,15 @@ extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T
 // Per token t and stream s (H values each): q = highway slice, k = key
 // slice of kv (kv rows are [key (C) | value (H)]); g = dot(norm_q(q),
 // norm_k(k)) / sqrt(H); gated = sigma(g) * value; xn = norm_conv(gated).
-// Each (t, s) pair is handled by 16 lanes.
+// Rows are split as `rows_split` says.
 extern "C" __global__ void gate(const float* highway, const float* kv, const float* norm_q,
                                 const float* norm_k, const float* norm_conv, float* gated,
                                 float* xn, u32 T, u32 H, u32 hc, float eps) {
     u32 C = H * hc;
-    u32 lane = threadIdx.x % LANES;
-    u64 group = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / LANES;
-    u64 groups = ((u64)gridDim.x * blockDim.x) / LANES;
+    Rows rs = rows_split();
     u64 pairs = (u64)T * hc;
     float inv_sqrt_h = 1.0f / sqrtf((float)H);
-    // Every lane of a group runs the same number of iterations, so the
-    // shuffles always see their whole group.
-    for (u64 pair = group; pair < ((pairs + groups - 1) / groups) * groups; pair += groups) {
+    for (u64 pair = rs.first; pair < rounds_end(pairs, rs.count); pair += rs.count) {
         bool live = pair < pairs;
         u64 t = live ? pair / hc : 0;
         u32 s = live ? (u32)(pair % hc) : 0;
@@ -357,35 +407,31 @@ extern "C" __global__ void gate(const float* highway, const float* kv, const flo
         float* gs = gated + t * C + (u64)s * H;
         float* xs = xn + t * C + (u64)s * H;
         u32 n = live ? H : 0u;
-        float rq = rms_factor(q, n, eps, lane);
-        float rk = rms_factor(k, n, eps, lane);
-        float acc = 0.0f;
-        for (u32 i = lane; i < n; i += LANES) {
-            acc += (q[i] * rq * (1.0f + wq[i])) * (k[i] * rk * (1.0f + wk[i]));
-        }
-        float g = fold16(acc) * inv_sqrt_h;
-        float sigma = gate_sigma(g);
-        for (u32 i = lane; i < n; i += LANES) {
+        float rq = rms_factor(q, n, eps, rs.lane, rs.coop);
+        float rk = rms_factor(k, n, eps, rs.lane, rs.coop);
+        float dot = lane_sum(
+            [&](u32 i) { return (q[i] * rq * (1.0f + wq[i])) * (k[i] * rk * (1.0f + wk[i])); }, n,
+            rs.lane, rs.coop);
+        float sigma = gate_sigma(dot * inv_sqrt_h);
+        for (u32 i = rs.lane; i < n; i += rs.step) {
             gs[i] = sigma * value[i];
         }
-        __syncwarp();
-        float rc = rms_factor(gs, n, eps, lane);
-        for (u32 i = lane; i < n; i += LANES) {
+        // A lane reads back only what it wrote itself.
+        float rc = rms_factor(gs, n, eps, rs.lane, rs.coop);
+        for (u32 i = rs.lane; i < n; i += rs.step) {
             xs[i] = gs[i] * rc * (1.0f + wc[i]);
         }
     }
 }
 
 // Grouped RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w) over each
-// H-wide group of x [T, hc * H], with w [hc * H]. 16 lanes per group.
+// H-wide group of x [T, hc * H], with w [hc * H].
 extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, u32 T, u32 H, u32 hc,
                                     float eps) {
     u32 C = H * hc;
-    u32 lane = threadIdx.x % LANES;
-    u64 group = (blockIdx.x * (u64)blockDim.x + threadIdx.x) / LANES;
-    u64 groups = ((u64)gridDim.x * blockDim.x) / LANES;
+    Rows rs = rows_split();
     u64 pairs = (u64)T * hc;
-    for (u64 pair = group; pair < ((pairs + groups - 1) / groups) * groups; pair += groups) {
+    for (u64 pair = rs.first; pair < rounds_end(pairs, rs.count); pair += rs.count) {
         bool live = pair < pairs;
         u64 t = live ? pair / hc : 0;
         u32 s = live ? (u32)(pair % hc) : 0;
@@ -393,8 +439,8 @@ extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, u3
         const float* xr = x + t * C + (u64)s * H;
         const float* wr = w + (u64)s * H;
         float* yr = y + t * C + (u64)s * H;
-        float r = rms_factor(xr, n, eps, lane);
-        for (u32 i = lane; i < n; i += LANES) {
+        float r = rms_factor(xr, n, eps, rs.lane, rs.coop);
+        for (u32 i = rs.lane; i < n; i += rs.step) {
             yr[i] = xr[i] * r * (1.0f + wr[i]);
         }
     }
