@@ -17,8 +17,9 @@
 //! - kernels come from PTX (or cubin) images loaded with `cuModuleLoadData`;
 //!   the parameter list of each PTX `.entry` is read from the text, and
 //!   launches are checked against it (count, and the width and kind of
-//!   each argument); [`CudaBackend::load_source`] compiles CUDA C++ with
-//!   NVRTC first ([`nvrtc`]);
+//!   each argument; the kernels of a cubin image are launched unchecked);
+//!   [`CudaBackend::load_source`] compiles CUDA C++ with NVRTC first
+//!   ([`nvrtc`]);
 //! - host kernels are not supported ([`GpuBackend::supports_host_kernels`]
 //!   is false).
 //!
