@@ -262,7 +262,8 @@ impl Fixture {
             state,
             &self.conv_w,
             hw,
-        )
+        )?;
+        Ok(())
     }
 }
 

@@ -15,6 +15,7 @@
 use rayon::prelude::*;
 
 use super::cpu::CpuPath;
+use super::error::KernelError;
 use super::math::silu;
 
 /// Shapes of one conv call.
@@ -36,24 +37,33 @@ impl ConvDims {
         (self.k - 1) * self.d
     }
 
-    fn check(&self, name: &str) -> anyhow::Result<()> {
-        anyhow::ensure!(
-            self.c > 0 && self.k > 0 && self.d > 0,
-            "{name}: C = {}, K = {} and D = {} must all be positive",
-            self.c,
-            self.k,
-            self.d
-        );
-        Ok(())
+    fn check(&self, kernel: &'static str) -> Result<(), KernelError> {
+        if self.c > 0 && self.k > 0 && self.d > 0 {
+            return Ok(());
+        }
+        Err(KernelError::ZeroSize {
+            kernel,
+            sizes: format!("C = {}, K = {}, D = {}", self.c, self.k, self.d),
+        })
+    }
+
+    fn shape(&self) -> String {
+        format!(
+            "T = {}, C = {}, K = {}, D = {}",
+            self.t, self.c, self.k, self.d
+        )
     }
 }
 
-fn check_len(name: &str, what: &str, len: usize, want: usize) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        len == want,
-        "{name}: {what} holds {len} values, expected {want}"
-    );
-    Ok(())
+/// Refuse `what` unless it holds `want` values.
+fn check_len(
+    kernel: &'static str,
+    dims: &ConvDims,
+    what: &str,
+    len: usize,
+    want: usize,
+) -> Result<(), KernelError> {
+    KernelError::check_len(kernel, || what.to_string(), len, want, || dims.shape())
 }
 
 /// `w [C, K]` as `[K, C]`, so each tap is a contiguous channel vector.
@@ -75,7 +85,7 @@ pub fn conv(
     state: &mut [f32],
     w: &[f32],
     highway: &mut [f32],
-) -> anyhow::Result<()> {
+) -> Result<(), KernelError> {
     conv_on(super::cpu::best_path(), dims, xn, gated, state, w, highway)
 }
 
@@ -88,20 +98,17 @@ pub fn conv_on(
     state: &mut [f32],
     w: &[f32],
     highway: &mut [f32],
-) -> anyhow::Result<()> {
+) -> Result<(), KernelError> {
     const NAME: &str = "conv";
-    anyhow::ensure!(
-        path.available(),
-        "{NAME}: CPU path {path:?} is not available on this CPU"
-    );
+    KernelError::check_path(NAME, path)?;
     dims.check(NAME)?;
     let ConvDims { t, c, k, .. } = dims;
     let s = dims.state_len();
-    check_len(NAME, "xn", xn.len(), t * c)?;
-    check_len(NAME, "gated", gated.len(), t * c)?;
-    check_len(NAME, "state", state.len(), s * c)?;
-    check_len(NAME, "w", w.len(), c * k)?;
-    check_len(NAME, "highway", highway.len(), t * c)?;
+    check_len(NAME, &dims, "xn", xn.len(), t * c)?;
+    check_len(NAME, &dims, "gated", gated.len(), t * c)?;
+    check_len(NAME, &dims, "state", state.len(), s * c)?;
+    check_len(NAME, &dims, "w", w.len(), c * k)?;
+    check_len(NAME, &dims, "highway", highway.len(), t * c)?;
     if t == 0 {
         return Ok(());
     }
@@ -138,7 +145,7 @@ pub fn conv_batch(
     states: &mut [&mut [f32]],
     w: &[f32],
     highway: &mut [f32],
-) -> anyhow::Result<()> {
+) -> Result<(), KernelError> {
     conv_batch_on(super::cpu::best_path(), dims, xn, gated, states, w, highway)
 }
 
@@ -151,23 +158,20 @@ pub fn conv_batch_on(
     states: &mut [&mut [f32]],
     w: &[f32],
     highway: &mut [f32],
-) -> anyhow::Result<()> {
+) -> Result<(), KernelError> {
     const NAME: &str = "conv_batch";
-    anyhow::ensure!(
-        path.available(),
-        "{NAME}: CPU path {path:?} is not available on this CPU"
-    );
+    KernelError::check_path(NAME, path)?;
     dims.check(NAME)?;
     let ConvDims { t: b, c, k, .. } = dims;
     let s = dims.state_len();
-    check_len(NAME, "xn", xn.len(), b * c)?;
-    check_len(NAME, "gated", gated.len(), b * c)?;
-    check_len(NAME, "states", states.len(), b)?;
+    check_len(NAME, &dims, "xn", xn.len(), b * c)?;
+    check_len(NAME, &dims, "gated", gated.len(), b * c)?;
+    check_len(NAME, &dims, "states", states.len(), b)?;
     for (i, st) in states.iter().enumerate() {
-        check_len(NAME, &format!("state {i}"), st.len(), s * c)?;
+        check_len(NAME, &dims, &format!("state {i}"), st.len(), s * c)?;
     }
-    check_len(NAME, "w", w.len(), c * k)?;
-    check_len(NAME, "highway", highway.len(), b * c)?;
+    check_len(NAME, &dims, "w", w.len(), c * k)?;
+    check_len(NAME, &dims, "highway", highway.len(), b * c)?;
     if b == 0 {
         return Ok(());
     }

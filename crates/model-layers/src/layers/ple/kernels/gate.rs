@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 
 use super::cpu::CpuPath;
+use super::error::KernelError;
 use super::math::{gate_sigma, normed_dot, rms_factor};
 
 /// Rows per rayon task (a row is `hc * H` values, tens of KiB at most).
@@ -49,7 +50,7 @@ pub fn gate(
     inp: GateInputs<'_>,
     gated: &mut [f32],
     xn: &mut [f32],
-) -> anyhow::Result<()> {
+) -> Result<(), KernelError> {
     gate_on(super::cpu::best_path(), d, inp, gated, xn)
 }
 
@@ -60,32 +61,30 @@ pub fn gate_on(
     inp: GateInputs<'_>,
     gated: &mut [f32],
     xn: &mut [f32],
-) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        path.available(),
-        "gate: CPU path {path:?} is not available on this CPU"
-    );
-    anyhow::ensure!(
-        d.h > 0 && d.hc > 0,
-        "gate: H = {} and hc = {} must both be positive",
-        d.h,
-        d.hc
-    );
-    anyhow::ensure!(
-        d.eps.is_finite() && d.eps >= 0.0,
-        "gate: eps {} is not a finite non-negative number",
-        d.eps
-    );
+) -> Result<(), KernelError> {
+    const NAME: &str = "gate";
+    KernelError::check_path(NAME, path)?;
+    if d.h == 0 || d.hc == 0 {
+        return Err(KernelError::ZeroSize {
+            kernel: NAME,
+            sizes: format!("H = {}, hc = {}", d.h, d.hc),
+        });
+    }
+    if !(d.eps.is_finite() && d.eps >= 0.0) {
+        return Err(KernelError::Eps {
+            kernel: NAME,
+            eps: d.eps,
+        });
+    }
     let c = d.h * d.hc;
     let check = |name: &str, len: usize, want: usize| {
-        anyhow::ensure!(
-            len == want,
-            "gate: {name} holds {len} values, expected {want} (T = {}, H = {}, hc = {})",
-            d.t,
-            d.h,
-            d.hc
-        );
-        Ok(())
+        KernelError::check_len(
+            NAME,
+            || name.to_string(),
+            len,
+            want,
+            || format!("T = {}, H = {}, hc = {}", d.t, d.h, d.hc),
+        )
     };
     check("highway", inp.highway.len(), d.t * c)?;
     check("kv", inp.kv.len(), d.t * (c + d.h))?;

@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use metrale_storage::dtype::fp8_e4m3_to_f32;
 
+use super::error::KernelError;
 use super::math::{bf16_round, bf16_to_f32};
 
 /// Rows per rayon task: a row is a few hundred bytes, so tasks take many.
@@ -78,21 +79,36 @@ pub fn gather_rows(
     head_dim: usize,
     dtype: GatherDType,
     out: &mut [f32],
-) -> anyhow::Result<()> {
-    anyhow::ensure!(head_dim > 0, "gather: head_dim is 0");
-    anyhow::ensure!(
-        out.len() == rows.len() * head_dim,
-        "gather: out holds {} values, {} rows of {head_dim} need {}",
+) -> Result<(), KernelError> {
+    const NAME: &str = "gather";
+    if head_dim == 0 {
+        return Err(KernelError::ZeroSize {
+            kernel: NAME,
+            sizes: "head_dim = 0".to_string(),
+        });
+    }
+    let want = rows
+        .len()
+        .checked_mul(head_dim)
+        .ok_or_else(|| KernelError::Overflow {
+            kernel: NAME,
+            what: format!("{} rows of {head_dim}", rows.len()),
+        })?;
+    KernelError::check_len(
+        NAME,
+        || "out".to_string(),
         out.len(),
-        rows.len(),
-        rows.len() * head_dim
-    );
+        want,
+        || format!("{} rows of {head_dim}", rows.len()),
+    )?;
     let row_bytes = head_dim * dtype.elem_bytes();
-    if let Some(i) = rows.iter().position(|r| r.data.len() != row_bytes) {
-        anyhow::bail!(
-            "gather: row {i} has {} bytes, expected {row_bytes}",
-            rows[i].data.len()
-        );
+    if let Some(row) = rows.iter().position(|r| r.data.len() != row_bytes) {
+        return Err(KernelError::RowBytes {
+            kernel: NAME,
+            row,
+            found: rows[row].data.len(),
+            expected: row_bytes,
+        });
     }
     out.par_chunks_mut(head_dim * ROWS_PER_TASK)
         .zip(rows.par_chunks(ROWS_PER_TASK))

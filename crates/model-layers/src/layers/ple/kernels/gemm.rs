@@ -36,6 +36,7 @@
 use rayon::prelude::*;
 
 use super::cpu::CpuPath;
+use super::error::KernelError;
 use super::math::bf16_to_f32;
 
 /// Output columns per panel (two AVX2 registers of f32).
@@ -87,15 +88,23 @@ pub fn pack_projection(w_bf16_bits: &[u16], o: usize, e: usize) -> Vec<f32> {
 }
 
 /// [`pack_projection`], with an error when the length does not match.
-pub fn try_pack_projection(w_bf16_bits: &[u16], o: usize, e: usize) -> anyhow::Result<Vec<f32>> {
-    let want = o
-        .checked_mul(e)
-        .ok_or_else(|| anyhow::anyhow!("pack_projection: {o} x {e} overflows"))?;
-    anyhow::ensure!(
-        w_bf16_bits.len() == want,
-        "pack_projection: weight has {} values, [{o}, {e}] needs {want}",
-        w_bf16_bits.len()
-    );
+pub fn try_pack_projection(
+    w_bf16_bits: &[u16],
+    o: usize,
+    e: usize,
+) -> Result<Vec<f32>, KernelError> {
+    const NAME: &str = "pack_projection";
+    let want = o.checked_mul(e).ok_or_else(|| KernelError::Overflow {
+        kernel: NAME,
+        what: format!("[O = {o}, E = {e}]"),
+    })?;
+    KernelError::check_len(
+        NAME,
+        || "weight".to_string(),
+        w_bf16_bits.len(),
+        want,
+        || format!("O = {o}, E = {e}"),
+    )?;
     let np = panels(o);
     let pl = panel_len(e);
     let mut halves = vec![0u16; np * pl];
@@ -135,7 +144,7 @@ pub fn project(
     t: usize,
     e: usize,
     o: usize,
-) -> anyhow::Result<()> {
+) -> Result<(), KernelError> {
     project_on(super::cpu::best_path(), x, w, y, t, e, o)
 }
 
@@ -148,33 +157,31 @@ pub fn project_on(
     t: usize,
     e: usize,
     o: usize,
-) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        path.available(),
-        "project: CPU path {path:?} is not available on this CPU"
-    );
-    anyhow::ensure!(
-        e > 0 && o > 0,
-        "project: E = {e} and O = {o} must both be positive"
-    );
-    anyhow::ensure!(
-        x.len() == t * e,
-        "project: x holds {} values, [T = {t}, E = {e}] needs {}",
-        x.len(),
-        t * e
-    );
-    anyhow::ensure!(
-        y.len() == t * o,
-        "project: y holds {} values, [T = {t}, O = {o}] needs {}",
-        y.len(),
-        t * o
-    );
-    anyhow::ensure!(
-        w.len() == packed_len(o, e) * 2,
-        "project: packed weight holds {} BF16 values, [O = {o}, E = {e}] packs to {}",
+) -> Result<(), KernelError> {
+    const NAME: &str = "project";
+    KernelError::check_path(NAME, path)?;
+    if e == 0 || o == 0 {
+        return Err(KernelError::ZeroSize {
+            kernel: NAME,
+            sizes: format!("E = {e}, O = {o}"),
+        });
+    }
+    let shape = || format!("T = {t}, E = {e}, O = {o}");
+    let overflow = || KernelError::Overflow {
+        kernel: NAME,
+        what: shape(),
+    };
+    let x_len = t.checked_mul(e).ok_or_else(overflow)?;
+    let y_len = t.checked_mul(o).ok_or_else(overflow)?;
+    KernelError::check_len(NAME, || "x".to_string(), x.len(), x_len, shape)?;
+    KernelError::check_len(NAME, || "y".to_string(), y.len(), y_len, shape)?;
+    KernelError::check_len(
+        NAME,
+        || "packed weight (BF16 halves)".to_string(),
         w.len(),
-        packed_len(o, e) * 2
-    );
+        packed_len(o, e) * 2,
+        shape,
+    )?;
     if t == 0 {
         return Ok(());
     }

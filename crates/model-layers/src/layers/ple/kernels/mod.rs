@@ -17,6 +17,7 @@
 
 pub mod conv;
 pub mod cpu;
+mod error;
 pub mod gate;
 pub mod gather;
 pub mod gemm;
@@ -25,9 +26,9 @@ pub mod math;
 
 use std::sync::Arc;
 
-use anyhow::Result;
-use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend};
+use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend, GpuError};
 
+pub use error::KernelError;
 pub use gemm::{pack_projection, packed_len, try_pack_projection};
 
 /// The kernel module name every PLE kernel is registered under.
@@ -44,15 +45,17 @@ pub const MODULE: &str = "ple";
 /// | `conv` | xn, gated, state, w, highway, T, C, K, D |
 /// | `conv_batch` | xn, gated, states, w, highway, B, C, K, D |
 ///
-/// Errors when the backend runs no host kernels: device (CUDA) kernels for
-/// PLE are not built yet.
-pub fn register_cpu_kernels(gpu: &dyn GpuBackend) -> Result<()> {
+/// Errors ([`GpuError::Unsupported`]) when the backend runs no host kernels:
+/// a device backend runs the device kernels of `kernels/ple.cu` instead,
+/// which have the same names and arguments.
+pub fn register_cpu_kernels(gpu: &dyn GpuBackend) -> Result<(), GpuError> {
     use ArgKind::{F32, Ptr, U32};
-    anyhow::ensure!(
-        gpu.supports_host_kernels(),
-        "PLE kernels: backend '{}' runs no host kernels, and CUDA kernels for PLE are not built yet",
-        gpu.name()
-    );
+    if !gpu.supports_host_kernels() {
+        return Err(GpuError::unsupported(
+            "register_cpu_kernels",
+            format!("backend '{}' runs no host kernels", gpu.name()),
+        ));
+    }
     gpu.register_host_kernel(
         MODULE,
         "gather",

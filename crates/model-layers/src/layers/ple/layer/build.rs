@@ -1,5 +1,6 @@
 //! Building a [`PleLayer`]: check the weights and the table against the
-//! site spec, register the CPU kernels where the backend runs host kernels,
+//! site spec, register the CPU kernels where the backend runs host kernels
+//! (else load the device kernels),
 //! upload the packed projection and the norm and conv weights, and allocate
 //! the scratch and staging area.
 //!
@@ -14,6 +15,7 @@ use parking_lot::Mutex;
 
 use super::error::{DeviceContext, LayerError};
 use super::{DeviceBufs, Kernels, PleLayer, PleWeights};
+use crate::layers::ple::device_kernels::{LaunchShapes, load_ple_module};
 use crate::layers::ple::ids::PleIdHasher;
 use crate::layers::ple::kernels;
 use crate::layers::ple::spec::SiteSpec;
@@ -178,14 +180,19 @@ impl PleLayer {
             RowDType::Fp8E4M3 => 1,
         };
 
-        if gpu.supports_host_kernels() {
-            kernels::register_cpu_kernels(gpu).map_err(LayerError::Kernels)?;
+        let shapes = LaunchShapes::for_backend(gpu);
+        if shapes == LaunchShapes::Host {
+            kernels::register_cpu_kernels(gpu).map_err(|e| LayerError::Kernels(Box::new(e)))?;
+        } else {
+            load_ple_module(gpu)
+                .device(|| "loading the PLE device kernels (kernels/ple.cu)".into())?;
         }
         let k = |name: &str| {
             gpu.kernel("ple", name)
                 .device(|| format!("resolving PLE kernel '{name}'"))
         };
         let kernels = Kernels {
+            shapes,
             gather: k("gather")?,
             project: k("project")?,
             gate: k("gate")?,

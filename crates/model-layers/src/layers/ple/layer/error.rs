@@ -81,9 +81,10 @@ pub enum LayerError {
         /// `packed_len`.
         expected: usize,
     },
-    /// The CPU kernels could not be registered on the backend.
-    #[error("registering the PLE CPU kernels: {0:#}")]
-    Kernels(anyhow::Error),
+    /// The CPU kernels could not be registered on the backend (the device
+    /// error is boxed, as in `Device`).
+    #[error("registering the PLE CPU kernels: {0}")]
+    Kernels(Box<GpuError>),
     /// A device call failed.
     #[error("{what}: {error}")]
     Device {
