@@ -14,7 +14,7 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, SiteSpec};
 use metrale_storage::table::TableStats;
 
-use crate::engine::{EngineError, Site, SiteResult};
+use crate::engine::{Site, SiteResult};
 
 /// A PLE layer driven by the engine.
 pub struct PleSite {
@@ -22,22 +22,10 @@ pub struct PleSite {
 }
 
 impl PleSite {
-    /// Wrap `layer`, built with conv kernel size `kernel` and dilation
-    /// `dilation`. Refused when they are not the layer spec's (a caller
-    /// that describes the site twice must describe it the same way).
-    pub fn new(layer: PleLayer, kernel: usize, dilation: usize) -> Result<Self, EngineError> {
-        let spec = layer.spec();
-        if kernel != spec.kernel || dilation != spec.dilation {
-            return Err(EngineError::Config(format!(
-                "PLE site: kernel {kernel} and dilation {dilation} give {} state rows, the layer \
-                 has {} (kernel {}, dilation {})",
-                kernel.saturating_sub(1) * dilation,
-                layer.state_len(),
-                spec.kernel,
-                spec.dilation
-            )));
-        }
-        Ok(PleSite { layer })
+    /// Wrap `layer`; the site's conv kernel size, dilation and every other
+    /// dimension are those of the layer's spec.
+    pub fn new(layer: PleLayer) -> Self {
+        PleSite { layer }
     }
 
     /// The wrapped layer.

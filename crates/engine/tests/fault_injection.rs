@@ -130,7 +130,7 @@ fn rig_with_budget(
         cfg.reader = reader.clone();
         let table = Arc::new(CachedTable::open(files, gpu.clone(), cfg).unwrap());
         let layer = PleLayer::new(&spec, weights, table.clone(), MAX_TOKENS, gpu.as_ref()).unwrap();
-        sites.push(PleSite::new(layer, KERNEL, DILATION).unwrap());
+        sites.push(PleSite::new(layer));
         tables.push(table);
     }
     let carry: usize = sites.iter().map(Site::carry_bytes).sum();

@@ -256,7 +256,7 @@ pub fn tiny_site(
     let (site_spec, weights, table) = tiny_weights(spec, site, seed);
     let table = TinyTable::new(gpu.clone(), &table, spec.head_dim)?;
     let layer = PleLayer::new(&site_spec, weights, table, spec.max_tokens, gpu.as_ref())?;
-    Ok(PleSite::new(layer, spec.kernel, spec.dilation)?)
+    Ok(PleSite::new(layer))
 }
 
 /// Site `site` of a tiny model with its table on disk: one BF16

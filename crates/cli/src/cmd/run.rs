@@ -277,7 +277,6 @@ pub(super) fn build_engine(
     pc: &EngineSetup,
     max_tokens: usize,
 ) -> Result<Engine<PleSite>> {
-    let g = &ck.spec;
     let mut sites = Vec::new();
     for s in 0..ck.sites.len() {
         let table = match pc.mode {
@@ -291,7 +290,7 @@ pub(super) fn build_engine(
             mode => ck.open_table(s, mode, gpu.clone())?,
         };
         let layer = ck.build_layer(s, table, max_tokens, gpu.as_ref())?;
-        sites.push(PleSite::new(layer, g.conv_kernel_size, g.dilation())?);
+        sites.push(PleSite::new(layer));
     }
     let mut cfg = pc.engine.clone();
     if pc.resident_carries > 0 {
