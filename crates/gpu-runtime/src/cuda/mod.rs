@@ -287,6 +287,45 @@ fn probe_driver(op: &str) -> Result<()> {
     Ok(())
 }
 
+/// The lowest compute capability among the CUDA devices present: PTX for
+/// it loads on every one of them (the driver compiles it for each device at
+/// load). `op` names the caller in errors.
+pub fn lowest_arch(op: &str) -> Result<Arch> {
+    probe_driver(op)?;
+    // SAFETY: plain driver calls with valid out-pointers; the library was
+    // probed.
+    check(op, "cuInit", unsafe { sys::cuInit(0) })?;
+    let mut count = 0;
+    // SAFETY: as above.
+    check(op, "cuDeviceGetCount", unsafe {
+        sys::cuDeviceGetCount(&mut count)
+    })?;
+    let mut lowest: Option<Arch> = None;
+    for ordinal in 0..count.max(0) {
+        let mut device = 0;
+        // SAFETY: valid out-pointer; `ordinal < count`.
+        check(op, "cuDeviceGet", unsafe {
+            sys::cuDeviceGet(&mut device, ordinal)
+        })?;
+        let attr = |a: sys::CUdevice_attribute| -> Result<u32> {
+            let mut v = 0;
+            // SAFETY: valid device and out-pointer.
+            check(op, "cuDeviceGetAttribute", unsafe {
+                sys::cuDeviceGetAttribute(&mut v, a, device)
+            })?;
+            Ok(v.max(0) as u32)
+        };
+        let arch = Arch {
+            major: attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            minor: attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        };
+        if lowest.is_none_or(|l| (arch.major, arch.minor) < (l.major, l.minor)) {
+            lowest = Some(arch);
+        }
+    }
+    lowest.ok_or_else(|| GpuError::unsupported(op, "no CUDA device is present"))
+}
+
 impl CudaBackend {
     /// Open CUDA device `ordinal` (its primary context).
     ///

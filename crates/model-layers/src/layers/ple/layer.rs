@@ -158,9 +158,10 @@ impl<'a> ForwardContext<'a> {
     }
 }
 
-/// Resolved kernel handles.
+/// Resolved kernel handles and how to shape their launches.
 #[derive(Clone, Copy, Debug)]
 struct Kernels {
+    shapes: super::device_kernels::LaunchShapes,
     gather: KernelHandle,
     project: KernelHandle,
     gate: KernelHandle,

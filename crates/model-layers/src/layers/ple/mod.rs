@@ -5,6 +5,8 @@
 //!   and every size derived from them);
 //! - [`carry_blob`]: the aux blob format, its size, encoder and decoder;
 //! - [`ids`]: the n-gram id hash;
+//! - [`device_kernels`]: `kernels/ple.cu` loaded on a backend that runs
+//!   device code, and the launch shapes of each kind of backend;
 //! - [`kernels`]: the kernels the layer launches (gather, project, gate,
 //!   conv, conv_batch) and their CPU implementations;
 //! - `layer`: [`PleLayer`], [`PleSeqState`], [`PleWeights`],
@@ -17,6 +19,7 @@
 
 mod aux_state;
 pub mod carry_blob;
+pub mod device_kernels;
 pub mod ids;
 pub mod kernels;
 mod layer;

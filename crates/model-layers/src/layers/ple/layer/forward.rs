@@ -7,7 +7,7 @@
 //! after the chunk's kernels were queued, and never under capture (a
 //! captured forward must consume a prestage made before the capture).
 
-use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, LaunchConfig, StreamId};
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
@@ -280,7 +280,8 @@ impl PleLayer {
         first_row: usize,
         stream: StreamId,
     ) -> Result<()> {
-        gpu.launch(self.kernels.gather, LaunchConfig::linear(1, 1))
+        let cfg = self.kernels.shapes.gather(n, self.spec.head_dim);
+        gpu.launch(self.kernels.gather, cfg)
             .ptr(refs)
             .u32(n as u32)
             .u32(self.spec.head_dim as u32)
@@ -302,8 +303,8 @@ impl PleLayer {
         let e = self.dims.ngram_heads() * self.spec.head_dim;
         let c = self.channels();
         let o = c + self.hidden;
-        let cfg = LaunchConfig::linear(1, 1);
-        gpu.launch(self.kernels.project, cfg)
+        let shapes = self.kernels.shapes;
+        gpu.launch(self.kernels.project, shapes.project(t, o))
             .ptr(self.bufs.emb)
             .ptr(self.bufs.w_proj)
             .ptr(self.bufs.kv)
@@ -312,7 +313,7 @@ impl PleLayer {
             .u32(o as u32)
             .run(stream)
             .device(|| format!("launching PLE projection over {t} rows"))?;
-        gpu.launch(self.kernels.gate, cfg)
+        gpu.launch(self.kernels.gate, shapes.gate(t, self.hc_mult))
             .ptr(highway)
             .ptr(self.bufs.kv)
             .ptr(self.bufs.norm_q)
@@ -326,9 +327,9 @@ impl PleLayer {
             .f32(self.spec.rms_eps)
             .run(stream)
             .device(|| format!("launching PLE gate over {t} rows of highway {highway}"))?;
-        let (kernel, state) = match conv {
-            ConvTarget::Single(p) => (self.kernels.conv, p),
-            ConvTarget::Table(p) => (self.kernels.conv_batch, p),
+        let (kernel, state, cfg) = match conv {
+            ConvTarget::Single(p) => (self.kernels.conv, p, shapes.conv(1, c)),
+            ConvTarget::Table(p) => (self.kernels.conv_batch, p, shapes.conv(t, c)),
         };
         gpu.launch(kernel, cfg)
             .ptr(self.bufs.xn)
