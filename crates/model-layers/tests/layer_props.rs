@@ -110,7 +110,7 @@ fn chunking(r: &mut Rng, n: usize) -> Vec<usize> {
     let mut out = Vec::new();
     let mut left = n;
     while left > 0 {
-        let k = 1 + r.below(left.min(9) as u64) as usize;
+        let k = 1 + r.below(left.min(9));
         out.push(k);
         left -= k;
     }
@@ -223,7 +223,7 @@ proptest! {
         let s = env.stream;
         let mut r = Rng(seed ^ 4);
         let layer = env.layer(8);
-        let prefixes: Vec<Vec<u32>> = (0..nb).map(|_| { let l = 1 + r.below(6) as usize; tokens(&mut r, l, VOCAB) }).collect();
+        let prefixes: Vec<Vec<u32>> = (0..nb).map(|_| { let l = 1 + r.below(6); tokens(&mut r, l, VOCAB) }).collect();
         let step_toks: Vec<Vec<u32>> = (0..steps).map(|_| tokens(&mut r, nb, VOCAB)).collect();
         let step_hw: Vec<Vec<f32>> = (0..steps).map(|_| highway(&mut r, nb, c)).collect();
         let hwbuf = g.alloc(nb * c * 4, "batch hw").unwrap();
@@ -275,9 +275,9 @@ proptest! {
         let s = env.stream;
         let mut r = Rng(seed ^ 5);
         let layer = env.layer(8);
-        let prefixes: Vec<Vec<u32>> = (0..cap).map(|_| { let l = 1 + r.below(6) as usize; tokens(&mut r, l, VOCAB) }).collect();
+        let prefixes: Vec<Vec<u32>> = (0..cap).map(|_| { let l = 1 + r.below(6); tokens(&mut r, l, VOCAB) }).collect();
         // Step 0 runs the full batch (it is captured); later steps any prefix of it.
-        let active: Vec<usize> = (0..steps).map(|i| if i == 0 { cap } else { 1 + r.below(cap as u64) as usize }).collect();
+        let active: Vec<usize> = (0..steps).map(|i| if i == 0 { cap } else { 1 + r.below(cap) }).collect();
         let step_toks: Vec<Vec<u32>> = (0..steps).map(|_| tokens(&mut r, cap, VOCAB)).collect();
         let step_hw: Vec<Vec<f32>> = (0..steps).map(|_| highway(&mut r, cap, c)).collect();
         let prefill = |states: &mut Vec<PleSeqState>| {

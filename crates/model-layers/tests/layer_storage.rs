@@ -31,7 +31,7 @@ fn scenario(
     let mut out = Vec::new();
     let mut states: Vec<PleSeqState> = (0..3).map(|_| layer.new_seq_state(gpu).unwrap()).collect();
     for st in states.iter_mut() {
-        let n = 3 + r.below(9) as usize;
+        let n = 3 + r.below(9);
         let toks = tokens(&mut r, n, 40);
         let hw = upload(gpu, &highway(&mut r, n, c), "hw");
         layer

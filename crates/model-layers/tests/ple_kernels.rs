@@ -8,7 +8,6 @@ use std::sync::Arc;
 use anyhow::Result;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, LaunchConfig};
-use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
 use metrale_model_layers::layers::ple::kernels::conv::{ConvDims, conv};
 use metrale_model_layers::layers::ple::kernels::gate::{GateDims, GateInputs, gate};
 use metrale_model_layers::layers::ple::kernels::gather::{GatherDType, RowSrc, gather_rows};
@@ -17,6 +16,7 @@ use metrale_model_layers::layers::ple::kernels::math::bf16_round;
 use metrale_model_layers::layers::ple::kernels::{
     pack_projection, packed_len, register_cpu_kernels,
 };
+use metrale_testkit::Rng;
 use proptest::prelude::*;
 
 /// A small geometry: H 32, hc 2, 4 heads of 8, conv 4 dilation 2.
@@ -37,19 +37,9 @@ fn lin() -> LaunchConfig {
     LaunchConfig::linear(1, 1)
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        let z = splitmix64(self.0);
-        self.0 = self.0.wrapping_add(SPLITMIX64_GAMMA);
-        z
-    }
-    fn f(&mut self, a: f32) -> f32 {
-        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * a
-    }
-    fn bf16(&mut self, a: f32) -> u16 {
-        (bf16_round(self.f(a)).to_bits() >> 16) as u16
-    }
+/// The BF16 bits of a uniform value in `[-a, a)`.
+fn bf16(r: &mut Rng, a: f32) -> u16 {
+    (bf16_round(r.unit() * a).to_bits() >> 16) as u16
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -95,12 +85,12 @@ impl Fixture {
         register_cpu_kernels(gpu.as_ref())?;
         let mut r = Rng(seed);
         let table: Vec<u8> = (0..ROWS * HD)
-            .flat_map(|_| r.bf16(1.0).to_le_bytes())
+            .flat_map(|_| bf16(&mut r, 1.0).to_le_bytes())
             .collect();
-        let w: Vec<u16> = (0..O * E).map(|_| r.bf16(0.3)).collect();
+        let w: Vec<u16> = (0..O * E).map(|_| bf16(&mut r, 0.3)).collect();
         let packed = pack_projection(&w, O, E);
-        let norms = [0, 1, 2].map(|_| (0..C).map(|_| r.f(0.2)).collect::<Vec<f32>>());
-        let conv_w: Vec<f32> = (0..C * K).map(|_| r.f(0.5)).collect();
+        let norms = [0, 1, 2].map(|_| (0..C).map(|_| r.unit() * 0.2).collect::<Vec<f32>>());
+        let conv_w: Vec<f32> = (0..C * K).map(|_| r.unit() * 0.5).collect();
         let g: &dyn GpuBackend = gpu.as_ref();
         let table_dev = up(g, &table, "table")?;
         let w_dev = up(g, &packed, "w")?;
@@ -275,8 +265,8 @@ fn launches_equal_the_pure_functions() -> Result<()> {
     let ids: Vec<usize> = (0..t * HEADS)
         .map(|_| (r.next() % ROWS as u64) as usize)
         .collect();
-    let hw0: Vec<f32> = (0..t * C).map(|_| r.f(1.0)).collect();
-    let st0: Vec<f32> = (0..S * C).map(|_| r.f(1.0)).collect();
+    let hw0: Vec<f32> = (0..t * C).map(|_| r.unit()).collect();
+    let st0: Vec<f32> = (0..S * C).map(|_| r.unit()).collect();
     let hw = f.tmp(&hw0)?;
     let st = f.tmp(&st0)?;
     f.chain_dev(&ids, t, hw, st)?;
@@ -327,11 +317,11 @@ fn conv_batch_launch_equals_single_row_launches() -> Result<()> {
     let mut f = Fixture::new(4)?;
     let b = 5;
     let mut r = Rng(5);
-    let xn: Vec<f32> = (0..b * C).map(|_| r.f(1.0)).collect();
-    let gated: Vec<f32> = (0..b * C).map(|_| r.f(1.0)).collect();
-    let hw0: Vec<f32> = (0..b * C).map(|_| r.f(1.0)).collect();
+    let xn: Vec<f32> = (0..b * C).map(|_| r.unit()).collect();
+    let gated: Vec<f32> = (0..b * C).map(|_| r.unit()).collect();
+    let hw0: Vec<f32> = (0..b * C).map(|_| r.unit()).collect();
     let states0: Vec<Vec<f32>> = (0..b)
-        .map(|_| (0..S * C).map(|_| r.f(1.0)).collect())
+        .map(|_| (0..S * C).map(|_| r.unit()).collect())
         .collect();
     let (xn_d, g_d, hw_d) = (f.tmp(&xn)?, f.tmp(&gated)?, f.tmp(&hw0)?);
     let st_d: Vec<DevicePtr> = states0.iter().map(|s| f.tmp(s)).collect::<Result<_>>()?;
@@ -532,7 +522,7 @@ proptest! {
         let mut f = Fixture::new(seed).unwrap();
         let mut r = Rng(seed ^ 0xABCD);
         let ids: Vec<usize> = (0..t * HEADS).map(|_| (r.next() % ROWS as u64) as usize).collect();
-        let hw0: Vec<f32> = (0..t * C).map(|_| r.f(1.0)).collect();
+        let hw0: Vec<f32> = (0..t * C).map(|_| r.unit()).collect();
         let whole_hw = f.tmp(&hw0).unwrap();
         let whole_st = f.tmp(&vec![0f32; S * C]).unwrap();
         f.chain_dev(&ids, t, whole_hw, whole_st).unwrap();

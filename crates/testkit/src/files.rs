@@ -8,7 +8,7 @@ use std::path::Path;
 use metrale_storage::safetensors::{Header, TensorSpec, write_file};
 
 /// Rewrite the safetensors `file` with tensor `name` replaced by
-/// `(spec, data)`. Panics on I/O errors (a test helper).
+/// `(spec, data)`. Panics on I/O errors (test code wants the failure loud).
 pub fn replace_tensor(file: &Path, name: &str, spec: TensorSpec, data: Vec<u8>) {
     let h = Header::read(file).unwrap();
     let mut tensors: Vec<(TensorSpec, Vec<u8>)> = Vec::new();

@@ -14,20 +14,20 @@ use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{Result, ensure};
+use metrale_checkpoint::names::SiteNames;
+use metrale_engine::ple_site::PleSite;
+use metrale_engine::{Engine, EngineConfig, Site};
 use metrale_gpu_runtime::GpuError;
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
 use metrale_model_layers::layers::ple::ids::{PleIdDims, derive_multipliers, is_prime, splitmix64};
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
 use metrale_storage::StorageError;
-use metrale_storage::table::{
-    Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len,
-};
-
-use metrale_engine::ple_site::PleSite;
-use metrale_engine::{Engine, EngineConfig, Site};
 use metrale_storage::dtype::f32_to_bf16;
 use metrale_storage::layout::TableFiles;
 use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
+use metrale_storage::table::{
+    Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len,
+};
 
 /// A resident BF16 table in one device allocation.
 pub struct TinyTable {
@@ -272,7 +272,7 @@ pub fn tiny_site_files(
     let (site_spec, weights, table) = tiny_weights(spec, site, seed);
     let rows = (table.len() / spec.head_dim) as u64;
     let path = dir.join(format!("site{site}.safetensors"));
-    let name = format!("model.layers.{site}.ple.ngram_embedding.shard_0.weight");
+    let name = SiteNames::new(site).shard_weight(0);
     if !path.exists() {
         let bytes: Vec<u8> = table.iter().flat_map(|b| b.to_le_bytes()).collect();
         write_file(

@@ -1,5 +1,5 @@
 //! A toy engine site with the PLE carry's shape (token history and a
-//! dilated conv state on the device, the seed's blob format) and simple
+//! dilated conv state on the device, the aux blob of `carry_blob`) and simple
 //! math, so the engine's bookkeeping can be tested on its own.
 //!
 //! Invariant: its forward is sequential per token, so chunking and
@@ -8,6 +8,7 @@
 use metrale_engine::{Site, SiteResult};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::SiteSpec;
+use metrale_model_layers::layers::ple::carry_blob;
 use metrale_model_layers::layers::ple::ids::{PleIdDims, ple_ngram_ids};
 
 /// The toy site.
@@ -175,14 +176,9 @@ impl Site for ToySite {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<Vec<u8>> {
-        let mut blob = (st.history.len() as u32).to_le_bytes().to_vec();
-        for t in &st.history {
-            blob.extend_from_slice(&t.to_le_bytes());
-        }
-        let off = blob.len();
-        blob.resize(off + self.geom.conv_bytes(), 0);
-        gpu.copy_d2h_on_stream(st.conv, &mut blob[off..], stream)?;
-        Ok(blob)
+        let mut conv = vec![0u8; self.geom.conv_bytes()];
+        gpu.copy_d2h_on_stream(st.conv, &mut conv, stream)?;
+        Ok(carry_blob::encode(&st.history, &conv))
     }
 
     fn restore(
@@ -192,15 +188,9 @@ impl Site for ToySite {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<()> {
-        if blob.len() != self.geom.aux_blob_len() {
-            return Err("toy: blob size".into());
-        }
-        let n = u32::from_le_bytes(blob[..4].try_into().unwrap()) as usize;
-        st.history = blob[4..4 + 4 * n]
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        Ok(gpu.copy_h2d_async(&blob[4 + 4 * n..], st.conv, stream)?)
+        let carry = carry_blob::decode(blob, &self.geom)?;
+        st.history = carry.history_tokens();
+        Ok(gpu.copy_h2d_async(carry.conv, st.conv, stream)?)
     }
 
     fn release(&self, st: &mut ToyState, gpu: &dyn GpuBackend) -> SiteResult<()> {

@@ -1,5 +1,5 @@
-//! Shared helpers for the PLE layer tests: a tiny device-resident row table
-//! that counts its pins, a small random geometry, and highway helpers.
+//! What the PLE layer tests share: a tiny device-resident row table
+//! that counts its pins, a small random geometry, and highway rows.
 //!
 //! The table pins every resolved row and only unpins a lease once the event
 //! given with its release has completed, so a test can check that no lease
@@ -11,29 +11,12 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
-use metrale_model_layers::layers::ple::ids::{PleIdDims, SPLITMIX64_GAMMA, splitmix64};
+use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
 use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
 use metrale_storage::{Result as StorageResult, StorageError};
+pub use metrale_testkit::Rng;
 use parking_lot::Mutex;
-
-/// Deterministic pseudo-random numbers (splitmix64).
-pub struct Rng(pub u64);
-
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        let z = splitmix64(self.0);
-        self.0 = self.0.wrapping_add(SPLITMIX64_GAMMA);
-        z
-    }
-    /// Uniform in [-1, 1).
-    pub fn unit(&mut self) -> f32 {
-        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-}
 
 /// The value of an FP8 E4M3 (fn variant, no infinities) byte.
 pub fn e4m3(b: u8) -> f32 {
@@ -251,7 +234,7 @@ impl Small {
         let dims = PleIdDims {
             ngram_size: n,
             heads_per_ngram: kpn,
-            multipliers: (0..n).map(|_| r.next_u64() | 1).collect(),
+            multipliers: (0..n).map(|_| r.next() | 1).collect(),
             head_vocab_sizes: sizes,
             head_offsets: offsets,
             eos_token_id: EOS,
@@ -322,7 +305,7 @@ pub fn tokens(r: &mut Rng, n: usize, vocab: u64) -> Vec<u32> {
             if r.below(8) == 0 {
                 EOS
             } else {
-                r.below(vocab) as u32
+                r.below(vocab as usize) as u32
             }
         })
         .collect()

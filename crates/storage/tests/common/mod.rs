@@ -1,4 +1,4 @@
-//! Shared helpers for the storage tests: synthetic table shards whose every
+//! What the storage tests share: synthetic table shards whose every
 //! byte is a known function of the row id, and a gather kernel for the CPU
 //! backend that reads rows through `RowRef`s on a stream.
 #![allow(dead_code)]
