@@ -1,0 +1,137 @@
+//! Tests of the projection: the packing round trip, every CPU path against
+//! the sequential FMA chain bit for bit, and the refused shapes.
+
+use super::*;
+use crate::layers::ple::ids::splitmix64;
+use crate::layers::ple::kernels::math::bf16_round;
+
+/// A deterministic pseudo-random BF16 value in about [-2, 2).
+fn val(seed: u64) -> u16 {
+    let z = splitmix64(seed);
+    let f = ((z >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0;
+    (bf16_round(f).to_bits() >> 16) as u16
+}
+
+/// The contract's formula, written out: a sequential FMA chain over `e`.
+fn naive(x: &[f32], w: &[u16], t: usize, e: usize, o: usize) -> Vec<f32> {
+    let mut y = vec![0.0f32; t * o];
+    for ti in 0..t {
+        for oi in 0..o {
+            let mut acc = 0.0f32;
+            for ei in 0..e {
+                acc = x[ti * e + ei].mul_add(bf16_to_f32(w[oi * e + ei]), acc);
+            }
+            y[ti * o + oi] = acc;
+        }
+    }
+    y
+}
+
+fn case(t: usize, e: usize, o: usize, seed: u64) -> (Vec<f32>, Vec<u16>) {
+    let x = (0..t * e)
+        .map(|i| bf16_to_f32(val(seed ^ (i as u64) << 1)))
+        .collect();
+    let w = (0..o * e).map(|i| val(!seed ^ (i as u64) << 3)).collect();
+    (x, w)
+}
+
+#[test]
+fn packed_len_and_roundtrip() {
+    assert_eq!(packed_len(16, 4), 32);
+    assert_eq!(packed_len(17, 4), 64);
+    let w: Vec<u16> = (0..17 * 3).map(|i| i as u16 + 1).collect();
+    let p = pack_projection(&w, 17, 3);
+    assert_eq!(p.len(), packed_len(17, 3));
+    let h = packed_as_bf16(&p);
+    // Panel 0, step 1 (odd: the low half of pair 0), column 2 is w[2, 1].
+    assert_eq!(h[half_index(2, 1)], w[2 * 3 + 1]);
+    assert_eq!(half_index(2, 1), 4);
+    // Step 0 is the high half of the same word.
+    assert_eq!(h[5], w[2 * 3]);
+    // Panel 1 holds row 16 then zero padding; step 2 is the high half
+    // of pair 1, whose low half pads the odd depth.
+    let p1 = panel_len(3);
+    assert_eq!(p1, 64);
+    assert_eq!(h[p1 + half_index(0, 2)], w[16 * 3 + 2]);
+    assert_eq!(h[p1 + half_index(0, 2) - 1], 0);
+    assert_eq!(h[p1 + half_index(1, 2)], 0);
+    assert!(
+        try_pack_projection(&w, 17, 4)
+            .unwrap_err()
+            .to_string()
+            .contains("51 values")
+    );
+}
+
+#[test]
+fn every_path_equals_the_fma_chain_bit_for_bit() {
+    // Shapes around the tile edges: T not a multiple of MR or TILE_ROWS,
+    // O not a multiple of NR, E not a multiple of KC.
+    for &(t, e, o) in &[
+        (1, 1, 1),
+        (1, 300, 150),
+        (1, 513, 64),
+        (7, 300, 33),
+        (13, 17, 16),
+        (97, 257, 20),
+        (100, 40, 50),
+    ] {
+        let (x, w) = case(t, e, o, (t * 131 + e * 7 + o) as u64);
+        let want = naive(&x, &w, t, e, o);
+        let packed = pack_projection(&w, o, e);
+        for path in CpuPath::all_available() {
+            let mut y = vec![f32::NAN; t * o];
+            project_on(path, &x, packed_as_bf16(&packed), &mut y, t, e, o).unwrap();
+            let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "path {path:?} differs at T={t} E={e} O={o}");
+        }
+    }
+}
+
+#[test]
+fn row_by_row_equals_one_call() {
+    let (t, e, o) = (20, 70, 40);
+    let (x, w) = case(t, e, o, 5);
+    let packed = pack_projection(&w, o, e);
+    let wb = packed_as_bf16(&packed);
+    let mut all = vec![0.0f32; t * o];
+    project(&x, wb, &mut all, t, e, o).unwrap();
+    for ti in 0..t {
+        let mut one = vec![0.0f32; o];
+        project(&x[ti * e..(ti + 1) * e], wb, &mut one, 1, e, o).unwrap();
+        assert_eq!(
+            one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            all[ti * o..(ti + 1) * o]
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+#[test]
+fn bad_lengths_are_errors() {
+    let p = pack_projection(&[0u16; 8], 2, 4);
+    let wb = packed_as_bf16(&p);
+    let mut y = vec![0.0f32; 2];
+    assert!(project(&[0.0; 4], wb, &mut y, 1, 4, 2).is_ok());
+    assert!(
+        project(&[0.0; 3], wb, &mut y, 1, 4, 2)
+            .unwrap_err()
+            .to_string()
+            .contains("x holds 3")
+    );
+    assert!(
+        project(&[0.0; 4], wb, &mut y[..1], 1, 4, 2)
+            .unwrap_err()
+            .to_string()
+            .contains("y holds 1")
+    );
+    assert!(
+        project(&[0.0; 4], &wb[..2], &mut y, 1, 4, 2)
+            .unwrap_err()
+            .to_string()
+            .contains("packed")
+    );
+    assert!(project(&[], wb, &mut [], 0, 4, 2).is_ok());
+}
