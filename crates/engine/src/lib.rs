@@ -5,6 +5,8 @@
 //!   that decides whether a snapshot fits an engine;
 //! - [`prefix_cache`]: a radix tree over token ids holding snapshots at block
 //!   boundaries, bounded by bytes with LRU eviction;
+//! - [`store`]: prefix carries shared between processes (a directory, Redis)
+//!   behind the prefix cache, keyed by model, geometry and token prefix;
 //! - [`budget`]: accounting of the device memory held by carries, and the
 //!   policy that picks sequences to preempt when it runs short;
 //! - [`engine`]: sequences over the PLE sites: add, chunked prefill, batched
@@ -24,6 +26,7 @@ pub mod ple_site;
 pub mod prefix_cache;
 pub mod server;
 pub mod snapshot;
+pub mod store;
 
 pub use engine::{
     Added, Engine, EngineConfig, EngineError, EngineStats, Place, SeqId, Site, SiteResult,

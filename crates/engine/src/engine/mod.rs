@@ -50,6 +50,7 @@ use metrale_storage::table::TableStats;
 use crate::budget::{BudgetStats, MemoryBudget};
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::snapshot::{GeometryFingerprint, Snapshot};
+use crate::store::{CarryStoreStats, CarryTier};
 use metrale_model_layers::layers::ple::SiteSpec;
 
 mod decode;
@@ -134,6 +135,14 @@ pub trait Site: Send + Sync {
     /// [`Self::note_replayed`] and [`Self::rearm`]. The defaults refuse.
     fn supports_graphs(&self) -> bool {
         false
+    }
+    /// The most sequences one [`Self::prestage_batch`] can stage: a
+    /// prestaged step keeps its rows pinned in the site's row table until
+    /// the replay has read them, so a row cache bounds it. `None` (the
+    /// default): no bound besides [`Self::max_tokens`]; `Some(0)`: the
+    /// table cannot keep even one sequence's rows pinned at once.
+    fn max_prestage_batch(&self) -> Option<usize> {
+        None
     }
     /// The host half of a replayable decode step: stage sequence `i`'s
     /// token `tokens[i]` at fixed slot `i`, padding the slots up to `rows`.
@@ -272,6 +281,9 @@ pub struct EngineStats {
     pub budget: BudgetStats,
     /// The prefix cache.
     pub prefix_cache: PrefixCacheStats,
+    /// The shared carry store, when one is attached
+    /// ([`Engine::attach_carry_store`]).
+    pub carry_store: CarryStoreStats,
 }
 
 /// What [`Engine::add_sequence`] did.
@@ -327,6 +339,8 @@ pub struct Engine<S: Site> {
     seqs: HashMap<SeqId, Seq<S::State>>,
     next_id: SeqId,
     cache: PrefixCache<Arc<Snapshot>>,
+    /// The shared carry store behind the prefix cache, if attached.
+    shared: Option<CarryTier>,
     budget: MemoryBudget,
     stats: EngineStats,
     /// Captured decode graphs by padded batch size; `None` while decode
@@ -391,6 +405,7 @@ impl<S: Site> Engine<S> {
             seqs: HashMap::new(),
             next_id: 1,
             cache: PrefixCache::new(cfg.block_size, cfg.prefix_cache_bytes),
+            shared: None,
             budget: MemoryBudget::new(cfg.device_budget_bytes),
             graphs: None,
             stats: EngineStats::default(),
@@ -547,6 +562,9 @@ impl<S: Site> Engine<S> {
         }
         s.budget = self.budget.stats();
         s.prefix_cache = self.cache.stats();
+        if let Some(t) = &self.shared {
+            s.carry_store = t.stats();
+        }
         s
     }
 
@@ -585,6 +603,11 @@ impl<S: Site> Engine<S> {
             return Ok(());
         }
         self.closed = true;
+        // Queued store writes are worth finishing: another process may be
+        // waiting for them. A store that does not finish in time is left.
+        if let Some(t) = &self.shared {
+            t.flush(t.config().flush_timeout);
+        }
         let mut first: Result<()> = Ok(());
         let ids: Vec<SeqId> = self.seqs.keys().copied().collect();
         for id in ids {

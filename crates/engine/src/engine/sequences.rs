@@ -121,15 +121,7 @@ impl<S: Site> Engine<S> {
     /// caller prefills `prompt[added.cached..]`.
     pub fn add_sequence(&mut self, prompt: &[u32]) -> Result<Added> {
         let id = self.next_id;
-        let hit = if self.cfg.prefix_cache_bytes > 0 && prompt.len() > 1 {
-            self.cache.lookup(&prompt[..prompt.len() - 1])
-        } else {
-            None
-        };
-        let (cached, states) = match hit {
-            Some((len, snap)) => (len, self.states_from(id, &snap.blobs, &[])?),
-            None => (0, self.alloc_states(id, &[])?),
-        };
+        let (cached, states) = self.restore_prefix(id, prompt)?;
         self.next_id += 1;
         if cached > 0 {
             self.stats.prefix_hits += 1;
@@ -157,7 +149,7 @@ impl<S: Site> Engine<S> {
             return Ok(());
         }
         self.ensure_resident(id, &[id])?;
-        let caching = self.cfg.prefix_cache_bytes > 0;
+        let caching = self.cfg.prefix_cache_bytes > 0 || self.shared.is_some();
         let b = self.cfg.block_size;
         let mut done = 0;
         while done < tokens.len() {

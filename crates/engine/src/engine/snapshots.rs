@@ -1,17 +1,30 @@
 //! Snapshots and the prefix cache: encoded snapshots of a sequence's
-//! carry, sequences added from them, and the block-boundary snapshots the
-//! prefix cache keeps.
+//! carry, sequences added from them, the block-boundary snapshots the
+//! prefix cache keeps, and the shared carry store behind it
+//! ([`crate::store`]).
+//!
+//! A new sequence restores the longest block-aligned prefix of its prompt
+//! found in the prefix cache; when a store is attached and the cache has
+//! nothing as long, the store is probed at block boundaries from the
+//! longest down (at most [`TierConfig::max_probes`] of them, and never
+//! shorter than the cache's hit). Block-boundary snapshots are written to
+//! the store behind the step, through the tier's bounded queue.
 //!
 //! Invariants: a snapshot is validated (container, geometry, token count,
-//! carried history) before any state is built; block-boundary caching is an
-//! optimisation, so its failures fail nothing.
+//! carried history) before any state is built; block-boundary caching and
+//! the store are optimisations, so their failures fail nothing: a store
+//! value that is missing, corrupt, of another geometry or another model is
+//! a miss counted by cause, and the sequence starts from what the cache
+//! had (or from nothing).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use metrale_model_layers::layers::ple::carry_blob;
 
 use super::{Carry, Engine, EngineError, Result, Seq, SeqId, Site};
 use crate::snapshot::Snapshot;
+use crate::store::{CarryStore, CarryTier, StoreError, StoreKey, TierConfig};
 
 impl<S: Site> Engine<S> {
     /// Add a sequence whose carry is the encoded snapshot `bytes`, taken
@@ -81,7 +94,12 @@ impl<S: Site> Engine<S> {
 
     pub(super) fn cache_boundary(&mut self, id: SeqId) -> Result<()> {
         let s = self.seq(id)?;
-        if self.cache.contains(&s.tokens) {
+        let local = self.cfg.prefix_cache_bytes > 0 && !self.cache.contains(&s.tokens);
+        let store_key = self.shared.as_ref().and_then(|t| {
+            let k = StoreKey::of(t.model(), self.fingerprint, &s.tokens);
+            t.wants(&k).then_some(k)
+        });
+        if !local && store_key.is_none() {
             return Ok(());
         }
         let Carry::Resident(states) = &s.carry else {
@@ -95,9 +113,98 @@ impl<S: Site> Engine<S> {
         };
         let bytes = snap.encoded_len();
         let key = s.tokens.clone();
-        // A snapshot larger than the whole cache is simply not cached.
-        let _ = self.cache.insert(&key, Arc::new(snap), bytes);
+        if let (Some(k), Some(t)) = (store_key, self.shared.as_mut()) {
+            // Queued, never waited for: a full queue drops it.
+            t.offer(k, &snap.encode());
+        }
+        if local {
+            // A snapshot larger than the whole cache is simply not cached.
+            let _ = self.cache.insert(&key, Arc::new(snap), bytes);
+        }
         Ok(())
+    }
+
+    /// Put a shared carry store behind the prefix cache: prefixes the cache
+    /// misses are looked up there, and block-boundary snapshots are written
+    /// there in the background. Values are keyed by `cfg.model_id`, this
+    /// engine's geometry fingerprint and the token prefix. Replaces any
+    /// store attached before (its queued writes are finished first).
+    pub fn attach_carry_store(
+        &mut self,
+        store: Arc<dyn CarryStore>,
+        cfg: TierConfig,
+    ) -> std::result::Result<(), StoreError> {
+        let tier = CarryTier::new(store, cfg)?;
+        if let Some(old) = self.shared.replace(tier) {
+            old.flush(old.config().flush_timeout);
+        }
+        Ok(())
+    }
+
+    /// Wait up to `timeout` for the store writes queued so far. `true` when
+    /// they finished (or no store is attached).
+    pub fn flush_carry_store(&self, timeout: std::time::Duration) -> bool {
+        self.shared.as_ref().is_none_or(|t| t.flush(timeout))
+    }
+
+    /// The longest usable prefix of `prompt` (at least one token is left
+    /// to compute): the prefix cache's hit, or a longer one from the store.
+    /// The third field is the stored value's size when it came from the store.
+    fn lookup_prefix(&mut self, prompt: &[u32]) -> Option<(usize, Arc<Snapshot>, Option<usize>)> {
+        if prompt.len() <= 1 {
+            return None;
+        }
+        let head = &prompt[..prompt.len() - 1];
+        let local = if self.cfg.prefix_cache_bytes > 0 {
+            self.cache.lookup(head)
+        } else {
+            None
+        };
+        let have = local.as_ref().map_or(0, |(n, _)| *n);
+        let Some(tier) = &self.shared else {
+            return local.map(|(n, s)| (n, s, None));
+        };
+        let b = self.cfg.block_size;
+        let mut k = head.len() / b * b;
+        let mut probes = 0;
+        while k > have && probes < tier.config().max_probes {
+            probes += 1;
+            let key = StoreKey::of(tier.model(), self.fingerprint, &prompt[..k]);
+            if let Ok((snap, bytes)) = tier.fetch(&key, &self.geoms, &prompt[..k]) {
+                let snap = Arc::new(snap);
+                if let Some(t) = self.shared.as_mut() {
+                    t.remember(key);
+                }
+                if self.cfg.prefix_cache_bytes > 0 {
+                    let len = snap.encoded_len();
+                    let _ = self.cache.insert(&prompt[..k], snap.clone(), len);
+                }
+                return Some((k, snap, Some(bytes)));
+            }
+            k -= b;
+        }
+        local.map(|(n, s)| (n, s, None))
+    }
+
+    /// Fresh states for new sequence `id`, holding the longest usable
+    /// cached or stored prefix of `prompt`: `(tokens restored, states)`.
+    pub(super) fn restore_prefix(
+        &mut self,
+        id: SeqId,
+        prompt: &[u32],
+    ) -> Result<(usize, Vec<S::State>)> {
+        let t0 = Instant::now();
+        match self.lookup_prefix(prompt) {
+            Some((len, snap, stored)) => {
+                let states = self.states_from(id, &snap.blobs, &[])?;
+                if let (Some(bytes), Some(t)) = (stored, &self.shared) {
+                    // Probes, get, checks and the restore itself.
+                    t.note_restore(len, bytes, t0.elapsed());
+                }
+                Ok((len, states))
+            }
+            None => Ok((0, self.alloc_states(id, &[])?)),
+        }
     }
 
     /// Drop every prefix-cache entry.
