@@ -57,7 +57,7 @@ use metrale_model_layers::layers::ple::ModelSpec;
 use metrale_storage::bench::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 
 use self::report::{Row, print_rows};
-use super::common::bytes;
+use super::common::{Device, bytes, open_backend};
 use super::run::{EngineSetup, build_engine};
 use super::{CmdError, failure, input};
 
@@ -83,6 +83,11 @@ pub struct BenchArgs {
     /// figure is produced, measures nothing worth reading.
     #[arg(long, hide = true)]
     smoke: bool,
+    /// The backend of the layer and engine figures: cpu, or cuda[:N]
+    /// (needs the `cuda` feature and a device). The id, storage and
+    /// runtime figures measure host work and run on the CPU backend.
+    #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
+    device: Device,
 }
 
 /// Every size and repetition count of one run.
@@ -307,8 +312,16 @@ pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
         sizes.model.name(),
         scratch.0.display()
     );
+    if args.device != Device::Cpu {
+        eprintln!(
+            "bench: layer and engine figures on {}; ids, storage and runtime on the CPU backend",
+            args.device
+        );
+    }
+    drop(open_backend(args.device)?);
     let mut ctx = Ctx {
         sizes,
+        device: args.device,
         spec: sizes.model.spec(),
         dir: scratch.0.clone(),
         checkpoint: None,
@@ -324,12 +337,19 @@ pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
 /// directory, and the synthetic checkpoint once written.
 struct Ctx {
     sizes: Sizes,
+    /// The backend of the layer and engine sections.
+    device: Device,
     spec: ModelSpec,
     dir: PathBuf,
     checkpoint: Option<Checkpoint>,
 }
 
 impl Ctx {
+    /// A fresh backend of `--device` for a section.
+    fn backend(&self) -> Result<Arc<dyn GpuBackend>> {
+        open_backend(self.device).map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
     /// The synthetic checkpoint of the preset with `table_rows` rows per
     /// site, written on first use.
     fn checkpoint(&mut self) -> Result<&Checkpoint> {
@@ -532,9 +552,9 @@ fn misses(s: &Sizes, path: &Path) -> Result<Row> {
 
 fn bench_layer(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let s = ctx.sizes;
+    let gpu = ctx.backend()?;
     let ck = ctx.checkpoint()?;
     let t0 = Instant::now();
-    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let table = ck.open_table(0, TableMode::Resident, gpu.clone())?;
     let max_tokens = s.prefill_tokens.max(s.decode_batch);
     let layer = ck.build_layer(0, table, max_tokens, gpu.as_ref())?;
@@ -592,8 +612,8 @@ fn layer_rows(s: &Sizes, g: &ModelSpec, mut w: LayerForward<'_>) -> Result<Vec<R
 
 fn bench_engine(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let s = ctx.sizes;
+    let gpu = ctx.backend()?;
     let ck = ctx.checkpoint()?;
-    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let prefix = (s.prefix / s.block).max(1) * s.block;
     let setup = |prefix_cache_bytes| EngineSetup {
         mode: TableMode::Resident,

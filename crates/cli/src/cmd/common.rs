@@ -1,16 +1,85 @@
-//! Helpers shared by the subcommands: byte formatting, progress bars, and
-//! the default checkpoint location.
+//! Helpers shared by the subcommands: byte formatting, progress bars, the
+//! default checkpoint location, and the backend a `--device` names.
 //!
 //! Progress bars draw on stderr and hide themselves when stderr is not a
 //! terminal, so scripted use and tests see only the results on stdout.
 
+use std::fmt;
 use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
 
 use super::{CmdError, input};
+
+/// The backend a subcommand runs on: `cpu` (the default) or `cuda[:N]`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU backend.
+    #[default]
+    Cpu,
+    /// CUDA device `N` (`cuda` is `cuda:0`).
+    Cuda(usize),
+}
+
+impl FromStr for Device {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Device, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+                Some(Ok(n)) => Ok(Device::Cuda(n)),
+                _ => Err(format!(
+                    "'{s}' is not a device: use cpu, cuda or cuda:N (N a device ordinal)"
+                )),
+            },
+        }
+    }
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// Open the backend `device` names. Without the `cuda` feature a CUDA
+/// device is an input error saying so; a CUDA device that does not open is
+/// a failure: `no CUDA device: <reason>`.
+pub fn open_backend(device: Device) -> Result<Arc<dyn GpuBackend>, CmdError> {
+    match device {
+        Device::Cpu => Ok(Arc::new(CpuBackend::new())),
+        Device::Cuda(n) => open_cuda(n),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(n: usize) -> Result<Arc<dyn GpuBackend>, CmdError> {
+    match metrale_gpu_runtime::cuda::CudaBackend::new(n) {
+        Ok(b) => Ok(Arc::new(b)),
+        Err(e) => Err(super::failure(anyhow::anyhow!(
+            "--device cuda:{n}: no CUDA device: {e}"
+        ))),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(n: usize) -> Result<Arc<dyn GpuBackend>, CmdError> {
+    Err(input(anyhow::anyhow!(
+        "--device cuda:{n}: this metrale-ple has no CUDA support (it was compiled without \
+         the `cuda` feature)"
+    )))
+}
 
 /// The per-user cache directory: `$XDG_CACHE_HOME/metrale-ple`, else
 /// `$HOME/.cache/metrale-ple`.
@@ -71,6 +140,34 @@ pub fn byte_bar(total: u64, msg: &str) -> ProgressBar {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_parse_and_print() {
+        assert_eq!("cpu".parse::<Device>(), Ok(Device::Cpu));
+        assert_eq!("cuda".parse::<Device>(), Ok(Device::Cuda(0)));
+        assert_eq!("cuda:3".parse::<Device>(), Ok(Device::Cuda(3)));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
+            let e = bad.parse::<Device>().unwrap_err();
+            assert!(e.contains(bad) && e.contains("cuda:N"), "{e}");
+        }
+        assert_eq!(Device::Cuda(2).to_string(), "cuda:2");
+        assert_eq!(Device::default().to_string(), "cpu");
+        assert_eq!(open_backend(Device::Cpu).unwrap().name(), "cpu");
+    }
+
+    #[test]
+    fn a_cuda_device_that_does_not_open_is_a_clear_error() {
+        let e = open_backend(Device::Cuda(1 << 20)).err().unwrap();
+        let msg = e.to_string();
+        assert!(msg.starts_with("--device cuda:1048576: "), "{msg}");
+        if cfg!(feature = "cuda") {
+            assert!(msg.contains("no CUDA device"), "{msg}");
+            assert_eq!(e.exit_status(), super::super::EXIT_FAILURE);
+        } else {
+            assert!(msg.contains("`cuda` feature"), "{msg}");
+            assert_eq!(e.exit_status(), super::super::EXIT_INPUT);
+        }
+    }
 
     #[test]
     fn byte_sizes_read_well() {
