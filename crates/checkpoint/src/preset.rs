@@ -1,9 +1,15 @@
-//! The synthetic model specs `metrale-ple init` writes.
+//! The synthetic model specs `metrale-ple init` writes, and the specs of
+//! the Engram and LongCat families with their real hash constants.
 //!
 //! Invariant: every preset's [`ModelSpec`] passes [`ModelSpec::validate`]
-//! and round-trips through `config.json` unchanged.
+//! and round-trips through `config.json` unchanged. The family presets
+//! (`engram-demo`, `deepseek-v4.1`, `longcat-flash-lite`) hash exactly as
+//! their models do, but their layers are not implemented:
+//! [`Preset::check_layer`] refuses them for `init` and `run`.
 
-use metrale_model_layers::layers::ple::spec::ModelSpec;
+use metrale_model_layers::layers::ple::spec::{
+    EngramKeys, EngramSpec, LongCatKeys, LongCatSpec, ModelFamily, ModelSpec,
+};
 
 /// The synthetic geometries `metrale-ple init` can write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,17 +22,77 @@ pub enum Preset {
     /// The Qwen4Exp geometry of docs/SPEC.md, "Geometry"; the table is cut to the
     /// rows asked for (ids folded into them).
     Flagship,
+    /// The Engram demo (`engram_demo_v1.py`): DeepSeek-V3's 129,280-token
+    /// vocabulary, orders 2 and 3 with bases 5 * 129,280, 8 heads of 64,
+    /// blocks 1 and 15 of 30, pad 2, seed 0, hidden 1024, 4 branches.
+    EngramDemo,
+    /// DeepSeek-V4.1's Engram: orders 2..=4 over base 16,000,000, 8 heads of
+    /// 256, blocks 1 and 14 of 40, compressed vocabulary 99,092, pad 2;
+    /// the rebuilt table sizes equal `engram_num_embeddings`.
+    DeepseekV41,
+    /// LongCat-Flash-Lite's n-gram embedding: vocabulary 131,072, hidden
+    /// 3072, ratio 78, 4 neighbours, 4 splits (12 sub-tables of 256), EOS 2.
+    LongcatFlashLite,
 }
 
+/// A preset whose family's layer is not implemented (only its ids hash).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "preset {preset}: the {family} layer ({what}) is not implemented, so no checkpoint can be \
+     written or run for it; its ids hash with `metrale-ple ids --config`"
+)]
+pub struct LayerNotImplemented {
+    /// The preset's name.
+    pub preset: &'static str,
+    /// The family.
+    pub family: &'static str,
+    /// What the layer would need.
+    pub what: &'static str,
+}
+
+/// The compressed vocabulary DeepSeek-V4.1 states for its 129,280-token
+/// vocabulary. The demo computes its own from DeepSeek-V3's tokenizer,
+/// which is not at hand; the two vocabularies have the same size, and this
+/// value is taken for the demo too.
+const DEEPSEEK_COMPRESSED_VOCAB: u64 = 99_092;
+
 impl Preset {
-    /// Parse `tiny`, `small` or `flagship`.
+    /// Every preset.
+    pub const ALL: [Preset; 6] = [
+        Preset::Tiny,
+        Preset::Small,
+        Preset::Flagship,
+        Preset::EngramDemo,
+        Preset::DeepseekV41,
+        Preset::LongcatFlashLite,
+    ];
+
+    /// Parse a name given by [`Self::name`].
     pub fn parse(s: &str) -> Option<Preset> {
-        match s {
-            "tiny" => Some(Preset::Tiny),
-            "small" => Some(Preset::Small),
-            "flagship" => Some(Preset::Flagship),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|p| p.name() == s)
+    }
+
+    /// Refuse a preset whose family's layer is not implemented: Engram
+    /// (per-branch key projections with bias, a value projection with
+    /// bias, the demo's grouped short conv) and LongCat (the mean of the
+    /// word embedding and the sub-tables' projections).
+    pub fn check_layer(self) -> Result<(), LayerNotImplemented> {
+        let (family, what) = match self {
+            Preset::Tiny | Preset::Small | Preset::Flagship => return Ok(()),
+            Preset::EngramDemo | Preset::DeepseekV41 => (
+                "Engram",
+                "per-branch gates over key projections with bias, a value projection with bias",
+            ),
+            Preset::LongcatFlashLite => (
+                "LongCat",
+                "the mean of the word embedding and the sub-tables' projections",
+            ),
+        };
+        Err(LayerNotImplemented {
+            preset: self.name(),
+            family,
+            what,
+        })
     }
 
     /// The preset's name.
@@ -35,6 +101,9 @@ impl Preset {
             Preset::Tiny => "tiny",
             Preset::Small => "small",
             Preset::Flagship => "flagship",
+            Preset::EngramDemo => "engram-demo",
+            Preset::DeepseekV41 => "deepseek-v4.1",
+            Preset::LongcatFlashLite => "longcat-flash-lite",
         }
     }
 
@@ -43,7 +112,10 @@ impl Preset {
     pub fn default_table_rows(self) -> Option<u64> {
         match self {
             Preset::Tiny | Preset::Small => None,
-            Preset::Flagship => Some(1 << 20),
+            Preset::Flagship
+            | Preset::EngramDemo
+            | Preset::DeepseekV41
+            | Preset::LongcatFlashLite => Some(1 << 20),
         }
     }
 
@@ -67,6 +139,7 @@ impl Preset {
                 hash_seed: 1234,
                 num_hidden_layers: 4,
                 table_rows: None,
+                family: ModelFamily::Qwen4Exp,
             },
             Preset::Small => ModelSpec {
                 vocab_size: 32_000,
@@ -85,6 +158,7 @@ impl Preset {
                 hash_seed: 1234,
                 num_hidden_layers: 8,
                 table_rows: None,
+                family: ModelFamily::Qwen4Exp,
             },
             Preset::Flagship => ModelSpec {
                 vocab_size: 151_936,
@@ -103,6 +177,80 @@ impl Preset {
                 hash_seed: 1234,
                 num_hidden_layers: 4,
                 table_rows: None,
+                family: ModelFamily::Qwen4Exp,
+            },
+            Preset::EngramDemo => ModelSpec {
+                vocab_size: 129_280,
+                hidden_size: 1024,
+                hc_mult: 4,
+                rms_norm_eps: 1e-6,
+                eos_token_id: 1,
+                ngram_size: 3,
+                heads_per_ngram: 8,
+                head_dim: 64,
+                ngram_vocab_size_base: 5 * 129_280,
+                divisible_by: 1,
+                split_ngram_parts: 1,
+                conv_kernel_size: 4,
+                ple_layer_ids: vec![2, 16],
+                hash_seed: 0,
+                num_hidden_layers: 30,
+                table_rows: None,
+                family: ModelFamily::Engram(EngramSpec {
+                    keys: EngramKeys::Demo,
+                    vocab_bases: vec![5 * 129_280, 5 * 129_280],
+                    compressed_vocab_size: DEEPSEEK_COMPRESSED_VOCAB,
+                    pad_id: 2,
+                    num_embeddings: None,
+                    token_map: None,
+                }),
+            },
+            Preset::DeepseekV41 => ModelSpec {
+                vocab_size: 129_280,
+                hidden_size: 5120,
+                hc_mult: 4,
+                rms_norm_eps: 1e-6,
+                eos_token_id: 1,
+                ngram_size: 4,
+                heads_per_ngram: 8,
+                head_dim: 256,
+                ngram_vocab_size_base: 16_000_000,
+                divisible_by: 1,
+                split_ngram_parts: 1,
+                conv_kernel_size: 1,
+                ple_layer_ids: vec![2, 15],
+                hash_seed: 0,
+                num_hidden_layers: 40,
+                table_rows: None,
+                family: ModelFamily::Engram(EngramSpec {
+                    keys: EngramKeys::V41,
+                    vocab_bases: vec![16_000_000; 3],
+                    compressed_vocab_size: DEEPSEEK_COMPRESSED_VOCAB,
+                    pad_id: 2,
+                    num_embeddings: Some(vec![384_006_168, 384_016_682]),
+                    token_map: None,
+                }),
+            },
+            Preset::LongcatFlashLite => ModelSpec {
+                vocab_size: 131_072,
+                hidden_size: 3072,
+                hc_mult: 1,
+                rms_norm_eps: 1e-5,
+                eos_token_id: 2,
+                ngram_size: 4,
+                heads_per_ngram: 4,
+                head_dim: 256,
+                ngram_vocab_size_base: 78 * 131_072,
+                divisible_by: 1,
+                split_ngram_parts: 1,
+                conv_kernel_size: 1,
+                ple_layer_ids: vec![1],
+                hash_seed: 0,
+                num_hidden_layers: 1,
+                table_rows: None,
+                family: ModelFamily::LongCat(LongCatSpec {
+                    keys: LongCatKeys::Flash,
+                }),
             },
         }
     }
@@ -115,7 +263,8 @@ mod tests {
 
     #[test]
     fn presets_round_trip_through_config_json() {
-        for p in [Preset::Tiny, Preset::Small, Preset::Flagship] {
+        for p in Preset::ALL {
+            assert_eq!(Preset::parse(p.name()), Some(p));
             let mut g = p.spec();
             g.table_rows = p.default_table_rows();
             g.validate(p.name()).unwrap();
@@ -238,5 +387,60 @@ mod tests {
             msg.contains("c.json") && msg.contains("`hidden_size`"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn v41_rebuilds_engram_num_embeddings() {
+        let g = Preset::DeepseekV41.spec();
+        let ModelFamily::Engram(e) = &g.family else {
+            panic!("not Engram")
+        };
+        let stated = e.num_embeddings.clone().unwrap();
+        for (s, &want) in stated.iter().enumerate() {
+            let d = g.derive(s).unwrap();
+            assert_eq!(d.dims.table_rows(), want, "layer {}", g.site_layer(s));
+            assert_eq!(d.padded_rows, want);
+            assert_eq!(d.dims.ngram_heads(), 24);
+        }
+        assert_eq!(g.site_layer(0), 1);
+        assert_eq!(g.site_layer(1), 14);
+        // A stated size that differs is refused, naming the field.
+        let mut bad = g.clone();
+        if let ModelFamily::Engram(e) = &mut bad.family {
+            e.num_embeddings = Some(vec![384_006_168, 1]);
+        }
+        let e = bad.validate("v41").unwrap_err().to_string();
+        assert!(e.contains("engram_num_embeddings[1]"), "{e}");
+    }
+
+    #[test]
+    fn family_presets_have_real_constants_and_refuse_layers() {
+        let demo = Preset::EngramDemo.spec();
+        let d = demo.derive(0).unwrap();
+        assert_eq!(d.dims.head_vocab_sizes[..3], [646_403, 646_411, 646_421]);
+        assert_eq!(
+            d.dims.multipliers,
+            [76_632_096_046_245, 4_839_876_093_313, 35_959_672_319_349]
+        );
+        let lite = Preset::LongcatFlashLite.spec();
+        let d = lite.derive(0).unwrap();
+        assert!(d.dims.multipliers.is_empty());
+        assert_eq!(d.dims.head_vocab_sizes.len(), 12);
+        assert_eq!(d.dims.head_vocab_sizes[11], 78 * 131_072 + 23);
+        assert_eq!(lite.head_dim, 256);
+        for p in Preset::ALL {
+            let site = p.spec().site(0).unwrap();
+            match p {
+                Preset::Tiny | Preset::Small | Preset::Flagship => {
+                    p.check_layer().unwrap();
+                    site.validate().unwrap();
+                }
+                _ => {
+                    let e = p.check_layer().unwrap_err().to_string();
+                    assert!(e.contains("not implemented") && e.contains(p.name()), "{e}");
+                    assert!(site.validate().is_err());
+                }
+            }
+        }
     }
 }

@@ -27,8 +27,11 @@
 //!   [`MAX_NGRAM_SIZE`]), so the hot path never allocates.
 
 mod derive;
+mod engram;
 mod error;
+mod family;
 mod fastmod;
+mod longcat;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
@@ -42,8 +45,11 @@ pub use derive::{
     PleHashParams, SITE_SEED_STRIDE, SPLITMIX64_GAMMA, check_stored_buffers, derive_multipliers,
     is_prime, primes_from, splitmix64,
 };
+pub use engram::{engram_head_sizes, engram_multipliers, running_offsets};
 pub use error::IdError;
+pub use family::{HashFamily, TokenMap, check_tokens, longcat_weights, validate_family};
 pub use fastmod::FastMod;
+pub use longcat::{longcat_layout, longcat_sizes};
 
 /// The hash geometry and constants of one PLE site.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,6 +93,12 @@ impl PleIdDims {
     /// per position, one non-zero size and one offset per head, offsets the
     /// running sums of the sizes from 0, and the last id within `u64`.
     pub fn validate(&self) -> Result<()> {
+        self.validate_layout(true)
+    }
+
+    /// [`Self::validate`], with `multipliers` false for a family that has
+    /// none (LongCat): then the list must be empty.
+    pub(crate) fn validate_layout(&self, multipliers: bool) -> Result<()> {
         let n = self.ngram_size;
         id_ensure!(
             (2..=MAX_NGRAM_SIZE).contains(&n),
@@ -105,10 +117,11 @@ impl PleIdDims {
                 self.heads_per_ngram
             ))
         })?;
+        let want = if multipliers { n } else { 0 };
         id_ensure!(
-            self.multipliers.len() == n,
+            self.multipliers.len() == want,
             Dims,
-            "PleIdDims: {} multipliers given, ngram_size {n} needs {n}",
+            "PleIdDims: {} multipliers given, ngram_size {n} needs {want}",
             self.multipliers.len()
         );
         if let Some((i, m)) = self
@@ -465,6 +478,46 @@ pub fn ple_ngram_ids_into_plain(
     Ok(())
 }
 
+/// The `%` form of any family (docs/SPEC.md, "Families"): hash `history ++
+/// tokens` and write the `tokens.len() * ngram_heads` ids of `tokens`,
+/// row-major, to `out`. Qwen4Exp is [`ple_ngram_ids_into_plain`]; the other
+/// families refuse out-of-vocabulary tokens first
+/// ([`IdError::TokenOutOfRange`]) and write nothing then.
+pub fn family_ids_into_plain(
+    family: &HashFamily,
+    dims: &PleIdDims,
+    history: &[u32],
+    tokens: &[u32],
+    out: &mut [u64],
+) -> Result<()> {
+    if *family == HashFamily::Qwen4Exp {
+        return ple_ngram_ids_into_plain(dims, history, tokens, out);
+    }
+    validate_family(family, dims)?;
+    check_out(
+        "family_ids_into_plain",
+        out.len(),
+        tokens.len(),
+        dims.ngram_heads(),
+    )?;
+    check_tokens(family, "history", history)?;
+    check_tokens(family, "tokens", tokens)?;
+    match family::Prepared::new(family, dims) {
+        family::Prepared::Qwen4Exp => {}
+        family::Prepared::Engram { map, fill } => {
+            let rows = PlainRows {
+                sizes: &dims.head_vocab_sizes,
+                offsets: &dims.head_offsets,
+            };
+            family::engram_run(dims, map.as_deref(), fill, &rows, history, tokens, out);
+        }
+        family::Prepared::LongCat { weights } => {
+            family::longcat_run(dims, &weights, history, tokens, out);
+        }
+    }
+    Ok(())
+}
+
 /// The hot path: validated dims with a precomputed reciprocal per head.
 /// Build one per PLE site and reuse it; hashing allocates nothing.
 ///
@@ -476,6 +529,8 @@ pub fn ple_ngram_ids_into_plain(
 #[derive(Clone, Debug)]
 pub struct PleIdHasher {
     dims: PleIdDims,
+    family: HashFamily,
+    prep: family::Prepared,
     heads: Vec<HeadMod>,
     #[cfg(target_arch = "x86_64")]
     avx2: Option<simd::Avx2Plan>,
@@ -509,14 +564,77 @@ impl PleIdHasher {
             .collect();
         Ok(Self {
             dims: dims.clone(),
+            family: HashFamily::Qwen4Exp,
+            prep: family::Prepared::Qwen4Exp,
             heads,
             #[cfg(target_arch = "x86_64")]
             avx2: None,
         })
     }
 
+    /// A hasher of any family: [`Self::new`] for Qwen4Exp; the scalar
+    /// family kernels otherwise (docs/SPEC.md, "Families"). The pair is
+    /// checked with [`validate_family`].
+    pub fn with_family(family: &HashFamily, dims: &PleIdDims) -> Result<Self> {
+        if *family == HashFamily::Qwen4Exp {
+            return Self::new(dims);
+        }
+        validate_family(family, dims)?;
+        let heads = dims
+            .head_vocab_sizes
+            .iter()
+            .zip(&dims.head_offsets)
+            .map(|(&s, &offset)| {
+                FastMod::new(s)
+                    .map(|m| HeadMod { m, offset })
+                    .ok_or_else(|| IdError::Dims("PleIdDims: a head size is 0".into()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            dims: dims.clone(),
+            family: family.clone(),
+            prep: family::Prepared::new(family, dims),
+            heads,
+            #[cfg(target_arch = "x86_64")]
+            avx2: None,
+        })
+    }
+
+    /// The hash family.
+    pub fn family(&self) -> &HashFamily {
+        &self.family
+    }
+
+    /// The scalar kernel of a family other than Qwen4Exp over `history ++
+    /// tokens` (inputs already checked). Returns false for Qwen4Exp.
+    fn family_run(&self, history: &[u32], tokens: &[u32], out: &mut [u64]) -> bool {
+        match &self.prep {
+            family::Prepared::Qwen4Exp => false,
+            family::Prepared::Engram { map, fill } => {
+                let rows = FastRows { heads: &self.heads };
+                family::engram_run(
+                    &self.dims,
+                    map.as_deref(),
+                    *fill,
+                    &rows,
+                    history,
+                    tokens,
+                    out,
+                );
+                true
+            }
+            family::Prepared::LongCat { weights } => {
+                family::longcat_run(&self.dims, weights, history, tokens, out);
+                true
+            }
+        }
+    }
+
     /// The reduction in use: `"avx2"` or `"scalar"`.
     pub fn path(&self) -> &'static str {
+        if self.family != HashFamily::Qwen4Exp {
+            return "scalar";
+        }
         #[cfg(target_arch = "x86_64")]
         if self.avx2.is_some() {
             return "avx2";
@@ -564,6 +682,12 @@ impl PleIdHasher {
             unsafe { simd::hash_run_avx2(&self.dims, &rows, history, tokens, out) };
             return Ok(());
         }
+        if !matches!(self.prep, family::Prepared::Qwen4Exp) {
+            check_tokens(&self.family, "history", history)?;
+            check_tokens(&self.family, "tokens", tokens)?;
+            self.family_run(history, tokens, out);
+            return Ok(());
+        }
         hash_run(
             &self.dims,
             &FastRows { heads: &self.heads },
@@ -580,6 +704,16 @@ impl PleIdHasher {
         tokens: &[u32],
         out: &mut [u64],
     ) {
+        if !matches!(self.prep, family::Prepared::Qwen4Exp) {
+            let heads = self.ngram_heads();
+            for ((h, t), row) in histories
+                .zip(tokens.chunks(1))
+                .zip(out.chunks_exact_mut(heads))
+            {
+                self.family_run(h, t, row);
+            }
+            return;
+        }
         #[cfg(target_arch = "x86_64")]
         if let Some(plan) = &self.avx2 {
             let rows = simd::Avx2Rows::new(plan, &self.heads);
@@ -614,6 +748,12 @@ impl PleIdHasher {
             tokens.len(),
             self.ngram_heads(),
         )?;
+        if self.family.token_limit().is_some() {
+            check_tokens(&self.family, "tokens", tokens)?;
+            for h in histories {
+                check_tokens(&self.family, "histories", h.as_ref())?;
+            }
+        }
         self.batch(histories.iter().map(AsRef::as_ref), tokens, out);
         Ok(())
     }
@@ -642,6 +782,8 @@ impl PleIdHasher {
             tokens.len(),
             self.ngram_heads(),
         )?;
+        check_tokens(&self.family, "tokens", tokens)?;
+        check_tokens(&self.family, "histories", histories)?;
         self.batch(histories.chunks_exact(c), tokens, out);
         Ok(())
     }

@@ -29,8 +29,16 @@ use thiserror::Error;
 use super::carry_blob;
 use super::ids::{
     DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, IdError, MAX_NGRAM_SIZE, PleHashParams,
-    PleIdDims,
+    PleIdDims, engram_head_sizes, engram_multipliers, longcat_layout, running_offsets,
+    validate_family,
 };
+pub use super::ids::{HashFamily, TokenMap};
+
+pub mod engram;
+pub mod longcat;
+
+pub use engram::{EngramKeys, EngramSpec, load_token_map, parse_token_map};
+pub use longcat::{LongCatKeys, LongCatSpec};
 
 /// The config.json key of the extension this project adds for cut tables.
 pub const TABLE_ROWS_KEY: &str = "ple_table_rows";
@@ -120,19 +128,41 @@ pub enum SpecError {
         /// What is wrong with it.
         problem: String,
     },
+    /// A token map file that does not fit the config.
+    #[error("token map {file}: {problem}")]
+    TokenMap {
+        /// The file (or text source) of the map.
+        file: String,
+        /// What is wrong with it.
+        problem: String,
+    },
     /// A [`SiteSpec`]'s hash constants are unusable.
     #[error(transparent)]
     Ids(#[from] IdError),
 }
 
-/// The id-hash family of a site. The family decides how n-grams map to
-/// rows; every family shares the carry and the layer math.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
-pub enum HashFamily {
-    /// Qwen4Exp: XOR of `token * multiplier` over an EOS-delimited window,
-    /// `mixed % prime + offset` per head (docs/SPEC.md, "Id hash").
+/// The model family a config describes, with what its config adds to the
+/// shared fields of [`ModelSpec`] (docs/SPEC.md, "Families").
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum ModelFamily {
+    /// Qwen4Exp: the fields of docs/SPEC.md, "Geometry".
     #[default]
     Qwen4Exp,
+    /// DeepSeek Engram (the demo's keys or DeepSeek-V4.1's).
+    Engram(EngramSpec),
+    /// LongCat's n-gram embedding (LongCat-Flash or LongCat-2.0 keys).
+    LongCat(LongCatSpec),
+}
+
+impl ModelFamily {
+    /// `qwen4exp`, `engram` or `longcat`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ModelFamily::Qwen4Exp => "qwen4exp",
+            ModelFamily::Engram(_) => "engram",
+            ModelFamily::LongCat(_) => "longcat",
+        }
+    }
 }
 
 /// Everything `config.json` says about the PLE part of a model.
@@ -175,6 +205,12 @@ pub struct ModelSpec {
     /// the full padded table is stored. Ids are folded into the stored rows
     /// as `id % table_rows`.
     pub table_rows: Option<u64>,
+    /// The family and what its config adds. For Engram and LongCat the
+    /// shared fields read: `ngram_size` N, `heads_per_ngram` K (LongCat's
+    /// split count), `ngram_vocab_size_base` the first order's base
+    /// (Engram) or the row base `m` (LongCat), `hash_seed` Engram's seed,
+    /// and `ple_layer_ids` the 0-based block indices plus 1.
+    pub family: ModelFamily,
 }
 
 /// Reads typed fields out of the JSON object, naming the file on error.
@@ -229,6 +265,107 @@ impl Fields<'_> {
         }
         usize::try_from(v).map_err(|_| self.field_err(name, format!("= {v} is too large")))
     }
+
+    /// Whether `name` is present and not null.
+    fn has(&self, name: &str) -> bool {
+        self.map.get(name).is_some_and(|v| !v.is_null())
+    }
+
+    /// A positive finite number, `default` when absent.
+    fn eps_or(&self, name: &str, default: f64) -> Result<f64, SpecError> {
+        if !self.has(name) {
+            return Ok(default);
+        }
+        let v = self.get(name)?;
+        match v.as_f64() {
+            Some(e) if e.is_finite() && e > 0.0 => Ok(e),
+            _ => Err(self.field_err(name, format!("must be a positive number, got {v}"))),
+        }
+    }
+
+    /// `eos_token_id`: an integer, or a list whose first entry is used.
+    fn eos(&self) -> Result<u32, SpecError> {
+        let eos = match self.get("eos_token_id")? {
+            Value::Array(items) => {
+                let first = items
+                    .first()
+                    .ok_or_else(|| self.field_err("eos_token_id", "is an empty list".into()))?;
+                self.u64_of("eos_token_id[0]", first)?
+            }
+            v => self.u64_of("eos_token_id", v)?,
+        };
+        u32::try_from(eos).map_err(|_| {
+            self.field_err(
+                "eos_token_id",
+                format!("= {eos} does not fit a u32 token id"),
+            )
+        })
+    }
+
+    /// `eos_token_id` when present.
+    fn eos_opt(&self) -> Result<Option<u32>, SpecError> {
+        if self.has("eos_token_id") {
+            self.eos().map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// `num_hidden_layers`, else `num_layers`, else `default`.
+    fn layers_or(&self, default: usize) -> Result<usize, SpecError> {
+        for name in ["num_hidden_layers", "num_layers"] {
+            if let Some(n) = self.u64_opt(name)? {
+                return self.count_of(name, n, 0);
+            }
+        }
+        Ok(default)
+    }
+
+    /// The family the keys name: Engram (V4.1 spelling when any
+    /// `engram_*` key other than `engram_vocab_size` is present, else the
+    /// demo's when `engram_vocab_size` is), LongCat (a non-null
+    /// `ngram_vocab_size_ratio` or `oe_vocab_size_ratio`), else Qwen4Exp.
+    /// Keys of two families at once are refused.
+    fn family_keys(&self) -> Result<Option<FamilyKeys>, SpecError> {
+        let v41 = self
+            .map
+            .keys()
+            .any(|k| k.starts_with("engram_") && k != "engram_vocab_size");
+        let engram = if v41 {
+            Some(EngramKeys::V41)
+        } else if self.has("engram_vocab_size") {
+            Some(EngramKeys::Demo)
+        } else {
+            None
+        };
+        let use_oe = self.map.get("use_oe_embedding").and_then(Value::as_bool) != Some(false);
+        let longcat = if self.has("ngram_vocab_size_ratio") {
+            Some(LongCatKeys::Flash)
+        } else if self.has("oe_vocab_size_ratio") && use_oe {
+            Some(LongCatKeys::Oe)
+        } else {
+            None
+        };
+        match (engram, longcat) {
+            (Some(_), Some(_)) => Err(self.field_err(
+                if self.has("ngram_vocab_size_ratio") {
+                    "ngram_vocab_size_ratio"
+                } else {
+                    "oe_vocab_size_ratio"
+                },
+                "is set together with Engram keys (engram_*): a config names one family".into(),
+            )),
+            (Some(e), None) => Ok(Some(FamilyKeys::Engram(e))),
+            (None, Some(l)) => Ok(Some(FamilyKeys::LongCat(l))),
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+/// The spelling of a non-Qwen4Exp config.
+enum FamilyKeys {
+    Engram(EngramKeys),
+    LongCat(LongCatKeys),
 }
 
 impl ModelSpec {
@@ -255,6 +392,11 @@ impl ModelSpec {
             });
         };
         let f = Fields { map, file: source };
+        match f.family_keys()? {
+            Some(FamilyKeys::Engram(keys)) => return engram::parse(&f, keys),
+            Some(FamilyKeys::LongCat(keys)) => return longcat::parse(&f, keys),
+            None => {}
+        }
 
         let vocab_size = f.u64("vocab_size")?;
         if vocab_size == 0 {
@@ -273,21 +415,7 @@ impl ModelSpec {
             }
         };
 
-        let eos = match f.get("eos_token_id")? {
-            Value::Array(items) => {
-                let first = items
-                    .first()
-                    .ok_or_else(|| f.field_err("eos_token_id", "is an empty list".into()))?;
-                f.u64_of("eos_token_id[0]", first)?
-            }
-            v => f.u64_of("eos_token_id", v)?,
-        };
-        let eos_token_id = u32::try_from(eos).map_err(|_| {
-            f.field_err(
-                "eos_token_id",
-                format!("= {eos} does not fit a u32 token id"),
-            )
-        })?;
+        let eos_token_id = f.eos()?;
 
         let ngram_size = f.count("ngram_size", 2)?;
         if ngram_size > MAX_NGRAM_SIZE {
@@ -371,9 +499,42 @@ impl ModelSpec {
             hash_seed,
             num_hidden_layers,
             table_rows,
+            family: ModelFamily::Qwen4Exp,
         };
         spec.validate(source)?;
         Ok(spec)
+    }
+
+    /// This Engram spec with its compressed-token map (checked with
+    /// [`engram::check_token_map`]); `source` names the map in errors.
+    /// Other families have no map and are refused.
+    pub fn with_token_map(mut self, map: TokenMap, source: &str) -> Result<Self, SpecError> {
+        let ModelFamily::Engram(e) = &mut self.family else {
+            return Err(SpecError::TokenMap {
+                file: source.to_string(),
+                problem: format!(
+                    "only Engram configs hash through a token map; this one is {}",
+                    self.family.name()
+                ),
+            });
+        };
+        engram::check_token_map(e, &map, source)?;
+        e.token_map = Some(map);
+        Ok(self)
+    }
+
+    /// The site-level family: what a hasher needs beyond the dims.
+    pub fn hash_family(&self) -> HashFamily {
+        match &self.family {
+            ModelFamily::Qwen4Exp => HashFamily::Qwen4Exp,
+            ModelFamily::Engram(e) => HashFamily::Engram {
+                token_map: e.token_map.clone(),
+                hashed_vocab: e.compressed_vocab_size,
+            },
+            ModelFamily::LongCat(_) => HashFamily::LongCat {
+                vocab_size: self.vocab_size,
+            },
+        }
     }
 
     /// Check the invariants in the module docs; `source` names the config
@@ -447,7 +608,101 @@ impl ModelSpec {
         if self.table_rows == Some(0) {
             return Err(bad(TABLE_ROWS_KEY, "must be positive, got 0".into()));
         }
-        self.check_sizes(source)
+        self.check_sizes(source)?;
+        self.validate_family(source)
+    }
+
+    /// The family's own invariants (docs/SPEC.md, "Families").
+    fn validate_family(&self, source: &str) -> Result<(), SpecError> {
+        let bad = |field: &str, problem: String| SpecError::Field {
+            file: source.to_string(),
+            field: field.to_string(),
+            problem,
+        };
+        match &self.family {
+            ModelFamily::Qwen4Exp => Ok(()),
+            ModelFamily::Engram(e) => {
+                let v41 = e.keys == EngramKeys::V41;
+                let name = |demo: &'static str, v: &'static str| if v41 { v } else { demo };
+                if e.vocab_bases.len() != self.ngram_size - 1 {
+                    return Err(bad(
+                        "engram_vocab_size",
+                        format!(
+                            "has {} entries, orders 2..={} need {}",
+                            e.vocab_bases.len(),
+                            self.ngram_size,
+                            self.ngram_size - 1
+                        ),
+                    ));
+                }
+                if let Some(i) = e.vocab_bases.iter().position(|&b| b == 0) {
+                    return Err(bad(
+                        &format!("engram_vocab_size[{i}]"),
+                        "must be at least 1, got 0".into(),
+                    ));
+                }
+                let cv = e.compressed_vocab_size;
+                let cv_name = name("compressed_vocab_size", "engram_compressed_vocab_size");
+                if cv == 0 {
+                    return Err(bad(cv_name, "must be at least 1, got 0".into()));
+                }
+                let pad_limit = e.token_map.as_ref().map_or(cv, |m| m.len() as u64);
+                if u64::from(e.pad_id) >= pad_limit {
+                    return Err(bad(
+                        name("pad_id", "engram_pad_token_id"),
+                        format!("= {} is not below {pad_limit}", e.pad_id),
+                    ));
+                }
+                if let Some(map) = &e.token_map {
+                    engram::check_token_map(e, map, source)?;
+                }
+                if let Some(stated) = &e.num_embeddings {
+                    if stated.len() != self.sites() {
+                        return Err(bad(
+                            "engram_num_embeddings",
+                            format!(
+                                "has {} entries for {} Engram layers",
+                                stated.len(),
+                                self.sites()
+                            ),
+                        ));
+                    }
+                    let sizes =
+                        engram_head_sizes(&e.vocab_bases, self.heads_per_ngram, self.sites())
+                            .map_err(|err| bad("engram_vocab_size", err.to_string()))?;
+                    for (i, (layer, &want)) in sizes.iter().zip(stated).enumerate() {
+                        let got = running_offsets(layer)
+                            .map_err(|err| bad("engram_vocab_size", err.to_string()))?
+                            .1;
+                        if got != want {
+                            return Err(bad(
+                                &format!("engram_num_embeddings[{i}]"),
+                                format!(
+                                    "= {want}, but the head sizes rebuilt for layer {} sum to {got}",
+                                    self.site_layer(i)
+                                ),
+                            ));
+                        }
+                    }
+                }
+                Ok(())
+            }
+            ModelFamily::LongCat(l) => {
+                let base = match l.keys {
+                    LongCatKeys::Flash => "ngram_vocab_size_ratio",
+                    LongCatKeys::Oe => "oe_vocab_size_ratio",
+                };
+                if self.ple_layer_ids != [1] {
+                    return Err(bad(
+                        "ple_layer_ids",
+                        "must be [1]: the LongCat n-gram embedding sits at the input".into(),
+                    ));
+                }
+                longcat_layout(self.ngram_vocab_size_base, self.ngram_heads())
+                    .map(|_| ())
+                    .map_err(|err| bad(base, err.to_string()))
+            }
+        }
     }
 
     /// Every size derived from the fields must be computable: a config with
@@ -533,6 +788,15 @@ impl ModelSpec {
 
     /// The parameters that derive site `s`'s hash constants.
     pub fn hash_params(&self, s: usize) -> Result<PleHashParams, SpecError> {
+        if self.family != ModelFamily::Qwen4Exp {
+            return Err(SpecError::Site {
+                field: "family",
+                problem: format!(
+                    "{} has no Qwen4Exp hash parameters; derive its sites with ModelSpec::derive",
+                    self.family.name()
+                ),
+            });
+        }
         if s >= self.sites() {
             return Err(SpecError::NoSuchSite {
                 site: s,
@@ -554,6 +818,61 @@ impl ModelSpec {
 
     /// Site `s`'s derived hash constants and padded table size.
     pub fn derive(&self, s: usize) -> Result<DerivedPleIds, SpecError> {
+        if s >= self.sites() {
+            return Err(SpecError::NoSuchSite {
+                site: s,
+                count: self.sites(),
+                ids: self.ple_layer_ids.clone(),
+            });
+        }
+        let wrap = |source: IdError| SpecError::Derive {
+            site: s,
+            layer_id: self.ple_layer_ids[s],
+            source,
+        };
+        let (multipliers, sizes, eos) = match &self.family {
+            ModelFamily::Qwen4Exp => return self.derive_qwen(s),
+            ModelFamily::Engram(e) => {
+                let mut all =
+                    engram_head_sizes(&e.vocab_bases, self.heads_per_ngram, s + 1).map_err(wrap)?;
+                let sizes = all.pop().unwrap_or_default();
+                let m = engram_multipliers(
+                    e.compressed_vocab_size,
+                    self.ngram_size,
+                    self.hash_seed,
+                    self.site_layer(s),
+                )
+                .map_err(wrap)?;
+                (m, sizes, e.pad_id)
+            }
+            ModelFamily::LongCat(_) => {
+                let (sizes, _, _) =
+                    longcat_layout(self.ngram_vocab_size_base, self.ngram_heads()).map_err(wrap)?;
+                (Vec::new(), sizes, self.eos_token_id)
+            }
+        };
+        let (head_offsets, total) = running_offsets(&sizes).map_err(wrap)?;
+        let padded_rows = total
+            .div_ceil(self.divisible_by)
+            .checked_mul(self.divisible_by)
+            .ok_or_else(|| {
+                wrap(IdError::Params(
+                    "the padded row count exceeds 2^64 - 1".into(),
+                ))
+            })?;
+        let dims = PleIdDims {
+            ngram_size: self.ngram_size,
+            heads_per_ngram: self.heads_per_ngram,
+            multipliers,
+            head_vocab_sizes: sizes,
+            head_offsets,
+            eos_token_id: eos,
+        };
+        validate_family(&self.hash_family(), &dims).map_err(wrap)?;
+        Ok(DerivedPleIds { dims, padded_rows })
+    }
+
+    fn derive_qwen(&self, s: usize) -> Result<DerivedPleIds, SpecError> {
         self.hash_params(s)?
             .derive()
             .map_err(|source| SpecError::Derive {
@@ -573,7 +892,7 @@ impl ModelSpec {
     /// [`Self::derive`], whose padded row count the caller also needs).
     pub fn site_with(&self, s: usize, dims: PleIdDims) -> SiteSpec {
         SiteSpec {
-            family: HashFamily::Qwen4Exp,
+            family: self.hash_family(),
             layer: self.site_layer(s),
             dims,
             head_dim: self.head_dim,
@@ -587,7 +906,21 @@ impl ModelSpec {
 
     /// The `config.json` text of this spec.
     pub fn to_config_json(&self) -> String {
-        let mut v = serde_json::json!({
+        let mut v = match &self.family {
+            ModelFamily::Qwen4Exp => self.qwen_json(),
+            ModelFamily::Engram(e) => engram::to_json(self, e),
+            ModelFamily::LongCat(l) => longcat::to_json(self, l),
+        };
+        if let Some(r) = self.table_rows {
+            v[TABLE_ROWS_KEY] = serde_json::json!(r);
+        }
+        let mut s = serde_json::to_string_pretty(&v).expect("a JSON value always serialises");
+        s.push('\n');
+        s
+    }
+
+    fn qwen_json(&self) -> Value {
+        serde_json::json!({
             "architectures": ["Qwen4ExpForCausalLM"],
             "model_type": "qwen4exp",
             "vocab_size": self.vocab_size,
@@ -605,13 +938,7 @@ impl ModelSpec {
             "ple_conv_kernel_size": self.conv_kernel_size,
             "ple_layer_ids": self.ple_layer_ids,
             "ple_hash_seed": self.hash_seed,
-        });
-        if let Some(r) = self.table_rows {
-            v[TABLE_ROWS_KEY] = serde_json::json!(r);
-        }
-        let mut s = serde_json::to_string_pretty(&v).expect("a JSON value always serialises");
-        s.push('\n');
-        s
+        })
     }
 }
 
@@ -705,7 +1032,17 @@ impl SiteSpec {
     /// non-negative eps, and sizes that fit an allocation.
     pub fn validate(&self) -> Result<(), SpecError> {
         let bad = |field: &'static str, problem: String| Err(SpecError::Site { field, problem });
-        self.dims.validate()?;
+        validate_family(&self.family, &self.dims)?;
+        if self.family != HashFamily::Qwen4Exp {
+            return bad(
+                "family",
+                format!(
+                    "{}: the layer of this family (its gate, projections and output) is not \
+                     implemented; only its ids hash",
+                    self.family.name()
+                ),
+            );
+        }
         if self.head_dim == 0 {
             return bad("head_dim", "must be positive".into());
         }
@@ -782,8 +1119,24 @@ impl SiteSpec {
         ] {
             out.extend_from_slice(&(v as u64).to_le_bytes());
         }
-        match self.family {
+        match &self.family {
             HashFamily::Qwen4Exp => {}
+            HashFamily::Engram {
+                token_map,
+                hashed_vocab,
+            } => {
+                out.extend_from_slice(b"engram");
+                out.extend_from_slice(&hashed_vocab.to_le_bytes());
+                let map: &[u32] = token_map.as_deref().unwrap_or(&[]);
+                out.extend_from_slice(&(map.len() as u64).to_le_bytes());
+                for v in map {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            HashFamily::LongCat { vocab_size } => {
+                out.extend_from_slice(b"longcat");
+                out.extend_from_slice(&vocab_size.to_le_bytes());
+            }
         }
     }
 }

@@ -22,6 +22,22 @@ pub enum IdError {
     /// An output or history slice of the wrong length.
     #[error("{0}")]
     Shape(String),
+    /// A token at or above the family's vocabulary (Engram, LongCat).
+    #[error(
+        "{family} hash: {input}[{position}] = {token} is not below the vocabulary of {limit} ids"
+    )]
+    TokenOutOfRange {
+        /// The hash family.
+        family: &'static str,
+        /// Which input: `tokens`, `history` or `histories`.
+        input: &'static str,
+        /// The token's index in that input.
+        position: usize,
+        /// The token.
+        token: u32,
+        /// Tokens must be below this.
+        limit: u64,
+    },
     /// The ids reach past the end of the table.
     #[error("PLE ids reach row {last} but the table has only {rows} rows")]
     TableRows {

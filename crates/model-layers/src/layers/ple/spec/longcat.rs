@@ -1,0 +1,171 @@
+//! LongCat n-gram embedding configs (docs/SPEC.md, "Families"):
+//! LongCat-Flash's `ngram_vocab_size_ratio` (its presence switches the path
+//! on), `emb_neighbor_num`, `emb_split_num`, and LongCat-2.0's renames
+//! `oe_vocab_size_ratio`, `oe_neighbor_num`, `oe_split_num`.
+//!
+//! Invariants of a parsed LongCat spec: `ngram_size` is the neighbour
+//! count n, `heads_per_ngram` the split count k, `ngram_vocab_size_base`
+//! the row base `m = floor(ratio * vocab_size)` (sub-table `i` has
+//! `m + 2i + 1` rows); one site on layer 1 (the input), no conv
+//! (`conv_kernel_size` 1), unpadded rows in one part, and `hidden_size`
+//! split evenly over the `k * (n - 1)` sub-tables.
+
+use serde_json::{Value, json};
+
+use super::{Fields, ModelFamily, ModelSpec, SpecError};
+
+/// The config.json key of this project's extension that states `m`
+/// exactly when the ratio is not an integer.
+pub const ROWS_BASE_KEY: &str = "ngram_rows_base";
+
+/// Which key spelling a config uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LongCatKeys {
+    /// LongCat-Flash: `ngram_vocab_size_ratio`, `emb_*`.
+    Flash,
+    /// LongCat-2.0: `oe_vocab_size_ratio`, `oe_*`.
+    Oe,
+}
+
+/// What a LongCat config adds to [`ModelSpec`]: only its spelling.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LongCatSpec {
+    /// The key spelling, kept so that the config written back reads alike.
+    pub keys: LongCatKeys,
+}
+
+/// `m` from the ratio: exact for an integer ratio, else the truncated
+/// double product, as the reference's `int(ratio * vocab_size)`.
+fn rows_base(f: &Fields, name: &str, vocab: u64) -> Result<u64, SpecError> {
+    let v = f.get(name)?;
+    if let Some(r) = v.as_u64() {
+        return r.checked_mul(vocab).filter(|&m| m >= 1).ok_or_else(|| {
+            f.field_err(
+                name,
+                format!("= {r} times vocab_size {vocab} gives no usable row count"),
+            )
+        });
+    }
+    match v.as_f64() {
+        Some(r) if r.is_finite() && r > 0.0 => {
+            let m = (r * vocab as f64).trunc();
+            if (1.0..9.0e18).contains(&m) {
+                Ok(m as u64)
+            } else {
+                Err(f.field_err(
+                    name,
+                    format!("= {r} times vocab_size {vocab} gives no usable row count"),
+                ))
+            }
+        }
+        _ => Err(f.field_err(name, format!("must be a positive number, got {v}"))),
+    }
+}
+
+/// Parse a LongCat config whose spelling is `keys`.
+pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecError> {
+    let (ratio_name, n_name, k_name) = match keys {
+        LongCatKeys::Flash => (
+            "ngram_vocab_size_ratio",
+            "emb_neighbor_num",
+            "emb_split_num",
+        ),
+        LongCatKeys::Oe => ("oe_vocab_size_ratio", "oe_neighbor_num", "oe_split_num"),
+    };
+    let vocab_size = f.u64("vocab_size")?;
+    if vocab_size == 0 {
+        return Err(f.field_err("vocab_size", "must be at least 1, got 0".into()));
+    }
+    let hidden_size = f.count("hidden_size", 1)?;
+    let hc_mult = match f.u64_opt("hc_mult")? {
+        Some(h) => f.count_of("hc_mult", h, 1)?,
+        None => 1,
+    };
+    let rms_norm_eps = f.eps_or("rms_norm_eps", 1e-5)?;
+    let eos_token_id = f.eos()?;
+    let ngram_size = f.count(n_name, 2)?;
+    if ngram_size > super::MAX_NGRAM_SIZE {
+        return Err(f.field_err(
+            n_name,
+            format!(
+                "must be at most {}, got {ngram_size}",
+                super::MAX_NGRAM_SIZE
+            ),
+        ));
+    }
+    let heads_per_ngram = f.count(k_name, 1)?;
+    let tables = (ngram_size - 1)
+        .checked_mul(heads_per_ngram)
+        .ok_or_else(|| f.field_err(k_name, "is too large".into()))?;
+    if hidden_size % tables != 0 {
+        return Err(f.field_err(
+            "hidden_size",
+            format!(
+                "= {hidden_size} is not a multiple of the {tables} sub-tables ({k_name} * ({n_name} - 1))"
+            ),
+        ));
+    }
+    let m = match f.u64_opt(ROWS_BASE_KEY)? {
+        Some(m) => {
+            // The ratio must still be there and positive.
+            rows_base(f, ratio_name, vocab_size)?;
+            m
+        }
+        None => rows_base(f, ratio_name, vocab_size)?,
+    };
+    let num_hidden_layers = match f.u64_opt("num_hidden_layers")? {
+        Some(n) => f.count_of("num_hidden_layers", n, 1)?,
+        None => f.layers_or(1)?,
+    };
+    let spec = ModelSpec {
+        vocab_size,
+        hidden_size,
+        hc_mult,
+        rms_norm_eps,
+        eos_token_id,
+        ngram_size,
+        heads_per_ngram,
+        head_dim: hidden_size / tables,
+        ngram_vocab_size_base: m,
+        divisible_by: 1,
+        split_ngram_parts: 1,
+        conv_kernel_size: 1,
+        ple_layer_ids: vec![1],
+        hash_seed: 0,
+        num_hidden_layers,
+        table_rows: f.u64_opt(super::TABLE_ROWS_KEY)?,
+        family: ModelFamily::LongCat(LongCatSpec { keys }),
+    };
+    spec.validate(f.file)?;
+    Ok(spec)
+}
+
+/// The config.json object of a LongCat spec, in its own spelling.
+pub(super) fn to_json(spec: &ModelSpec, l: &LongCatSpec) -> Value {
+    let (ratio_name, n_name, k_name) = match l.keys {
+        LongCatKeys::Flash => (
+            "ngram_vocab_size_ratio",
+            "emb_neighbor_num",
+            "emb_split_num",
+        ),
+        LongCatKeys::Oe => ("oe_vocab_size_ratio", "oe_neighbor_num", "oe_split_num"),
+    };
+    let m = spec.ngram_vocab_size_base;
+    let mut v = json!({
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "hc_mult": spec.hc_mult,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "eos_token_id": spec.eos_token_id,
+        "num_hidden_layers": spec.num_hidden_layers,
+    });
+    if m.is_multiple_of(spec.vocab_size) {
+        v[ratio_name] = json!(m / spec.vocab_size);
+    } else {
+        v[ratio_name] = json!(m as f64 / spec.vocab_size as f64);
+        v[ROWS_BASE_KEY] = json!(m);
+    }
+    v[n_name] = json!(spec.ngram_size);
+    v[k_name] = json!(spec.heads_per_ngram);
+    v
+}

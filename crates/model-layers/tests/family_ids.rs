@@ -1,0 +1,322 @@
+//! The golden fixtures in `fixtures/families/`, written by
+//! `reference/families_reference.py` from an independent numpy reference,
+//! must be reproduced exactly for the Engram and LongCat families: the
+//! config parses into the right family, every site's constants (the
+//! DeepSeek-V4.1 sizes equal `engram_num_embeddings`), every case's ids
+//! whole, chunk by chunk with the history carried, token by token through
+//! batched decode and through the plain `%` form, the history after, and
+//! the refusal of out-of-vocabulary tokens naming input, position and value.
+
+use std::path::PathBuf;
+
+use metrale_model_layers::layers::ple::ids::{
+    HashFamily, IdError, PleIdHasher, TokenMap, family_ids_into_plain,
+};
+use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec, SpecError};
+use serde_json::Value;
+
+const FIXTURES: [&str; 6] = [
+    "engram_small.json",
+    "engram_demo.json",
+    "deepseek_v41.json",
+    "longcat_small.json",
+    "longcat_flash_lite.json",
+    "longcat_oe.json",
+];
+
+fn fixture(name: &str) -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/families")
+        .join(name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+fn u64s(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("u64"))
+        .collect()
+}
+
+fn u32s(v: &Value) -> Vec<u32> {
+    u64s(v).into_iter().map(|x| x as u32).collect()
+}
+
+fn spec_of(doc: &Value) -> ModelSpec {
+    let name = doc["name"].as_str().unwrap();
+    let spec = ModelSpec::from_json_str(&doc["config"].to_string(), name).unwrap();
+    match doc["token_map"].as_array() {
+        Some(_) => {
+            let map: TokenMap = u32s(&doc["token_map"]).into();
+            spec.with_token_map(map, name).unwrap()
+        }
+        None => spec,
+    }
+}
+
+fn check(name: &str) -> usize {
+    let doc = fixture(name);
+    let spec = spec_of(&doc);
+    let family = doc["family"].as_str().unwrap();
+    assert_eq!(spec.family.name(), family, "{name}");
+    let back = ModelSpec::from_json_str(&spec.to_config_json(), "back").unwrap();
+    let mut back = match &spec.family {
+        ModelFamily::Engram(e) => match &e.token_map {
+            Some(m) => back.with_token_map(m.clone(), "map").unwrap(),
+            None => back,
+        },
+        _ => back,
+    };
+    back.rms_norm_eps = spec.rms_norm_eps;
+    assert_eq!(back, spec, "{name}: config.json round trip");
+
+    let sites: Vec<_> = (0..spec.sites())
+        .map(|s| {
+            let want = &doc["sites"][s];
+            let d = spec.derive(s).unwrap();
+            assert_eq!(spec.site_layer(s) as u64, want["layer"].as_u64().unwrap());
+            assert_eq!(
+                d.dims.multipliers,
+                u64s(&want["multipliers"]),
+                "{name} site {s}"
+            );
+            assert_eq!(
+                d.dims.head_vocab_sizes,
+                u64s(&want["head_vocab_sizes"]),
+                "{name} site {s}"
+            );
+            assert_eq!(d.dims.head_offsets, u64s(&want["head_offsets"]));
+            assert_eq!(d.padded_rows, want["padded_rows"].as_u64().unwrap());
+            let site = spec.site(s).unwrap();
+            assert_eq!(site.family, spec.hash_family());
+            // The layer of these families is not implemented: refused.
+            let e = site.validate().unwrap_err();
+            assert!(
+                matches!(
+                    &e,
+                    SpecError::Site {
+                        field: "family",
+                        ..
+                    }
+                ),
+                "{name}: {e}"
+            );
+            site
+        })
+        .collect();
+
+    let mut checked = 0;
+    for c in doc["cases"].as_array().unwrap() {
+        let site = &sites[c["site"].as_u64().unwrap() as usize];
+        let label = format!("{name}/{}/site {}", c["name"], c["site"]);
+        let dims = &site.dims;
+        let heads = dims.ngram_heads();
+        let fill = vec![dims.eos_token_id; dims.context_len()];
+        let hist = if c["history"].is_null() {
+            fill.clone()
+        } else {
+            u32s(&c["history"])
+        };
+        let tokens = u32s(&c["tokens"]);
+        let want: Vec<u64> = c["ids"].as_array().unwrap().iter().flat_map(u64s).collect();
+        let h = PleIdHasher::with_family(&site.family, dims).unwrap();
+        assert_eq!(h.path(), "scalar");
+
+        // Whole, with the given history and, for a fresh case, with none.
+        let mut got = vec![0u64; tokens.len() * heads];
+        h.ids_with_history_into(&hist, &tokens, &mut got).unwrap();
+        assert_eq!(got, want, "{label}: whole");
+        if c["history"].is_null() {
+            h.ids_into(&tokens, &mut got).unwrap();
+            assert_eq!(got, want, "{label}: empty history");
+        }
+        let mut plain = vec![0u64; got.len()];
+        family_ids_into_plain(&site.family, dims, &hist, &tokens, &mut plain).unwrap();
+        assert_eq!(plain, want, "{label}: plain");
+
+        // Chunk by chunk, the history carried.
+        let mut history = hist.clone();
+        let mut at = 0;
+        for n in u64s(&c["chunks"]) {
+            let chunk = &tokens[at..at + n as usize];
+            let mut out = vec![0u64; chunk.len() * heads];
+            h.ids_with_history_into(&history, chunk, &mut out).unwrap();
+            assert_eq!(
+                out,
+                want[at * heads..(at + chunk.len()) * heads],
+                "{label}: chunk at {at}"
+            );
+            dims.advance_history(&mut history, chunk);
+            at += chunk.len();
+        }
+        assert_eq!(history, u32s(&c["history_after"]), "{label}: history after");
+
+        // Token by token as batched decode (all positions in one batch).
+        let mut histories = Vec::new();
+        let mut hcur = hist.clone();
+        for &t in &tokens {
+            histories.push(hcur.clone());
+            dims.advance_history(&mut hcur, &[t]);
+        }
+        let mut out = vec![0u64; got.len()];
+        h.decode_batch_into(&histories, &tokens, &mut out).unwrap();
+        assert_eq!(out, want, "{label}: decode batch");
+        let flat: Vec<u32> = histories.concat();
+        h.decode_batch_flat_into(&flat, &tokens, &mut out).unwrap();
+        assert_eq!(out, want, "{label}: decode batch flat");
+        checked += tokens.len();
+    }
+
+    for o in doc["oov"].as_array().unwrap() {
+        let site = &sites[0];
+        let dims = &site.dims;
+        let h = PleIdHasher::with_family(&site.family, dims).unwrap();
+        let hist = if o["history"].is_null() {
+            vec![dims.eos_token_id; dims.context_len()]
+        } else {
+            u32s(&o["history"])
+        };
+        let tokens = u32s(&o["tokens"]);
+        let mut out = vec![7u64; tokens.len() * dims.ngram_heads()];
+        let want_input = o["input"].as_str().unwrap();
+        let want_pos = o["position"].as_u64().unwrap() as usize;
+        let want_tok = o["token"].as_u64().unwrap() as u32;
+        let e = h
+            .ids_with_history_into(&hist, &tokens, &mut out)
+            .unwrap_err();
+        match &e {
+            IdError::TokenOutOfRange {
+                input,
+                position,
+                token,
+                ..
+            } => {
+                assert_eq!(
+                    (*input, *position, *token),
+                    (want_input, want_pos, want_tok),
+                    "{e}"
+                );
+            }
+            other => panic!("{name}: expected TokenOutOfRange, got {other}"),
+        }
+        assert!(
+            out.iter().all(|&v| v == 7),
+            "{name}: a refusal writes nothing"
+        );
+        let e = family_ids_into_plain(&site.family, dims, &hist, &tokens, &mut out).unwrap_err();
+        assert!(matches!(e, IdError::TokenOutOfRange { .. }), "{e}");
+        let e = h
+            .decode_batch_into(
+                std::slice::from_ref(&hist),
+                &tokens[..1],
+                &mut out[..dims.ngram_heads()],
+            )
+            .err();
+        if want_input == "history" || want_pos == 0 {
+            assert!(matches!(e, Some(IdError::TokenOutOfRange { .. })), "{e:?}");
+        }
+    }
+    checked
+}
+
+#[test]
+fn engram_small_with_token_map() {
+    assert!(check("engram_small.json") > 0);
+}
+
+#[test]
+fn engram_demo_constants() {
+    assert!(check("engram_demo.json") > 0);
+}
+
+#[test]
+fn deepseek_v41_sizes_equal_num_embeddings() {
+    assert!(check("deepseek_v41.json") > 0);
+}
+
+#[test]
+fn longcat_segments_and_chunks() {
+    assert!(check("longcat_small.json") > 0);
+    assert!(check("longcat_oe.json") > 0);
+}
+
+#[test]
+fn longcat_flash_lite_constants() {
+    assert!(check("longcat_flash_lite.json") > 0);
+}
+
+#[test]
+fn every_fixture_is_listed() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/families");
+    let mut found: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".json"))
+        .collect();
+    found.sort();
+    let mut listed: Vec<String> = FIXTURES.iter().map(|s| s.to_string()).collect();
+    listed.sort();
+    assert_eq!(found, listed);
+}
+
+#[test]
+fn families_are_told_apart_and_inconsistent_configs_named() {
+    let v41 = fixture("deepseek_v41.json")["config"].clone();
+    let mut bad = v41.clone();
+    bad["engram_num_embeddings"] = serde_json::json!([384006168, 384016683]);
+    let e = ModelSpec::from_json_str(&bad.to_string(), "v41.json").unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(&e, SpecError::Field { field, .. } if field == "engram_num_embeddings[1]"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("384016682") && msg.contains("v41.json"),
+        "{msg}"
+    );
+
+    let mut both = v41.clone();
+    both["ngram_vocab_size_ratio"] = serde_json::json!(78);
+    let e = ModelSpec::from_json_str(&both.to_string(), "c.json").unwrap_err();
+    assert!(
+        matches!(&e, SpecError::Field { field, .. } if field == "ngram_vocab_size_ratio"),
+        "{e}"
+    );
+
+    let mut short = fixture("engram_small.json")["config"].clone();
+    short["engram_vocab_size"] = serde_json::json!([31]);
+    let e = ModelSpec::from_json_str(&short.to_string(), "c.json").unwrap_err();
+    assert!(e.to_string().contains("engram_vocab_size"), "{e}");
+
+    let mut lc = fixture("longcat_small.json")["config"].clone();
+    lc["hidden_size"] = serde_json::json!(25);
+    let e = ModelSpec::from_json_str(&lc.to_string(), "c.json").unwrap_err();
+    assert!(
+        matches!(&e, SpecError::Field { field, .. } if field == "hidden_size"),
+        "{e}"
+    );
+    let mut lc = fixture("longcat_small.json")["config"].clone();
+    lc.as_object_mut().unwrap().remove("emb_split_num");
+    let e = ModelSpec::from_json_str(&lc.to_string(), "c.json").unwrap_err();
+    assert!(
+        matches!(&e, SpecError::Missing { field, .. } if field == "emb_split_num"),
+        "{e}"
+    );
+
+    // A token map that does not fit the compressed vocabulary is named.
+    let small = fixture("engram_small.json");
+    let spec = ModelSpec::from_json_str(&small["config"].to_string(), "c.json").unwrap();
+    let e = spec
+        .clone()
+        .with_token_map(vec![0u32, 1, 2].into(), "map.json")
+        .unwrap_err();
+    assert!(
+        matches!(&e, SpecError::TokenMap { .. }) && e.to_string().contains("map.json"),
+        "{e}"
+    );
+    // Qwen4Exp hashes never take a map.
+    assert_eq!(HashFamily::default(), HashFamily::Qwen4Exp);
+}
