@@ -1,7 +1,8 @@
 """Reference PLE layer forward with its per-sequence carry (numpy only).
 
-Written from SPEC.md sections 4 and 5, independently of the Rust code; the
-id hash (section 3) is the project's reference one, `ple_reference.py`. The
+Written from docs/SPEC.md §5 (Layer math) and docs/SPEC.md §6 (Carry
+lifecycle), independently of the Rust code; the id hash, docs/SPEC.md §3 (Id
+hash), is the project's reference one, `ple_reference.py`. The
 values that are BF16 in the model (table rows and the two projection
 weights) are rounded to BF16 exactly as the Rust code holds them; everything
 else is computed in float64 and rounded to float32 once, where the highway is

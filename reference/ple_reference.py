@@ -1,6 +1,7 @@
 """Reference model of the PLE n-gram id hash and its constants.
 
-Written from the definitions in SPEC.md section 3 alone, with numpy only.
+Written from the definitions in docs/SPEC.md §3 (Id hash) and docs/SPEC.md
+§4 (Constant derivation) alone, with numpy only.
 It favours clarity over speed: whole-array operations over the token
 window, Python integers for the constant derivation. The Rust crate's
 fixtures under fixtures/ids/ are produced from this module by
@@ -168,4 +169,4 @@ if __name__ == "__main__":
     assert d["multipliers"] == [15411308609579, 2523213358983, 11275943025685]
     assert d["head_vocab_sizes"][:3] == [20000003, 20000023, 20000033]
     assert d["padded_rows"] == 320_001_536
-    print("SPEC.md example reproduced")
+    print("docs/SPEC.md §4 example reproduced")

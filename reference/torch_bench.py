@@ -1,7 +1,7 @@
 """PLE forward throughput in PyTorch on the CPU, at the flagship geometry.
 
-The same math as the Rust layer (SPEC.md section 4): row gather from a
-resident BF16 table, BF16 projections (key and value), then FP32 grouped
+The same math as the Rust layer, docs/SPEC.md §5 (Layer math): row gather
+from a resident BF16 table, BF16 projections (key and value), then FP32 grouped
 RMS norms, gate, dilated causal conv with a carried state, and the highway
 add. Prints tokens/s for one 512-token prefill chunk and for decode steps of
 batch 1, 32 and 64, for side-by-side comparison with

@@ -1,5 +1,6 @@
-//! `metrale-ple ids` end to end: the SPEC.md example geometry prints the
-//! constants SPEC.md gives, config mode agrees with flag mode, and bad
+//! `metrale-ple ids` end to end: the example of docs/SPEC.md §4 (Constant
+//! derivation) prints the constants given there, config mode agrees with
+//! flag mode, and bad
 //! input exits with status 2 and a message naming what is wrong.
 
 use std::path::PathBuf;

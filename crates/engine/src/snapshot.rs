@@ -1,8 +1,9 @@
-//! The snapshot container: a sequence's carry at one token count, for every
-//! PLE site of a model, in a self-describing, checksummed byte string.
+//! The snapshot container of docs/SPEC.md §8 (Snapshot container): a
+//! sequence's carry at one token count, for every PLE site of a model, in a
+//! self-describing, checksummed byte string.
 //!
-//! The per-site payload is the layer's aux blob unchanged (docs/SPEC.md,
-//! "Aux blob format"; sized and checked by
+//! The per-site payload is the layer's aux blob unchanged, as docs/SPEC.md
+//! §7 (Aux blob format) lays it out (sized and checked by
 //! [`metrale_model_layers::layers::ple::carry_blob`]). Around the
 //! blobs the container adds what is needed to refuse a snapshot that does not
 //! fit: a magic number, a format version, a [`GeometryFingerprint`] of every

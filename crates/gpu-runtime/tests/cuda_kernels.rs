@@ -1,6 +1,7 @@
 //! The PLE device kernels (crates/model-layers/kernels/ple.cu) run on a
 //! CUDA device and checked against plain Rust references written here from
-//! docs/SPEC.md and the host kernels' documented operation order. Without a
+//! docs/SPEC.md §3 (Id hash), docs/SPEC.md §5 (Layer math) and the host
+//! kernels' documented operation order. Without a
 //! device the test prints `skipped: <reason>` and checks nothing.
 //!
 //! Exact (bitwise) where the kernels promise the host's operation order:
@@ -172,7 +173,7 @@ fn check_hash(gpu: &Gpu) {
         (vec![1u32, 2, 3], vec![4, 7, 5]),
         (vec![3u32, 7], vec![6]),
     ] {
-        // Reference: docs/SPEC.md "Id hash".
+        // Reference: docs/SPEC.md §3 (Id hash).
         let mut ctx = vec![eos; n - 1];
         for &t in &history[history.len().saturating_sub(n - 1)..] {
             if t == eos {

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use metrale_model_layers::bench::{IdsDecode, IdsPrefill};
 use metrale_model_layers::layers::ple::ModelSpec;
 
-/// The flagship geometry (SPEC.md section 2), as its config.json says it.
+/// The flagship geometry of docs/SPEC.md §2 (Geometry), as its config.json
+/// says it.
 const FLAGSHIP: &str = r#"{
     "vocab_size": 151936, "hidden_size": 2560, "hc_mult": 4,
     "rms_norm_eps": 1e-6, "eos_token_id": 151645, "ngram_size": 3,

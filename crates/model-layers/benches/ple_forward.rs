@@ -1,4 +1,5 @@
-//! PLE forward throughput at the flagship geometry (SPEC.md section 2).
+//! PLE forward throughput at the flagship geometry of docs/SPEC.md §2
+//! (Geometry).
 //!
 //! Random weights and a resident random BF16 table are made in the process.
 //! Prints prefill tokens/s (one 512-token chunk) and decode tokens/s (batch

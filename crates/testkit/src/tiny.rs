@@ -2,9 +2,9 @@
 //! table, and the engine over them.
 //!
 //! Everything here is deterministic in its seed. The hash constants follow
-//! SPEC.md section 3's derivation (the production `derive_multipliers` for a
-//! unigram vocabulary of 1000, seed 1234), with small prime head sizes so
-//! the table is a few hundred rows.
+//! docs/SPEC.md §4 (Constant derivation): the production
+//! `derive_multipliers` for a unigram vocabulary of 1000, seed 1234, with
+//! small prime head sizes so the table is a few hundred rows.
 //!
 //! Invariants: [`TinyTable`] never moves a row, so its leases pin nothing;
 //! release events it is handed are destroyed once complete (polled on every
@@ -178,8 +178,9 @@ impl Default for TinySpec {
 }
 
 /// The hash constants of site `site` (N = 3, `k` heads per order), derived
-/// as SPEC.md section 3 does for a unigram vocabulary of 1000, seed 1234,
-/// with head sizes the primes above 60 (so the table has a few hundred rows).
+/// as docs/SPEC.md §4 (Constant derivation) does for a unigram vocabulary
+/// of 1000, seed 1234, with head sizes the primes above 60 (so the table
+/// has a few hundred rows).
 pub fn tiny_dims(site: usize, k: usize, eos: u32) -> PleIdDims {
     let n = 3usize;
     let multipliers =

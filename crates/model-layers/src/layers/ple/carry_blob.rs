@@ -1,5 +1,5 @@
-//! The aux blob: one sequence's carry at one site as bytes
-//! (docs/SPEC.md, "Aux blob format").
+//! The aux blob of docs/SPEC.md §7 (Aux blob format): one sequence's carry
+//! at one site as bytes.
 //!
 //! Layout, all little-endian: `hist_len` (u32), then `hist_len` history
 //! tokens (u32 each), then the conv state's `state_len * C` f32 values as

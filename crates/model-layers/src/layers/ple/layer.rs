@@ -1,7 +1,8 @@
 //! The PLE layer: weights on the device, the forward over a sequence's new
 //! tokens, the batched decode step and the staging of table rows.
 //!
-//! One forward (docs/SPEC.md, "Layer math") is four kernel launches on one stream:
+//! One forward, the math of docs/SPEC.md §5 (Layer math), is four kernel
+//! launches on one stream:
 //! `gather` (table rows to `emb [T, E]`), `project` (`[key | value] = emb @
 //! W^T`), `gate` (per-stream gate against the highway, then the grouped conv
 //! norm) and `conv` (the dilated causal conv over the carried state, then

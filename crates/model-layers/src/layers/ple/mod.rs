@@ -1,4 +1,5 @@
-//! The PLE layer (docs/SPEC.md, "Layer math" and "Carry lifecycle").
+//! The PLE layer: the math of docs/SPEC.md §5 (Layer math) and the carry of
+//! docs/SPEC.md §6 (Carry lifecycle).
 //!
 //! - [`spec`]: [`ModelSpec`] (the PLE part of config.json, parsed and
 //!   validated once) and [`SiteSpec`] (one site: hash constants, carry shape

@@ -1,5 +1,6 @@
 //! The dilated causal depthwise conv with its carried state, the residual
-//! `out = gated + silu(y)` and the highway add (SPEC.md section 4).
+//! `out = gated + silu(y)` and the highway add of docs/SPEC.md §5 (Layer
+//! math).
 //!
 //! For one sequence, with `x = state ++ xn` (`S = (K-1)*D` state rows first):
 //! `y[t, c] = sum_{j<K} w[c, j] * x[S + t - (K-1-j)*D, c]`, summed in `j`

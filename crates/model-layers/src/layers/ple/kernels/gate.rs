@@ -1,5 +1,5 @@
-//! The gate (SPEC.md section 4): per token and stream, the grouped-RMS-normed
-//! highway slice against the normed key slice decides how much of the value
+//! The gate of docs/SPEC.md §5 (Layer math): per token and stream, the
+//! grouped-RMS-normed highway slice against the normed key slice decides how much of the value
 //! passes; the gated values are then normed again for the conv.
 //!
 //! Invariants: each output row depends only on its own input row and the

@@ -119,10 +119,10 @@ impl PleLayer {
     }
 
     /// Run the forward over `num_tokens` new tokens of one sequence, adding
-    /// into `highway [num_tokens, C]`, with the semantics of docs/SPEC.md, "Carry lifecycle":
-    /// reset when `fresh` or the history has the wrong length; a single-token,
-    /// non-fresh forward without an override consumes the prestage; the
-    /// prestage is taken in every case; without one, the forward hashes,
+    /// into `highway [num_tokens, C]`, with the semantics of docs/SPEC.md §6
+    /// (Carry lifecycle): reset when `fresh` or the history has the wrong
+    /// length; a single-token, non-fresh forward without an override
+    /// consumes the prestage; the prestage is taken in every case; without one, the forward hashes,
     /// gathers and advances the history itself, which is refused under
     /// capture.
     pub fn forward(
