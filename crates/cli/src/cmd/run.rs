@@ -48,6 +48,7 @@ use super::common::{Device, bytes, cache_root, open_backend};
 use super::faults::FlakyReader;
 use super::{CmdError, failure, input};
 
+mod store;
 mod workload;
 
 use workload::{Zipf, embed, from_prompt, synthetic};
@@ -153,6 +154,20 @@ pub struct RunArgs {
     /// output row is bit-identical.
     #[arg(long)]
     pub verify: bool,
+    /// Share prefix carries with other processes through a store:
+    /// redis://HOST:PORT[/DB] or dir:PATH.
+    #[arg(long, value_name = "redis://HOST:PORT[/DB]|dir:PATH")]
+    pub carry_store: Option<String>,
+    /// The model identity store keys are made of. Default: a digest of the
+    /// checkpoint's config.json.
+    #[arg(long)]
+    pub model_id: Option<String>,
+    /// Carry store connect, read and write timeout in milliseconds.
+    #[arg(long, default_value_t = 250)]
+    pub store_timeout_ms: u64,
+    /// Most block boundaries probed in the carry store per new sequence.
+    #[arg(long, default_value_t = 8)]
+    pub store_probes: usize,
 }
 
 /// How to build an engine over a checkpoint's sites (shared with `soak`).
@@ -175,6 +190,8 @@ struct PassConfig {
     setup: EngineSetup,
     /// Decode through captured graphs.
     graphs: bool,
+    /// The shared carry store behind the prefix cache.
+    store: Option<store::StoreSetup>,
 }
 
 /// What one pass measured.
@@ -226,7 +243,10 @@ fn pass(
 ) -> Result<PassResult> {
     let gpu: Arc<dyn GpuBackend> = open_backend(a.device).map_err(|e| anyhow!("{e}"))?;
     let max_tokens = a.prefill_chunk.max(a.decode_batch);
-    let engine = build_engine(ck, &gpu, &pc.setup, max_tokens)?;
+    let mut engine = build_engine(ck, &gpu, &pc.setup, max_tokens)?;
+    if let Some(st) = &pc.store {
+        st.attach(&mut engine)?;
+    }
     let carry_bytes = engine.carry_bytes();
     let cfg = ServerConfig {
         in_flight: a.in_flight.max(1),
@@ -276,6 +296,7 @@ struct Summary {
     leaked_allocations: usize,
     faults: Option<FaultSummary>,
     verify: Option<VerifySummary>,
+    carry_store: Option<store::StoreSummary>,
 }
 
 #[derive(Serialize)]
@@ -428,6 +449,9 @@ fn render(s: &Summary) -> String {
             f.injected, f.percent, f.failed_calls, f.retried_sequences, f.failed_sequences
         );
     }
+    if let Some(cs) = &s.carry_store {
+        o.push_str(&store::render(cs));
+    }
     let _ = writeln!(o, "  wall time       {:.2} s", s.wall_seconds);
     match &s.verify {
         Some(VerifySummary {
@@ -532,6 +556,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     drop(open_backend(a.device)?);
     let dir = checkpoint_dir(&a.dir)?;
     let ck = Checkpoint::open(&dir).map_err(input)?;
+    let store_setup = store::setup(a, &dir).map_err(input)?;
     let g = &ck.spec;
     let vocab = g.vocab_size;
     let eos = g.eos_token_id;
@@ -591,6 +616,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             resident_carries: a.resident_carries,
         },
         graphs: a.decode_graphs,
+        store: store_setup,
     };
     let bar = sequence_bar(plans.len(), "run");
     let r = pass(&ck, &plans, a, &main, &bar).map_err(failure)?;
@@ -609,6 +635,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
                 resident_carries: 0,
             },
             graphs: false,
+            store: None,
         };
         let bar = sequence_bar(plans.len(), "verify");
         let v = pass(&ck, &plans, a, &check, &bar).map_err(failure)?;
@@ -688,6 +715,10 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             first_error: r.report.first_fault.clone(),
         }),
         verify,
+        carry_store: main.store.as_ref().map(|cs| {
+            let per_token = r.report.prefill_time.as_secs_f64() / st.prefill_tokens.max(1) as f64;
+            store::summary(cs, &st.carry_store, per_token)
+        }),
     };
     if a.json {
         let text = serde_json::to_string_pretty(&summary).map_err(failure)?;
