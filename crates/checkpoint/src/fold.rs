@@ -69,6 +69,9 @@ impl RowTable for FoldedTable {
     fn max_resolve(&self) -> usize {
         self.inner.max_resolve()
     }
+    fn max_pinned(&self) -> usize {
+        self.inner.max_pinned()
+    }
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
         let folded = self.fold(ids)?;
         self.inner.resolve(&folded, out)

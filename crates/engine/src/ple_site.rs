@@ -49,6 +49,10 @@ impl Site for PleSite {
         true
     }
 
+    fn max_prestage_batch(&self) -> Option<usize> {
+        Some(self.layer.max_prestage_batch())
+    }
+
     fn prestage_batch(
         &self,
         states: &mut [&mut PleSeqState],

@@ -11,7 +11,11 @@
 //! - a failed `resolve` holds no pins and leaves the table as it was (the
 //!   slots of a failed batch are unmapped, never half-filled);
 //! - `resolve` accepts at most `max_resolve()` distinct ids (more is
-//!   [`crate::StorageError::BatchTooLarge`]); callers split larger batches (the layer splits them, see `staging::part_end`).
+//!   [`crate::StorageError::BatchTooLarge`]); callers split larger batches
+//!   (the layer splits them, see `staging::part_end`);
+//! - leases held together pin at most `max_pinned()` distinct rows; a
+//!   caller that needs more must release earlier parts first (with the
+//!   event of the gather that read them), see [`crate::parts`].
 
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
 
@@ -108,6 +112,14 @@ pub trait RowTable: Send + Sync {
     fn info(&self) -> TableInfo;
     /// The most distinct ids one `resolve` accepts.
     fn max_resolve(&self) -> usize;
+    /// The most distinct rows live leases can keep pinned at once (every
+    /// slot of a row cache): a caller that holds several leases together,
+    /// as a prestaged decode step does until its gather has run, must stay
+    /// within it or its last resolve finds no free slot. Tables that hold
+    /// every row in place pin nothing; the default is `usize::MAX`.
+    fn max_pinned(&self) -> usize {
+        usize::MAX
+    }
     /// Resolve `ids` to row references, writing `out[i]` for `ids[i]`.
     /// `out.len()` must equal `ids.len()`.
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease>;

@@ -6,12 +6,20 @@
 //! (outputs do not depend on the split); a failed part loses the carries of
 //! its sequences. With graphs, a failed capture gives the prestages back and
 //! runs the same prestaged step eagerly, so nothing is hashed twice.
+//!
+//! Row caches: an eager step's site gathers its rows in parts its row table
+//! can pin, so any batch runs on any cache. A graph step keeps every row it
+//! prestaged pinned until the replay has read them, so with graphs a batch
+//! is also split into steps of at most [`Site::max_prestage_batch`]
+//! sequences, and graphs are refused over a site whose table cannot pin one
+//! sequence's rows at once.
 
 use std::collections::{HashMap, HashSet};
 
 use super::{Carry, Engine, EngineError, Result, Seq, SeqId, Site, as_bytes, as_bytes_mut};
 
 impl<S: Site> Engine<S> {
+    /// Make batched decode run through graphs: each step first stages
     /// its rows on the host (`prestage_batch`), then replays a graph
     /// captured once per padded batch size (the next power of two, up to
     /// [`Self::batch_capacity`]), as a server replays CUDA graphs. Outputs
@@ -19,6 +27,13 @@ impl<S: Site> Engine<S> {
     pub fn enable_decode_graphs(&mut self) -> Result<()> {
         if let Some(i) = self.sites.iter().position(|s| !s.supports_graphs()) {
             return Err(EngineError::GraphsUnsupported(i));
+        }
+        if let Some(i) = self
+            .sites
+            .iter()
+            .position(|s| s.max_prestage_batch() == Some(0))
+        {
+            return Err(EngineError::GraphRowsDoNotFit(i));
         }
         self.graphs.get_or_insert_with(HashMap::new);
         Ok(())
@@ -31,7 +46,8 @@ impl<S: Site> Engine<S> {
 
     /// One decode step: token `batch[b].1` for sequence `batch[b].0`, on row
     /// `b` of `highway` (`batch.len()` rows in, out). Batches larger than
-    /// [`Self::batch_capacity`], or than the device budget holds carries,
+    /// [`Self::batch_capacity`], than the device budget holds carries, or
+    /// (with graphs) than a site's row table can keep pinned for one step,
     /// run as several batched forwards in order (outputs do not depend on
     /// the split); if a later part fails, the earlier parts have run.
     pub fn decode(&mut self, batch: &[(SeqId, u32)], highway: &mut [f32]) -> Result<()> {
@@ -47,7 +63,16 @@ impl<S: Site> Engine<S> {
             }
         }
         let fit = (self.budget.limit() / self.carry_bytes.max(1)).max(1);
-        let part_len = self.batch_cap.min(fit);
+        let mut part_len = self.batch_cap.min(fit);
+        if self.graphs.is_some() {
+            // Each graph step pins all its rows until the replay reads them;
+            // enable_decode_graphs made sure every site fits one sequence.
+            for site in &self.sites {
+                if let Some(n) = site.max_prestage_batch() {
+                    part_len = part_len.min(n.max(1));
+                }
+            }
+        }
         for (part, rows) in batch
             .chunks(part_len)
             .zip(highway.chunks_mut(part_len * self.width))

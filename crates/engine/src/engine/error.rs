@@ -144,6 +144,13 @@ pub enum EngineError {
     /// Decode graphs asked of a site that cannot replay them.
     #[error("decode graphs: site {0} cannot replay decode graphs")]
     GraphsUnsupported(usize),
+    /// Decode graphs asked of a site whose row table cannot keep one
+    /// sequence's rows pinned for a whole step.
+    #[error(
+        "decode graphs: site {0}'s row table cannot keep one sequence's rows pinned for a step; \
+         give its row cache more slots, or decode without graphs"
+    )]
+    GraphRowsDoNotFit(usize),
     /// The device memory budget refused a charge.
     #[error(transparent)]
     Budget(#[from] BudgetError),

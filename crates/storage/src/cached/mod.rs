@@ -177,6 +177,8 @@ struct Inner {
     row_bytes: usize,
     fp8: bool,
     max_resolve: usize,
+    /// Slots in the arena (fixed at open; also `st.slots.len()`).
+    slot_count: usize,
     pin_wait: Duration,
     st: Mutex<State>,
     cv: Condvar,
@@ -269,6 +271,7 @@ impl CachedTable {
             row_bytes,
             fp8,
             max_resolve,
+            slot_count: cfg.slots,
             pin_wait: cfg.pin_wait,
             st: Mutex::new(State {
                 map: IdMap::with_capacity_and_hasher(cfg.slots, Default::default()),
@@ -314,7 +317,7 @@ impl CachedTable {
 
     /// Number of slots in the arena.
     pub fn slots(&self) -> usize {
-        self.inner.st.lock().slots.len()
+        self.inner.slot_count
     }
 
     /// Name of the page reader in use (`io_uring`, `pread-pool`, ...).
@@ -433,6 +436,10 @@ impl RowTable for CachedTable {
 
     fn max_resolve(&self) -> usize {
         self.inner.max_resolve
+    }
+
+    fn max_pinned(&self) -> usize {
+        self.inner.slot_count
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {

@@ -1,22 +1,51 @@
 //! The batched decode step: `prestage_batch` (the host half: hash,
 //! resolve and stage every sequence's rows at fixed batch slots),
-//! `forward_batch` (one gather, projection, gate and `conv_batch` for the
-//! whole batch, capturable when prestaged), `note_replayed` (bookkeeping
-//! after a graph replay) and `free`.
+//! `forward_batch` (one projection, gate and `conv_batch` for the whole
+//! batch, capturable when prestaged), `note_replayed` (bookkeeping after a
+//! graph replay) and `free`.
 //!
-//! Invariant: batch slot `i` belongs to sequence `i` of the last
+//! Invariants: batch slot `i` belongs to sequence `i` of the last
 //! `prestage_batch`; a step over any other arrangement is refused before
 //! anything is launched, and the slots' leases are released only with an
 //! event recorded after the gather that read them.
+//!
+//! Row-cache capacity (docs/SPEC.md §9): a prestaged step pins all its rows
+//! until its gather has run, so it holds at most what the table can pin at
+//! once (`max_pinned()` distinct ids, in parts of `max_resolve()`) and a
+//! larger one is refused at once; the eager step gathers its rows in parts
+//! of `max_resolve()`, releasing each part before resolving the next, so it
+//! runs a batch of any size on a cache of any size.
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
-use super::error::{LayerError, layer_bail, layer_ensure, table_err};
+use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
 use super::{ConvTarget, DeviceBufs, ForwardContext, PleLayer, PleSeqState, Result};
 use crate::layers::ple::staging::{self, StagedAt, Staging};
 
+/// What [`PleLayer::stage_batch`] does with the rows it resolves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Keep them pinned at the batch slots for a later (possibly captured)
+    /// gather: `prestage_batch`.
+    Hold,
+    /// Gather them now, part by part: the eager `forward_batch`.
+    Gather,
+}
+
 impl PleLayer {
+    /// The most sequences one [`Self::prestage_batch`] always accepts: a
+    /// prestaged step keeps every row it staged pinned until its gather has
+    /// run (possibly in a graph replay), so all of them must fit what the
+    /// table can pin at once (`max_pinned()`), and a sequence's token may
+    /// need `ngram_heads` distinct rows. 0 when the table cannot pin one
+    /// sequence's rows at once; then only the eager [`Self::forward_batch`]
+    /// (which gathers in parts) can run a batch. Larger batches fit when
+    /// their ids repeat.
+    pub fn max_prestage_batch(&self) -> usize {
+        (self.table.max_pinned() / self.dims.ngram_heads().max(1)).min(self.max_batch())
+    }
+
     /// The host half of one batched decode step: for sequence `i` (one new
     /// token `tokens[i]` each), hash, resolve and stage its rows at fixed batch
     /// slot `i`, put its conv-state address in slot `i` of the conv table, and
@@ -24,6 +53,13 @@ impl PleLayer {
     /// layer-owned dummy conv state), so a graph captured for `rows` rows can
     /// be replayed for any smaller batch. The previous batch's leases are
     /// released once everything queued so far has run.
+    ///
+    /// Every staged row stays pinned until the step's gather has run, so the
+    /// batch's distinct row ids must fit what the table can pin at once
+    /// (`max_pinned()`; [`Self::max_prestage_batch`] sequences always do).
+    /// A larger batch is refused at once with
+    /// [`LayerError::PrestageTooLarge`], before anything changes: split it
+    /// into several steps, as the engine does, or run it eagerly.
     ///
     /// On error nothing is staged and no history advances (a sequence whose
     /// history had the wrong length may have been reset, as any forward would).
@@ -34,6 +70,24 @@ impl PleLayer {
         rows: usize,
         gpu: &dyn GpuBackend,
         stream: StreamId,
+    ) -> Result<()> {
+        self.stage_batch(states, tokens, rows, gpu, stream, Stage::Hold)
+    }
+
+    /// Hash, resolve and stage one token per sequence at the batch slots
+    /// (see [`Self::prestage_batch`]). With [`Stage::Hold`] the rows stay
+    /// pinned for a later gather; with [`Stage::Gather`] they are gathered
+    /// into `emb` part by part, each part's lease released with an event
+    /// recorded right after its gather, so a batch may need more rows than
+    /// the table can pin at once.
+    fn stage_batch(
+        &self,
+        states: &mut [&mut PleSeqState],
+        tokens: &[u32],
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+        stage: Stage,
     ) -> Result<()> {
         self.check_live()?;
         let b = states.len();
@@ -69,26 +123,48 @@ impl PleLayer {
             );
         }
         let ctxl = self.dims.context_len();
+        // Hash against the histories a reset would give, so a batch that
+        // cannot be staged is refused before any carry is touched.
+        let fresh = vec![self.dims.eos_token_id; ctxl];
+        let histories: Vec<&[u32]> = states
+            .iter()
+            .map(|s| match s.history.len() == ctxl {
+                true => s.history.as_slice(),
+                false => fresh.as_slice(),
+            })
+            .collect();
+        let heads = self.dims.ngram_heads();
+        let mut ids = vec![0u64; b * heads];
+        self.hasher
+            .decode_batch_into(&histories, tokens, &mut ids)?;
+        let table = self.table.as_ref();
+        if stage == Stage::Hold {
+            let distinct = ids.iter().collect::<std::collections::HashSet<_>>().len();
+            let limit = table.max_pinned();
+            if distinct > limit {
+                return Err(LayerError::PrestageTooLarge {
+                    sequences: b,
+                    rows: distinct,
+                    limit,
+                    fit: self.max_prestage_batch(),
+                });
+            }
+        }
+        let new_hist: Vec<Vec<u32>> = histories
+            .iter()
+            .zip(tokens)
+            .map(|(h, &tok)| {
+                let mut h = h.to_vec();
+                self.dims.advance_history(&mut h, &[tok]);
+                h
+            })
+            .collect();
+        drop(histories);
         for st in states.iter_mut() {
             if st.history.len() != ctxl {
                 self.reset(st, gpu, stream).map_err(LayerError::Reset)?;
             }
         }
-        let heads = self.dims.ngram_heads();
-        let mut ids = vec![0u64; b * heads];
-        let histories: Vec<&[u32]> = states.iter().map(|s| s.history.as_slice()).collect();
-        self.hasher
-            .decode_batch_into(&histories, tokens, &mut ids)?;
-        let new_hist: Vec<Vec<u32>> = states
-            .iter()
-            .zip(tokens)
-            .map(|(st, &tok)| {
-                let mut h = st.history.clone();
-                self.dims.advance_history(&mut h, &[tok]);
-                h
-            })
-            .collect();
-        let table = self.table.as_ref();
         let mut stg = self.staging.lock();
         stg.streams.insert(stream);
         let old = std::mem::take(&mut stg.batch);
@@ -98,8 +174,6 @@ impl PleLayer {
             stg.pad_states.push(p);
             gpu.memset(p, 0, self.conv_state_bytes())?;
         }
-        let mut refs = Vec::with_capacity(rows * heads);
-        let leases = staging::resolve_all(table, &ids, &mut refs, gpu)?;
         let pad_scale = match self.dtype_code {
             0 => 0,
             _ => self
@@ -112,7 +186,6 @@ impl PleLayer {
             data: self.bufs.pad_row.addr(),
             scale: pad_scale,
         };
-        refs.resize(rows * heads, pad);
         let mut table_bytes = Vec::with_capacity(rows * 8);
         for st in states.iter() {
             table_bytes.extend_from_slice(&st.conv.addr().to_le_bytes());
@@ -120,27 +193,95 @@ impl PleLayer {
         for p in &stg.pad_states[..rows - b] {
             table_bytes.extend_from_slice(&p.addr().to_le_bytes());
         }
-        let up = gpu
-            .copy_h2d_async(&staging::refs_bytes(&refs), stg.batch_slot(0), stream)
-            .and_then(|()| gpu.copy_h2d_async(&table_bytes, stg.conv_table(), stream));
-        if let Err(error) = up {
-            let _ = staging::release_at_tail(table, gpu, stream, leases);
-            return Err(LayerError::Device {
-                what: "uploading the PLE batch staging".into(),
-                error: Box::new(error),
-            });
-        }
+        let pads = vec![pad; (rows - b) * heads];
+        let leases = match stage {
+            Stage::Hold => {
+                let mut refs = Vec::with_capacity(rows * heads);
+                let leases = staging::resolve_all(table, &ids, &mut refs, gpu)?;
+                refs.extend_from_slice(&pads);
+                let up = gpu
+                    .copy_h2d_async(&staging::refs_bytes(&refs), stg.batch_slot(0), stream)
+                    .and_then(|()| gpu.copy_h2d_async(&table_bytes, stg.conv_table(), stream));
+                if let Err(error) = up {
+                    let _ = staging::release_at_tail(table, gpu, stream, leases);
+                    return Err(LayerError::Device {
+                        what: "uploading the PLE batch staging".into(),
+                        error: Box::new(error),
+                    });
+                }
+                leases
+            }
+            Stage::Gather => {
+                gpu.copy_h2d_async(&table_bytes, stg.conv_table(), stream)
+                    .device(|| "uploading the PLE batch conv-state table".into())?;
+                if !pads.is_empty() {
+                    let at = stg.batch_slot(b);
+                    gpu.copy_h2d_async(&staging::refs_bytes(&pads), at, stream)
+                        .device(|| "uploading the PLE batch padding refs".into())?;
+                    self.launch_gather(gpu, at, pads.len(), b * heads, stream)?;
+                }
+                self.gather_parts(&stg, &ids, gpu, stream)?;
+                Vec::new()
+            }
+        };
+        let slot_use = match stage {
+            Stage::Hold => staging::SlotUse::Pending,
+            Stage::Gather => staging::SlotUse::Gathered,
+        };
         stg.batch = staging::BatchArea {
             owners: states.iter().map(|s| s.conv.addr()).collect(),
             rows,
-            slots: vec![staging::SlotUse::Pending; b],
+            slots: vec![slot_use; b],
             leases,
         };
         for (i, (st, h)) in states.iter_mut().zip(new_hist).enumerate() {
             let va = stg.batch_slot(i).addr();
             st.history = h;
-            st.prestaged_va = Some(va);
+            st.prestaged_va = (stage == Stage::Hold).then_some(va);
             st.last_staged_va = va;
+        }
+        Ok(())
+    }
+
+    /// Resolve `ids` (batch slot order) in parts of at most `max_resolve()`
+    /// distinct ids, upload each part's refs to its batch slots and gather
+    /// them into `emb`, releasing the part's lease with an event recorded
+    /// right after its gather, before the next part is resolved: a later
+    /// part may then take the slots of an earlier one once its gather has
+    /// run, so no batch needs more slots than one part.
+    fn gather_parts(
+        &self,
+        stg: &Staging,
+        ids: &[u64],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        let table = self.table.as_ref();
+        let base = stg.batch_slot(0);
+        let mut refs = vec![RowRef::default(); ids.len()];
+        let mut start = 0;
+        while start < ids.len() {
+            let end = staging::part_end(ids, start, table.max_resolve());
+            let lease = table
+                .resolve(&ids[start..end], &mut refs[start..end])
+                .map_err(|e| {
+                    table_err(format!(
+                        "resolving PLE batch row ids {start}..{end} of {} (first id {})",
+                        ids.len(),
+                        ids[start]
+                    ))(e)
+                })?;
+            let at = base.offset(start * staging::REF_BYTES);
+            let queued = gpu
+                .copy_h2d_async(&staging::refs_bytes(&refs[start..end]), at, stream)
+                .device(|| "uploading PLE batch row refs".into())
+                .and_then(|()| self.launch_gather(gpu, at, end - start, start, stream));
+            // Released even when queueing failed: the event is recorded after
+            // whatever did get queued, so no pin outlives the work reading it.
+            let released = staging::release_at_tail(table, gpu, stream, vec![lease]);
+            queued?;
+            released?;
+            start = end;
         }
         Ok(())
     }
@@ -154,8 +295,9 @@ impl PleLayer {
     /// With every sequence prestaged by one `prestage_batch` (sequence `i` at
     /// slot `i`) and no override, the prestages are consumed; the step can
     /// then be captured. Otherwise (not capturing) the tokens come from the
-    /// context, one per sequence, and the step stages them itself. The
-    /// prestages are taken in every case.
+    /// context, one per sequence, and the step stages and gathers them
+    /// itself, in parts when the batch needs more rows than the table pins
+    /// at once. The prestages are taken in every case.
     pub fn forward_batch(
         &self,
         states: &mut [&mut PleSeqState],
@@ -188,9 +330,9 @@ impl PleLayer {
             Self::refuse_unstaged(ctx, stream)?;
         }
         let tokens = self.tokens_from(ctx, 0, b, capturing, stream)?;
-        self.prestage_batch(states, &tokens, rows, gpu, stream)?;
-        let staged: Vec<Option<u64>> = states.iter_mut().map(|s| s.prestaged_va.take()).collect();
-        self.run_batch_staged(gpu, states, &staged, highway, rows, false, stream)
+        self.stage_batch(states, &tokens, rows, gpu, stream, Stage::Gather)?;
+        let table_ptr = self.staging.lock().conv_table();
+        self.launch_rest(gpu, highway, rows, ConvTarget::Table(table_ptr), stream)
     }
 
     /// Check that `staged[i]` is batch slot `i` of the current batch prestage,

@@ -126,6 +126,23 @@ pub enum LayerError {
     /// or not where the batch step expects it.
     #[error("{0}")]
     Staging(String),
+    /// A prestaged decode batch needs more distinct table rows than the
+    /// table can keep pinned until the step's gather has run.
+    #[error(
+        "PLE prestage of {sequences} sequences needs {rows} distinct table rows pinned until its \
+         gather has run, but the row table pins at most {limit} at once; stage at most {fit} \
+         sequences per step, or run the batch eagerly"
+    )]
+    PrestageTooLarge {
+        /// Sequences in the batch.
+        sequences: usize,
+        /// Distinct row ids the batch needs.
+        rows: usize,
+        /// The table's `max_pinned()`.
+        limit: usize,
+        /// Sequences one prestage always fits (`max_prestage_batch`).
+        fit: usize,
+    },
 }
 
 impl From<GpuError> for LayerError {
