@@ -179,3 +179,132 @@ fn bad_input_exits_2_with_a_clear_message() {
         "divisible_by must be at least 1",
     );
 }
+
+/// A family fixture of `fixtures/families/`.
+fn family_fixture(name: &str) -> Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/families")
+        .join(name);
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn join(v: &Value) -> String {
+    nums(v)
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Every case of a family fixture on one site, through `--config`
+/// (`--layer` naming the site), `--token-map` and `--history`.
+fn family_cases_match(name: &str) {
+    let doc = family_fixture(name);
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, doc["config"].to_string()).unwrap();
+    let map = dir.path().join("map.json");
+    std::fs::write(&map, doc["token_map"].to_string()).unwrap();
+    let config = config.to_str().unwrap();
+    let map = map.to_str().unwrap();
+    for c in doc["cases"].as_array().unwrap() {
+        let site = &doc["sites"][c["site"].as_u64().unwrap() as usize];
+        let layer = site["layer"].to_string();
+        let tokens = join(&c["tokens"]);
+        let history = (!c["history"].is_null()).then(|| join(&c["history"]));
+        let mut args = vec!["--config", config, "--layer", &layer, "--tokens", &tokens];
+        if let Some(h) = &history {
+            args.extend(["--history", h]);
+        }
+        if !doc["token_map"].is_null() {
+            args.extend(["--token-map", map]);
+        }
+        let v = ok_json(&args);
+        assert_eq!(v["family"], doc["family"], "{name}");
+        assert_eq!(v["ids"], c["ids"], "{name} {}", c["name"]);
+        assert_eq!(v["history"], c["history_after"], "{name} {}", c["name"]);
+        for key in [
+            "multipliers",
+            "head_vocab_sizes",
+            "head_offsets",
+            "padded_rows",
+        ] {
+            assert_eq!(v[key], site[key], "{name}: {key}");
+        }
+    }
+}
+
+#[test]
+fn family_configs_hash_like_the_reference() {
+    for name in [
+        "engram_small.json",
+        "deepseek_v41.json",
+        "longcat_small.json",
+        "longcat_oe.json",
+    ] {
+        family_cases_match(name);
+    }
+}
+
+#[test]
+fn family_refusals_exit_2_naming_what_is_wrong() {
+    let doc = family_fixture("deepseek_v41.json");
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, doc["config"].to_string()).unwrap();
+    let config = config.to_str().unwrap();
+    fails_with(
+        &["--config", config, "--tokens", "1,99092"],
+        "tokens[1] = 99092",
+    );
+    fails_with(
+        &["--config", config, "--layer", "2", "--tokens", "1"],
+        "no site on that layer",
+    );
+    let map = dir.path().join("map.json");
+    std::fs::write(&map, "[0, 1, 2]").unwrap();
+    fails_with(
+        &[
+            "--config",
+            config,
+            "--token-map",
+            map.to_str().unwrap(),
+            "--tokens",
+            "1",
+        ],
+        "engram_compressed_vocab_size",
+    );
+    let mut bad = doc["config"].clone();
+    bad["engram_num_embeddings"] = serde_json::json!([1, 2]);
+    std::fs::write(dir.path().join("bad.json"), bad.to_string()).unwrap();
+    fails_with(
+        &[
+            "--config",
+            dir.path().join("bad.json").to_str().unwrap(),
+            "--tokens",
+            "1",
+        ],
+        "engram_num_embeddings[0]",
+    );
+}
+
+/// `init` refuses the family presets, whose layers are not implemented,
+/// before writing anything.
+#[test]
+fn init_refuses_family_presets() {
+    for preset in ["engram-demo", "deepseek-v4.1", "longcat-flash-lite"] {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("ckpt");
+        let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+            .args(["init", target.to_str().unwrap(), "--preset", preset])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{preset}: {err}");
+        assert!(
+            err.contains("not implemented") && err.contains(preset),
+            "{preset}: {err}"
+        );
+        assert!(!target.exists(), "{preset}: nothing written");
+    }
+}

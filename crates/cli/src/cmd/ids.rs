@@ -1,12 +1,15 @@
 //! `metrale-ple ids`: derive a PLE site's hash constants (from geometry
-//! flags or a config.json) and hash a list of tokens after a history.
+//! flags or a config.json of any supported family: Qwen4Exp, Engram,
+//! LongCat) and hash a list of tokens after a history.
 //!
-//! Prints one JSON object: `multipliers`, `head_vocab_sizes`,
+//! Prints one JSON object: `family`, `multipliers` (empty for LongCat),
+//! `head_vocab_sizes` (per head, or per sub-table for LongCat),
 //! `head_offsets`, `padded_rows`, `ids` (one row of `ngram_heads` ids per
 //! token) and `history` (the history after the tokens). Without
-//! `--history` the sequence starts fresh (`context_len` EOS tokens). Every
-//! token must be below `vocab_size`; the history must hold exactly
-//! `context_len` tokens.
+//! `--history` the sequence starts fresh (`context_len` fill tokens: EOS,
+//! or Engram's pad id). Every token must be below the family's vocabulary
+//! (Engram: the token map's length, or the compressed vocabulary without
+//! one); the history must hold exactly `context_len` tokens.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -15,8 +18,10 @@ use anyhow::{Context as _, anyhow};
 use clap::Args;
 use metrale_model_layers::layers::ple::ModelSpec;
 use metrale_model_layers::layers::ple::ids::{
-    DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, PleHashParams, PleIdHasher,
+    DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, HashFamily, IdError, PleHashParams,
+    PleIdHasher,
 };
+use metrale_model_layers::layers::ple::spec::load_token_map;
 use serde_json::json;
 
 use metrale_ple_cli::parse::{check_vocab, parse_tokens};
@@ -26,7 +31,7 @@ use super::{CmdError, failure, input};
 /// Flags of `metrale-ple ids`.
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  metrale-ple ids --vocab-size 151936 --eos 151645 --ngram-size 3 --heads-per-ngram 8 \\\n      --vocab-base 20000000 --tokens 1,2,3\n  metrale-ple ids --config ckpt/config.json --site 0 --tokens 5,6 --history 7,8"
+    after_help = "Examples:\n  metrale-ple ids --vocab-size 151936 --eos 151645 --ngram-size 3 --heads-per-ngram 8 \\\n      --vocab-base 20000000 --tokens 1,2,3\n  metrale-ple ids --config ckpt/config.json --site 0 --tokens 5,6 --history 7,8\n  metrale-ple ids --config v41/config.json --layer 14 --token-map map.json --tokens 5,6"
 )]
 pub struct IdsArgs {
     /// Take the geometry from this config.json instead of the flags.
@@ -58,8 +63,16 @@ pub struct IdsArgs {
     #[arg(long, value_name = "S")]
     seed: Option<u64>,
     /// PLE site: the position in ple_layer_ids, not the layer number.
-    #[arg(long, value_name = "I", default_value_t = 0)]
+    #[arg(long, value_name = "I", default_value_t = 0, conflicts_with = "layer")]
     site: usize,
+    /// The site on this 0-based model layer (Engram's absolute block
+    /// index; with --config only).
+    #[arg(long, value_name = "L", requires = "config")]
+    layer: Option<usize>,
+    /// Engram's compressed-token map: a JSON array, entry t the id hashed
+    /// for raw token t (with --config only).
+    #[arg(long, value_name = "PATH", requires = "config")]
+    token_map: Option<PathBuf>,
     /// Comma-separated token ids to hash, e.g. 1,2,3.
     #[arg(long, value_name = "LIST", allow_hyphen_values = true)]
     tokens: String,
@@ -69,16 +82,50 @@ pub struct IdsArgs {
     history: Option<String>,
 }
 
-fn params(args: &IdsArgs) -> anyhow::Result<PleHashParams> {
-    if let Some(path) = &args.config {
-        let spec = ModelSpec::from_file(path)?;
-        return spec
-            .hash_params(args.site)
-            .with_context(|| format!("{}", path.display()));
+/// What to hash with: the family, its derived constants and the
+/// vocabulary the tokens are checked against.
+struct Site {
+    family: HashFamily,
+    derived: DerivedPleIds,
+    /// Qwen4Exp's `vocab_size`; `None` for the families whose hasher
+    /// refuses out-of-vocabulary ids itself, naming the position.
+    qwen_vocab: Option<u64>,
+}
+
+fn from_config(args: &IdsArgs, path: &std::path::Path) -> anyhow::Result<Site> {
+    let mut spec = ModelSpec::from_file(path)?;
+    if let Some(map_path) = &args.token_map {
+        let map = load_token_map(map_path)?;
+        spec = spec.with_token_map(map, &map_path.display().to_string())?;
     }
+    let site = match args.layer {
+        None => args.site,
+        Some(l) => (0..spec.sites())
+            .find(|&s| spec.site_layer(s) == l)
+            .ok_or_else(|| {
+                let layers: Vec<usize> = (0..spec.sites()).map(|s| spec.site_layer(s)).collect();
+                anyhow!(
+                    "--layer {l}: {} has no site on that layer (its 0-based layers: {layers:?})",
+                    path.display()
+                )
+            })?,
+    };
+    let derived = spec
+        .derive(site)
+        .with_context(|| format!("{}", path.display()))?;
+    let family = spec.hash_family();
+    let qwen_vocab = (family == HashFamily::Qwen4Exp).then_some(spec.vocab_size);
+    Ok(Site {
+        family,
+        derived,
+        qwen_vocab,
+    })
+}
+
+fn from_flags(args: &IdsArgs) -> anyhow::Result<Site> {
     // clap enforces these when --config is absent.
     let need = |v: Option<u64>, flag: &str| v.ok_or_else(|| anyhow!("--{flag} is required"));
-    Ok(PleHashParams {
+    let params = PleHashParams {
         vocab_size: need(args.vocab_size, "vocab-size")?,
         eos_token_id: args.eos.ok_or_else(|| anyhow!("--eos is required"))?,
         ngram_size: args
@@ -91,15 +138,34 @@ fn params(args: &IdsArgs) -> anyhow::Result<PleHashParams> {
         divisible_by: args.divisible_by.unwrap_or(DEFAULT_DIVISIBLE_BY),
         seed: args.seed.unwrap_or(DEFAULT_HASH_SEED),
         site: args.site,
+    };
+    Ok(Site {
+        family: HashFamily::Qwen4Exp,
+        derived: params.derive()?,
+        qwen_vocab: Some(params.vocab_size),
     })
+}
+
+/// Refuse tokens the family does not hash: Qwen4Exp ids at or above
+/// `vocab_size`; the other families' limit is checked by the hasher.
+fn check_input(flag: &str, tokens: &[u32], vocab: Option<u64>) -> anyhow::Result<()> {
+    match vocab {
+        Some(v) => check_vocab(flag, tokens, v),
+        None => Ok(()),
+    }
 }
 
 /// Run `metrale-ple ids`.
 pub fn run(args: &IdsArgs) -> Result<(), CmdError> {
-    let params = params(args).map_err(input)?;
+    let site = match &args.config {
+        Some(path) => from_config(args, path),
+        None => from_flags(args),
+    }
+    .map_err(input)?;
     let tokens = parse_tokens("tokens", &args.tokens).map_err(input)?;
-    check_vocab("tokens", &tokens, params.vocab_size).map_err(input)?;
-    let derived = params.derive().map_err(input)?;
+    let qwen_vocab = site.qwen_vocab;
+    check_input("tokens", &tokens, qwen_vocab).map_err(input)?;
+    let derived = &site.derived;
     let dims = &derived.dims;
     let ctx = dims.context_len();
     let mut history = match &args.history {
@@ -112,21 +178,25 @@ pub fn run(args: &IdsArgs) -> Result<(), CmdError> {
                     h.len()
                 )));
             }
-            check_vocab("history", &h, params.vocab_size).map_err(input)?;
+            check_input("history", &h, qwen_vocab).map_err(input)?;
             h
         }
     };
 
-    let hasher = PleIdHasher::new(dims).map_err(failure)?;
+    let hasher = PleIdHasher::with_family(&site.family, dims).map_err(failure)?;
     let heads = dims.ngram_heads();
     let mut ids = vec![0u64; tokens.len() * heads];
     hasher
         .ids_with_history_into(&history, &tokens, &mut ids)
-        .map_err(failure)?;
+        .map_err(|e| match e {
+            IdError::TokenOutOfRange { .. } => input(e),
+            e => failure(e),
+        })?;
     dims.advance_history(&mut history, &tokens);
 
     let rows: Vec<&[u64]> = ids.chunks_exact(heads).collect();
     let out = json!({
+        "family": site.family.name(),
         "multipliers": dims.multipliers,
         "head_vocab_sizes": dims.head_vocab_sizes,
         "head_offsets": dims.head_offsets,

@@ -22,6 +22,14 @@ pub enum PresetArg {
     Small,
     /// The real Qwen4Exp geometry; the table is cut to --table-rows.
     Flagship,
+    /// The Engram demo's hash (refused: the Engram layer is not implemented).
+    EngramDemo,
+    /// DeepSeek-V4.1's Engram hash (refused: the layer is not implemented).
+    #[value(name = "deepseek-v4.1")]
+    DeepseekV41,
+    /// LongCat-Flash-Lite's n-gram hash (refused: the layer is not
+    /// implemented).
+    LongcatFlashLite,
 }
 
 impl PresetArg {
@@ -31,6 +39,9 @@ impl PresetArg {
             PresetArg::Tiny => Preset::Tiny,
             PresetArg::Small => Preset::Small,
             PresetArg::Flagship => Preset::Flagship,
+            PresetArg::EngramDemo => Preset::EngramDemo,
+            PresetArg::DeepseekV41 => Preset::DeepseekV41,
+            PresetArg::LongcatFlashLite => Preset::LongcatFlashLite,
         }
     }
 }
@@ -77,6 +88,7 @@ pub fn default_dir(p: Preset) -> Result<PathBuf, CmdError> {
 /// Run `init`.
 pub fn run(a: InitArgs) -> Result<(), CmdError> {
     let preset = a.preset.preset();
+    preset.check_layer().map_err(input)?;
     let dir = match a.dir {
         Some(d) => d,
         None => default_dir(preset)?,
