@@ -136,6 +136,14 @@ pub trait Site: Send + Sync {
     fn supports_graphs(&self) -> bool {
         false
     }
+    /// The most sequences one [`Self::prestage_batch`] can stage: a
+    /// prestaged step keeps its rows pinned in the site's row table until
+    /// the replay has read them, so a row cache bounds it. `None` (the
+    /// default): no bound besides [`Self::max_tokens`]; `Some(0)`: the
+    /// table cannot keep even one sequence's rows pinned at once.
+    fn max_prestage_batch(&self) -> Option<usize> {
+        None
+    }
     /// The host half of a replayable decode step: stage sequence `i`'s
     /// token `tokens[i]` at fixed slot `i`, padding the slots up to `rows`.
     fn prestage_batch(
