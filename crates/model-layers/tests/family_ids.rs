@@ -320,3 +320,57 @@ fn families_are_told_apart_and_inconsistent_configs_named() {
     // Qwen4Exp hashes never take a map.
     assert_eq!(HashFamily::default(), HashFamily::Qwen4Exp);
 }
+
+/// Hash throughput per family, printed (run with `cargo test --release -p
+/// metrale-model-layers --test family_ids -- --ignored --nocapture`).
+#[test]
+#[ignore = "a measurement, not a check"]
+fn family_hash_throughput() {
+    use std::time::Instant;
+    let qwen = ModelSpec::from_json_str(
+        r#"{"vocab_size": 151936, "hidden_size": 2560, "hc_mult": 4, "rms_norm_eps": 1e-6,
+            "eos_token_id": 151645, "ngram_size": 3, "heads_per_ngram": 8,
+            "ngram_vocab_size_base": 20000000, "split_ngram_parts": 16,
+            "ple_conv_kernel_size": 4, "ple_layer_ids": [2]}"#,
+        "flagship",
+    )
+    .unwrap();
+    let specs = [
+        ("qwen4exp flagship", qwen),
+        ("engram demo", spec_of(&fixture("engram_demo.json"))),
+        ("deepseek-v4.1", spec_of(&fixture("deepseek_v41.json"))),
+        (
+            "longcat-flash-lite",
+            spec_of(&fixture("longcat_flash_lite.json")),
+        ),
+    ];
+    for (name, spec) in specs {
+        let site = spec.site(0).unwrap();
+        let h = PleIdHasher::with_family(&site.family, &site.dims).unwrap();
+        let limit = site.family.token_limit().unwrap_or(spec.vocab_size);
+        let mut x = 1u64;
+        let tokens: Vec<u32> = (0..1 << 20)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 33) % limit) as u32
+            })
+            .collect();
+        let mut out = vec![0u64; tokens.len() * site.ngram_heads()];
+        h.ids_into(&tokens, &mut out).unwrap();
+        let t0 = Instant::now();
+        let reps = 5;
+        for _ in 0..reps {
+            h.ids_into(&tokens, &mut out).unwrap();
+        }
+        let s = t0.elapsed().as_secs_f64() / reps as f64;
+        println!(
+            "{name:20} path {:6} {:3} ids/token: {:7.1} M tokens/s, {:7.1} M ids/s",
+            h.path(),
+            site.ngram_heads(),
+            tokens.len() as f64 / s / 1e6,
+            out.len() as f64 / s / 1e6
+        );
+    }
+}
