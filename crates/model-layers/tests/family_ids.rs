@@ -7,12 +7,11 @@
 //! batched decode and through the plain `%` form, the history after, and
 //! the refusal of out-of-vocabulary tokens naming input, position and value.
 
-use std::path::PathBuf;
-
 use metrale_model_layers::layers::ple::ids::{
     HashFamily, IdError, PleIdHasher, TokenMap, family_ids_into_plain,
 };
 use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec, SpecError};
+use metrale_testkit::fixtures::{fixtures_dir, read_json, u32s, u64s};
 use serde_json::Value;
 
 const FIXTURES: [&str; 6] = [
@@ -25,24 +24,7 @@ const FIXTURES: [&str; 6] = [
 ];
 
 fn fixture(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fixtures/families")
-        .join(name);
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
-}
-
-fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("u64"))
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    u64s(v).into_iter().map(|x| x as u32).collect()
+    read_json("families", name)
 }
 
 fn spec_of(doc: &Value) -> ModelSpec {
@@ -250,7 +232,7 @@ fn longcat_flash_lite_constants() {
 
 #[test]
 fn every_fixture_is_listed() {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/families");
+    let dir = fixtures_dir("families");
     let mut found: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

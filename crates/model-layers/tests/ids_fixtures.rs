@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use metrale_model_layers::layers::ple::ids::{
     PleHashParams, PleIdHasher, check_stored_buffers, ple_ngram_ids, ple_ngram_ids_into_plain,
 };
+use metrale_testkit::fixtures::{fixtures_dir, u32s, u64s};
 use serde_json::Value;
 
 const FIXTURES: [&str; 5] = [
@@ -20,22 +21,7 @@ const FIXTURES: [&str; 5] = [
 ];
 
 fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/ids")
-}
-
-fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("u64"))
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    u64s(v)
-        .into_iter()
-        .map(|x| u32::try_from(x).unwrap())
-        .collect()
+    fixtures_dir("ids")
 }
 
 fn params(p: &Value) -> PleHashParams {

@@ -2,38 +2,11 @@
 //! `fixtures/numpy_rng/golden.json` by `reference/numpy_rng_fixtures.py`.
 
 use metrale_numpy_rng::{Pcg64, SeedSequence, default_rng};
+use metrale_testkit::fixtures::{i64s, read_json, u32s, u64s};
 use serde_json::Value;
 
 fn golden() -> Value {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../fixtures/numpy_rng/golden.json"
-    );
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("read {path}: {e}"));
-    serde_json::from_str(&text).expect("golden.json parses")
-}
-
-fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("u64"))
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    u64s(v)
-        .into_iter()
-        .map(|x| u32::try_from(x).expect("u32"))
-        .collect()
-}
-
-fn i64s(v: &Value) -> Vec<i64> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_i64().expect("i64"))
-        .collect()
+    read_json("numpy_rng", "golden.json")
 }
 
 fn int(v: &Value) -> i64 {

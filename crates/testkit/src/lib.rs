@@ -7,6 +7,7 @@
 //! - [`tiny`]: tiny real PLE models with random weights over a small
 //!   device-resident table, and engines over them;
 //! - [`toy`]: a toy engine site with the PLE carry's shape and simple math;
+//! - [`fixtures`]: the golden fixtures the numpy references write;
 //! - [`files`]: checkpoint files damaged on purpose (a tensor replaced or
 //!   reshaped) for refusal tests;
 //! - [`drive`]: the plain sequential reference run and the randomised
@@ -14,6 +15,7 @@
 
 pub mod drive;
 pub mod files;
+pub mod fixtures;
 pub mod rng;
 pub mod rows;
 pub mod tiny;
