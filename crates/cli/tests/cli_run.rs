@@ -238,3 +238,42 @@ fn injected_read_faults_fail_only_their_sequences_and_reruns_verify() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("needs --table cached"), "{err}");
 }
+
+/// A decode batch whose rows outnumber the row cache's slots (4 sequences
+/// of 4 heads over 4 slots per site) is split, eager or through graphs, and
+/// verifies; graphs over fewer slots than one sequence's rows are refused
+/// with a message saying so.
+#[test]
+fn decode_batches_larger_than_the_row_cache_run_and_verify() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = [
+        "run",
+        "--sequences",
+        "4",
+        "--in-flight",
+        "4",
+        "--decode-tokens",
+        "4",
+        "--turns",
+        "1",
+        "--decode-batch",
+        "4",
+        "--slots",
+    ];
+    for extra in [
+        &["4", "--verify"][..],
+        &["4", "--verify", "--decode-graphs"],
+    ] {
+        let args = [&base[..], extra].concat();
+        let (o, out, err) = run(tmp.path(), &args);
+        assert!(o.status.success(), "{args:?}: {out}\n{err}");
+        assert!(out.contains("bit-identical"), "{args:?}: {out}");
+    }
+    let args = [&base[..], &["3", "--decode-graphs"]].concat();
+    let (o, _, err) = run(tmp.path(), &args);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("cannot keep one sequence's rows pinned"),
+        "{err}"
+    );
+}
