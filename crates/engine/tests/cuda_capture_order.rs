@@ -15,6 +15,10 @@
 //!   (`copy_h2d_async`), all issued before the replay;
 //! - the outputs are bit-identical to an engine without graphs over the
 //!   same files.
+//!
+//! The same recording backend, claiming to run no host kernels, checks the
+//! layers' device path: GPU launch shapes within CUDA's limits, outputs
+//! unchanged.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -48,9 +52,68 @@ impl Log {
 }
 
 /// A [`CpuBackend`] that logs each call by name before forwarding it.
+///
+/// With `device_shaped`, it says it runs no host kernels (as a device
+/// backend does), so layers load their kernels as device code (here: they
+/// find the CPU kernels already registered under the same names) and shape
+/// their launches for a GPU; every launch configuration is then checked
+/// against the CUDA limits and the block shapes `ple.cu` wants, and
+/// violations are collected in `bad_launches`.
 struct Recording {
     inner: CpuBackend,
     log: Arc<Log>,
+    device_shaped: bool,
+    names: Mutex<std::collections::HashMap<KernelHandle, String>>,
+    bad_launches: Mutex<Vec<String>>,
+    shaped_launches: std::sync::atomic::AtomicUsize,
+}
+
+impl Recording {
+    fn new(log: Arc<Log>, device_shaped: bool) -> Recording {
+        let inner = CpuBackend::new();
+        if device_shaped {
+            metrale_model_layers::layers::ple::kernels::register_cpu_kernels(&inner).unwrap();
+        }
+        Recording {
+            inner,
+            log,
+            device_shaped,
+            names: Mutex::default(),
+            bad_launches: Mutex::default(),
+            shaped_launches: Default::default(),
+        }
+    }
+
+    /// Check `cfg` of kernel `name` against CUDA's limits and `ple.cu`'s
+    /// fast shapes.
+    fn check_shape(&self, name: &str, cfg: &LaunchConfig) {
+        let (g, b) = (cfg.grid, cfg.block);
+        let threads = u64::from(b.0) * u64::from(b.1) * u64::from(b.2);
+        let mut why = Vec::new();
+        if threads == 0 || threads > 1024 || b.2 > 64 {
+            why.push("block size");
+        }
+        if g.0 == 0 || g.1 == 0 || g.2 == 0 || g.1 > 65_535 || g.2 > 65_535 {
+            why.push("grid size");
+        }
+        match name {
+            "ple::gate" if b.0 % 32 != 0 || b.1 != 1 || b.2 != 1 => {
+                why.push("gate wants one-dimensional blocks of whole warps")
+            }
+            "ple::project" if b != (32, 8, 1) => why.push("project wants (32, 8) blocks"),
+            _ => {}
+        }
+        if threads > 1 {
+            self.shaped_launches
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        if !why.is_empty() {
+            self.bad_launches
+                .lock()
+                .unwrap()
+                .push(format!("{name} {cfg:?}: {}", why.join(", ")));
+        }
+    }
 }
 
 impl Recording {
@@ -192,7 +255,7 @@ impl GpuBackend for Recording {
         self.inner.destroy_graph(graph)
     }
     fn supports_host_kernels(&self) -> bool {
-        self.inner.supports_host_kernels()
+        !self.device_shaped && self.inner.supports_host_kernels()
     }
     fn register_host_kernel(
         &self,
@@ -210,7 +273,12 @@ impl GpuBackend for Recording {
         self.inner.load_module(module, image)
     }
     fn kernel(&self, module: &str, name: &str) -> GpuResult<KernelHandle> {
-        self.inner.kernel(module, name)
+        let k = self.inner.kernel(module, name)?;
+        self.names
+            .lock()
+            .unwrap()
+            .insert(k, format!("{module}::{name}"));
+        Ok(k)
     }
     fn launch_kernel(
         &self,
@@ -220,6 +288,10 @@ impl GpuBackend for Recording {
         stream: StreamId,
     ) -> GpuResult<()> {
         self.note("launch_kernel");
+        if self.device_shaped {
+            let name = self.names.lock().unwrap().get(&kernel).cloned();
+            self.check_shape(name.as_deref().unwrap_or("?"), &cfg);
+        }
         self.inner.launch_kernel(kernel, cfg, args, stream)
     }
     fn live_bytes(&self) -> usize {
@@ -388,10 +460,7 @@ fn add_all(e: &mut Engine<PleSite>, prompts: &[Vec<u32>]) -> Vec<SeqId> {
 fn decode_graphs_prestage_before_replay_and_never_synchronise_under_capture() {
     let dir = tempfile::tempdir().unwrap();
     let log = Arc::new(Log::default());
-    let gpu: Arc<dyn GpuBackend> = Arc::new(Recording {
-        inner: CpuBackend::new(),
-        log: log.clone(),
-    });
+    let gpu: Arc<dyn GpuBackend> = Arc::new(Recording::new(log.clone(), false));
     let plain_log = Arc::new(Log::default());
     let plain: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let mut graphs = engine(&gpu, dir.path(), &log);
@@ -506,4 +575,68 @@ fn the_checker_catches_each_violation() {
         let caught = std::panic::catch_unwind(|| check_step(i, &log)).is_err();
         assert!(caught, "violation {i} not caught: {calls:?}");
     }
+}
+
+/// Layers on a backend without host kernels take the device path: the
+/// kernels are resolved as device code (the CPU kernels stand in under the
+/// same names) and launched with GPU shapes, which stay within CUDA's limits
+/// and keep the outputs bit-identical to the host shapes, eager and through
+/// decode graphs.
+#[test]
+fn layers_without_host_kernels_launch_with_device_shapes() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = Arc::new(Recording::new(Arc::new(Log::default()), true));
+    let gpu: Arc<dyn GpuBackend> = rec.clone();
+    let plain: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let plain_log = Arc::new(Log::default());
+    let mut shaped = engine(&gpu, dir.path(), &Arc::new(Log::default()));
+    shaped.enable_decode_graphs().unwrap();
+    let mut eager = engine(&plain, dir.path(), &plain_log);
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|s| (0..2 + 3 * s).map(|i| 11 + 17 * s + 3 * i).collect())
+        .collect();
+    let w = shaped.width();
+    let mut outs = [Vec::new(), Vec::new()];
+    for (e, out) in [&mut shaped, &mut eager].into_iter().zip(&mut outs) {
+        let ids = add_all(e, &prompts);
+        for p in &prompts {
+            // The prefill rows again, through a second sequence each, so
+            // they are part of the output too.
+            let id = e.add_sequence(p).unwrap().id;
+            let mut hw = rows_for(p, 0, p.len(), w);
+            e.prefill(id, p, &mut hw).unwrap();
+            out.extend(hw);
+            e.release(id).unwrap();
+        }
+        for step in 0..5u32 {
+            let n = [6, 3, 1, 5, 2][step as usize];
+            let batch: Vec<(SeqId, u32)> = ids[..n]
+                .iter()
+                .enumerate()
+                .map(|(i, &id)| (id, 5 + 29 * step + 7 * i as u32))
+                .collect();
+            let mut hw: Vec<f32> = (0..n * w).map(|i| (i % 13) as f32 * 0.125 - 0.75).collect();
+            e.decode(&batch, &mut hw).unwrap();
+            out.extend(hw);
+        }
+    }
+    assert!(
+        outs[0].len() == outs[1].len()
+            && outs[0]
+                .iter()
+                .zip(&outs[1])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "device-shaped launches changed the outputs"
+    );
+    assert!(shaped.stats().graph_replays >= 5);
+    shaped.close().unwrap();
+    eager.close().unwrap();
+    let bad = rec.bad_launches.lock().unwrap();
+    assert!(bad.is_empty(), "{bad:#?}");
+    assert!(
+        rec.shaped_launches
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 50,
+        "the layers did not shape their launches for a device"
+    );
 }
