@@ -1,0 +1,53 @@
+"""metrale_ple: Python bindings of the metrale-ple PLE runtime.
+
+PLE sites ("per-layer embeddings", n-gram flavour) hash the n-grams ending at
+each new token into rows of a very large table, turn the rows into a gated
+update and add it to the model's residual streams (the "highway"). This
+package exposes the Rust runtime on the CPU backend:
+
+- ``ids(tokens, *, vocab_size, eos, ngram_size, heads_per_ngram, vocab_base,
+  ...)``: the id hash with derived constants (as ``metrale-ple ids``);
+- ``init_checkpoint(path, ...)`` and ``Checkpoint.open(path)``: synthetic
+  and real checkpoints, their geometry and sites (``Site.ids``);
+- ``Layer`` and ``Carry``: one site's forward over a numpy float32 highway
+  (or a CPU torch tensor), updated in place, with per-sequence carries
+  (``snapshot``/``restore``/``reset``/``release``, context managers);
+- ``Engine``: sequences over every site with the prefix cache, preemption,
+  swaps and speculative verify/commit;
+- ``Server`` and ``serve``: the serving loop over a fixed workload;
+- ``metrale_ple.torch.PleEmbedding``: an ``nn.Module`` for one PLE site
+  (torch is optional and imported only there).
+
+Errors: ``ValueError`` for bad arguments and malformed blobs, files or
+configs; ``OSError`` (``FileNotFoundError``, ...) for I/O failures. Every
+object may be shared between Python threads; calls release the GIL.
+"""
+
+from ._metrale_ple import (
+    Carry,
+    Checkpoint,
+    Engine,
+    Ids,
+    Layer,
+    Server,
+    Site,
+    __version__,
+    _rust_decode_timing,
+    ids,
+    init_checkpoint,
+    serve,
+)
+
+__all__ = [
+    "Carry",
+    "Checkpoint",
+    "Engine",
+    "Ids",
+    "Layer",
+    "Server",
+    "Site",
+    "__version__",
+    "ids",
+    "init_checkpoint",
+    "serve",
+]

@@ -1,0 +1,30 @@
+"""Typed stubs of the ``metrale_ple`` package."""
+
+from ._metrale_ple import (
+    Carry as Carry,
+    Checkpoint as Checkpoint,
+    Engine as Engine,
+    Ids as Ids,
+    Layer as Layer,
+    Server as Server,
+    Site as Site,
+    __version__ as __version__,
+    _rust_decode_timing as _rust_decode_timing,
+    ids as ids,
+    init_checkpoint as init_checkpoint,
+    serve as serve,
+)
+
+__all__ = [
+    "Carry",
+    "Checkpoint",
+    "Engine",
+    "Ids",
+    "Layer",
+    "Server",
+    "Site",
+    "__version__",
+    "ids",
+    "init_checkpoint",
+    "serve",
+]

@@ -1,0 +1,138 @@
+//! `metrale_ple.ids`: derive a site's hash constants and hash tokens into
+//! row ids, as `metrale-ple ids` does (docs/SPEC.md, "Id hash" and
+//! "Constant derivation").
+
+use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use metrale_model_layers::layers::ple::ids::{
+    DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, PleHashParams, PleIdDims, PleIdHasher,
+};
+
+use crate::args;
+use crate::error::{py_err, value_error};
+
+/// The result of hashing: the row ids of the new tokens, the site's hash
+/// constants and the history after the tokens.
+#[pyclass(frozen, module = "metrale_ple", name = "Ids")]
+pub struct Ids {
+    /// Row ids, int64 `[T, ngram_heads]`.
+    #[pyo3(get)]
+    ids: Py<PyArray2<i64>>,
+    /// The hash multipliers, one per n-gram position.
+    #[pyo3(get)]
+    multipliers: Vec<u64>,
+    /// The prime size of each head.
+    #[pyo3(get)]
+    head_vocab_sizes: Vec<u64>,
+    /// Where each head starts in the table.
+    #[pyo3(get)]
+    head_offsets: Vec<u64>,
+    /// Table rows after padding.
+    #[pyo3(get)]
+    padded_rows: u64,
+    /// The last `context_len` tokens of `history ++ tokens`.
+    #[pyo3(get)]
+    history: Vec<u32>,
+}
+
+#[pymethods]
+impl Ids {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let shape = self.ids.bind(py).shape().to_vec();
+        format!(
+            "Ids(ids=<int64 {shape:?}>, padded_rows={}, history={:?})",
+            self.padded_rows, self.history
+        )
+    }
+}
+
+/// Hash `tokens` after `history` (default: a fresh sequence) with `hasher`.
+pub(crate) fn hash(
+    py: Python<'_>,
+    hasher: &PleIdHasher,
+    vocab: u64,
+    padded_rows: u64,
+    tokens: &Bound<'_, PyAny>,
+    history: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Ids> {
+    let dims: &PleIdDims = hasher.dims();
+    let ctx = dims.context_len();
+    let tokens = args::tokens(tokens, "tokens", Some(vocab))?;
+    let mut hist = match history {
+        None => vec![dims.eos_token_id; ctx],
+        Some(h) => {
+            let h = args::tokens(h, "history", Some(vocab))?;
+            if h.len() != ctx {
+                return Err(value_error(format!(
+                    "history: {} tokens given, context_len (ngram_size - 1) is {ctx}",
+                    h.len()
+                )));
+            }
+            h
+        }
+    };
+    let heads = dims.ngram_heads();
+    let n = tokens.len();
+    let flat = py.detach(|| -> anyhow::Result<Vec<u64>> {
+        let mut ids = vec![0u64; n * heads];
+        hasher.ids_with_history_into(&hist, &tokens, &mut ids)?;
+        dims.advance_history(&mut hist, &tokens);
+        Ok(ids)
+    });
+    let flat = flat.map_err(py_err)?;
+    let as_i64: Vec<i64> = flat.into_iter().map(|v| v as i64).collect();
+    let arr = numpy::PyArray1::from_vec(py, as_i64).reshape([n, heads])?;
+    Ok(Ids {
+        ids: arr.unbind(),
+        multipliers: dims.multipliers.clone(),
+        head_vocab_sizes: dims.head_vocab_sizes.clone(),
+        head_offsets: dims.head_offsets.clone(),
+        padded_rows,
+        history: hist,
+    })
+}
+
+/// Derive a site's hash constants and hash `tokens` into row ids.
+///
+/// The same semantics and defaults as `metrale-ple ids`: without `history`
+/// the sequence starts fresh (`ngram_size - 1` EOS tokens); every token must
+/// be below `vocab_size`; a given history holds exactly `ngram_size - 1`
+/// tokens. Raises `ValueError` for a bad geometry or token.
+#[pyfunction]
+#[pyo3(signature = (
+    tokens, *, vocab_size, eos, ngram_size, heads_per_ngram, vocab_base,
+    divisible_by = DEFAULT_DIVISIBLE_BY, seed = DEFAULT_HASH_SEED, site = 0, history = None
+))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ids(
+    py: Python<'_>,
+    tokens: &Bound<'_, PyAny>,
+    vocab_size: u64,
+    eos: u32,
+    ngram_size: usize,
+    heads_per_ngram: usize,
+    vocab_base: u64,
+    divisible_by: u64,
+    seed: u64,
+    site: usize,
+    history: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Ids> {
+    let params = PleHashParams {
+        vocab_size,
+        eos_token_id: eos,
+        ngram_size,
+        heads_per_ngram,
+        ngram_vocab_size_base: vocab_base,
+        divisible_by,
+        seed,
+        site,
+    };
+    let (hasher, padded) = py
+        .detach(|| -> anyhow::Result<(PleIdHasher, u64)> {
+            let derived = params.derive()?;
+            Ok((PleIdHasher::new(&derived.dims)?, derived.padded_rows))
+        })
+        .map_err(py_err)?;
+    hash(py, &hasher, vocab_size, padded, tokens, history)
+}

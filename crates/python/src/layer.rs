@@ -1,0 +1,611 @@
+//! `metrale_ple.Layer` and `metrale_ple.Carry`: one PLE site's forward with
+//! per-sequence carries, on the CPU backend.
+//!
+//! A layer owns its device buffers behind one mutex; a carry (one
+//! sequence's `PleSeqState`) belongs to the layer that made it. Every
+//! operation locks the layer first and then the carries it touches, so
+//! calls from several Python threads serialise per layer and never
+//! deadlock; the GIL is released while they run. Carry semantics are the
+//! layer's own (docs/SPEC.md, "Carry lifecycle"): a new carry resets on
+//! its first forward; `snapshot`/`restore` are `snapshot_aux`/`restore_aux`
+//! (a blob of the wrong size is refused, the prestage cleared); `reset`
+//! installs `context_len` EOS tokens and a zero conv state; `release` is
+//! idempotent, and a released carry refuses everything but `release`.
+
+use std::borrow::Cow;
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use numpy::{PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use metrale_checkpoint::Checkpoint as CkInner;
+use metrale_checkpoint::runtime::TableMode;
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
+use metrale_model_layers::layers::ple::ids::PleIdDims;
+use metrale_model_layers::layers::ple::{
+    ForwardContext, PleLayer, PleSeqState, PleWeights, SiteSpec,
+};
+use metrale_storage::cached::CacheConfig;
+use metrale_storage::table::RowTable;
+
+use crate::args::{self, Width, f32_bytes, f32_bytes_mut};
+use crate::error::{py_err, value_error};
+use crate::memtable::MemTable;
+
+/// The layer and the device buffer highway rows pass through.
+pub(crate) struct Core {
+    gpu: Arc<dyn GpuBackend>,
+    layer: PleLayer,
+    highway: DevicePtr,
+}
+
+impl Core {
+    fn channels(&self) -> usize {
+        self.layer.channels()
+    }
+
+    /// `tokens` of one sequence through the layer, in chunks of at most
+    /// `max_tokens`, `hw` rows in and out.
+    fn prefill(&self, st: &mut PleSeqState, tokens: &[u32], hw: &mut [f32]) -> anyhow::Result<()> {
+        let c = self.channels();
+        let step = self.layer.max_tokens();
+        let g = self.gpu.as_ref();
+        for (t, rows) in tokens.chunks(step).zip(hw.chunks_mut(step * c)) {
+            g.copy_h2d(f32_bytes(rows), self.highway)?;
+            let ctx = ForwardContext::new(g).with_host_ids(t);
+            self.layer
+                .forward(st, self.highway, t.len(), false, &ctx, 0)?;
+            g.copy_d2h_on_stream(self.highway, f32_bytes_mut(rows), 0)?;
+        }
+        Ok(())
+    }
+
+    /// One decode token per sequence, batched by `max_batch`.
+    fn decode(
+        &self,
+        states: &mut [&mut PleSeqState],
+        tokens: &[u32],
+        hw: &mut [f32],
+    ) -> anyhow::Result<()> {
+        let c = self.channels();
+        let step = self.layer.max_batch();
+        let g = self.gpu.as_ref();
+        for ((sts, t), rows) in states
+            .chunks_mut(step)
+            .zip(tokens.chunks(step))
+            .zip(hw.chunks_mut(step * c))
+        {
+            g.copy_h2d(f32_bytes(rows), self.highway)?;
+            let ctx = ForwardContext::new(g).with_host_ids(t);
+            self.layer
+                .forward_batch(sts, self.highway, t.len(), &ctx, 0)?;
+            g.copy_d2h_on_stream(self.highway, f32_bytes_mut(rows), 0)?;
+        }
+        Ok(())
+    }
+
+    fn check_live(st: &PleSeqState) -> anyhow::Result<()> {
+        anyhow::ensure!(!st.is_released(), "the carry was released");
+        Ok(())
+    }
+
+    fn snapshot(&self, st: &PleSeqState) -> anyhow::Result<Vec<u8>> {
+        Self::check_live(st)?;
+        self.layer.snapshot_aux(st, self.gpu.as_ref(), 0)
+    }
+
+    fn restore(&self, st: &mut PleSeqState, blob: &[u8]) -> anyhow::Result<()> {
+        Self::check_live(st)?;
+        self.layer.restore_aux(st, blob, self.gpu.as_ref(), 0)?;
+        self.gpu.synchronize(0)?;
+        Ok(())
+    }
+
+    /// The aux blob of a fresh sequence: `context_len` EOS tokens and a
+    /// zero conv state.
+    fn fresh_blob(&self) -> Vec<u8> {
+        let dims = self.layer.dims();
+        let ctx = dims.context_len();
+        let mut blob = Vec::with_capacity(4 + 4 * ctx + self.layer.conv_state_bytes());
+        blob.extend_from_slice(&(ctx as u32).to_le_bytes());
+        for _ in 0..ctx {
+            blob.extend_from_slice(&dims.eos_token_id.to_le_bytes());
+        }
+        blob.resize(blob.len() + self.layer.conv_state_bytes(), 0);
+        blob
+    }
+}
+
+/// A layer shared by its Python object and its carries.
+pub(crate) struct Shared {
+    core: Mutex<Core>,
+    /// Tokens must be below this (the checkpoint's vocabulary), if known.
+    vocab: Option<u64>,
+    width: Width,
+    max_tokens: usize,
+    context_len: usize,
+    eos: u32,
+    aux_blob_bytes: usize,
+    state_len: usize,
+    head_dim: usize,
+    ngram_heads: usize,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        let core = self.core.get_mut();
+        let _ = core.layer.free(core.gpu.as_ref());
+        let _ = core.gpu.dealloc(core.highway);
+    }
+}
+
+/// One PLE site's layer, over a table served resident, mapped or cached.
+///
+/// `prefill(carry, tokens, hidden)` and `decode(carries, tokens, hidden)`
+/// add the site's output into `hidden` in place: a C-contiguous float32
+/// numpy array (or CPU torch tensor) of `len(tokens)` rows of `hc_mult *
+/// hidden_size` values, shaped `[T, C]` or `[T, hc_mult, hidden_size]`.
+/// Do not touch `hidden` from another thread during the call.
+#[pyclass(frozen, module = "metrale_ple", name = "Layer")]
+pub struct Layer {
+    shared: Arc<Shared>,
+}
+
+impl Layer {
+    fn build(
+        gpu: Arc<dyn GpuBackend>,
+        spec: &SiteSpec,
+        weights: PleWeights,
+        table: Arc<dyn RowTable>,
+        max_tokens: usize,
+        vocab: Option<u64>,
+    ) -> anyhow::Result<Layer> {
+        anyhow::ensure!(max_tokens > 0, "max_tokens must be positive");
+        let mut layer = PleLayer::new(spec, weights, table, max_tokens, gpu.as_ref())?;
+        let bytes = max_tokens
+            .checked_mul(layer.channels() * 4)
+            .ok_or_else(|| anyhow::anyhow!("max_tokens {max_tokens} is too large"))?;
+        let highway = match gpu.alloc(bytes, "python.highway") {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = layer.free(gpu.as_ref());
+                return Err(e.into());
+            }
+        };
+        let width = Width {
+            hc: layer.hc_mult(),
+            hidden: layer.hidden(),
+        };
+        let shared = Shared {
+            vocab,
+            width,
+            max_tokens,
+            context_len: layer.dims().context_len(),
+            eos: layer.dims().eos_token_id,
+            aux_blob_bytes: layer.aux_blob_bytes(),
+            state_len: layer.state_len(),
+            head_dim: layer.head_dim(),
+            ngram_heads: layer.dims().ngram_heads(),
+            core: Mutex::new(Core {
+                gpu,
+                layer,
+                highway,
+            }),
+        };
+        Ok(Layer {
+            shared: Arc::new(shared),
+        })
+    }
+
+    /// Site `site` of `ck` over its table in mode `table`.
+    pub(crate) fn from_checkpoint(
+        py: Python<'_>,
+        ck: Arc<CkInner>,
+        site: usize,
+        table: &str,
+        max_tokens: usize,
+        slots: usize,
+    ) -> PyResult<Layer> {
+        let mode = args::table_mode(table)?;
+        if site >= ck.sites.len() {
+            return Err(value_error(format!(
+                "site {site}: the checkpoint has {} sites",
+                ck.sites.len()
+            )));
+        }
+        if mode == TableMode::Cached && slots == 0 {
+            return Err(value_error("slots must be positive"));
+        }
+        py.detach(|| -> anyhow::Result<Layer> {
+            let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+            let table = match mode {
+                TableMode::Cached => {
+                    ck.open_cached_table(site, CacheConfig::new(slots), gpu.clone())?
+                }
+                m => ck.open_table(site, m, gpu.clone())?,
+            };
+            let s = &ck.sites[site];
+            Layer::build(
+                gpu,
+                &s.spec,
+                s.weights.clone(),
+                table,
+                max_tokens,
+                Some(ck.spec.vocab_size),
+            )
+        })
+        .map_err(py_err)
+    }
+
+    fn own<'a>(&self, carry: &'a Bound<'_, PyAny>) -> PyResult<&'a Carry> {
+        let c = carry
+            .cast::<Carry>()
+            .map_err(|_| value_error("a Carry of this layer is required"))?
+            .get();
+        if !Arc::ptr_eq(&c.shared, &self.shared) {
+            return Err(value_error("the carry belongs to another layer"));
+        }
+        Ok(c)
+    }
+}
+
+fn u16s(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u16>> {
+    let a = obj
+        .cast::<numpy::PyArrayDyn<u16>>()
+        .map_err(|_| value_error(format!("{what}: a uint16 array (BF16 bits) is required")))?;
+    let ro: PyReadonlyArrayDyn<'_, u16> = a
+        .try_readonly()
+        .map_err(|e| value_error(format!("{what}: {e}")))?;
+    Ok(ro.as_array().iter().copied().collect())
+}
+
+fn f32s(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<f32>> {
+    let a = obj
+        .cast::<numpy::PyArrayDyn<f32>>()
+        .map_err(|_| value_error(format!("{what}: a float32 array is required")))?;
+    if a.ndim() == 0 {
+        return Err(value_error(format!("{what}: an array is required")));
+    }
+    let ro = a
+        .try_readonly()
+        .map_err(|e| value_error(format!("{what}: {e}")))?;
+    Ok(ro.as_array().iter().copied().collect())
+}
+
+#[pymethods]
+impl Layer {
+    /// The layer of PLE site `site` of `checkpoint` (a `Checkpoint` or a
+    /// path), its table served `table` = `"resident"`, `"mapped"` or
+    /// `"cached"` (a row cache of `slots` rows), taking up to `max_tokens`
+    /// rows per forward (longer calls are split).
+    #[new]
+    #[pyo3(signature = (checkpoint, site = 0, *, table = "cached", max_tokens = 256, slots = 65536))]
+    fn py_new(
+        py: Python<'_>,
+        checkpoint: &Bound<'_, PyAny>,
+        site: usize,
+        table: &str,
+        max_tokens: usize,
+        slots: usize,
+    ) -> PyResult<Layer> {
+        let ck = crate::checkpoint::Checkpoint::from_arg(py, checkpoint)?;
+        Layer::from_checkpoint(py, ck, site, table, max_tokens, slots)
+    }
+
+    /// A layer from explicit weights and a BF16 table (no checkpoint): the
+    /// hash constants, the shape, `key_proj [C, E]` and `value_proj [H, E]`
+    /// as uint16 BF16 bits, the float32 norms `[C]` and `conv1d [C, k]`,
+    /// and `table` as uint16 BF16 bits `[rows, head_dim]`.
+    #[staticmethod]
+    #[pyo3(signature = (
+        *, hidden, hc_mult, head_dim, ngram_size, heads_per_ngram, multipliers,
+        head_vocab_sizes, head_offsets, eos, conv_kernel, dilation, eps, key_proj,
+        value_proj, norm_key, norm_query, norm_conv, conv1d, table, max_tokens = 256,
+        vocab_size = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_weights(
+        py: Python<'_>,
+        hidden: usize,
+        hc_mult: usize,
+        head_dim: usize,
+        ngram_size: usize,
+        heads_per_ngram: usize,
+        multipliers: Vec<u64>,
+        head_vocab_sizes: Vec<u64>,
+        head_offsets: Vec<u64>,
+        eos: u32,
+        conv_kernel: usize,
+        dilation: usize,
+        eps: f32,
+        key_proj: &Bound<'_, PyAny>,
+        value_proj: &Bound<'_, PyAny>,
+        norm_key: &Bound<'_, PyAny>,
+        norm_query: &Bound<'_, PyAny>,
+        norm_conv: &Bound<'_, PyAny>,
+        conv1d: &Bound<'_, PyAny>,
+        table: &Bound<'_, PyAny>,
+        max_tokens: usize,
+        vocab_size: Option<u64>,
+    ) -> PyResult<Layer> {
+        let dims = PleIdDims {
+            ngram_size,
+            heads_per_ngram,
+            multipliers,
+            head_vocab_sizes,
+            head_offsets,
+            eos_token_id: eos,
+        };
+        let mut spec = SiteSpec::new(dims, head_dim, hidden, hc_mult, conv_kernel, dilation);
+        spec.rms_eps = eps;
+        let weights = PleWeights {
+            key_proj: u16s(key_proj, "key_proj")?,
+            value_proj: u16s(value_proj, "value_proj")?,
+            norm_key: f32s(norm_key, "norm_key")?,
+            norm_query: f32s(norm_query, "norm_query")?,
+            norm_conv: f32s(norm_conv, "norm_conv")?,
+            conv1d: f32s(conv1d, "conv1d")?,
+        };
+        let table_bits = u16s(table, "table")?;
+        py.detach(|| -> anyhow::Result<Layer> {
+            spec.validate()?;
+            let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+            let t = MemTable::new(gpu.clone(), &table_bits, head_dim)?;
+            Layer::build(gpu, &spec, weights, Arc::new(t), max_tokens, vocab_size)
+        })
+        .map_err(py_err)
+    }
+
+    /// A new carry (one sequence's state); it resets on its first forward.
+    fn new_carry(&self, py: Python<'_>) -> PyResult<Carry> {
+        let shared = &self.shared;
+        let st = py
+            .detach(|| {
+                let core = shared.core.lock();
+                core.layer.new_seq_state(core.gpu.as_ref())
+            })
+            .map_err(py_err)?;
+        Ok(Carry {
+            shared: self.shared.clone(),
+            state: Mutex::new(st),
+        })
+    }
+
+    /// Run `tokens` of one sequence through the layer, adding the site's
+    /// output into `hidden` (`len(tokens)` rows) in place.
+    fn prefill(
+        &self,
+        py: Python<'_>,
+        carry: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        hidden: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let carry = self.own(carry)?;
+        let toks = args::tokens(tokens, "tokens", self.shared.vocab)?;
+        let mut rw = args::highway(hidden, toks.len(), self.shared.width, "hidden")?;
+        if toks.is_empty() {
+            return Ok(());
+        }
+        let hw = args::values(&mut rw)?;
+        let shared = &self.shared;
+        let state = &carry.state;
+        py.detach(|| {
+            let core = shared.core.lock();
+            let mut st = state.lock();
+            Core::check_live(&st)?;
+            core.prefill(&mut st, &toks, hw)
+        })
+        .map_err(py_err)
+    }
+
+    /// One decode step: token `tokens[b]` for carry `carries[b]`, on row
+    /// `b` of `hidden` (`len(carries)` rows), in place. A carry may appear
+    /// once per call.
+    fn decode(
+        &self,
+        py: Python<'_>,
+        carries: &Bound<'_, PyAny>,
+        tokens: &Bound<'_, PyAny>,
+        hidden: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let list: Vec<Bound<'_, PyAny>> = carries
+            .try_iter()
+            .map_err(|_| value_error("carries: a sequence of Carry objects is required"))?
+            .collect::<PyResult<_>>()?;
+        let mut owned = Vec::with_capacity(list.len());
+        let mut seen = HashSet::with_capacity(list.len());
+        for c in &list {
+            let c = self.own(c)?;
+            if !seen.insert(c as *const Carry as usize) {
+                return Err(value_error("carries: a carry appears twice in one batch"));
+            }
+            owned.push(&c.state);
+        }
+        let toks = args::tokens(tokens, "tokens", self.shared.vocab)?;
+        if toks.len() != owned.len() {
+            return Err(value_error(format!(
+                "{} tokens given for {} carries",
+                toks.len(),
+                owned.len()
+            )));
+        }
+        let mut rw = args::highway(hidden, toks.len(), self.shared.width, "hidden")?;
+        if toks.is_empty() {
+            return Ok(());
+        }
+        let hw = args::values(&mut rw)?;
+        let shared = &self.shared;
+        py.detach(|| {
+            let core = shared.core.lock();
+            let mut guards: Vec<_> = owned.iter().map(|m| m.lock()).collect();
+            for (i, g) in guards.iter().enumerate() {
+                Core::check_live(g).map_err(|e| e.context(format!("carries[{i}]")))?;
+            }
+            let mut states: Vec<&mut PleSeqState> = guards.iter_mut().map(|g| &mut **g).collect();
+            core.decode(&mut states, &toks, hw)
+        })
+        .map_err(py_err)
+    }
+
+    /// Width of one highway stream (H).
+    #[getter]
+    fn hidden_size(&self) -> usize {
+        self.shared.width.hidden
+    }
+    /// Highway streams (hc).
+    #[getter]
+    fn hc_mult(&self) -> usize {
+        self.shared.width.hc
+    }
+    /// Values per highway row (C = hc * H).
+    #[getter]
+    fn channels(&self) -> usize {
+        self.shared.width.channels()
+    }
+    /// Most rows per forward before the layer splits the call.
+    #[getter]
+    fn max_tokens(&self) -> usize {
+        self.shared.max_tokens
+    }
+    /// Tokens of history a carry holds (ngram_size - 1).
+    #[getter]
+    fn context_len(&self) -> usize {
+        self.shared.context_len
+    }
+    /// The EOS token.
+    #[getter]
+    fn eos(&self) -> u32 {
+        self.shared.eos
+    }
+    /// Bytes of a snapshot of a carry that has run.
+    #[getter]
+    fn aux_blob_bytes(&self) -> usize {
+        self.shared.aux_blob_bytes
+    }
+    /// Rows of conv state.
+    #[getter]
+    fn state_len(&self) -> usize {
+        self.shared.state_len
+    }
+    /// Values per table row.
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.shared.head_dim
+    }
+    /// Ids per token.
+    #[getter]
+    fn ngram_heads(&self) -> usize {
+        self.shared.ngram_heads
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Layer(hidden_size={}, hc_mult={}, max_tokens={})",
+            self.shared.width.hidden, self.shared.width.hc, self.shared.max_tokens
+        )
+    }
+}
+
+/// One sequence's carry at one layer: token history and conv state.
+///
+/// A context manager: leaving the `with` block releases it. Released
+/// carries refuse every use (`ValueError`) except `release`, which is
+/// idempotent. A carry dropped unreleased is released then.
+#[pyclass(frozen, module = "metrale_ple", name = "Carry")]
+pub struct Carry {
+    shared: Arc<Shared>,
+    state: Mutex<PleSeqState>,
+}
+
+impl Carry {
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Core, &mut PleSeqState) -> anyhow::Result<T> + Send,
+    ) -> PyResult<T> {
+        let shared = &self.shared;
+        let state = &self.state;
+        py.detach(|| {
+            let core = shared.core.lock();
+            let mut st = state.lock();
+            f(&core, &mut st)
+        })
+        .map_err(py_err)
+    }
+}
+
+impl Drop for Carry {
+    fn drop(&mut self) {
+        let core = self.shared.core.lock();
+        let st = self.state.get_mut();
+        let _ = core.layer.release_seq_state(st, core.gpu.as_ref());
+    }
+}
+
+#[pymethods]
+impl Carry {
+    /// The carry as an aux blob (docs/SPEC.md, "Aux blob format").
+    fn snapshot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let blob = self.with(py, |core, st| core.snapshot(st))?;
+        Ok(PyBytes::new(py, &blob))
+    }
+
+    /// Install an aux blob from `snapshot`; a blob of the wrong size is
+    /// refused with `ValueError` and changes nothing.
+    fn restore(&self, py: Python<'_>, blob: Cow<'_, [u8]>) -> PyResult<()> {
+        let blob: &[u8] = &blob;
+        self.with(py, |core, st| core.restore(st, blob))
+    }
+
+    /// Start the sequence over: `context_len` EOS tokens of history and a
+    /// zero conv state.
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |core, st| {
+            let blob = core.fresh_blob();
+            core.restore(st, &blob)
+        })
+    }
+
+    /// Free the carry's device memory. Idempotent.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |core, st| {
+            core.layer.release_seq_state(st, core.gpu.as_ref())
+        })
+    }
+
+    /// The carried token history (empty before the first forward and after
+    /// release).
+    #[getter]
+    fn history(&self) -> Vec<u32> {
+        self.state.lock().history().to_vec()
+    }
+
+    /// Whether `release` has run.
+    #[getter]
+    fn released(&self) -> bool {
+        self.state.lock().is_released()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.release(py)?;
+        Ok(false)
+    }
+
+    fn __repr__(&self) -> String {
+        let st = self.state.lock();
+        if st.is_released() {
+            "Carry(released)".to_string()
+        } else {
+            format!("Carry(history={:?})", st.history())
+        }
+    }
+}
