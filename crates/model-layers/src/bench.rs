@@ -12,16 +12,56 @@
 //! owns the layer it is given and frees it with everything it allocated
 //! (carries, highway, stream: the layer synchronises its streams when
 //! freed, so the stream goes last) in `close`, or on drop (errors then
-//! ignored).
+//! ignored). Every call returns a [`BenchError`].
 
 use std::hint::black_box;
 
-use anyhow::{Context, Result, ensure};
+use metrale_gpu_runtime::GpuError;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::dtype::bf16_to_f32;
+use thiserror::Error;
 
-use crate::layers::ple::ids::{PleIdDims, PleIdHasher, ple_ngram_ids_into_plain, splitmix64};
-use crate::layers::ple::{ForwardContext, ModelSpec, PleLayer, PleSeqState, PleWeights};
+use crate::layers::ple::ids::{
+    IdError, PleIdDims, PleIdHasher, ple_ngram_ids_into_plain, splitmix64,
+};
+use crate::layers::ple::{
+    ForwardContext, LayerError, ModelSpec, PleLayer, PleSeqState, PleWeights, SpecError,
+};
+
+/// Why a workload could not be set up, run, checked or closed.
+#[derive(Debug, Error)]
+pub enum BenchError {
+    /// The preset's hash constants could not be derived.
+    #[error("deriving the hash constants of site {site}: {error}")]
+    Derive {
+        /// The site.
+        site: usize,
+        /// The spec's error.
+        error: SpecError,
+    },
+    /// The hasher refused its constants or inputs.
+    #[error(transparent)]
+    Ids(#[from] IdError),
+    /// The layer refused a call.
+    #[error(transparent)]
+    Layer(#[from] LayerError),
+    /// A device call failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// Releasing a carry failed (the seed's `release_seq_state` returns
+    /// `anyhow::Result`).
+    #[error("releasing a bench carry: {0:#}")]
+    Release(anyhow::Error),
+    /// The sizes or weights given do not fit, or the workload was closed.
+    #[error("bench layer: {0}")]
+    Setup(&'static str),
+    /// Two results that must agree differ.
+    #[error("{0}")]
+    Mismatch(&'static str),
+}
+
+/// `Result` with [`BenchError`].
+pub type Result<T, E = BenchError> = std::result::Result<T, E>;
 
 /// A deterministic stream of numbers: successive [`splitmix64`] outputs.
 #[derive(Clone, Debug)]
@@ -76,7 +116,7 @@ pub fn tokens(n: usize, vocab: u64, eos: u32, seed: u64) -> Vec<u32> {
 fn site_dims(spec: &ModelSpec, site: usize) -> Result<PleIdDims> {
     Ok(spec
         .derive(site)
-        .with_context(|| format!("deriving the hash constants of site {site}"))?
+        .map_err(|error| BenchError::Derive { site, error })?
         .dims)
 }
 
@@ -167,11 +207,12 @@ impl IdsPrefill {
     /// Fails unless [`run`](Self::run) and [`baseline`](Self::baseline)
     /// (and [`portable`](Self::portable), if it ran) wrote the same ids.
     pub fn check(&self) -> Result<()> {
-        ensure!(self.fast == self.plain, "fast and plain ids differ");
-        ensure!(
-            !self.portable_ran || self.scalar == self.plain,
-            "portable and plain ids differ"
-        );
+        if self.fast != self.plain {
+            return Err(BenchError::Mismatch("fast and plain ids differ"));
+        }
+        if self.portable_ran && self.scalar != self.plain {
+            return Err(BenchError::Mismatch("portable and plain ids differ"));
+        }
         Ok(())
     }
 }
@@ -246,10 +287,9 @@ impl IdsDecode {
 
     /// Fails unless the batched and per-sequence ids agree.
     pub fn check(&self) -> Result<()> {
-        ensure!(
-            self.out == self.reference,
-            "batched and per-sequence ids differ"
-        );
+        if self.out != self.reference {
+            return Err(BenchError::Mismatch("batched and per-sequence ids differ"));
+        }
         Ok(())
     }
 }
@@ -334,11 +374,12 @@ impl<'a> LayerForward<'a> {
         let e = layer.dims().ngram_heads() * layer.head_dim();
         let h = layer.hidden();
         let dev = (|| -> Result<(DevicePtr, StreamId)> {
-            ensure!(t > 0 && b > 0, "bench layer: sizes must be positive");
-            ensure!(
-                weights.key_proj.len() == c * e && weights.value_proj.len() == h * e,
-                "bench layer: the weights do not match the layer"
-            );
+            if t == 0 || b == 0 {
+                return Err(BenchError::Setup("sizes must be positive"));
+            }
+            if weights.key_proj.len() != c * e || weights.value_proj.len() != h * e {
+                return Err(BenchError::Setup("the weights do not match the layer"));
+            }
             let stream = gpu.create_stream()?;
             match gpu.alloc(t.max(b) * c * 4, "bench highway") {
                 Ok(p) => Ok((p, stream)),
@@ -388,7 +429,7 @@ impl<'a> LayerForward<'a> {
     }
 
     fn dev(&self) -> Result<(DevicePtr, StreamId)> {
-        self.dev.context("bench layer: the workload was closed")
+        self.dev.ok_or(BenchError::Setup("the workload was closed"))
     }
 
     fn draw(&mut self, n: usize) -> Vec<u32> {
@@ -435,12 +476,17 @@ impl<'a> LayerForward<'a> {
     fn free(&mut self) -> Result<()> {
         let mut r: Result<()> = Ok(());
         for st in &mut self.states {
-            keep_first(&mut r, self.layer.release_seq_state(st, self.gpu));
+            keep_first(
+                &mut r,
+                self.layer
+                    .release_seq_state(st, self.gpu)
+                    .map_err(BenchError::Release),
+            );
         }
         self.states.clear();
         keep_first(&mut r, self.layer.free(self.gpu));
         if let Some((highway, stream)) = self.dev.take() {
-            keep_first(&mut r, self.gpu.free(highway));
+            keep_first(&mut r, self.gpu.dealloc(highway));
             keep_first(&mut r, self.gpu.destroy_stream(stream));
         }
         r
@@ -460,7 +506,7 @@ impl Drop for LayerForward<'_> {
 }
 
 /// Keep the first error of a sequence of clean-up steps.
-fn keep_first<E: Into<anyhow::Error>>(acc: &mut Result<()>, r: Result<(), E>) {
+fn keep_first<E: Into<BenchError>>(acc: &mut Result<()>, r: Result<(), E>) {
     if let (Ok(()), Err(e)) = (&acc, r) {
         *acc = Err(e.into());
     }

@@ -418,7 +418,7 @@ fn bench_ids(ctx: &mut Ctx) -> Result<Vec<Row>> {
         s.ids_reps,
         &mut p,
         &nothing,
-        &[&|p| p.run(), &|p| p.baseline()],
+        &[&|p| Ok(p.run()?), &|p| Ok(p.baseline()?)],
     )?;
     p.check()?;
     let (t, heads) = (p.tokens(), p.heads());
@@ -437,7 +437,7 @@ fn bench_ids(ctx: &mut Ctx) -> Result<Vec<Row>> {
         s.ids_reps,
         &mut d,
         &nothing,
-        &[&|d| d.run(), &|d| d.baseline()],
+        &[&|d| Ok(d.run()?), &|d| Ok(d.baseline()?)],
     )?;
     d.check()?;
     let b = d.batch();
@@ -584,8 +584,8 @@ fn layer_rows(s: &Sizes, g: &ModelSpec, mut w: LayerForward<'_>) -> Result<Vec<R
         &nothing,
         &[&infallible(LayerForward::naive)],
     )?[0];
-    let prefill = interleaved(s.prefill_reps, &mut w, &nothing, &[&|w| w.prefill()])?[0];
-    let decode = interleaved(s.decode_steps, &mut w, &nothing, &[&|w| w.decode()])?[0];
+    let prefill = interleaved(s.prefill_reps, &mut w, &nothing, &[&|w| Ok(w.prefill()?)])?[0];
+    let decode = interleaved(s.decode_steps, &mut w, &nothing, &[&|w| Ok(w.decode()?)])?[0];
     w.close()?;
     let (naive, what) = (1.0 / secs(naive), "naive scalar projection alone, 1 thread");
     Ok(vec![
