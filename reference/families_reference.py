@@ -1,7 +1,7 @@
 """Reference ids of the Engram and LongCat hash families, and the golden
 fixtures under fixtures/families/.
 
-Written from docs/SPEC.md ("Families") and the public descriptions of the
+Written from docs/SPEC.md §11 (Families) and the public descriptions of the
 two families (the Engram demo, DeepSeek-V4.1 ports, LongCat's n-gram
 embedding), not from the Rust code. numpy only; the Rust tests read the
 JSON this writes and never run Python.

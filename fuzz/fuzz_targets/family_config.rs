@@ -1,4 +1,4 @@
-//! Fuzz the Engram and LongCat config keys (docs/SPEC.md, "Families"):
+//! Fuzz the Engram and LongCat config keys of docs/SPEC.md §11 (Families):
 //! parsing, validation, the config.json round trip, site derivation and
 //! hashing.
 //!

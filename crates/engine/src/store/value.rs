@@ -1,5 +1,5 @@
-//! Stored values: a snapshot container (docs/SPEC.md section 8, the bytes
-//! [`Snapshot::encode`] makes) behind a small header naming the model and
+//! Stored values: a snapshot container of docs/SPEC.md §8 (Snapshot
+//! container), the bytes [`Snapshot::encode`] makes, behind a small header naming the model and
 //! the key it was stored under.
 //!
 //! Layout (all integers little-endian):
