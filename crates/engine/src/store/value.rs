@@ -1,6 +1,6 @@
 //! Stored values: a snapshot container of docs/SPEC.md §8 (Snapshot
-//! container), the bytes [`Snapshot::encode`] makes, behind a small header naming the model and
-//! the key it was stored under.
+//! container), the bytes [`Snapshot::encode`] makes, behind a small header
+//! naming the model and the key it was stored under.
 //!
 //! Layout (all integers little-endian):
 //!
