@@ -11,54 +11,15 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use libfuzzer_sys::fuzz_target;
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::carry_blob;
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, PleWeights, SiteSpec};
-use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
-use metrale_storage::{Result as StorageResult, StorageError};
+use metrale_testkit::tiny::TinyTable;
 
 const HEAD_DIM: usize = 4;
-const ROWS: u64 = 18;
-
-/// A table held in one device allocation; nothing to pin.
-struct Resident {
-    base: DevicePtr,
-}
-
-impl RowTable for Resident {
-    fn info(&self) -> TableInfo {
-        TableInfo { rows: ROWS, head_dim: HEAD_DIM, dtype: RowDType::Bf16 }
-    }
-    fn max_resolve(&self) -> usize {
-        1 << 20
-    }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> StorageResult<Lease> {
-        if ids.len() != out.len() {
-            return Err(StorageError::OutputLength { ids: ids.len(), out: out.len() });
-        }
-        for (&id, o) in ids.iter().zip(out.iter_mut()) {
-            if id >= ROWS {
-                return Err(StorageError::RowOutOfRange { id, rows: ROWS });
-            }
-            *o = RowRef { data: self.base.offset(id as usize * HEAD_DIM * 2).0, scale: 0 };
-        }
-        Ok(Lease::empty())
-    }
-    fn release(&self, _l: Lease, gpu: &dyn GpuBackend, after: Option<EventHandle>) -> StorageResult<()> {
-        if let Some(ev) = after {
-            gpu.event_synchronize(ev)?;
-            gpu.destroy_event(ev)?;
-        }
-        Ok(())
-    }
-    fn prefetch(&self, _ids: &[u64]) -> StorageResult<()> {
-        Ok(())
-    }
-    fn stats(&self) -> TableStats {
-        TableStats::default()
-    }
-}
+/// Rows of the table: the sum of the two head sizes below.
+const ROWS: usize = 18;
 
 struct World {
     gpu: Arc<dyn GpuBackend>,
@@ -88,9 +49,8 @@ fn world() -> &'static Mutex<World> {
             head_offsets: vec![0, 7],
             eos_token_id: 0,
         };
-        let rows: Vec<u8> = (0..ROWS as usize * HEAD_DIM).flat_map(|i| bf16(i).to_le_bytes()).collect();
-        let base = gpu.alloc(rows.len(), "fuzz.table").unwrap();
-        gpu.copy_h2d(&rows, base).unwrap();
+        let rows: Vec<u16> = (0..ROWS * HEAD_DIM).map(bf16).collect();
+        let table = TinyTable::new(gpu.clone(), &rows, HEAD_DIM).expect("fuzz table");
         let w = PleWeights {
             key_proj: (0..c * e).map(bf16).collect(),
             value_proj: (0..hidden * e).map(|i| bf16(i + 5)).collect(),
@@ -100,7 +60,7 @@ fn world() -> &'static Mutex<World> {
             conv1d: (0..c * k).map(|i| (i % 5) as f32 / 8.0).collect(),
         };
         let spec = SiteSpec::new(dims, HEAD_DIM, hidden, hc, k, 3);
-        let layer = PleLayer::new(&spec, w, Arc::new(Resident { base }), 4, gpu.as_ref())
+        let layer = PleLayer::new(&spec, w, table, 4, gpu.as_ref())
             .expect("fuzz layer");
         let st = layer.new_seq_state(gpu.as_ref()).unwrap();
         let highway = gpu.alloc(c * 4, "fuzz.highway").unwrap();
