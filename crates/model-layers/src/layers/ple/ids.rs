@@ -511,7 +511,7 @@ pub fn family_ids_into_plain(
             };
             family::engram_run(dims, map.as_deref(), fill, &rows, history, tokens, out);
         }
-        family::Prepared::LongCat { weights } => {
+        family::Prepared::LongCat { weights, .. } => {
             family::longcat_run(dims, &weights, history, tokens, out);
         }
     }
@@ -623,8 +623,19 @@ impl PleIdHasher {
                 );
                 true
             }
-            family::Prepared::LongCat { weights } => {
-                family::longcat_run(&self.dims, weights, history, tokens, out);
+            family::Prepared::LongCat { weights, narrow } => {
+                if *narrow {
+                    family::longcat_run_narrow(
+                        &self.dims,
+                        weights,
+                        &self.heads,
+                        history,
+                        tokens,
+                        out,
+                    );
+                } else {
+                    family::longcat_run(&self.dims, weights, history, tokens, out);
+                }
                 true
             }
         }

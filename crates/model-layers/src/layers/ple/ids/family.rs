@@ -37,7 +37,7 @@
 use std::sync::Arc;
 
 use super::error::{id_bail, id_ensure};
-use super::{HeadRows, IdError, MAX_NGRAM_SIZE, PleIdDims, Result};
+use super::{HeadMod, HeadRows, IdError, MAX_NGRAM_SIZE, PleIdDims, Result};
 
 /// A compressed-token map: entry `t` is the id hashed for raw token `t`.
 /// Shared, since one map serves every site of a model.
@@ -222,8 +222,9 @@ pub(super) enum Prepared {
     Qwen4Exp,
     /// The map and the hashed fill (pad) id.
     Engram { map: Option<TokenMap>, fill: u64 },
-    /// The polynomial weights, `N` per sub-table.
-    LongCat { weights: Vec<u64> },
+    /// The polynomial weights, `N` per sub-table, and whether every sum
+    /// of products fits 64 bits (then one reciprocal reduction per id).
+    LongCat { weights: Vec<u64>, narrow: bool },
 }
 
 impl Prepared {
@@ -242,9 +243,18 @@ impl Prepared {
                     fill: u64::from(fill),
                 }
             }
-            HashFamily::LongCat { vocab_size } => Prepared::LongCat {
-                weights: longcat_weights(*vocab_size, dims),
-            },
+            HashFamily::LongCat { vocab_size } => {
+                // A term is below V * M and an id adds at most N terms.
+                let n = dims.ngram_size as u128;
+                let narrow = dims
+                    .head_vocab_sizes
+                    .iter()
+                    .all(|&m| u128::from(*vocab_size) * u128::from(m) * n <= u128::from(u64::MAX));
+                Prepared::LongCat {
+                    weights: longcat_weights(*vocab_size, dims),
+                    narrow,
+                }
+            }
         }
     }
 }
@@ -342,6 +352,35 @@ fn longcat_token(dims: &PleIdDims, weights: &[u64], prev: &[u64], x: u64, row: &
     }
 }
 
+/// [`longcat_run`] when every sum fits 64 bits (`Prepared::LongCat`'s
+/// `narrow`): the products are summed unreduced and reduced once by the
+/// head's reciprocal, which gives the same ids.
+pub(super) fn longcat_run_narrow(
+    dims: &PleIdDims,
+    weights: &[u64],
+    heads: &[HeadMod],
+    history: &[u32],
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    let n = dims.ngram_size;
+    let k = dims.heads_per_ngram;
+    let mut ctx = LongCatContext::after(history, dims.context_len(), dims.eos_token_id);
+    for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(dims.ngram_heads())) {
+        let x = u64::from(t);
+        for (i, (slot, h)) in row.iter_mut().zip(heads).enumerate() {
+            let order = i / k + 2;
+            let w = &weights[i * n..i * n + order];
+            let mut acc = x * w[0];
+            for (&p, &wd) in ctx.prev[..order - 1].iter().zip(&w[1..]) {
+                acc += p * wd;
+            }
+            *slot = h.m.rem(acc) + h.offset;
+        }
+        ctx.push(t);
+    }
+}
+
 /// LongCat over `history ++ tokens`, as [`engram_run`].
 pub(super) fn longcat_run(
     dims: &PleIdDims,
@@ -393,5 +432,42 @@ mod tests {
         check_tokens(&l, "history", &[9]).unwrap();
         let msg = check_tokens(&l, "history", &[10]).unwrap_err().to_string();
         assert!(msg.contains("history") && msg.contains("10"), "{msg}");
+    }
+
+    /// The narrow (64-bit sums, one reciprocal reduction) and the wide
+    /// (128-bit, reduced per term) LongCat kernels agree.
+    #[test]
+    fn longcat_narrow_equals_wide() {
+        let vocab = 1000u64;
+        let (sizes, offsets, _) = crate::layers::ple::ids::longcat_layout(2999, 6).unwrap();
+        let dims = PleIdDims {
+            ngram_size: 4,
+            heads_per_ngram: 2,
+            multipliers: vec![],
+            head_vocab_sizes: sizes.clone(),
+            head_offsets: offsets.clone(),
+            eos_token_id: 7,
+        };
+        validate_family(&HashFamily::LongCat { vocab_size: vocab }, &dims).unwrap();
+        let weights = longcat_weights(vocab, &dims);
+        let heads: Vec<HeadMod> = sizes
+            .iter()
+            .zip(&offsets)
+            .map(|(&s, &offset)| HeadMod {
+                m: super::super::FastMod::new(s).unwrap(),
+                offset,
+            })
+            .collect();
+        let tokens: Vec<u32> = (0..200u32).map(|i| (i * 37 + i / 3) % 1000).collect();
+        let tokens: Vec<u32> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| if i % 9 == 4 { 7 } else { t })
+            .collect();
+        let mut wide = vec![0; tokens.len() * 6];
+        let mut narrow = vec![0; tokens.len() * 6];
+        longcat_run(&dims, &weights, &[999, 7, 3], &tokens, &mut wide);
+        longcat_run_narrow(&dims, &weights, &heads, &[999, 7, 3], &tokens, &mut narrow);
+        assert_eq!(wide, narrow);
     }
 }
