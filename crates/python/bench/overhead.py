@@ -1,11 +1,12 @@
 """Python call overhead of a batched decode step.
 
 Times ``Engine.decode(batch, hidden)`` called from a Python loop against the
-same engine call made from a Rust loop (``metrale_ple._rust_decode_timing``,
-which holds the highway rows in a Rust buffer), on one engine, alternating
-rounds so drift hits both alike. Prints the median step time of each, the
+same engine call made from Rust (``metrale_ple._rust_decode_timing``, which
+holds the highway rows in a Rust buffer and times the call inside Rust), on
+one engine, alternating step by step so drift hits both alike. Prints the median step time of each, the
 difference (the Python call's overhead: argument checks, the GIL release,
-the numpy view) and the ratio.
+the numpy view) and the ratio, and the median time of an empty decode
+call from Python (the fixed cost of crossing into Rust).
 
 Usage: python crates/python/bench/overhead.py [--presets flagship,tiny]
        [--batch 32] [--steps 20] [--rounds 5] [--dir DIR]
@@ -45,16 +46,25 @@ def bench(ck, batch: int, steps: int, rounds: int) -> dict:
             e.decode(pairs, hidden)
         metrale_ple._rust_decode_timing(e, pairs, 3)
         py_t, rs_t = [], []
-        for _ in range(rounds):
-            for _ in range(steps):
-                hidden.fill(0.5)
-                t = time.perf_counter()
-                e.decode(pairs, hidden)
-                py_t.append(time.perf_counter() - t)
-            rs_t.extend(metrale_ple._rust_decode_timing(e, pairs, steps))
+        # Steps alternate between the two so that load from elsewhere hits
+        # both alike.
+        for _ in range(rounds * steps):
+            hidden.fill(0.5)
+            t = time.perf_counter()
+            e.decode(pairs, hidden)
+            py_t.append(time.perf_counter() - t)
+            rs_t.extend(metrale_ple._rust_decode_timing(e, pairs, 1))
+        # The fixed cost of a call with no work: argument checks, the GIL
+        # release and the lock.
+        empty = np.empty((0, W), np.float32)
+        call_t = []
+        for _ in range(2000):
+            t = time.perf_counter()
+            e.decode([], empty)
+            call_t.append(time.perf_counter() - t)
     py_m, rs_m = statistics.median(py_t), statistics.median(rs_t)
     return {"width": W, "python": py_m, "rust": rs_m, "overhead": py_m - rs_m, "ratio": py_m / rs_m,
-            "python_min": min(py_t), "rust_min": min(rs_t)}
+            "python_min": min(py_t), "rust_min": min(rs_t), "empty_call": statistics.median(call_t)}
 
 
 def main() -> None:
@@ -70,7 +80,7 @@ def main() -> None:
     if a.dir is None:
         tmp = tempfile.TemporaryDirectory()
         a.dir = Path(tmp.name)
-    print(f"batched decode, batch {a.batch}, {a.rounds} x {a.steps} steps each way (medians)")
+    print(f"batched decode, batch {a.batch}, {a.rounds * a.steps} steps each way, alternating (medians)")
     for preset in a.presets.split(","):
         path = a.dir / preset
         if (path / "config.json").exists():
@@ -83,7 +93,8 @@ def main() -> None:
         print(f"{preset:9s} H={g['hidden_size']} hc={g['hc_mult']} heads={g['ngram_heads']}x{g['head_dim']} "
               f"sites={len(ck.sites)}: python {r['python'] * 1e6:10.1f} us/step, "
               f"rust {r['rust'] * 1e6:10.1f} us/step, overhead {r['overhead'] * 1e6:+8.1f} us "
-              f"(ratio {r['ratio']:.3f}; min {r['python_min'] * 1e6:.1f} vs {r['rust_min'] * 1e6:.1f} us)")
+              f"(ratio {r['ratio']:.3f}; min {r['python_min'] * 1e6:.1f} vs {r['rust_min'] * 1e6:.1f} us; "
+              f"an empty decode call from Python {r['empty_call'] * 1e6:.2f} us)")
     if tmp is not None:
         tmp.cleanup()
 
