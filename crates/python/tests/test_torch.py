@@ -36,6 +36,10 @@ def test_tensor_in_place_through_the_layer(tiny):
     with layer.new_carry() as c:
         layer.prefill(c, [1, 2, 3], t)  # a CPU tensor is updated in place
     assert t.abs().sum() > 0
+    b = torch.zeros(1, 3, layer.channels)  # a leading batch axis of 1
+    with layer.new_carry() as c:
+        layer.prefill(c, [1, 2, 3], b)
+    assert torch.equal(b[0], t)
     with pytest.raises(ValueError):
         with layer.new_carry() as c:
             layer.prefill(c, [1], torch.zeros(1, layer.channels, requires_grad=True))
