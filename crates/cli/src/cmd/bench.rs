@@ -43,7 +43,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use clap::Args;
+use clap::{Args, Subcommand};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
@@ -61,12 +61,16 @@ use super::common::{Device, bytes, open_backend};
 use super::run::{EngineSetup, build_engine};
 use super::{CmdError, failure, input};
 
+mod offload;
 mod report;
 
 /// Arguments of `metrale-ple bench`.
 #[derive(Args, Debug)]
 #[command(after_help = "Example:\n  metrale-ple bench --quick")]
 pub struct BenchArgs {
+    /// A benchmark of its own instead of the table.
+    #[command(subcommand)]
+    command: Option<BenchCommand>,
     /// A short run (well under a minute): fewer repetitions, a 42 MB table
     /// file, a small layer table. The full run takes a few minutes.
     #[arg(long)]
@@ -88,6 +92,15 @@ pub struct BenchArgs {
     /// runtime figures measure host work and run on the CPU backend.
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
     device: Device,
+}
+
+/// The benchmarks `bench` runs apart from its table.
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Decode throughput with the flagship table resident, mapped and
+    /// behind the row cache, prefetch off and on, warmed to a steady hit
+    /// rate, beside the disk's random-read ceiling.
+    Offload(offload::OffloadArgs),
 }
 
 /// Every size and repetition count of one run.
@@ -285,6 +298,9 @@ impl Drop for Scratch {
 
 /// Run `metrale-ple bench`.
 pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
+    if let Some(BenchCommand::Offload(a)) = &args.command {
+        return offload::run(a);
+    }
     let sizes = if args.smoke {
         SMOKE
     } else if args.quick {

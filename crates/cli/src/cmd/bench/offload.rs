@@ -1,0 +1,631 @@
+//! `metrale-ple bench offload`: what serving the PLE table from disk costs
+//! a decode workload, at the flagship geometry.
+//!
+//! One synthetic flagship checkpoint (its table cut to a size several times
+//! the row cache: at least 8x, several GiB on disk for the full run) is
+//! served resident, memory-mapped and through the row cache, each with
+//! prefetch off and on. For each, a fresh engine prefills a set of
+//! sequences and decodes them together, one Zipf-distributed token each per
+//! step, window after window until the row cache is warm (its hit rate moved
+//! less than half a point between two consecutive windows), and then the
+//! same workload is measured: decode tokens/s, the overhead against the
+//! resident table with the same prefetch setting, the hit rate, bytes read
+//! per token and the share of wall time spent waiting for reads. The disk's
+//! random 4 KiB read ceiling ([`RandomReads`], the miss path's reader) is
+//! measured in the same run, on the checkpoint's own shard file.
+//!
+//! Invariants: every configuration sees the same prompts and the same
+//! decode tokens (one seeded stream), so the figures differ only by how
+//! rows are served; figures are measured, never estimated: a figure a table
+//! does not produce (a hit rate without a cache, I/O wait of page faults)
+//! is left out (JSON `null`). Bytes read are the row cache's own reads for a
+//! cached table, and the process's storage reads (`/proc/self/io`) for the
+//! others. With prefetch on, the rows of each sequence's next token are
+//! requested before the current step runs, so their reads overlap it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use clap::Args;
+use metrale_checkpoint::runtime::TableMode;
+use metrale_checkpoint::synth::write_synthetic;
+use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
+use metrale_engine::ple_site::PleSite;
+use metrale_engine::{Engine, EngineConfig, SeqId};
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_storage::bench::RandomReads;
+use metrale_storage::table::TableStats;
+use serde::Serialize;
+
+use crate::cmd::common::bytes;
+use crate::cmd::run::{EngineSetup, build_engine};
+use crate::cmd::{CmdError, failure, input};
+
+/// Arguments of `metrale-ple bench offload`.
+#[derive(Args, Debug)]
+#[command(after_help = "Examples:\n  metrale-ple bench offload --quick\n  \
+                        metrale-ple bench offload --checkpoint /data/flagship-offload --json")]
+pub struct OffloadArgs {
+    /// Print one JSON object (the run's sizes, the disk ceiling, and a
+    /// `rows` array with one entry per table and prefetch setting).
+    #[arg(long)]
+    json: bool,
+    /// The checkpoint to serve. A missing or empty directory gets the
+    /// synthetic flagship checkpoint of the run's size, kept for later
+    /// runs; default: one written under the temp dir and removed after.
+    #[arg(long, value_name = "DIR")]
+    checkpoint: Option<PathBuf>,
+    /// A small run: a 320 MiB table, fewer sequences and shorter windows.
+    #[arg(long)]
+    quick: bool,
+}
+
+/// The sizes of one run.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    name: &'static str,
+    /// Table rows stored when the checkpoint is written here.
+    table_rows: u64,
+    /// Row-cache slots (lowered to an eighth of the stored rows).
+    slots: usize,
+    /// Sequences decoded together.
+    sequences: usize,
+    /// Prompt tokens prefilled per sequence.
+    prompt: usize,
+    /// Decode steps per warm-up window.
+    window: usize,
+    /// Most warm-up windows before measuring anyway.
+    max_windows: usize,
+    /// Decode steps per measured repetition.
+    measure: usize,
+    /// Measured repetitions (tokens/s is their median).
+    reps: usize,
+    /// How long the disk ceiling is measured.
+    ceiling: Duration,
+}
+
+/// 2^24 rows of 160 BF16 values: 5 GiB on disk, 16x a 2^20-slot cache.
+const FULL: Sizes = Sizes {
+    name: "full",
+    table_rows: 1 << 24,
+    slots: 1 << 20,
+    sequences: 32,
+    prompt: 32,
+    window: 8,
+    max_windows: 40,
+    measure: 32,
+    reps: 5,
+    ceiling: Duration::from_secs(2),
+};
+
+/// 2^20 rows (320 MiB), 16x a 2^16-slot cache.
+const QUICK: Sizes = Sizes {
+    name: "quick",
+    table_rows: 1 << 20,
+    slots: 1 << 16,
+    sequences: 16,
+    prompt: 16,
+    window: 4,
+    max_windows: 16,
+    measure: 16,
+    reps: 3,
+    ceiling: Duration::from_millis(500),
+};
+
+/// A hit rate that moved less than this between two consecutive windows
+/// is settled (half a percentage point).
+const SETTLED: f64 = 0.005;
+
+/// The Zipf exponent of the decode tokens (as `run`'s default).
+const ZIPF: f64 = 1.1;
+
+/// One measured configuration.
+#[derive(Serialize, Debug, Clone)]
+struct OffloadRow {
+    table: &'static str,
+    prefetch: bool,
+    /// The backbone is not run: only the PLE sites.
+    backbone: bool,
+    decode_tokens_per_s: f64,
+    overhead_vs_resident_pct: Option<f64>,
+    hit_rate: Option<f64>,
+    bytes_read_per_token: Option<f64>,
+    io_wait_share: Option<f64>,
+}
+
+/// The whole report.
+#[derive(Serialize, Debug)]
+struct Report {
+    run: &'static str,
+    preset: &'static str,
+    checkpoint: String,
+    table_rows: u64,
+    table_bytes: u64,
+    cache_slots: usize,
+    cache_bytes: u64,
+    sequences: usize,
+    measured_steps: usize,
+    measured_reps: usize,
+    disk_reader: String,
+    disk_direct: bool,
+    disk_random_reads_per_s: f64,
+    disk_random_read_bytes_per_s: f64,
+    rows: Vec<OffloadRow>,
+}
+
+/// Removes a directory when dropped, so a failed run leaves nothing behind.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            eprintln!("bench offload: could not remove {}: {e}", self.0.display());
+        }
+    }
+}
+
+/// splitmix64: the token stream and the highway rows.
+struct Mix(u64);
+
+impl Mix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Tokens `0..vocab` drawn with probability proportional to `1/(k+1)^s`.
+struct Zipf {
+    cdf: Vec<f64>,
+}
+
+impl Zipf {
+    fn new(vocab: usize, s: f64) -> Zipf {
+        let mut acc = 0.0;
+        let mut cdf: Vec<f64> = (0..vocab)
+            .map(|k| {
+                acc += 1.0 / ((k + 1) as f64).powf(s);
+                acc
+            })
+            .collect();
+        for c in &mut cdf {
+            *c /= acc;
+        }
+        Zipf { cdf }
+    }
+    fn sample(&self, r: &mut Mix) -> u32 {
+        let u = r.unit();
+        self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1) as u32
+    }
+}
+
+/// Run `metrale-ple bench offload`.
+pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
+    let sizes = if args.quick { QUICK } else { FULL };
+    let t0 = Instant::now();
+    let (dir, _scratch) = match &args.checkpoint {
+        Some(d) => (d.clone(), None),
+        None => {
+            let d =
+                std::env::temp_dir().join(format!("metrale-ple-offload-{}", std::process::id()));
+            (d.clone(), Some(Scratch(d)))
+        }
+    };
+    let ck = checkpoint(&dir, &sizes)?;
+    let report = measure_all(&ck, &sizes).map_err(failure)?;
+    eprintln!("bench offload: done in {:.1} s", t0.elapsed().as_secs_f64());
+    print(&report, args.json).map_err(failure)
+}
+
+/// The checkpoint in `dir`: opened when it holds one, else the synthetic
+/// flagship checkpoint of `sizes` written there first.
+fn checkpoint(dir: &Path, sizes: &Sizes) -> Result<Checkpoint, CmdError> {
+    let empty = match std::fs::read_dir(dir) {
+        Ok(mut entries) => entries.next().is_none(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(e) => {
+            return Err(input(
+                anyhow::Error::new(e).context(format!("--checkpoint {}", dir.display())),
+            ));
+        }
+    };
+    if empty {
+        let t0 = Instant::now();
+        let opts = InitOptions {
+            preset: Preset::Flagship,
+            table_rows: Some(sizes.table_rows),
+            dtype: TableDType::Bf16,
+            seed: 1,
+        };
+        eprintln!(
+            "bench offload: writing a flagship checkpoint with {} table rows to {}",
+            sizes.table_rows,
+            dir.display()
+        );
+        write_synthetic(dir, &opts, &mut |_, _| {})
+            .with_context(|| format!("writing the checkpoint to {}", dir.display()))
+            .map_err(failure)?;
+        eprintln!(
+            "bench offload: written in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    let ck = Checkpoint::open(dir)
+        .with_context(|| format!("opening the checkpoint in {}", dir.display()))
+        .map_err(input)?;
+    Ok(ck)
+}
+
+/// The disk's random 4 KiB read rate on `path` through the miss path's
+/// reader: reads per second, the reader's name and whether it is O_DIRECT.
+fn disk_ceiling(path: &Path, window: Duration) -> Result<(f64, String, bool)> {
+    let mut w = RandomReads::new(path, 1024, 7)?;
+    let t0 = Instant::now();
+    let mut reads = 0u64;
+    while t0.elapsed() < window {
+        reads += w.run()?;
+    }
+    let rate = reads as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+    Ok((rate, w.reader_name().to_string(), w.direct()))
+}
+
+/// Figures of one configuration before the resident comparison.
+struct Measured {
+    tokens_per_s: f64,
+    hit_rate: Option<f64>,
+    bytes_per_token: Option<f64>,
+    io_wait_share: Option<f64>,
+}
+
+fn measure_all(ck: &Checkpoint, sizes: &Sizes) -> Result<Report> {
+    let site = &ck.sites[0];
+    let stored = site.table.stored_rows;
+    let row_bytes = site.table.head_dim as u64 * 2;
+    // The table must be at least 8x the cache.
+    let slots = sizes.slots.min((stored / 8) as usize).max(1);
+    ensure!(
+        site.table.dtype == metrale_storage::table::RowDType::Bf16,
+        "bench offload reads BF16 tables; this checkpoint's is FP8"
+    );
+    eprintln!(
+        "bench offload: {} run, {} sites, {} table rows ({}) per site, a row cache of {} slots \
+         ({}), {} sequences",
+        sizes.name,
+        ck.sites.len(),
+        stored,
+        bytes(site.table.bytes),
+        slots,
+        bytes(slots as u64 * row_bytes),
+        sizes.sequences
+    );
+    let (reads_per_s, reader, direct) = disk_ceiling(&site.table.shards[0].0, sizes.ceiling)
+        .context("measuring the disk's random reads")?;
+    eprintln!(
+        "bench offload: disk random 4 KiB reads: {:.0}/s ({}/s) through {reader}{}",
+        reads_per_s,
+        bytes((reads_per_s * 4096.0) as u64),
+        if direct { ", O_DIRECT" } else { ", buffered" }
+    );
+    let tables = [
+        ("resident", TableMode::Resident),
+        ("mapped", TableMode::Mapped),
+        ("cached", TableMode::Cached),
+    ];
+    let mut rows = Vec::new();
+    for prefetch in [false, true] {
+        let mut resident_tps = None;
+        for (name, mode) in tables {
+            let m = measure(ck, sizes, mode, slots, prefetch)
+                .with_context(|| format!("{name} table, prefetch {prefetch}"))?;
+            if mode == TableMode::Resident {
+                resident_tps = Some(m.tokens_per_s);
+            }
+            rows.push(OffloadRow {
+                table: name,
+                prefetch,
+                backbone: false,
+                decode_tokens_per_s: m.tokens_per_s,
+                overhead_vs_resident_pct: resident_tps.map(|r| (r / m.tokens_per_s - 1.0) * 100.0),
+                hit_rate: m.hit_rate,
+                bytes_read_per_token: m.bytes_per_token,
+                io_wait_share: m.io_wait_share,
+            });
+        }
+    }
+    Ok(Report {
+        run: sizes.name,
+        preset: Preset::Flagship.name(),
+        checkpoint: ck.dir.display().to_string(),
+        table_rows: stored,
+        table_bytes: ck.table_bytes(),
+        cache_slots: slots,
+        cache_bytes: slots as u64 * row_bytes,
+        sequences: sizes.sequences,
+        measured_steps: sizes.measure,
+        measured_reps: sizes.reps,
+        disk_reader: reader,
+        disk_direct: direct,
+        disk_random_reads_per_s: reads_per_s,
+        disk_random_read_bytes_per_s: reads_per_s * 4096.0,
+        rows,
+    })
+}
+
+/// The decode workload over one engine: sequences prefilled once, then
+/// steps of one token each, the next token known one step ahead (what
+/// prefetch reads).
+struct Workload {
+    zipf: Zipf,
+    rng: Mix,
+    ids: Vec<SeqId>,
+    cur: Vec<u32>,
+    next: Vec<u32>,
+    template: Vec<f32>,
+    highway: Vec<f32>,
+    prefetch: bool,
+}
+
+impl Workload {
+    fn new(
+        e: &mut Engine<PleSite>,
+        vocab: usize,
+        sizes: &Sizes,
+        prefetch: bool,
+    ) -> Result<Workload> {
+        let zipf = Zipf::new(vocab, ZIPF);
+        let mut rng = Mix(0x0FF1_0AD5);
+        let w = e.width();
+        let rows = sizes.sequences.max(sizes.prompt);
+        let template: Vec<f32> = (0..rows * w)
+            .map(|_| (rng.unit() * 2.0 - 1.0) as f32)
+            .collect();
+        let mut ids = Vec::with_capacity(sizes.sequences);
+        for _ in 0..sizes.sequences {
+            let prompt: Vec<u32> = (0..sizes.prompt).map(|_| zipf.sample(&mut rng)).collect();
+            let id = e.add_sequence(&prompt)?.id;
+            let mut hw = template[..prompt.len() * w].to_vec();
+            e.prefill(id, &prompt, &mut hw)?;
+            ids.push(id);
+        }
+        let cur = (0..ids.len()).map(|_| zipf.sample(&mut rng)).collect();
+        let next = (0..ids.len()).map(|_| zipf.sample(&mut rng)).collect();
+        Ok(Workload {
+            zipf,
+            rng,
+            ids,
+            cur,
+            next,
+            highway: Vec::with_capacity(sizes.sequences * w),
+            template,
+            prefetch,
+        })
+    }
+
+    /// One decode step of every sequence.
+    fn step(&mut self, e: &mut Engine<PleSite>) -> Result<()> {
+        if self.prefetch {
+            for (i, &id) in self.ids.iter().enumerate() {
+                e.prefetch(id, &[self.cur[i], self.next[i]])?;
+            }
+        }
+        let batch: Vec<(SeqId, u32)> = self.ids.iter().copied().zip(self.cur.clone()).collect();
+        self.highway.clear();
+        self.highway
+            .extend_from_slice(&self.template[..batch.len() * e.width()]);
+        e.decode(&batch, &mut self.highway)?;
+        std::mem::swap(&mut self.cur, &mut self.next);
+        for t in &mut self.next {
+            *t = self.zipf.sample(&mut self.rng);
+        }
+        Ok(())
+    }
+}
+
+/// The difference of two counter snapshots.
+fn delta(a: &TableStats, b: &TableStats) -> TableStats {
+    TableStats {
+        hits: b.hits - a.hits,
+        misses: b.misses - a.misses,
+        evictions: b.evictions - a.evictions,
+        bytes_read: b.bytes_read - a.bytes_read,
+        read_calls: b.read_calls - a.read_calls,
+        pages_coalesced: b.pages_coalesced - a.pages_coalesced,
+        io_wait_ns: b.io_wait_ns - a.io_wait_ns,
+    }
+}
+
+/// The share of `lookups` row lookups of decode steps that found their
+/// row mapped: a resolve counts a hit for each id found loaded, or being
+/// loaded by a prefetch (whose wait is I/O wait); a prefetch's own reads
+/// count as misses, so `hits / (hits + misses)` would count those rows
+/// twice.
+fn hit_rate(s: &TableStats, lookups: u64) -> Option<f64> {
+    (lookups > 0).then(|| s.hits as f64 / lookups as f64)
+}
+
+/// Bytes this process has read from storage so far (`read_bytes` of
+/// `/proc/self/io`), when the kernel reports it.
+fn process_read_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/io").ok()?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("read_bytes:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Warm one configuration up and measure it.
+fn measure(
+    ck: &Checkpoint,
+    sizes: &Sizes,
+    mode: TableMode,
+    slots: usize,
+    prefetch: bool,
+) -> Result<Measured> {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let setup = EngineSetup {
+        mode,
+        slots,
+        faults: None,
+        engine: EngineConfig {
+            prefill_chunk: sizes.prompt,
+            prefix_cache_bytes: 0,
+            ..Default::default()
+        },
+        resident_carries: 0,
+    };
+    let t_open = Instant::now();
+    let mut e = build_engine(ck, &gpu, &setup, sizes.sequences.max(sizes.prompt))?;
+    let opened = t_open.elapsed();
+    let mut w = Workload::new(&mut e, ck.spec.vocab_size as usize, sizes, prefetch)?;
+    let cached = mode == TableMode::Cached;
+    // Every decode token looks up `ngram_heads` rows at every site.
+    let per_token: usize = e.geometries().iter().map(|g| g.dims.ngram_heads()).sum();
+    let per_step = (per_token * sizes.sequences) as u64;
+    let label = format!(
+        "{} table, prefetch {}",
+        match mode {
+            TableMode::Resident => "resident",
+            TableMode::Mapped => "mapped",
+            _ => "cached",
+        },
+        if prefetch { "on" } else { "off" }
+    );
+    // Warm up: windows until the hit rate settles (one window for tables
+    // without a cache, which only fault pages in).
+    let mut trace = Vec::new();
+    let mut settled = false;
+    for _ in 0..sizes.max_windows {
+        let before = e.table_stats();
+        for _ in 0..sizes.window {
+            w.step(&mut e)?;
+        }
+        if !cached {
+            settled = true;
+            break;
+        }
+        let s = delta(&before, &e.table_stats());
+        let hr = hit_rate(&s, per_step * sizes.window as u64).unwrap_or(0.0);
+        let prev = trace.last().copied();
+        trace.push(hr);
+        if prev.is_some_and(|p: f64| (hr - p).abs() < SETTLED) {
+            settled = true;
+            break;
+        }
+    }
+    let trace_text: Vec<String> = trace.iter().map(|h| format!("{:.1}%", h * 100.0)).collect();
+    eprintln!(
+        "bench offload: {label}: opened in {:.2} s; warm-up hit rates [{}]{}",
+        opened.as_secs_f64(),
+        trace_text.join(", "),
+        if settled {
+            ""
+        } else {
+            " (not settled; measured anyway)"
+        }
+    );
+    let stats0 = e.table_stats();
+    let io0 = process_read_bytes();
+    let mut rates = Vec::with_capacity(sizes.reps);
+    let mut wall = 0.0;
+    for _ in 0..sizes.reps.max(1) {
+        let t0 = Instant::now();
+        for _ in 0..sizes.measure {
+            w.step(&mut e)?;
+        }
+        let dt = t0.elapsed().as_secs_f64().max(1e-9);
+        wall += dt;
+        rates.push((sizes.measure * sizes.sequences) as f64 / dt);
+    }
+    let io1 = process_read_bytes();
+    let s = delta(&stats0, &e.table_stats());
+    e.close()?;
+    let steps = (sizes.measure * sizes.reps.max(1)) as u64;
+    let tokens = (steps * sizes.sequences as u64) as f64;
+    let bytes_read = if cached {
+        Some(s.bytes_read)
+    } else {
+        io0.zip(io1).map(|(a, b)| b.saturating_sub(a))
+    };
+    rates.sort_by(f64::total_cmp);
+    let m = Measured {
+        tokens_per_s: rates[rates.len() / 2],
+        hit_rate: if cached {
+            hit_rate(&s, per_step * steps)
+        } else {
+            None
+        },
+        bytes_per_token: bytes_read.map(|b| b as f64 / tokens),
+        io_wait_share: cached.then(|| s.io_wait_ns as f64 / 1e9 / wall),
+    };
+    eprintln!(
+        "bench offload: {label}: {:.1} tokens/s (median of {} x {} steps; {:.2} s in all)",
+        m.tokens_per_s, sizes.reps, sizes.measure, wall
+    );
+    Ok(m)
+}
+
+fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
+    v.map_or_else(|| "-".to_string(), f)
+}
+
+fn print(r: &Report, json: bool) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, r)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "bench offload ({} run): flagship geometry, {} table rows ({}), row cache {} slots ({}), \
+         {} sequences, {} x {} steps measured",
+        r.run,
+        r.table_rows,
+        bytes(r.table_bytes),
+        r.cache_slots,
+        bytes(r.cache_bytes),
+        r.sequences,
+        r.measured_reps,
+        r.measured_steps
+    )?;
+    writeln!(
+        out,
+        "disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}",
+        r.disk_random_reads_per_s,
+        bytes(r.disk_random_read_bytes_per_s as u64),
+        r.disk_reader,
+        if r.disk_direct {
+            ", O_DIRECT"
+        } else {
+            ", buffered"
+        }
+    )?;
+    writeln!(
+        out,
+        "{:<9} {:<8} {:>12} {:>10} {:>9} {:>12} {:>9}",
+        "table", "prefetch", "tokens/s", "overhead", "hit rate", "bytes/token", "I/O wait"
+    )?;
+    for row in &r.rows {
+        writeln!(
+            out,
+            "{:<9} {:<8} {:>12.1} {:>10} {:>9} {:>12} {:>9}",
+            row.table,
+            if row.prefetch { "on" } else { "off" },
+            row.decode_tokens_per_s,
+            opt(row.overhead_vs_resident_pct, |v| format!("{v:+.1}%")),
+            opt(row.hit_rate, |v| format!("{:.1}%", v * 100.0)),
+            opt(row.bytes_read_per_token, |v| format!("{v:.0}")),
+            opt(row.io_wait_share, |v| format!("{:.1}%", v * 100.0)),
+        )?;
+    }
+    Ok(())
+}
