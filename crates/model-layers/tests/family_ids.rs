@@ -356,3 +356,21 @@ fn family_hash_throughput() {
         );
     }
 }
+
+/// A LongCat row base that is not a multiple of the vocabulary survives
+/// the config.json round trip exactly (found by reasoning about the
+/// `family_config` fuzz target: the ratio written back is inexact).
+#[test]
+fn longcat_fractional_row_base_round_trips() {
+    for (vocab, ratio) in [(3u64, 0.5f64), (7, 0.3), (131_072, 100.567), (100, 1.5)] {
+        let text = serde_json::json!({
+            "vocab_size": vocab, "hidden_size": 12, "eos_token_id": 0,
+            "oe_vocab_size_ratio": ratio, "oe_neighbor_num": 4, "oe_split_num": 2,
+        })
+        .to_string();
+        let spec = ModelSpec::from_json_str(&text, "c.json").unwrap();
+        assert_eq!(spec.ngram_vocab_size_base, (ratio * vocab as f64) as u64);
+        let back = ModelSpec::from_json_str(&spec.to_config_json(), "back.json").unwrap();
+        assert_eq!(back, spec, "vocab {vocab} ratio {ratio}");
+    }
+}

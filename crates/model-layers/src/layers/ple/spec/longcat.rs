@@ -107,8 +107,14 @@ pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecErro
     }
     let m = match f.u64_opt(ROWS_BASE_KEY)? {
         Some(m) => {
-            // The ratio must still be there and positive.
-            rows_base(f, ratio_name, vocab_size)?;
+            // The ratio must still be there and positive; `m` is exact.
+            let r = f.get(ratio_name)?;
+            if !r.as_f64().is_some_and(|r| r.is_finite() && r > 0.0) {
+                return Err(f.field_err(ratio_name, format!("must be a positive number, got {r}")));
+            }
+            if m == 0 {
+                return Err(f.field_err(ROWS_BASE_KEY, "must be at least 1, got 0".into()));
+            }
             m
         }
         None => rows_base(f, ratio_name, vocab_size)?,
