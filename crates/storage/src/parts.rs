@@ -6,7 +6,10 @@
 //! gather that reads the rows, records an event after it and releases the
 //! lease with that event before resolving the next part. Each part's row
 //! references are valid only for that part's gather: a later part may
-//! evict the rows of an earlier one once its gather has run.
+//! evict the rows of an earlier one once its gather has run. So any batch
+//! runs on any cache, whereas a caller that keeps every part's lease until
+//! one later gather (a prestaged decode step) needs all its distinct ids
+//! to fit `max_pinned()` at once.
 
 use std::collections::HashSet;
 use std::hash::BuildHasherDefault;

@@ -23,7 +23,9 @@
 //!   unmapped (`FREE`), so a retry reads them again;
 //! - each resolve pins at most `max_resolve` distinct slots; a batch with
 //!   more distinct ids is refused with an error naming both numbers (see
-//!   [`crate::parts::resolve_in_parts`] for the split protocol).
+//!   [`crate::parts::resolve_in_parts`] for the split protocol); leases
+//!   held together can pin every slot (`max_pinned`), and a resolve that
+//!   finds none free waits `pin_wait` for releases before it gives up.
 //!
 //! Events given to `release` must come from the backend the cache was
 //! opened with: pending releases are polled through that backend (on later

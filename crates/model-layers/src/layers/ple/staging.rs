@@ -391,7 +391,11 @@ pub(super) fn refs_bytes(refs: &[RowRef]) -> Vec<u8> {
 /// Resolve `ids` through `table`, in parts of at most `max_resolve()`
 /// distinct ids each, appending the refs to `out`. Returns every part's
 /// lease; on failure the leases already taken are released (nothing was
-/// gathered from them) and the error names the part.
+/// gathered from them) and the error names the part. Every part stays
+/// pinned until the caller releases it, so the ids' distinct count must fit
+/// `max_pinned()` together with the pins others hold, or the last part
+/// waits for a free slot (`prestage_batch` checks the count first; a gather
+/// that can release as it goes splits with [`part_end`] instead).
 pub(super) fn resolve_all(
     table: &dyn RowTable,
     ids: &[u64],
