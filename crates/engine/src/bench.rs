@@ -16,6 +16,7 @@
 use std::hint::black_box;
 
 use anyhow::{Context, Result, ensure};
+use metrale_gpu_runtime::bench::HostMemcpy;
 
 use crate::engine::{Engine, SeqId, Site, SwapTarget};
 
@@ -154,8 +155,7 @@ impl<S: Site> Drop for PrefixRestore<'_, S> {
 pub struct SwapCarry<'a, S: Site> {
     engine: &'a mut Engine<S>,
     id: Option<SeqId>,
-    src: Vec<u8>,
-    dst: Vec<u8>,
+    host: HostMemcpy,
 }
 
 impl<'a, S: Site> SwapCarry<'a, S> {
@@ -172,14 +172,13 @@ impl<'a, S: Site> SwapCarry<'a, S> {
         Ok(SwapCarry {
             engine,
             id: Some(id),
-            src: vec![0x5a; carry],
-            dst: vec![0; carry],
+            host: HostMemcpy::new(carry, 0x5a),
         })
     }
 
     /// Bytes of the carry (and of the baseline's copy).
     pub fn carry_bytes(&self) -> usize {
-        self.src.len()
+        self.host.bytes()
     }
 
     fn id(&self) -> Result<SeqId> {
@@ -202,8 +201,7 @@ impl<'a, S: Site> SwapCarry<'a, S> {
 
     /// The baseline: `memcpy` of the carry's byte count.
     pub fn baseline(&mut self) {
-        self.dst.copy_from_slice(black_box(&self.src));
-        black_box(&mut self.dst);
+        self.host.run();
     }
 
     /// Release the sequence.

@@ -13,14 +13,41 @@ use std::hint::black_box;
 use crate::Result;
 use crate::gpu::{DevicePtr, GpuBackend, StreamId};
 
-/// `copy_d2d_async` of `n` bytes plus `synchronize`, against a host
-/// `memcpy` (`copy_from_slice`) of the same bytes between two touched
-/// buffers.
+/// A host `memcpy` (`copy_from_slice`) between two touched buffers of one
+/// size: the baseline that copies of the same bytes (device copies, carry
+/// swaps) are measured beside.
+pub struct HostMemcpy {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl HostMemcpy {
+    /// Two buffers of `n` bytes, the source filled with `fill`.
+    pub fn new(n: usize, fill: u8) -> HostMemcpy {
+        HostMemcpy {
+            src: vec![fill; n],
+            dst: vec![0u8; n],
+        }
+    }
+
+    /// Bytes one [`run`](Self::run) copies.
+    pub fn bytes(&self) -> usize {
+        self.src.len()
+    }
+
+    /// One copy.
+    pub fn run(&mut self) {
+        self.dst.copy_from_slice(black_box(&self.src));
+        black_box(&mut self.dst);
+    }
+}
+
+/// `copy_d2d_async` of `n` bytes plus `synchronize`, against a
+/// [`HostMemcpy`] of the same bytes.
 pub struct CopyD2d<'a> {
     gpu: &'a dyn GpuBackend,
     n: usize,
-    src: Vec<u8>,
-    dst: Vec<u8>,
+    host: HostMemcpy,
     /// Device source and destination, and the stream; `None` once freed.
     dev: Option<(DevicePtr, DevicePtr, StreamId)>,
 }
@@ -29,7 +56,7 @@ impl<'a> CopyD2d<'a> {
     /// Allocate two device buffers of `n` bytes (the source filled, the
     /// destination zeroed), a stream, and two host buffers for the baseline.
     pub fn new(gpu: &'a dyn GpuBackend, n: usize) -> Result<Self> {
-        let src = vec![7u8; n];
+        let host = HostMemcpy::new(n, 7);
         let a = gpu.alloc(n, "bench d2d src")?;
         let b = match gpu.alloc(n, "bench d2d dst") {
             Ok(b) => b,
@@ -39,7 +66,7 @@ impl<'a> CopyD2d<'a> {
             }
         };
         let stream = gpu.create_stream().and_then(|s| {
-            gpu.copy_h2d(&src, a)
+            gpu.copy_h2d(&host.src, a)
                 .and_then(|()| gpu.memset(b, 0, n))
                 .map(|()| s)
                 .inspect_err(|_| {
@@ -57,8 +84,7 @@ impl<'a> CopyD2d<'a> {
         Ok(CopyD2d {
             gpu,
             n,
-            src,
-            dst: vec![0u8; n],
+            host,
             dev: Some((a, b, s)),
         })
     }
@@ -82,8 +108,7 @@ impl<'a> CopyD2d<'a> {
 
     /// The baseline: `memcpy` of the same bytes on the host.
     pub fn baseline(&mut self) {
-        self.dst.copy_from_slice(black_box(&self.src));
-        black_box(&mut self.dst);
+        self.host.run();
     }
 
     /// Free the device buffers and the stream; the first error wins.
