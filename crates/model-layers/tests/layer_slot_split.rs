@@ -24,8 +24,8 @@ use metrale_model_layers::layers::ple::{ForwardContext, LayerError, PleLayer, Pl
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::resident::ResidentTable;
-use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 use metrale_storage::table::RowTable;
+use metrale_testkit::shards::write_bf16_shards;
 
 /// Sequences decoded together.
 const SEQS: usize = 6;
@@ -43,24 +43,7 @@ enum Mode {
 
 /// The small table as one BF16 safetensors shard under `dir`.
 fn table_files(dir: &Path, small: &Small) -> TableFiles {
-    let hd = small.head_dim;
-    let rows = small.table_bits.len() / hd;
-    let p = dir.join("table.safetensors");
-    let name = "model.layers.1.ple.ngram_embedding.shard_0.weight".to_string();
-    let specs = vec![TensorSpec::new(
-        &name,
-        Dtype::BF16,
-        &[rows as u64, hd as u64],
-    )];
-    let mut w = Writer::create(&p, &specs, &Default::default(), 4096).unwrap();
-    let bytes: Vec<u8> = small
-        .table_bits
-        .iter()
-        .flat_map(|b| b.to_le_bytes())
-        .collect();
-    w.write(&bytes).unwrap();
-    w.finish().unwrap();
-    TableFiles::open(&[(p, name)], Some(rows as u64)).unwrap()
+    write_bf16_shards(dir, "table", 1, &small.table_bits, small.head_dim, 1).unwrap()
 }
 
 /// One graph step over `states` (at most the layer's prestage bound, which

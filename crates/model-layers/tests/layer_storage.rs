@@ -14,8 +14,8 @@ use metrale_model_layers::layers::ple::{ForwardContext, PleSeqState};
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::resident::ResidentTable;
-use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 use metrale_storage::table::RowTable;
+use metrale_testkit::shards::write_bf16_shards;
 
 /// Prefill three sequences, decode them in batches (eager and captured),
 /// with single prestages in between; returns every highway and final blob.
@@ -108,30 +108,7 @@ fn scenario(
 
 /// Write the small table as three equal safetensors shards.
 fn shards(dir: &std::path::Path, small: &Small) -> TableFiles {
-    let hd = small.head_dim;
-    let rows = small.table_bits.len() / hd;
-    let per = rows.div_ceil(3);
-    let mut bits = small.table_bits.clone();
-    bits.resize(per * 3 * hd, 0);
-    let mut list = Vec::new();
-    for i in 0..3 {
-        let p = dir.join(format!("table-{i}.safetensors"));
-        let name = format!("model.layers.1.ple.ngram_embedding.shard_{i}.weight");
-        let specs = vec![TensorSpec::new(
-            &name,
-            Dtype::BF16,
-            &[per as u64, hd as u64],
-        )];
-        let mut w = Writer::create(&p, &specs, &Default::default(), 4096).unwrap();
-        let bytes: Vec<u8> = bits[i * per * hd..(i + 1) * per * hd]
-            .iter()
-            .flat_map(|b| b.to_le_bytes())
-            .collect();
-        w.write(&bytes).unwrap();
-        w.finish().unwrap();
-        list.push((p, name));
-    }
-    TableFiles::open(&list, Some((per * 3) as u64)).unwrap()
+    write_bf16_shards(dir, "table", 1, &small.table_bits, small.head_dim, 3).unwrap()
 }
 
 #[test]

@@ -7,6 +7,7 @@
 //! - [`tiny`]: tiny real PLE models with random weights over a small
 //!   device-resident table, and engines over them;
 //! - [`toy`]: a toy engine site with the PLE carry's shape and simple math;
+//! - [`shards`]: BF16 table shard files in the checkpoint's naming;
 //! - [`fixtures`]: the golden fixtures the numpy references write;
 //! - [`files`]: checkpoint files damaged on purpose (a tensor replaced or
 //!   reshaped) for refusal tests;
@@ -18,6 +19,7 @@ pub mod files;
 pub mod fixtures;
 pub mod rng;
 pub mod rows;
+pub mod shards;
 pub mod tiny;
 pub mod toy;
 

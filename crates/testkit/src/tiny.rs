@@ -24,10 +24,11 @@ use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
 use metrale_storage::StorageError;
 use metrale_storage::dtype::f32_to_bf16;
 use metrale_storage::layout::TableFiles;
-use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
 use metrale_storage::table::{
     Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len,
 };
+
+use crate::shards::write_bf16_shards;
 
 /// A resident BF16 table in one device allocation.
 pub struct TinyTable {
@@ -261,9 +262,9 @@ pub fn tiny_site(
 }
 
 /// Site `site` of a tiny model with its table on disk: one BF16
-/// safetensors shard `site{site}.safetensors` under `dir`, written when
-/// absent (so several engines can share the files). Its spec, files and
-/// weights.
+/// safetensors shard `site{site}-0.safetensors` under `dir` (see
+/// [`write_bf16_shards`]), written when absent (so several engines can
+/// share the files). Its spec, files and weights.
 pub fn tiny_site_files(
     dir: &Path,
     spec: &TinySpec,
@@ -271,21 +272,14 @@ pub fn tiny_site_files(
     seed: u64,
 ) -> Result<(SiteSpec, TableFiles, PleWeights)> {
     let (site_spec, weights, table) = tiny_weights(spec, site, seed);
-    let rows = (table.len() / spec.head_dim) as u64;
-    let path = dir.join(format!("site{site}.safetensors"));
-    let name = SiteNames::new(site).shard_weight(0);
-    if !path.exists() {
-        let bytes: Vec<u8> = table.iter().flat_map(|b| b.to_le_bytes()).collect();
-        write_file(
-            &path,
-            &[(
-                TensorSpec::new(&name, Dtype::BF16, &[rows, spec.head_dim as u64]),
-                &bytes[..],
-            )],
-            4096,
-        )?;
-    }
-    let files = TableFiles::open(&[(path, name)], Some(rows))?;
+    let stem = format!("site{site}");
+    let first = dir.join(format!("{stem}-0.safetensors"));
+    let files = if first.exists() {
+        let rows = (table.len() / spec.head_dim) as u64;
+        TableFiles::open(&[(first, SiteNames::new(site).shard_weight(0))], Some(rows))?
+    } else {
+        write_bf16_shards(dir, &stem, site, &table, spec.head_dim, 1)?
+    };
     Ok((site_spec, files, weights))
 }
 
