@@ -374,3 +374,17 @@ fn longcat_fractional_row_base_round_trips() {
         assert_eq!(back, spec, "vocab {vocab} ratio {ratio}");
     }
 }
+
+/// A multimodal config with the Engram keys under `text_config` parses
+/// like the flat one.
+#[test]
+fn nested_text_config_parses_like_flat() {
+    let flat = fixture("deepseek_v41.json")["config"].clone();
+    let nested = serde_json::json!({
+        "architectures": ["DeepseekV41ForConditionalGeneration"],
+        "text_config": flat.clone(),
+    });
+    let a = ModelSpec::from_json_str(&flat.to_string(), "flat").unwrap();
+    let b = ModelSpec::from_json_str(&nested.to_string(), "nested").unwrap();
+    assert_eq!(a, b);
+}

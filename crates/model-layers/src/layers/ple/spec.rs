@@ -397,6 +397,19 @@ impl ModelSpec {
             Some(FamilyKeys::LongCat(keys)) => return longcat::parse(&f, keys),
             None => {}
         }
+        // Multimodal configs nest the language model's keys under
+        // `text_config`; a family found there is parsed from there.
+        if let Some(inner) = map.get("text_config").and_then(Value::as_object) {
+            let t = Fields {
+                map: inner,
+                file: source,
+            };
+            match t.family_keys()? {
+                Some(FamilyKeys::Engram(keys)) => return engram::parse(&t, keys),
+                Some(FamilyKeys::LongCat(keys)) => return longcat::parse(&t, keys),
+                None => {}
+            }
+        }
 
         let vocab_size = f.u64("vocab_size")?;
         if vocab_size == 0 {
