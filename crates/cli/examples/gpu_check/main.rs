@@ -26,6 +26,7 @@ mod compare;
 mod conformance;
 mod measure;
 mod report;
+mod target;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -35,18 +36,7 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 
 use report::Report;
-
-/// What stands in the device's place.
-pub struct Target {
-    /// A fresh backend on the device.
-    pub make: Box<dyn Fn() -> Arc<dyn GpuBackend>>,
-    /// A description for the report.
-    pub name: String,
-    /// Whether this is the CPU stand-in.
-    pub stand_in: bool,
-    /// Small sizes.
-    pub quick: bool,
-}
+pub use target::Target;
 
 struct Args {
     ordinal: usize,

@@ -385,8 +385,14 @@ fn layer_times(
         vocab: ck.spec.vocab_size,
     };
     let mut w = LayerForward::new(layer, &ck.sites[0].weights, gpu.as_ref(), sizes, 0x5EED)?;
-    let p = median(reps, || Ok(w.prefill()?))?;
-    let d = median(reps, || Ok(w.decode()?))?;
+    let p = median(reps, || {
+        w.prefill()?;
+        Ok(())
+    })?;
+    let d = median(reps, || {
+        w.decode()?;
+        Ok(())
+    })?;
     w.close()?;
     Ok((p, d))
 }
