@@ -31,8 +31,10 @@ use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend, GpuError};
 pub use error::KernelError;
 pub use gemm::{pack_projection, packed_len, try_pack_projection};
 
-/// The kernel module name every PLE kernel is registered under.
-pub const MODULE: &str = "ple";
+/// The kernel module name every PLE kernel is registered under, host or
+/// device (one name, so the layer resolves its kernels the same way on
+/// every backend).
+pub use super::device_kernels::MODULE;
 
 /// Register the PLE kernels on `gpu` (idempotent: registering again
 /// replaces them with identical ones).

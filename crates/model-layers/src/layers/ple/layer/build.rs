@@ -188,7 +188,7 @@ impl PleLayer {
                 .device(|| "loading the PLE device kernels (kernels/ple.cu)".into())?;
         }
         let k = |name: &str| {
-            gpu.kernel("ple", name)
+            gpu.kernel(kernels::MODULE, name)
                 .device(|| format!("resolving PLE kernel '{name}'"))
         };
         let kernels = Kernels {
