@@ -94,3 +94,49 @@ fn text_table_help_and_bad_dir() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a directory"));
 }
+
+/// `bench offload` at the hidden `--smoke` sizes: one JSON object whose
+/// rows cover every table with prefetch off and on, with the measured
+/// figures present where the table produces them.
+#[test]
+fn offload_smoke_run_prints_every_table_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+        .args(["bench", "offload", "--smoke", "--json", "--checkpoint"])
+        .arg(&ck)
+        .output()
+        .expect("run metrale-ple");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "status {:?}, stderr: {stderr}",
+        out.status
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert!(report["disk_random_reads_per_s"].as_f64().unwrap() > 0.0);
+    let rows = report["rows"].as_array().expect("a rows array");
+    let mut seen = Vec::new();
+    for row in rows {
+        let table = row["table"].as_str().unwrap();
+        seen.push((table.to_string(), row["prefetch"].as_bool().unwrap()));
+        assert_eq!(row["backbone"], false, "{row:#}");
+        assert!(
+            row["decode_tokens_per_s"].as_f64().unwrap() > 0.0,
+            "{row:#}"
+        );
+        assert!(row["overhead_vs_resident_pct"].is_number(), "{row:#}");
+        let cached = table == "cached";
+        for key in ["hit_rate", "io_wait_share"] {
+            assert_eq!(row[key].is_number(), cached, "{key} in {row:#}");
+        }
+        assert!(row["bytes_read_per_token"].as_f64().is_some() || !cached);
+    }
+    let want: Vec<(String, bool)> = [false, true]
+        .into_iter()
+        .flat_map(|p| ["resident", "mapped", "cached"].map(|t| (t.to_string(), p)))
+        .collect();
+    assert_eq!(seen, want);
+    // The checkpoint written for the run stays for the next one.
+    assert!(ck.join("config.json").is_file());
+}

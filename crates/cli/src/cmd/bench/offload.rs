@@ -61,6 +61,10 @@ pub struct OffloadArgs {
     /// A small run: a 320 MiB table, fewer sequences and shorter windows.
     #[arg(long)]
     quick: bool,
+    /// Every size shrunk to a few milliseconds of work: checks that each
+    /// figure is produced, measures nothing worth reading.
+    #[arg(long, hide = true)]
+    smoke: bool,
 }
 
 /// The sizes of one run.
@@ -113,6 +117,20 @@ const QUICK: Sizes = Sizes {
     measure: 16,
     reps: 3,
     ceiling: Duration::from_millis(500),
+};
+
+/// 2^14 rows (5 MiB), 16x a 2^10-slot cache, a few steps.
+const SMOKE: Sizes = Sizes {
+    name: "smoke",
+    table_rows: 1 << 14,
+    slots: 1 << 10,
+    sequences: 2,
+    prompt: 4,
+    window: 2,
+    max_windows: 3,
+    measure: 2,
+    reps: 1,
+    ceiling: Duration::from_millis(20),
 };
 
 /// A hit rate that moved less than this between two consecutive windows
@@ -210,7 +228,11 @@ impl Zipf {
 
 /// Run `metrale-ple bench offload`.
 pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
-    let sizes = if args.quick { QUICK } else { FULL };
+    let sizes = match (args.smoke, args.quick) {
+        (true, _) => SMOKE,
+        (false, true) => QUICK,
+        (false, false) => FULL,
+    };
     let t0 = Instant::now();
     let (dir, _scratch) = match &args.checkpoint {
         Some(d) => (d.clone(), None),
