@@ -6,7 +6,9 @@ mod layer_common;
 
 use std::sync::Arc;
 
-use layer_common::{Rng, Small, TestTable, bits, download, highway, tokens, upload, write};
+use layer_common::{
+    Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
+};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::carry_blob::{self, AuxBlobError};
@@ -51,12 +53,7 @@ impl Fx {
         layer.free(g).unwrap();
         assert_eq!(self.table.pinned(g), 0, "leases left pinned");
         self.table.free(g);
-        assert_eq!(
-            g.live_alloc_count(),
-            self.start,
-            "live allocations:\n{}",
-            g.live_report()
-        );
+        assert_no_leaks(g, self.start);
     }
 }
 
@@ -543,12 +540,7 @@ fn fp8_rows_give_the_same_highway_as_their_bf16_rounding() {
     assert_eq!(t8.pinned(g) + t16.pinned(g), 0);
     t8.free(g);
     t16.free(g);
-    assert_eq!(
-        g.live_alloc_count(),
-        start,
-        "live allocations:\n{}",
-        g.live_report()
-    );
+    assert_no_leaks(g, start);
 }
 
 #[test]

@@ -7,7 +7,7 @@ mod layer_common;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use layer_common::{TestTable, download, upload};
+use layer_common::{TestTable, assert_no_leaks, download, upload};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ids::PleIdDims;
@@ -172,10 +172,5 @@ fn layer_matches_the_numpy_reference_across_chunks() {
     layer.free(g).unwrap();
     assert_eq!(table.pinned(g), 0, "leases left pinned");
     table.free(g);
-    assert_eq!(
-        g.live_alloc_count(),
-        start,
-        "live allocations:\n{}",
-        g.live_report()
-    );
+    assert_no_leaks(g, start);
 }

@@ -9,7 +9,9 @@ mod layer_common;
 
 use std::sync::Arc;
 
-use layer_common::{Rng, Small, TestTable, bits, download, highway, tokens, upload, write};
+use layer_common::{
+    Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
+};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState};
@@ -96,12 +98,7 @@ impl Env {
         self.table.free(g);
         g.synchronize(self.stream).unwrap();
         g.destroy_stream(self.stream).unwrap();
-        assert_eq!(
-            g.live_alloc_count(),
-            self.start,
-            "live allocations:\n{}",
-            g.live_report()
-        );
+        assert_no_leaks(g, self.start);
     }
 }
 

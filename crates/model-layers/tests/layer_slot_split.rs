@@ -17,7 +17,7 @@ mod layer_common;
 use std::path::Path;
 use std::sync::Arc;
 
-use layer_common::{Rng, Small, bits, download, highway, tokens, upload, write};
+use layer_common::{Rng, Small, assert_no_leaks, bits, download, highway, tokens, upload, write};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, GraphHandle};
 use metrale_model_layers::layers::ple::{ForwardContext, LayerError, PleLayer, PleSeqState};
@@ -184,12 +184,7 @@ fn batches_larger_than_the_cache_match_a_resident_table() {
         );
         cached.check_invariants().unwrap();
     }
-    assert_eq!(
-        g.live_alloc_count(),
-        start,
-        "live allocations:\n{}",
-        g.live_report()
-    );
+    assert_no_leaks(g, start);
 }
 
 /// A prestage whose rows outnumber the cache's slots is refused at once,
@@ -251,10 +246,5 @@ fn a_prestage_larger_than_the_cache_is_refused_and_changes_nothing() {
     cached.check_invariants().unwrap();
     drop(layer);
     drop(cached);
-    assert_eq!(
-        g.live_alloc_count(),
-        start,
-        "live allocations:\n{}",
-        g.live_report()
-    );
+    assert_no_leaks(g, start);
 }

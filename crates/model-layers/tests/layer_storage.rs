@@ -7,7 +7,9 @@ mod layer_common;
 
 use std::sync::Arc;
 
-use layer_common::{Rng, Small, TestTable, bits, download, highway, tokens, upload, write};
+use layer_common::{
+    Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
+};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::{ForwardContext, PleSeqState};
@@ -147,12 +149,7 @@ fn storage_tables_give_the_test_tables_results() {
     );
     cached.check_invariants().unwrap();
     drop(cached);
-    assert_eq!(
-        g.live_alloc_count(),
-        start,
-        "live allocations:\n{}",
-        g.live_report()
-    );
+    assert_no_leaks(g, start);
 }
 
 /// `prefetch` reads exactly the rows the next forward gathers: after it

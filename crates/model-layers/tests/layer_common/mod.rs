@@ -311,6 +311,18 @@ pub fn tokens(r: &mut Rng, n: usize, vocab: u64) -> Vec<u32> {
         .collect()
 }
 
+/// Fail unless `g` holds exactly the `start` live allocations it held
+/// before the test, listing the live ones when it does not.
+#[track_caller]
+pub fn assert_no_leaks(g: &dyn GpuBackend, start: usize) {
+    assert_eq!(
+        g.live_alloc_count(),
+        start,
+        "live allocations:\n{}",
+        g.live_report()
+    );
+}
+
 /// Random highway rows.
 pub fn highway(r: &mut Rng, rows: usize, c: usize) -> Vec<f32> {
     (0..rows * c).map(|_| r.unit() * 2.0).collect()
