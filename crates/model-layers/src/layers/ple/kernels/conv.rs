@@ -67,6 +67,26 @@ fn check_len(
     KernelError::check_len(kernel, || what.to_string(), len, want, || dims.shape())
 }
 
+/// The checks [`conv_on`] and [`conv_batch_on`] share: the path, the sizes,
+/// and every slice but the states (`dims.t` rows of `C` values each).
+fn check_rows(
+    kernel: &'static str,
+    path: CpuPath,
+    dims: &ConvDims,
+    xn: &[f32],
+    gated: &[f32],
+    w: &[f32],
+    highway: &[f32],
+) -> Result<(), KernelError> {
+    KernelError::check_path(kernel, path)?;
+    dims.check(kernel)?;
+    let ConvDims { t, c, k, .. } = *dims;
+    check_len(kernel, dims, "xn", xn.len(), t * c)?;
+    check_len(kernel, dims, "gated", gated.len(), t * c)?;
+    check_len(kernel, dims, "w", w.len(), c * k)?;
+    check_len(kernel, dims, "highway", highway.len(), t * c)
+}
+
 /// `w [C, K]` as `[K, C]`, so each tap is a contiguous channel vector.
 fn transpose(w: &[f32], c: usize, k: usize) -> Vec<f32> {
     let mut wt = vec![0.0f32; c * k];
@@ -101,15 +121,10 @@ pub fn conv_on(
     highway: &mut [f32],
 ) -> Result<(), KernelError> {
     const NAME: &str = "conv";
-    KernelError::check_path(NAME, path)?;
-    dims.check(NAME)?;
+    check_rows(NAME, path, &dims, xn, gated, w, highway)?;
     let ConvDims { t, c, k, .. } = dims;
     let s = dims.state_len();
-    check_len(NAME, &dims, "xn", xn.len(), t * c)?;
-    check_len(NAME, &dims, "gated", gated.len(), t * c)?;
     check_len(NAME, &dims, "state", state.len(), s * c)?;
-    check_len(NAME, &dims, "w", w.len(), c * k)?;
-    check_len(NAME, &dims, "highway", highway.len(), t * c)?;
     if t == 0 {
         return Ok(());
     }
@@ -161,18 +176,13 @@ pub fn conv_batch_on(
     highway: &mut [f32],
 ) -> Result<(), KernelError> {
     const NAME: &str = "conv_batch";
-    KernelError::check_path(NAME, path)?;
-    dims.check(NAME)?;
+    check_rows(NAME, path, &dims, xn, gated, w, highway)?;
     let ConvDims { t: b, c, k, .. } = dims;
     let s = dims.state_len();
-    check_len(NAME, &dims, "xn", xn.len(), b * c)?;
-    check_len(NAME, &dims, "gated", gated.len(), b * c)?;
     check_len(NAME, &dims, "states", states.len(), b)?;
     for (i, st) in states.iter().enumerate() {
         check_len(NAME, &dims, &format!("state {i}"), st.len(), s * c)?;
     }
-    check_len(NAME, &dims, "w", w.len(), c * k)?;
-    check_len(NAME, &dims, "highway", highway.len(), b * c)?;
     if b == 0 {
         return Ok(());
     }
