@@ -20,6 +20,7 @@ use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::mapped::MappedTable;
 use metrale_storage::resident::ResidentTable;
+use metrale_storage::shared::SharedTable;
 use metrale_storage::table::RowTable;
 
 use crate::error::{CheckpointError, Result};
@@ -56,6 +57,10 @@ impl Checkpoint {
             TableMode::Mapped => Arc::new(
                 MappedTable::open(&self.table_files(site)?, gpu)
                     .map_err(err("mapping the table"))?,
+            ),
+            TableMode::Shared => Arc::new(
+                SharedTable::open(&self.table_files(site)?, gpu)
+                    .map_err(err("attaching the shared table"))?,
             ),
             TableMode::Cached => {
                 return self.open_cached_table(site, CacheConfig::default(), gpu);

@@ -7,8 +7,10 @@
 //!
 //! The three tables: [`resident::ResidentTable`] (rows in device memory),
 //! [`mapped::MappedTable`] (shard files memory-mapped and registered as
-//! device-addressable host memory) and [`cached::CachedTable`] (a slot
-//! arena in host-mapped memory filled by O_DIRECT reads through [`io`]).
+//! device-addressable host memory), [`cached::CachedTable`] (a slot
+//! arena in host-mapped memory filled by O_DIRECT reads through [`io`]) and
+//! [`shared::SharedTable`] (the rows copied once per host into named
+//! shared-memory segments every process maps).
 //! [`open_table`] opens any of them, as a [`TableMode`] says. Every
 //! fallible call returns [`StorageError`]. [`parts`] splits batches larger than a
 //! table's `max_resolve`; [`pack`] aligns a shard's data section to 4 KiB.
@@ -26,6 +28,7 @@ pub mod pack;
 pub mod parts;
 pub mod resident;
 pub mod safetensors;
+pub mod shared;
 pub mod table;
 
 use std::sync::Arc;
@@ -48,5 +51,6 @@ pub fn open_table(
         TableMode::Resident => Arc::new(resident::ResidentTable::load(&files, gpu)?),
         TableMode::Mapped => Arc::new(mapped::MappedTable::open(&files, gpu)?),
         TableMode::Cached => Arc::new(cached::CachedTable::open(files, gpu, cache)?),
+        TableMode::Shared => Arc::new(shared::SharedTable::open(&files, gpu)?),
     })
 }

@@ -21,23 +21,32 @@ pub enum TableMode {
     /// Rows read from disk on demand into a slot cache
     /// ([`crate::cached::CachedTable`]).
     Cached,
+    /// Rows copied once per host into shared-memory segments that every
+    /// process maps ([`crate::shared::SharedTable`]).
+    Shared,
 }
 
 impl TableMode {
     /// Every mode, in the order help texts list them.
-    pub const ALL: [TableMode; 3] = [TableMode::Resident, TableMode::Mapped, TableMode::Cached];
+    pub const ALL: [TableMode; 4] = [
+        TableMode::Resident,
+        TableMode::Mapped,
+        TableMode::Cached,
+        TableMode::Shared,
+    ];
 
-    /// The mode's name: `resident`, `mapped` or `cached`.
+    /// The mode's name: `resident`, `mapped`, `cached` or `shared`.
     pub fn name(self) -> &'static str {
         match self {
             TableMode::Resident => "resident",
             TableMode::Mapped => "mapped",
             TableMode::Cached => "cached",
+            TableMode::Shared => "shared",
         }
     }
 
     /// Every mode's name, in the order of [`Self::ALL`].
-    pub fn names() -> [&'static str; 3] {
+    pub fn names() -> [&'static str; 4] {
         Self::ALL.map(Self::name)
     }
 }
@@ -77,7 +86,7 @@ mod tests {
         assert_eq!("Cached".parse::<TableMode>().unwrap(), TableMode::Cached);
         let e = "disk".parse::<TableMode>().unwrap_err().to_string();
         assert!(
-            e.contains("'disk'") && e.contains("resident, mapped, cached"),
+            e.contains("'disk'") && e.contains("resident, mapped, cached, shared"),
             "{e}"
         );
     }

@@ -62,6 +62,9 @@ pub enum TableArg {
     Mapped,
     /// Every row loaded into device memory first.
     Resident,
+    /// Rows placed once per host in shared memory (/dev/shm) that every
+    /// process maps.
+    Shared,
 }
 
 /// Arguments of `run`.
@@ -590,6 +593,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         TableArg::Cached => TableMode::Cached,
         TableArg::Mapped => TableMode::Mapped,
         TableArg::Resident => TableMode::Resident,
+        TableArg::Shared => TableMode::Shared,
     };
     let faults = if a.fault_percent > 0.0 {
         Some(Arc::new(FlakyReader::new(
