@@ -24,7 +24,7 @@ use metrale_model_layers::layers::ple::carry_blob;
 
 use super::{Carry, Engine, EngineError, Result, Seq, SeqId, Site};
 use crate::snapshot::Snapshot;
-use crate::store::{CarryStore, CarryTier, StoreError, StoreKey, TierConfig};
+use crate::store::{CarryStore, CarryTier, MissCause, StoreError, StoreKey, TierConfig};
 
 impl<S: Site> Engine<S> {
     /// Add a sequence whose carry is the encoded snapshot `bytes`, taken
@@ -170,7 +170,13 @@ impl<S: Site> Engine<S> {
         while k > have && probes < tier.config().max_probes {
             probes += 1;
             let key = StoreKey::of(tier.model(), self.fingerprint, &prompt[..k]);
-            if let Ok((snap, bytes)) = tier.fetch(&key, &self.geoms, &prompt[..k]) {
+            let got = tier.fetch(&key, &self.geoms, &prompt[..k]);
+            if let Err(MissCause::Error(_)) = got {
+                // A store that cannot answer one probe will not answer the
+                // next: go on with what the cache had.
+                break;
+            }
+            if let Ok((snap, bytes)) = got {
                 let snap = Arc::new(snap);
                 if let Some(t) = self.shared.as_mut() {
                     t.remember(key);
