@@ -20,6 +20,12 @@
 //! `state_len`, `conv_bytes`, `aux_blob_len`, `carry_bytes`) is defined on
 //! [`SiteSpec`] alone; the aux blob layout itself lives in
 //! [`super::carry_blob`].
+//!
+//! Layout: the error type is in `spec/error.rs`, [`SiteSpec`] in
+//! `spec/site.rs`, the families' keys in `spec/engram.rs` and
+//! `spec/longcat.rs`. This file keeps [`ModelSpec`] with its field reader,
+//! parser and validation together (about 870 lines): a check and the parse
+//! of the field it checks are read side by side.
 
 use std::path::{Path, PathBuf};
 
@@ -35,6 +41,11 @@ use super::ids::{
 pub use super::ids::{HashFamily, TokenMap};
 
 pub mod engram;
+mod error;
+mod site;
+
+pub use error::SpecError;
+pub use site::SiteSpec;
 pub mod longcat;
 
 pub use engram::{EngramKeys, EngramSpec, load_token_map, parse_token_map};
@@ -45,101 +56,6 @@ pub const TABLE_ROWS_KEY: &str = "ple_table_rows";
 
 /// Largest supported `hc_mult` (parallel residual streams).
 pub const MAX_HC_MULT: usize = 64;
-
-/// Why a model or site description was refused. Every variant that comes
-/// from a config file names it, and every field error names the field.
-#[derive(Debug, Error)]
-pub enum SpecError {
-    /// The config file could not be read.
-    #[error("cannot read config {}: {source}", path.display())]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The operating-system error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The text is not JSON.
-    #[error("{file}: not valid JSON: {msg}")]
-    Json {
-        /// The source the text came from.
-        file: String,
-        /// The parser's message.
-        msg: String,
-    },
-    /// The JSON is not an object.
-    #[error("{file}: the top level must be a JSON object")]
-    NotObject {
-        /// The source the text came from.
-        file: String,
-    },
-    /// A required field is absent or null.
-    #[error("{file}: missing required field `{field}`")]
-    Missing {
-        /// The source the text came from.
-        file: String,
-        /// The field.
-        field: String,
-    },
-    /// A field has the wrong type or is out of range.
-    #[error("{file}: field `{field}` {problem}")]
-    Field {
-        /// The source the text came from.
-        file: String,
-        /// The field (with an index for list entries, e.g. `ple_layer_ids[1]`).
-        field: String,
-        /// What is wrong with it, e.g. "must be at least 1, got 0".
-        problem: String,
-    },
-    /// A size derived from the fields does not fit an allocation.
-    #[error("{file}: {what} is too large to address")]
-    TooLarge {
-        /// The source the text came from.
-        file: String,
-        /// The expression, naming the fields it is computed from.
-        what: &'static str,
-    },
-    /// A site index past `ple_layer_ids`.
-    #[error("PLE site {site} does not exist: ple_layer_ids has {count} entries ({ids:?})")]
-    NoSuchSite {
-        /// The index asked for.
-        site: usize,
-        /// How many sites there are.
-        count: usize,
-        /// `ple_layer_ids`.
-        ids: Vec<usize>,
-    },
-    /// A site's hash constants do not derive.
-    #[error("site {site} (layer id {layer_id}): {source}")]
-    Derive {
-        /// The site index.
-        site: usize,
-        /// Its 1-based layer id.
-        layer_id: usize,
-        /// Why.
-        #[source]
-        source: IdError,
-    },
-    /// A [`SiteSpec`] field a layer cannot be built with.
-    #[error("PLE {field} {problem}")]
-    Site {
-        /// The field.
-        field: &'static str,
-        /// What is wrong with it.
-        problem: String,
-    },
-    /// A token map file that does not fit the config.
-    #[error("token map {file}: {problem}")]
-    TokenMap {
-        /// The file (or text source) of the map.
-        file: String,
-        /// What is wrong with it.
-        problem: String,
-    },
-    /// A [`SiteSpec`]'s hash constants are unusable.
-    #[error(transparent)]
-    Ids(#[from] IdError),
-}
 
 /// The model family a config describes, with what its config adds to the
 /// shared fields of [`ModelSpec`] (docs/SPEC.md, "Families").
@@ -952,205 +868,6 @@ impl ModelSpec {
             "ple_layer_ids": self.ple_layer_ids,
             "ple_hash_seed": self.hash_seed,
         })
-    }
-}
-
-/// Everything about one PLE site: what a layer is built from, what decides
-/// whether a carry means the same thing in another engine, and every size
-/// derived from them.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SiteSpec {
-    /// How token n-grams map to table rows.
-    pub family: HashFamily,
-    /// The 0-based model layer the site sits on.
-    pub layer: usize,
-    /// The hash geometry and constants.
-    pub dims: PleIdDims,
-    /// Values per table row.
-    pub head_dim: usize,
-    /// H: the width of one highway stream.
-    pub hidden: usize,
-    /// hc: the number of highway streams.
-    pub hc_mult: usize,
-    /// The conv kernel size.
-    pub kernel: usize,
-    /// The conv dilation.
-    pub dilation: usize,
-    /// The epsilon of the grouped RMS norms.
-    pub rms_eps: f32,
-}
-
-impl SiteSpec {
-    /// A Qwen4Exp site on model layer 0 with `rms_eps` 1e-6 (the models'
-    /// value): the usual site of tests and synthetic models. Set the public
-    /// fields for anything else.
-    pub fn new(
-        dims: PleIdDims,
-        head_dim: usize,
-        hidden: usize,
-        hc_mult: usize,
-        kernel: usize,
-        dilation: usize,
-    ) -> SiteSpec {
-        SiteSpec {
-            family: HashFamily::Qwen4Exp,
-            layer: 0,
-            dims,
-            head_dim,
-            hidden,
-            hc_mult,
-            kernel,
-            dilation,
-            rms_eps: 1e-6,
-        }
-    }
-
-    /// `(N - 1) * K`: ids (table rows) per token.
-    pub fn ngram_heads(&self) -> usize {
-        self.dims.ngram_heads()
-    }
-    /// `N - 1`: tokens of history carried per sequence.
-    pub fn context_len(&self) -> usize {
-        self.dims.context_len()
-    }
-    /// E = ngram_heads * head_dim: the width of the gathered embedding.
-    pub fn emb_dim(&self) -> usize {
-        self.ngram_heads() * self.head_dim
-    }
-    /// C = hc * H: the channels of the gate and the conv.
-    pub fn channels(&self) -> usize {
-        self.hc_mult * self.hidden
-    }
-    /// Rows of conv state carried: `(kernel - 1) * dilation`.
-    pub fn state_len(&self) -> usize {
-        self.kernel.saturating_sub(1) * self.dilation
-    }
-    /// Bytes of the conv state: `state_len * C` f32 values.
-    pub fn conv_bytes(&self) -> usize {
-        self.state_len() * self.channels() * 4
-    }
-    /// Bytes of a well-formed aux blob of a sequence that has run: the
-    /// history holds exactly `context_len` tokens.
-    pub fn aux_blob_len(&self) -> usize {
-        carry_blob::blob_len(self.context_len(), self.conv_bytes())
-    }
-    /// Bytes of device memory one sequence's carry holds at this site.
-    pub fn carry_bytes(&self) -> usize {
-        self.conv_bytes()
-    }
-
-    /// Check what a layer needs beyond a parsed config: usable hash
-    /// constants, positive widths, `hc_mult` in `1..=MAX_HC_MULT`, a conv
-    /// kernel of at least 2, a dilation of at least 1, a finite
-    /// non-negative eps, and sizes that fit an allocation.
-    pub fn validate(&self) -> Result<(), SpecError> {
-        let bad = |field: &'static str, problem: String| Err(SpecError::Site { field, problem });
-        validate_family(&self.family, &self.dims)?;
-        if self.family != HashFamily::Qwen4Exp {
-            return bad(
-                "family",
-                format!(
-                    "{}: the layer of this family (its gate, projections and output) is not \
-                     implemented; only its ids hash",
-                    self.family.name()
-                ),
-            );
-        }
-        if self.head_dim == 0 {
-            return bad("head_dim", "must be positive".into());
-        }
-        if self.hidden == 0 {
-            return bad("hidden", "must be positive".into());
-        }
-        if !(1..=MAX_HC_MULT).contains(&self.hc_mult) {
-            return bad(
-                "hc_mult",
-                format!("= {} is outside 1..={MAX_HC_MULT}", self.hc_mult),
-            );
-        }
-        if self.kernel < 2 {
-            return bad(
-                "conv kernel size",
-                format!("must be at least 2, got {}", self.kernel),
-            );
-        }
-        if self.dilation < 1 {
-            return bad(
-                "conv dilation",
-                format!("must be at least 1, got {}", self.dilation),
-            );
-        }
-        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
-            return bad(
-                "rms eps",
-                format!("must be finite and >= 0, got {}", self.rms_eps),
-            );
-        }
-        const LIMIT: usize = isize::MAX as usize;
-        let sizes = self
-            .ngram_heads()
-            .checked_mul(self.head_dim)
-            .and(self.hc_mult.checked_mul(self.hidden))
-            .and_then(|c| (self.kernel - 1).checked_mul(self.dilation)?.checked_mul(c))
-            .and_then(|v| v.checked_mul(4))
-            .and_then(|conv| carry_blob::checked_blob_len(self.context_len(), conv))
-            .filter(|&v| v <= LIMIT);
-        if sizes.is_none() {
-            return bad(
-                "geometry",
-                "is too large to address (head_dim, hidden, hc_mult, kernel, dilation)".into(),
-            );
-        }
-        Ok(())
-    }
-
-    /// A canonical byte encoding of everything that gives an aux blob its
-    /// meaning: every field, fixed width, vectors with their lengths, so that
-    /// two different sites never encode alike. The layer index and the eps
-    /// are left out on purpose: a carry moves between sites of the same
-    /// shape and constants. The family is encoded only for families other
-    /// than Qwen4Exp, so fingerprints of existing snapshots stay valid.
-    pub fn encode_canonical(&self, out: &mut Vec<u8>) {
-        let d = &self.dims;
-        for v in [d.ngram_size, d.heads_per_ngram] {
-            out.extend_from_slice(&(v as u64).to_le_bytes());
-        }
-        for list in [&d.multipliers, &d.head_vocab_sizes, &d.head_offsets] {
-            out.extend_from_slice(&(list.len() as u64).to_le_bytes());
-            for v in list.iter() {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-        }
-        out.extend_from_slice(&d.eos_token_id.to_le_bytes());
-        for v in [
-            self.head_dim,
-            self.hidden,
-            self.hc_mult,
-            self.kernel,
-            self.dilation,
-            self.state_len(),
-        ] {
-            out.extend_from_slice(&(v as u64).to_le_bytes());
-        }
-        match &self.family {
-            HashFamily::Qwen4Exp => {}
-            HashFamily::Engram {
-                token_map,
-                hashed_vocab,
-            } => {
-                out.extend_from_slice(b"engram");
-                out.extend_from_slice(&hashed_vocab.to_le_bytes());
-                let map: &[u32] = token_map.as_deref().unwrap_or(&[]);
-                out.extend_from_slice(&(map.len() as u64).to_le_bytes());
-                for v in map {
-                    out.extend_from_slice(&v.to_le_bytes());
-                }
-            }
-            HashFamily::LongCat { vocab_size } => {
-                out.extend_from_slice(b"longcat");
-                out.extend_from_slice(&vocab_size.to_le_bytes());
-            }
-        }
     }
 }
 
