@@ -114,9 +114,7 @@ impl Recording {
                 .push(format!("{name} {cfg:?}: {}", why.join(", ")));
         }
     }
-}
 
-impl Recording {
     fn note(&self, what: &str) {
         self.log.push(what);
     }

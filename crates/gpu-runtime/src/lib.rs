@@ -24,6 +24,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod gpu;
+mod ledger_core;
 
 pub use error::{GpuError, Result};
 

@@ -16,13 +16,14 @@
 //!   reported as such, with the allocation's label.
 
 use std::alloc::Layout;
-use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
+use std::ops::Deref;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
-use crate::error::{AllocationRef, GpuError, Result};
-use crate::gpu::{AllocationInfo, DevicePtr, MemoryKind};
+use crate::error::{GpuError, Result};
+use crate::gpu::{DevicePtr, MemoryKind};
+use crate::ledger_core::{Book, Tracked};
 
 /// First device address handed out; far from null and from small integers so
 /// that confusing an index with a pointer fails loudly.
@@ -31,8 +32,6 @@ const BASE_ADDR: u64 = 0x1000_0000_0000;
 const GUARD_BYTES: u64 = 64 * 1024;
 /// Device addresses are handed out at this granularity.
 const ADDR_GRANULE: u64 = 4096;
-/// How many freed ranges are remembered for use-after-free reports.
-const FREED_MEMORY: usize = 1 << 16;
 
 /// Byte written over new allocations in debug mode (all-ones is a NaN in
 /// f32, bf16 and f16, so reading uninitialised memory shows).
@@ -91,46 +90,43 @@ impl Drop for Entry {
     }
 }
 
-/// A freed range, kept for error messages.
-struct Freed {
-    bytes: usize,
-    label: String,
-}
-
-/// An allocation as errors name it.
-fn alloc_ref(base: u64, bytes: usize, label: &str) -> AllocationRef {
-    AllocationRef {
-        label: label.to_string(),
-        base: DevicePtr(base),
-        bytes,
+impl Tracked for Entry {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+    fn label(&self) -> &str {
+        &self.label
+    }
+    fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+    fn host(&self) -> usize {
+        self.host
     }
 }
 
-/// Freed ranges, oldest evicted first.
-#[derive(Default)]
-struct FreedLog {
-    by_addr: BTreeMap<u64, Freed>,
-    order: VecDeque<u64>,
-}
-
-/// The ledger of live and recently freed allocations.
+/// The ledger of live and recently freed allocations: the shared [`Book`]
+/// (freeing, host lookups, accounting) plus the address counter and the
+/// host memory behind each address.
 pub(crate) struct Ledger {
-    live: RwLock<BTreeMap<u64, Entry>>,
-    /// Host ranges of live host-mapped and registered entries, keyed by
-    /// (host start, device start), with their size.
-    host_index: RwLock<BTreeMap<(usize, u64), usize>>,
-    freed: Mutex<FreedLog>,
+    book: Book<Entry>,
     next_addr: Mutex<u64>,
     debug: bool,
+}
+
+impl Deref for Ledger {
+    type Target = Book<Entry>;
+
+    fn deref(&self) -> &Book<Entry> {
+        &self.book
+    }
 }
 
 impl Ledger {
     /// An empty ledger; `debug` turns on fill and poison patterns.
     pub fn new(debug: bool) -> Self {
         Ledger {
-            live: RwLock::new(BTreeMap::new()),
-            host_index: RwLock::new(BTreeMap::new()),
-            freed: Mutex::new(FreedLog::default()),
+            book: Book::default(),
             next_addr: Mutex::new(BASE_ADDR),
             debug,
         }
@@ -210,10 +206,7 @@ impl Ledger {
                 return Err(e);
             }
         };
-        if kind != MemoryKind::Device {
-            self.host_index.write().insert((p as usize, addr), bytes);
-        }
-        self.live.write().insert(addr, entry);
+        self.book.record(addr, entry);
         Ok((DevicePtr(addr), p as usize))
     }
 
@@ -238,8 +231,7 @@ impl Ledger {
             ));
         }
         let addr = self.reserve(op, bytes, label)?;
-        self.host_index.write().insert((host as usize, addr), bytes);
-        self.live.write().insert(
+        self.book.record(
             addr,
             Entry {
                 bytes,
@@ -253,73 +245,6 @@ impl Ledger {
         Ok(DevicePtr(addr))
     }
 
-    /// Check that `ptr` is the start of a live allocation, as `free` needs.
-    pub fn check_freeable(&self, ptr: DevicePtr) -> Result<()> {
-        let live = self.live.read();
-        if live.contains_key(&ptr.0) {
-            return Ok(());
-        }
-        let interior = live.range(..=ptr.0).next_back();
-        if let Some((&base, e)) = interior.filter(|(b, e)| ptr.0 < **b + e.bytes.max(1) as u64) {
-            return Err(GpuError::InteriorFree {
-                ptr,
-                offset: ptr.0 - base,
-                alloc: alloc_ref(base, e.bytes, &e.label),
-            });
-        }
-        drop(live);
-        let freed = self.freed.lock();
-        if let Some(f) = freed.by_addr.get(&ptr.0) {
-            return Err(GpuError::DoubleFree {
-                ptr,
-                alloc: alloc_ref(ptr.0, f.bytes, &f.label),
-            });
-        }
-        let inside = freed.by_addr.range(..=ptr.0).next_back();
-        if let Some((&base, f)) = inside.filter(|(b, f)| ptr.0 < **b + f.bytes.max(1) as u64) {
-            return Err(GpuError::UseAfterFree {
-                op: "free".into(),
-                ptr,
-                alloc: alloc_ref(base, f.bytes, &f.label),
-            });
-        }
-        Err(GpuError::NotAllocated { ptr })
-    }
-
-    /// Take the allocation starting at `ptr` out of the ledger. The caller
-    /// decides when to drop the returned entry (which releases its memory).
-    pub fn remove(&self, ptr: DevicePtr) -> Result<Entry> {
-        let entry = {
-            let mut live = self.live.write();
-            match live.remove(&ptr.0) {
-                Some(e) => e,
-                None => {
-                    drop(live);
-                    self.check_freeable(ptr)?;
-                    return Err(GpuError::NotAllocated { ptr });
-                }
-            }
-        };
-        if entry.kind != MemoryKind::Device {
-            self.host_index.write().remove(&(entry.host, ptr.0));
-        }
-        let mut freed = self.freed.lock();
-        if freed.order.len() >= FREED_MEMORY
-            && let Some(old) = freed.order.pop_front()
-        {
-            freed.by_addr.remove(&old);
-        }
-        freed.order.push_back(ptr.0);
-        freed.by_addr.insert(
-            ptr.0,
-            Freed {
-                bytes: entry.bytes,
-                label: entry.label.clone(),
-            },
-        );
-        Ok(entry)
-    }
-
     /// Translate `[ptr, ptr + bytes)` to a host pointer, checking that the
     /// whole range lies inside one live allocation. An empty range may sit
     /// anywhere from an allocation's start to its end, or at null.
@@ -330,94 +255,10 @@ impl Ledger {
         ptr: DevicePtr,
         bytes: usize,
     ) -> Result<*mut u8> {
-        {
-            let live = self.live.read();
-            if let Some((&base, e)) = live.range(..=ptr.0).next_back() {
-                let off = ptr.0 - base;
-                let end = off.checked_add(bytes as u64);
-                if end.is_some_and(|end| end <= e.bytes as u64) {
-                    return Ok((e.host + off as usize) as *mut u8);
-                }
-            }
-        }
-        if bytes == 0 && ptr.is_null() {
-            return Ok(std::ptr::NonNull::<u8>::dangling().as_ptr());
-        }
-        Err(self.explain(op, ptr, bytes))
-    }
-
-    /// The error for a range that failed [`Self::resolve`].
-    #[cold]
-    fn explain<D: fmt::Display + ?Sized>(&self, op: &D, ptr: DevicePtr, bytes: usize) -> GpuError {
-        let op = op.to_string();
-        if ptr.is_null() {
-            return GpuError::NullPointer { op, bytes };
-        }
-        {
-            let live = self.live.read();
-            if let Some((&base, e)) = live.range(..=ptr.0).next_back() {
-                let off = ptr.0 - base;
-                if off < e.bytes as u64 || (off == e.bytes as u64 && bytes > 0) {
-                    let over = (off as u128 + bytes as u128) - e.bytes as u128;
-                    return GpuError::OutOfBounds {
-                        op,
-                        ptr,
-                        bytes,
-                        over: u64::try_from(over).unwrap_or(u64::MAX),
-                        alloc: alloc_ref(base, e.bytes, &e.label),
-                    };
-                }
-            }
-        }
-        let freed = self.freed.lock();
-        let inside = freed.by_addr.range(..=ptr.0).next_back();
-        if let Some((&base, f)) = inside.filter(|(b, f)| ptr.0 - **b <= f.bytes as u64) {
-            return GpuError::UseAfterFree {
-                op,
-                ptr,
-                alloc: alloc_ref(base, f.bytes, &f.label),
-            };
-        }
-        GpuError::InvalidPointer { op, ptr, bytes }
-    }
-
-    /// The device address of host memory `[host, host + bytes)` when it lies
-    /// inside one live host-mapped or registered allocation.
-    pub fn device_of_host(&self, host: *const u8, bytes: usize) -> Option<DevicePtr> {
-        let h = host as usize;
-        let idx = self.host_index.read();
-        let (&(start, dev), &len) = idx.range(..=(h, u64::MAX)).next_back()?;
-        let off = h - start;
-        (off.checked_add(bytes)? <= len).then(|| DevicePtr(dev + off as u64))
-    }
-
-    /// Bytes in live owned allocations (registered memory is not counted).
-    pub fn live_bytes(&self) -> usize {
-        self.live
-            .read()
-            .values()
-            .filter(|e| e.kind != MemoryKind::HostRegistered)
-            .map(|e| e.bytes)
-            .sum()
-    }
-
-    /// Number of live allocations of every kind.
-    pub fn live_count(&self) -> usize {
-        self.live.read().len()
-    }
-
-    /// Every live allocation, by address.
-    pub fn allocations(&self) -> Vec<AllocationInfo> {
-        self.live
-            .read()
-            .iter()
-            .map(|(&a, e)| AllocationInfo {
-                ptr: DevicePtr(a),
-                bytes: e.bytes,
-                label: e.label.clone(),
-                kind: e.kind,
-            })
-            .collect()
+        let host = self
+            .book
+            .locate(op, ptr, bytes, |e, off| (e.host + off as usize) as *mut u8)?;
+        Ok(host.unwrap_or_else(|| std::ptr::NonNull::<u8>::dangling().as_ptr()))
     }
 }
 

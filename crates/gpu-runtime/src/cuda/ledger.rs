@@ -1,7 +1,8 @@
 //! The CUDA backend's ledger: which device address ranges are live, with
 //! their labels and kinds, and which were freed recently.
 //!
-//! It reports exactly what the CPU backend's ledger reports (`live_bytes`
+//! The bookkeeping is the CPU backend's own ([`crate::ledger_core`]), so it
+//! reports exactly what the CPU backend's ledger reports (`live_bytes`
 //! counts device and host-mapped bytes, never registered ones; every kind
 //! counts in `live_count`), and checks ranges the same way, so the two
 //! backends refuse the same bad pointers with the same errors.
@@ -16,18 +17,14 @@
 //!   overlaps, so a stale pointer into a reused range reads as live (the
 //!   driver cannot tell them apart either);
 //! - the ledger owns no memory: the backend frees what an [`Entry`] names
-//!   after taking it out with [`Ledger::remove`].
+//!   after taking it out with `remove`.
 
-use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
+use std::ops::Deref;
 
-use parking_lot::{Mutex, RwLock};
-
-use crate::error::{AllocationRef, GpuError, Result};
-use crate::gpu::{AllocationInfo, DevicePtr, MemoryKind};
-
-/// How many freed ranges are remembered for use-after-free reports.
-const FREED_MEMORY: usize = 1 << 16;
+use crate::error::Result;
+use crate::gpu::{DevicePtr, MemoryKind};
+use crate::ledger_core::{Book, Tracked};
 
 /// What the backend must do to release an entry's memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,125 +56,43 @@ pub(crate) struct Entry {
     pub release: Release,
 }
 
-struct Freed {
-    bytes: usize,
-    label: String,
-}
-
-#[derive(Default)]
-struct FreedLog {
-    by_addr: BTreeMap<u64, Freed>,
-    order: VecDeque<u64>,
-}
-
-fn alloc_ref(base: u64, bytes: usize, label: &str) -> AllocationRef {
-    AllocationRef {
-        label: label.to_string(),
-        base: DevicePtr(base),
-        bytes,
+impl Tracked for Entry {
+    fn bytes(&self) -> usize {
+        self.bytes
+    }
+    fn label(&self) -> &str {
+        &self.label
+    }
+    fn kind(&self) -> MemoryKind {
+        self.kind
+    }
+    fn host(&self) -> usize {
+        self.host
     }
 }
 
-/// The ledger of live and recently freed allocations.
+/// The ledger of live and recently freed allocations: the shared [`Book`]
+/// (freeing, host lookups, accounting, teardown) plus insertion of
+/// driver-chosen addresses.
 #[derive(Default)]
 pub(crate) struct Ledger {
-    live: RwLock<BTreeMap<u64, Entry>>,
-    /// Host ranges of live host-mapped and registered entries, keyed by
-    /// (host start, device start), with their size.
-    host_index: RwLock<BTreeMap<(usize, u64), usize>>,
-    freed: Mutex<FreedLog>,
+    book: Book<Entry>,
+}
+
+impl Deref for Ledger {
+    type Target = Book<Entry>;
+
+    fn deref(&self) -> &Book<Entry> {
+        &self.book
+    }
 }
 
 impl Ledger {
-    /// Record a new allocation at `ptr`.
+    /// Record a new allocation at `ptr`, forgetting any freed range the
+    /// driver has handed out again.
     pub fn insert(&self, ptr: DevicePtr, entry: Entry) {
-        {
-            let mut freed = self.freed.lock();
-            let end = ptr.0.saturating_add(entry.bytes.max(1) as u64);
-            let stale: Vec<u64> = freed
-                .by_addr
-                .range(..end)
-                .filter(|(b, f)| **b + f.bytes.max(1) as u64 > ptr.0)
-                .map(|(b, _)| *b)
-                .collect();
-            for b in stale {
-                freed.by_addr.remove(&b);
-                freed.order.retain(|&o| o != b);
-            }
-        }
-        if entry.kind != MemoryKind::Device {
-            self.host_index
-                .write()
-                .insert((entry.host, ptr.0), entry.bytes);
-        }
-        self.live.write().insert(ptr.0, entry);
-    }
-
-    /// Check that `ptr` is the start of a live allocation, as `free` needs.
-    pub fn check_freeable(&self, ptr: DevicePtr) -> Result<()> {
-        let live = self.live.read();
-        if live.contains_key(&ptr.0) {
-            return Ok(());
-        }
-        let interior = live.range(..=ptr.0).next_back();
-        if let Some((&base, e)) = interior.filter(|(b, e)| ptr.0 < **b + e.bytes.max(1) as u64) {
-            return Err(GpuError::InteriorFree {
-                ptr,
-                offset: ptr.0 - base,
-                alloc: alloc_ref(base, e.bytes, &e.label),
-            });
-        }
-        drop(live);
-        let freed = self.freed.lock();
-        if let Some(f) = freed.by_addr.get(&ptr.0) {
-            return Err(GpuError::DoubleFree {
-                ptr,
-                alloc: alloc_ref(ptr.0, f.bytes, &f.label),
-            });
-        }
-        let inside = freed.by_addr.range(..=ptr.0).next_back();
-        if let Some((&base, f)) = inside.filter(|(b, f)| ptr.0 < **b + f.bytes.max(1) as u64) {
-            return Err(GpuError::UseAfterFree {
-                op: "free".into(),
-                ptr,
-                alloc: alloc_ref(base, f.bytes, &f.label),
-            });
-        }
-        Err(GpuError::NotAllocated { ptr })
-    }
-
-    /// Take the allocation starting at `ptr` out of the ledger and remember
-    /// it as freed. The caller releases the memory the entry names.
-    pub fn remove(&self, ptr: DevicePtr) -> Result<Entry> {
-        let entry = {
-            let mut live = self.live.write();
-            match live.remove(&ptr.0) {
-                Some(e) => e,
-                None => {
-                    drop(live);
-                    self.check_freeable(ptr)?;
-                    return Err(GpuError::NotAllocated { ptr });
-                }
-            }
-        };
-        if entry.kind != MemoryKind::Device {
-            self.host_index.write().remove(&(entry.host, ptr.0));
-        }
-        let mut freed = self.freed.lock();
-        if freed.order.len() >= FREED_MEMORY
-            && let Some(old) = freed.order.pop_front()
-        {
-            freed.by_addr.remove(&old);
-        }
-        freed.order.push_back(ptr.0);
-        freed.by_addr.insert(
-            ptr.0,
-            Freed {
-                bytes: entry.bytes,
-                label: entry.label.clone(),
-            },
-        );
-        Ok(entry)
+        self.book.forget_freed(ptr.0, entry.bytes);
+        self.book.record(ptr.0, entry);
     }
 
     /// Check that `[ptr, ptr + bytes)` lies inside one live allocation. An
@@ -189,110 +104,14 @@ impl Ledger {
         ptr: DevicePtr,
         bytes: usize,
     ) -> Result<()> {
-        {
-            let live = self.live.read();
-            if let Some((&base, e)) = live.range(..=ptr.0).next_back() {
-                let off = ptr.0 - base;
-                if off
-                    .checked_add(bytes as u64)
-                    .is_some_and(|end| end <= e.bytes as u64)
-                {
-                    return Ok(());
-                }
-            }
-        }
-        if bytes == 0 && ptr.is_null() {
-            return Ok(());
-        }
-        Err(self.explain(op, ptr, bytes))
-    }
-
-    #[cold]
-    fn explain<D: fmt::Display + ?Sized>(&self, op: &D, ptr: DevicePtr, bytes: usize) -> GpuError {
-        let op = op.to_string();
-        if ptr.is_null() {
-            return GpuError::NullPointer { op, bytes };
-        }
-        {
-            let live = self.live.read();
-            if let Some((&base, e)) = live.range(..=ptr.0).next_back() {
-                let off = ptr.0 - base;
-                if off < e.bytes as u64 || (off == e.bytes as u64 && bytes > 0) {
-                    let over = (off as u128 + bytes as u128) - e.bytes as u128;
-                    return GpuError::OutOfBounds {
-                        op,
-                        ptr,
-                        bytes,
-                        over: over as u64,
-                        alloc: alloc_ref(base, e.bytes, &e.label),
-                    };
-                }
-            }
-        }
-        let freed = self.freed.lock();
-        let inside = freed.by_addr.range(..=ptr.0).next_back();
-        if let Some((&base, f)) = inside.filter(|(b, f)| ptr.0 - **b <= f.bytes as u64) {
-            return GpuError::UseAfterFree {
-                op,
-                ptr,
-                alloc: alloc_ref(base, f.bytes, &f.label),
-            };
-        }
-        GpuError::InvalidPointer { op, ptr, bytes }
-    }
-
-    /// The device address of host memory `[host, host + bytes)` when it lies
-    /// inside one live host-mapped or registered allocation.
-    pub fn device_of_host(&self, host: *const u8, bytes: usize) -> Option<DevicePtr> {
-        let h = host as usize;
-        let idx = self.host_index.read();
-        let (&(start, dev), &len) = idx.range(..=(h, u64::MAX)).next_back()?;
-        let off = h - start;
-        (off.checked_add(bytes)? <= len).then(|| DevicePtr(dev + off as u64))
-    }
-
-    /// Bytes in live device and host-mapped allocations.
-    pub fn live_bytes(&self) -> usize {
-        self.live
-            .read()
-            .values()
-            .filter(|e| e.kind != MemoryKind::HostRegistered)
-            .map(|e| e.bytes)
-            .sum()
-    }
-
-    /// Number of live allocations of every kind.
-    pub fn live_count(&self) -> usize {
-        self.live.read().len()
-    }
-
-    /// Every live allocation, by address.
-    pub fn allocations(&self) -> Vec<AllocationInfo> {
-        self.live
-            .read()
-            .iter()
-            .map(|(&a, e)| AllocationInfo {
-                ptr: DevicePtr(a),
-                bytes: e.bytes,
-                label: e.label.clone(),
-                kind: e.kind,
-            })
-            .collect()
-    }
-
-    /// Every live entry, for teardown.
-    pub fn drain(&self) -> Vec<(DevicePtr, Entry)> {
-        self.host_index.write().clear();
-        std::mem::take(&mut *self.live.write())
-            .into_iter()
-            .map(|(a, e)| (DevicePtr(a), e))
-            .collect()
+        self.book.locate(op, ptr, bytes, |_, _| ()).map(drop)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::GpuError;
 
     fn dev(bytes: usize, label: &str) -> Entry {
         Entry {
@@ -348,5 +167,23 @@ mod tests {
         assert!(l.check("op", DevicePtr(0x1004), 4).is_ok());
         let e = l.check("op", DevicePtr(0x42), 1).unwrap_err();
         assert!(matches!(e, GpuError::InvalidPointer { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn a_reused_range_forgets_every_freed_range_it_overlaps() {
+        let l = Ledger::default();
+        l.insert(DevicePtr(0x1000), dev(16, "a"));
+        l.insert(DevicePtr(0x2000), dev(16, "b"));
+        l.insert(DevicePtr(0x3000), dev(16, "c"));
+        for p in [0x1000, 0x2000, 0x3000] {
+            l.remove(DevicePtr(p)).unwrap();
+        }
+        l.insert(DevicePtr(0x1008), dev(0x1000, "d"));
+        let e = l.check_freeable(DevicePtr(0x1000)).unwrap_err();
+        assert!(matches!(e, GpuError::NotAllocated { .. }), "{e:?}");
+        let e = l.check_freeable(DevicePtr(0x2000)).unwrap_err();
+        assert!(matches!(e, GpuError::InteriorFree { .. }), "{e:?}");
+        let e = l.check_freeable(DevicePtr(0x3000)).unwrap_err();
+        assert!(matches!(e, GpuError::DoubleFree { .. }), "{e:?}");
     }
 }

@@ -92,8 +92,13 @@ pub fn ptx_entries(ptx: &str) -> BTreeMap<String, Vec<ParamClass>> {
     let mut rest = ptx;
     while let Some(at) = rest.find(".entry") {
         rest = &rest[at + ".entry".len()..];
-        let Some(open) = rest.find('(') else {
-            // An entry without a parameter list: `.entry name {`.
+        let listed = rest.find('(').filter(|&open| {
+            let name = rest[..open].trim();
+            !name.is_empty() && !name.contains(|c: char| c.is_whitespace() || c == '{')
+        });
+        let Some(open) = listed else {
+            // An entry without a parameter list: `.entry name {` (any `(`
+            // further on belongs to something else).
             let name: String = rest
                 .trim_start()
                 .chars()
@@ -105,17 +110,6 @@ pub fn ptx_entries(ptx: &str) -> BTreeMap<String, Vec<ParamClass>> {
             continue;
         };
         let name = rest[..open].trim();
-        if name.is_empty() || name.contains(|c: char| c.is_whitespace() || c == '{') {
-            let name: String = rest
-                .trim_start()
-                .chars()
-                .take_while(|c| c.is_alphanumeric() || *c == '_' || *c == '$')
-                .collect();
-            if !name.is_empty() {
-                out.insert(name, Vec::new());
-            }
-            continue;
-        }
         let Some(close) = rest[open..].find(')') else {
             break;
         };
