@@ -204,8 +204,17 @@ impl Snapshot {
 
     /// The container bytes.
     pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.encoded_len());
+        self.encode_into(&mut out);
+        out
+    }
+
+    /// Append the container bytes to `out` (a stored value puts them
+    /// behind its header without a second copy).
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
         let total = self.encoded_len();
-        let mut out = Vec::with_capacity(total);
+        let start = out.len();
+        out.reserve(total);
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         out.extend_from_slice(&0u32.to_le_bytes());
@@ -220,10 +229,9 @@ impl Snapshot {
         for b in &self.blobs {
             out.extend_from_slice(b);
         }
-        let crc = crc32fast::hash(&out);
+        let crc = crc32fast::hash(&out[start..]);
         out.extend_from_slice(&crc.to_le_bytes());
-        debug_assert_eq!(out.len(), total);
-        out
+        debug_assert_eq!(out.len() - start, total);
     }
 
     /// Parse and check a container: magic, version, length, CRC and the blob

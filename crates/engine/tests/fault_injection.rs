@@ -60,6 +60,14 @@ struct FaultyReader {
 }
 
 impl FaultyReader {
+    /// The default reader, unarmed.
+    fn new() -> Self {
+        FaultyReader {
+            inner: default_reader(8).unwrap(),
+            armed: AtomicU32::new(0),
+            fired: AtomicU64::new(0),
+        }
+    }
     fn arm(&self, f: Fault) {
         self.armed.store(f as u32, Ordering::SeqCst);
     }
@@ -198,11 +206,7 @@ fn read_faults_fail_only_their_sequences_and_a_retry_matches_a_clean_run() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let base = gpu.live_alloc_count();
     let dir = tempfile::tempdir().unwrap();
-    let faulty = Arc::new(FaultyReader {
-        inner: default_reader(8).unwrap(),
-        armed: AtomicU32::new(0),
-        fired: AtomicU64::new(0),
-    });
+    let faulty = Arc::new(FaultyReader::new());
     let mut clean = rig(&gpu, dir.path(), None);
     let mut hurt = rig(&gpu, dir.path(), Some(faulty.clone()));
     let w = clean.engine.width();
@@ -406,11 +410,7 @@ fn a_lost_sequence_leaves_the_budget_and_is_never_preempted() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let base = gpu.live_alloc_count();
     let dir = tempfile::tempdir().unwrap();
-    let faulty = Arc::new(FaultyReader {
-        inner: default_reader(8).unwrap(),
-        armed: AtomicU32::new(0),
-        fired: AtomicU64::new(0),
-    });
+    let faulty = Arc::new(FaultyReader::new());
     let mut rig = rig_with_budget(&gpu, dir.path(), Some(faulty.clone()), Some(2));
     let e = &mut rig.engine;
     let carry = e.carry_bytes();

@@ -41,10 +41,8 @@ impl<S: Site> Engine<S> {
         for (site, (g, blob)) in self.geoms.iter().zip(&snap.blobs).enumerate() {
             // The carried history is the last `context_len` tokens of the
             // EOS-filled start followed by the tokens: check it agrees.
-            let ctx = g.dims.context_len();
-            let mut window = vec![g.dims.eos_token_id; ctx];
-            window.extend_from_slice(&tokens[tokens.len().saturating_sub(ctx)..]);
-            let want = &window[window.len() - ctx..];
+            let mut want = vec![g.dims.eos_token_id; g.dims.context_len()];
+            g.dims.advance_history(&mut want, tokens);
             // `decode_for` checked every blob against its site.
             let have = carry_blob::decode(blob, g)
                 .map(|b| b.history_tokens())
@@ -53,7 +51,7 @@ impl<S: Site> Engine<S> {
                 return Err(EngineError::HistoryMismatch {
                     site,
                     snapshot: have,
-                    tokens: want.to_vec(),
+                    tokens: want,
                 });
             }
         }
@@ -115,7 +113,7 @@ impl<S: Site> Engine<S> {
         let key = s.tokens.clone();
         if let (Some(k), Some(t)) = (store_key, self.shared.as_mut()) {
             // Queued, never waited for: a full queue drops it.
-            t.offer(k, &snap.encode());
+            t.offer(k, &snap);
         }
         if local {
             // A snapshot larger than the whole cache is simply not cached.

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
 use metrale_model_layers::layers::ple::SiteSpec;
 
-use super::value::{MissCause, open_value, seal_value};
+use super::value::{MissCause, open_value, seal_snapshot};
 use super::{CarryStore, ModelDigest, StoreError, StoreKey};
 use crate::snapshot::Snapshot;
 
@@ -315,10 +315,10 @@ impl CarryTier {
         self.written.insert(key);
     }
 
-    /// Queue the snapshot container `container` for writing under `key`.
+    /// Queue snapshot `snap` for writing under `key`.
     /// Never blocks: a full queue drops it (counted). `false` when dropped.
-    pub fn offer(&mut self, key: StoreKey, container: &[u8]) -> bool {
-        let value = seal_value(&self.model, &key, container);
+    pub fn offer(&mut self, key: StoreKey, snap: &Snapshot) -> bool {
+        let value = seal_snapshot(&self.model, &key, snap);
         let Some(tx) = &self.tx else { return false };
         match tx.try_send(Job::Put(key, value)) {
             Ok(()) => {

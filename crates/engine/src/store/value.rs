@@ -55,10 +55,10 @@ fn header_crc(bytes: &[u8]) -> u32 {
     h.finalize()
 }
 
-/// The stored form of `container` (snapshot container bytes) under `key`
-/// for `model`.
-pub fn seal_value(model: &ModelDigest, key: &StoreKey, container: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(VALUE_HEADER_LEN + container.len());
+/// A value's header under `key` for `model`, with room for a container of
+/// `container_len` bytes after it.
+fn value_header(model: &ModelDigest, key: &StoreKey, container_len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(VALUE_HEADER_LEN + container_len);
     out.extend_from_slice(&VALUE_MAGIC);
     out.extend_from_slice(&VALUE_VERSION.to_le_bytes());
     out.extend_from_slice(&[0; 4]);
@@ -66,7 +66,22 @@ pub fn seal_value(model: &ModelDigest, key: &StoreKey, container: &[u8]) -> Vec<
     out.extend_from_slice(&key.0);
     let crc = header_crc(&out);
     out[12..16].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// The stored form of `container` (snapshot container bytes) under `key`
+/// for `model`.
+pub fn seal_value(model: &ModelDigest, key: &StoreKey, container: &[u8]) -> Vec<u8> {
+    let mut out = value_header(model, key, container.len());
     out.extend_from_slice(container);
+    out
+}
+
+/// The stored form of `snap` under `key` for `model`: [`seal_value`] of
+/// its encoding, encoded in place.
+pub fn seal_snapshot(model: &ModelDigest, key: &StoreKey, snap: &Snapshot) -> Vec<u8> {
+    let mut out = value_header(model, key, snap.encoded_len());
+    snap.encode_into(&mut out);
     out
 }
 
@@ -134,10 +149,8 @@ pub fn open_value(
         )));
     }
     for (site, (g, blob)) in sites.iter().zip(&snap.blobs).enumerate() {
-        let ctx = g.dims.context_len();
-        let mut window = vec![g.dims.eos_token_id; ctx];
-        window.extend_from_slice(&tokens[tokens.len().saturating_sub(ctx)..]);
-        let want = &window[window.len() - ctx..];
+        let mut want = vec![g.dims.eos_token_id; g.dims.context_len()];
+        g.dims.advance_history(&mut want, tokens);
         let fits = matches!(
             carry_blob::decode(blob, g).map(|b| b.history_tokens()),
             Ok(h) if h == want
@@ -161,6 +174,15 @@ mod tests {
         let k = StoreKey([7; 32]);
         let v = seal_value(&m, &k, b"container");
         assert_eq!(unseal_value(&v, &m, &k).unwrap(), b"container");
+        let snap = Snapshot {
+            fingerprint: crate::snapshot::GeometryFingerprint(3),
+            token_count: 2,
+            blobs: vec![vec![1, 2, 3], vec![4]],
+        };
+        assert_eq!(
+            seal_snapshot(&m, &k, &snap),
+            seal_value(&m, &k, &snap.encode())
+        );
         assert_eq!(
             unseal_value(&v, &ModelDigest::of("other"), &k),
             Err(MissCause::Model)
