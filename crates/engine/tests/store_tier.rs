@@ -102,6 +102,41 @@ fn a_second_engine_restores_what_the_first_wrote() {
 }
 
 #[test]
+fn decode_boundaries_reach_the_store_without_a_local_cache() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let store: Arc<dyn CarryStore> = Arc::new(MemoryStore::new(1 << 20));
+    let p = prompt(6, 11);
+    let mut a = engine(&gpu, 0, false);
+    attach(&mut a, &store, "m");
+    let added = a.add_sequence(&p).unwrap();
+    let w = a.width();
+    let mut rows = rows_for(&p, 0, p.len(), w);
+    a.prefill(added.id, &p, &mut rows).unwrap();
+    // Two generated tokens take the sequence from 6 to 8 tokens: the
+    // boundary at 8 is reached by decode alone.
+    let mut full = p.clone();
+    for t in [21u32, 22] {
+        full.push(t);
+        let mut row = rows_for(&full, full.len() - 1, full.len(), w);
+        a.decode(&[(added.id, t)], &mut row).unwrap();
+    }
+    assert!(a.flush_carry_store(Duration::from_secs(5)));
+    let puts = a.stats().carry_store.puts;
+    // The boundary at 4 (prefill) and the one at 8 (decode).
+    assert_eq!(puts, 2, "{:?}", a.stats().carry_store);
+    a.release(added.id).unwrap();
+    a.close().unwrap();
+
+    // A next turn (one more token) restores past the generated tokens.
+    full.push(30);
+    let mut b = engine(&gpu, 0, false);
+    attach(&mut b, &store, "m");
+    assert_eq!(run_prompt(&mut b, &gpu, &full), 8);
+    b.close().unwrap();
+    assert_eq!(gpu.live_alloc_count(), 0, "{}", gpu.live_report());
+}
+
+#[test]
 fn local_hits_do_not_ask_the_store() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let store: Arc<dyn CarryStore> = Arc::new(MemoryStore::new(1 << 20));

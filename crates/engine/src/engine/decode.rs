@@ -109,7 +109,7 @@ impl<S: Site> Engine<S> {
             // Generated tokens are cached at block boundaries too, so the
             // next turn of a conversation, sent as a new sequence, restores
             // past them. As in prefill, a failed snapshot fails nothing.
-            if self.cfg.prefix_cache_bytes > 0 {
+            if self.caches_boundaries() {
                 let b = self.cfg.block_size;
                 for &id in &ids {
                     if self.seq(id)?.tokens.len().is_multiple_of(b)

@@ -149,7 +149,7 @@ impl<S: Site> Engine<S> {
             return Ok(());
         }
         self.ensure_resident(id, &[id])?;
-        let caching = self.cfg.prefix_cache_bytes > 0 || self.shared.is_some();
+        let caching = self.caches_boundaries();
         let b = self.cfg.block_size;
         let mut done = 0;
         while done < tokens.len() {

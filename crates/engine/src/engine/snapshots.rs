@@ -90,6 +90,13 @@ impl<S: Site> Engine<S> {
         .encode())
     }
 
+    /// Whether block boundaries are snapshotted at all: into the local
+    /// prefix cache, the shared carry store, or both. Prefill and decode
+    /// both ask this, so generated tokens reach every tier prompt tokens do.
+    pub(super) fn caches_boundaries(&self) -> bool {
+        self.cfg.prefix_cache_bytes > 0 || self.shared.is_some()
+    }
+
     pub(super) fn cache_boundary(&mut self, id: SeqId) -> Result<()> {
         let s = self.seq(id)?;
         let local = self.cfg.prefix_cache_bytes > 0 && !self.cache.contains(&s.tokens);
