@@ -552,24 +552,29 @@ impl PleIdHasher {
     /// Like [`Self::new`] but always on the portable scalar path.
     pub fn new_portable(dims: &PleIdDims) -> Result<Self> {
         dims.validate()?;
+        Ok(Self::validated(&HashFamily::Qwen4Exp, dims))
+    }
+
+    /// The scalar-path hasher of a pair already validated (which rules
+    /// out zero head sizes).
+    fn validated(family: &HashFamily, dims: &PleIdDims) -> Self {
         let heads = dims
             .head_vocab_sizes
             .iter()
             .zip(&dims.head_offsets)
             .map(|(&s, &offset)| HeadMod {
-                // validate() has ruled out zero sizes.
                 m: FastMod::new(s).expect("validated non-zero head size"),
                 offset,
             })
             .collect();
-        Ok(Self {
+        Self {
             dims: dims.clone(),
-            family: HashFamily::Qwen4Exp,
-            prep: family::Prepared::Qwen4Exp,
+            family: family.clone(),
+            prep: family::Prepared::new(family, dims),
             heads,
             #[cfg(target_arch = "x86_64")]
             avx2: None,
-        })
+        }
     }
 
     /// A hasher of any family: [`Self::new`] for Qwen4Exp; the scalar
@@ -580,24 +585,7 @@ impl PleIdHasher {
             return Self::new(dims);
         }
         validate_family(family, dims)?;
-        let heads = dims
-            .head_vocab_sizes
-            .iter()
-            .zip(&dims.head_offsets)
-            .map(|(&s, &offset)| {
-                FastMod::new(s)
-                    .map(|m| HeadMod { m, offset })
-                    .ok_or_else(|| IdError::Dims("PleIdDims: a head size is 0".into()))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            dims: dims.clone(),
-            family: family.clone(),
-            prep: family::Prepared::new(family, dims),
-            heads,
-            #[cfg(target_arch = "x86_64")]
-            avx2: None,
-        })
+        Ok(Self::validated(family, dims))
     }
 
     /// The hash family.

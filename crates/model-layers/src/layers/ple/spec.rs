@@ -182,6 +182,24 @@ impl Fields<'_> {
         usize::try_from(v).map_err(|_| self.field_err(name, format!("= {v} is too large")))
     }
 
+    /// `vocab_size`, at least 1.
+    fn vocab_size(&self) -> Result<u64, SpecError> {
+        let v = self.u64("vocab_size")?;
+        if v == 0 {
+            return Err(self.field_err("vocab_size", "must be at least 1, got 0".into()));
+        }
+        Ok(v)
+    }
+
+    /// The n-gram order `name`, in `2..=MAX_NGRAM_SIZE`.
+    fn ngram_size(&self, name: &str) -> Result<usize, SpecError> {
+        let n = self.count(name, 2)?;
+        if n > MAX_NGRAM_SIZE {
+            return Err(self.field_err(name, format!("must be at most {MAX_NGRAM_SIZE}, got {n}")));
+        }
+        Ok(n)
+    }
+
     /// Whether `name` is present and not null.
     fn has(&self, name: &str) -> bool {
         self.map.get(name).is_some_and(|v| !v.is_null())
@@ -327,10 +345,7 @@ impl ModelSpec {
             }
         }
 
-        let vocab_size = f.u64("vocab_size")?;
-        if vocab_size == 0 {
-            return Err(f.field_err("vocab_size", "must be at least 1, got 0".into()));
-        }
+        let vocab_size = f.vocab_size()?;
         let hidden_size = f.count("hidden_size", 1)?;
         let hc_mult = f.count("hc_mult", 1)?;
         let eps_v = f.get("rms_norm_eps")?;
@@ -346,13 +361,7 @@ impl ModelSpec {
 
         let eos_token_id = f.eos()?;
 
-        let ngram_size = f.count("ngram_size", 2)?;
-        if ngram_size > MAX_NGRAM_SIZE {
-            return Err(f.field_err(
-                "ngram_size",
-                format!("must be at most {MAX_NGRAM_SIZE}, got {ngram_size}"),
-            ));
-        }
+        let ngram_size = f.ngram_size("ngram_size")?;
         let heads_per_ngram = f.count("heads_per_ngram", 1)?;
         let ngram_vocab_size_base = f.u64("ngram_vocab_size_base")?;
         let divisible = f

@@ -70,10 +70,7 @@ pub(super) fn parse(f: &Fields, keys: EngramKeys) -> Result<ModelSpec, SpecError
     let v41 = keys == EngramKeys::V41;
     let k = |demo: &'static str, v41_name: &'static str| if v41 { v41_name } else { demo };
 
-    let vocab_size = f.u64("vocab_size")?;
-    if vocab_size == 0 {
-        return Err(f.field_err("vocab_size", "must be at least 1, got 0".into()));
-    }
+    let vocab_size = f.vocab_size()?;
     let hidden_size = f.count("hidden_size", 1)?;
     let hc_mult = match f.u64_opt("hc_mult")? {
         Some(h) => f.count_of("hc_mult", h, 1)?,
@@ -82,16 +79,7 @@ pub(super) fn parse(f: &Fields, keys: EngramKeys) -> Result<ModelSpec, SpecError
     let rms_norm_eps = f.eps_or("rms_norm_eps", 1e-6)?;
 
     let n_name = k("max_ngram_size", "engram_max_ngram_size");
-    let ngram_size = f.count(n_name, 2)?;
-    if ngram_size > super::MAX_NGRAM_SIZE {
-        return Err(f.field_err(
-            n_name,
-            format!(
-                "must be at most {}, got {ngram_size}",
-                super::MAX_NGRAM_SIZE
-            ),
-        ));
-    }
+    let ngram_size = f.ngram_size(n_name)?;
     let heads_name = k("n_head_per_ngram", "engram_n_heads");
     let heads_per_ngram = f.count(heads_name, 1)?;
     let head_dim = if v41 {

@@ -72,10 +72,7 @@ pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecErro
         ),
         LongCatKeys::Oe => ("oe_vocab_size_ratio", "oe_neighbor_num", "oe_split_num"),
     };
-    let vocab_size = f.u64("vocab_size")?;
-    if vocab_size == 0 {
-        return Err(f.field_err("vocab_size", "must be at least 1, got 0".into()));
-    }
+    let vocab_size = f.vocab_size()?;
     let hidden_size = f.count("hidden_size", 1)?;
     let hc_mult = match f.u64_opt("hc_mult")? {
         Some(h) => f.count_of("hc_mult", h, 1)?,
@@ -83,16 +80,7 @@ pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecErro
     };
     let rms_norm_eps = f.eps_or("rms_norm_eps", 1e-5)?;
     let eos_token_id = f.eos()?;
-    let ngram_size = f.count(n_name, 2)?;
-    if ngram_size > super::MAX_NGRAM_SIZE {
-        return Err(f.field_err(
-            n_name,
-            format!(
-                "must be at most {}, got {ngram_size}",
-                super::MAX_NGRAM_SIZE
-            ),
-        ));
-    }
+    let ngram_size = f.ngram_size(n_name)?;
     let heads_per_ngram = f.count(k_name, 1)?;
     let tables = (ngram_size - 1)
         .checked_mul(heads_per_ngram)
