@@ -62,16 +62,21 @@ fn rows_base(f: &Fields, name: &str, vocab: u64) -> Result<u64, SpecError> {
     }
 }
 
-/// Parse a LongCat config whose spelling is `keys`.
-pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecError> {
-    let (ratio_name, n_name, k_name) = match keys {
+/// The ratio, order and split keys in the spelling `keys`.
+fn key_names(keys: LongCatKeys) -> (&'static str, &'static str, &'static str) {
+    match keys {
         LongCatKeys::Flash => (
             "ngram_vocab_size_ratio",
             "emb_neighbor_num",
             "emb_split_num",
         ),
         LongCatKeys::Oe => ("oe_vocab_size_ratio", "oe_neighbor_num", "oe_split_num"),
-    };
+    }
+}
+
+/// Parse a LongCat config whose spelling is `keys`.
+pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecError> {
+    let (ratio_name, n_name, k_name) = key_names(keys);
     let vocab_size = f.vocab_size()?;
     let hidden_size = f.count("hidden_size", 1)?;
     let hc_mult = match f.u64_opt("hc_mult")? {
@@ -136,14 +141,7 @@ pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecErro
 
 /// The config.json object of a LongCat spec, in its own spelling.
 pub(super) fn to_json(spec: &ModelSpec, l: &LongCatSpec) -> Value {
-    let (ratio_name, n_name, k_name) = match l.keys {
-        LongCatKeys::Flash => (
-            "ngram_vocab_size_ratio",
-            "emb_neighbor_num",
-            "emb_split_num",
-        ),
-        LongCatKeys::Oe => ("oe_vocab_size_ratio", "oe_neighbor_num", "oe_split_num"),
-    };
+    let (ratio_name, n_name, k_name) = key_names(l.keys);
     let m = spec.ngram_vocab_size_base;
     let mut v = json!({
         "vocab_size": spec.vocab_size,
