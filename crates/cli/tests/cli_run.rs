@@ -2,23 +2,10 @@
 //! use, a small workload with `--verify --json` that exercises prefix
 //! hits, preemption and the row cache, prompt files, and refusals.
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
+use common::{count, run};
 use serde_json::Value;
-
-fn bin(cache: &Path) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_metrale-ple"));
-    c.env_remove("RUST_LOG").env("XDG_CACHE_HOME", cache);
-    c
-}
-
-fn run(cache: &Path, args: &[&str]) -> (Output, String, String) {
-    let o = bin(cache).args(args).output().expect("the binary runs");
-    let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    (o, out, err)
-}
 
 const SMALL: &[&str] = &[
     "--sequences",
@@ -43,15 +30,6 @@ const SMALL: &[&str] = &[
     "4096",
 ];
 
-fn u(v: &Value, path: &[&str]) -> u64 {
-    let mut x = v;
-    for p in path {
-        x = &x[*p];
-    }
-    x.as_u64()
-        .unwrap_or_else(|| panic!("{path:?} is not a count: {v}"))
-}
-
 #[test]
 fn default_checkpoint_then_verified_json_run() {
     let tmp = tempfile::tempdir().unwrap();
@@ -63,25 +41,25 @@ fn default_checkpoint_then_verified_json_run() {
     assert!(tmp.path().join("metrale-ple/tiny/config.json").exists());
 
     let v: Value = serde_json::from_str(&out).expect("JSON on stdout");
-    assert_eq!(u(&v, &["sequences"]), 10);
-    let prefill = u(&v, &["prefill", "tokens"]);
-    let decode = u(&v, &["decode", "tokens"]);
-    let restored = u(&v, &["prefix_cache", "tokens_restored"]);
-    assert_eq!(prefill + decode + restored, u(&v, &["tokens"]));
+    assert_eq!(count(&v, &["sequences"]), 10);
+    let prefill = count(&v, &["prefill", "tokens"]);
+    let decode = count(&v, &["decode", "tokens"]);
+    let restored = count(&v, &["prefix_cache", "tokens_restored"]);
+    assert_eq!(prefill + decode + restored, count(&v, &["tokens"]));
     assert!(decode > 0 && prefill > 0);
     // Two system prompts shared by ten sequences: the cache must hit.
-    assert!(u(&v, &["prefix_cache", "hits"]) > 0, "{out}");
+    assert!(count(&v, &["prefix_cache", "hits"]) > 0, "{out}");
     // Six in flight over a budget of four carries: preemption must happen.
-    assert!(u(&v, &["swaps", "preemptions"]) > 0, "{out}");
+    assert!(count(&v, &["swaps", "preemptions"]) > 0, "{out}");
     assert_eq!(
-        u(&v, &["swaps", "swap_outs"]),
-        u(&v, &["swaps", "swap_ins"])
+        count(&v, &["swaps", "swap_outs"]),
+        count(&v, &["swaps", "swap_ins"])
     );
-    assert!(u(&v, &["carry", "peak_bytes"]) <= u(&v, &["carry", "budget_bytes"]));
-    assert!(u(&v, &["row_cache", "misses"]) > 0 && u(&v, &["bytes_read"]) > 0);
-    assert_eq!(u(&v, &["leaked_allocations"]), 0);
+    assert!(count(&v, &["carry", "peak_bytes"]) <= count(&v, &["carry", "budget_bytes"]));
+    assert!(count(&v, &["row_cache", "misses"]) > 0 && count(&v, &["bytes_read"]) > 0);
+    assert_eq!(count(&v, &["leaked_allocations"]), 0);
     assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");
-    assert_eq!(u(&v, &["verify", "rows_compared"]), prefill + decode);
+    assert_eq!(count(&v, &["verify", "rows_compared"]), prefill + decode);
 
     // The second run finds the checkpoint and prints the table.
     let mut args = vec!["run"];
@@ -133,9 +111,9 @@ fn prompt_and_text_files_run_and_bad_ones_are_refused() {
     );
     assert!(o.status.success(), "{out}\n{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(u(&v, &["sequences"]), 3);
-    assert_eq!(u(&v, &["tokens"]), 10 + 9);
-    assert_eq!(u(&v, &["decode", "tokens"]), 9);
+    assert_eq!(count(&v, &["sequences"]), 3);
+    assert_eq!(count(&v, &["tokens"]), 10 + 9);
+    assert_eq!(count(&v, &["decode", "tokens"]), 9);
     assert_eq!(v["verify"]["identical"], Value::Bool(true));
 
     let text = tmp.path().join("t.txt");
@@ -173,8 +151,8 @@ fn prompt_and_text_files_run_and_bad_ones_are_refused() {
     let (o, out, err) = run(tmp.path(), &args);
     assert!(o.status.success(), "{out}\n{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
-    assert!(u(&v, &["decode_graphs", "replays"]) > 0, "{out}");
-    assert!(u(&v, &["decode_graphs", "captured"]) >= 1, "{out}");
+    assert!(count(&v, &["decode_graphs", "replays"]) > 0, "{out}");
+    assert!(count(&v, &["decode_graphs", "captured"]) >= 1, "{out}");
     assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");
 
     // A budget smaller than a decode batch: the engine splits the batch.
@@ -218,17 +196,17 @@ fn injected_read_faults_fail_only_their_sequences_and_reruns_verify() {
     let (o, out, err) = run(tmp.path(), &args);
     assert!(o.status.success(), "{out}\n{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
-    assert!(u(&v, &["faults", "injected"]) > 0, "{out}");
-    assert!(u(&v, &["faults", "failed_calls"]) > 0, "{out}");
-    assert!(u(&v, &["faults", "retried_sequences"]) > 0, "{out}");
-    assert_eq!(u(&v, &["faults", "failed_sequences"]), 0, "{out}");
+    assert!(count(&v, &["faults", "injected"]) > 0, "{out}");
+    assert!(count(&v, &["faults", "failed_calls"]) > 0, "{out}");
+    assert!(count(&v, &["faults", "retried_sequences"]) > 0, "{out}");
+    assert_eq!(count(&v, &["faults", "failed_sequences"]), 0, "{out}");
     let first = v["faults"]["first_error"].as_str().unwrap();
     assert!(
         first.contains(".safetensors") && first.contains(" at offset ") && first.contains("row "),
         "{first}"
     );
     assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");
-    assert_eq!(u(&v, &["leaked_allocations"]), 0);
+    assert_eq!(count(&v, &["leaked_allocations"]), 0);
 
     // Faults are for the row cache only.
     let (o, _, err) = run(

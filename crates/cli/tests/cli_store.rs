@@ -2,20 +2,15 @@
 //! the second restores its prefixes from what the first wrote, and both
 //! pass `--verify`. A Redis address nothing listens on changes no output.
 
-use std::path::Path;
-use std::process::Command;
+mod common;
 
+use std::path::Path;
+
+use common::count;
 use serde_json::Value;
 
 fn run(cache: &Path, args: &[&str]) -> Value {
-    let o = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
-        .env_remove("RUST_LOG")
-        .env("XDG_CACHE_HOME", cache)
-        .args(args)
-        .output()
-        .expect("the binary runs");
-    let out = String::from_utf8_lossy(&o.stdout);
-    let err = String::from_utf8_lossy(&o.stderr);
+    let (o, out, err) = common::run(cache, args);
     assert!(o.status.success(), "{args:?} failed\n{out}\n{err}");
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
 }
@@ -42,15 +37,6 @@ const SMALL: &[&str] = &[
     "4096",
 ];
 
-fn n(v: &Value, path: &[&str]) -> u64 {
-    let mut x = v;
-    for p in path {
-        x = &x[*p];
-    }
-    x.as_u64()
-        .unwrap_or_else(|| panic!("{path:?} is not a count: {v}"))
-}
-
 #[test]
 fn two_processes_share_a_dir_store() {
     let tmp = tempfile::tempdir().unwrap();
@@ -59,24 +45,24 @@ fn two_processes_share_a_dir_store() {
     args.extend_from_slice(&["--carry-store", &url]);
     let first = run(tmp.path(), &args);
     let cs = &first["carry_store"];
-    assert_eq!(n(cs, &["restores"]), 0, "{cs}");
-    assert!(n(cs, &["puts"]) > 0, "{cs}");
+    assert_eq!(count(cs, &["restores"]), 0, "{cs}");
+    assert!(count(cs, &["puts"]) > 0, "{cs}");
     assert_eq!(first["verify"]["identical"], true);
     assert!(cs["model_id"].as_str().unwrap().starts_with("config-"));
 
     let second = run(tmp.path(), &args);
     let cs = &second["carry_store"];
     eprintln!("second run's store: {cs:#}");
-    assert!(n(cs, &["restores"]) > 0, "{cs}");
-    assert!(n(cs, &["tokens_restored"]) > 0 && n(cs, &["bytes_restored"]) > 0);
-    assert_eq!(n(cs, &["misses", "corrupt"]), 0);
+    assert!(count(cs, &["restores"]) > 0, "{cs}");
+    assert!(count(cs, &["tokens_restored"]) > 0 && count(cs, &["bytes_restored"]) > 0);
+    assert_eq!(count(cs, &["misses", "corrupt"]), 0);
     assert_eq!(second["verify"]["identical"], true);
 
     // Another model id shares nothing.
     let mut other = args.clone();
     other.extend_from_slice(&["--model-id", "another-model"]);
     let third = run(tmp.path(), &other);
-    assert_eq!(n(&third["carry_store"], &["restores"]), 0);
+    assert_eq!(count(&third["carry_store"], &["restores"]), 0);
 }
 
 #[test]
@@ -92,7 +78,7 @@ fn an_unreachable_redis_store_changes_no_output() {
     args.extend_from_slice(&["--carry-store", &url, "--store-timeout-ms", "100"]);
     let v = run(tmp.path(), &args);
     let cs = &v["carry_store"];
-    assert_eq!(n(cs, &["restores"]), 0);
-    assert!(n(cs, &["misses", "error"]) > 0, "{cs}");
+    assert_eq!(count(cs, &["restores"]), 0);
+    assert!(count(cs, &["misses", "error"]) > 0, "{cs}");
     assert_eq!(v["verify"]["identical"], true);
 }

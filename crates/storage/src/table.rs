@@ -106,6 +106,22 @@ pub struct TableStats {
     pub io_wait_ns: u64,
 }
 
+impl TableStats {
+    /// The counts since the snapshot `before` (taken earlier of the same
+    /// table).
+    pub fn since(&self, before: &TableStats) -> TableStats {
+        TableStats {
+            hits: self.hits - before.hits,
+            misses: self.misses - before.misses,
+            evictions: self.evictions - before.evictions,
+            bytes_read: self.bytes_read - before.bytes_read,
+            read_calls: self.read_calls - before.read_calls,
+            pages_coalesced: self.pages_coalesced - before.pages_coalesced,
+            io_wait_ns: self.io_wait_ns - before.io_wait_ns,
+        }
+    }
+}
+
 /// A source of table rows; see the module docs for the lease rules.
 pub trait RowTable: Send + Sync {
     /// The table's shape.

@@ -551,20 +551,7 @@ impl RowTable for CachedTable {
             }
             // Prefetch is advice: with no free slot, stop quietly.
             let Some(v) = inner.clock(st) else { break };
-            let sl = &mut st.slots[v as usize];
-            if sl.state == READY {
-                st.map.remove(&sl.id);
-                evictions += 1;
-            }
-            *sl = Slot {
-                id,
-                stamp: batch,
-                pins: 0,
-                generation: sl.generation.wrapping_add(1),
-                state: LOADING,
-                referenced: false,
-            };
-            st.map.insert(id, v);
+            evictions += u64::from(Inner::claim(st, v, id, batch, 0));
             loads.push((v, id));
         }
         drop(g);

@@ -92,6 +92,26 @@ impl Inner {
         sl.generation = sl.generation.wrapping_add(1);
     }
 
+    /// Hand slot `v` to `id`: loading, stamped `batch`, with `pins` pins,
+    /// and mapped. True when it held a ready row (an eviction).
+    pub(super) fn claim(st: &mut State, v: u32, id: u64, batch: u64, pins: u32) -> bool {
+        let sl = &mut st.slots[v as usize];
+        let evicted = sl.state == READY;
+        if evicted {
+            st.map.remove(&sl.id);
+        }
+        *sl = Slot {
+            id,
+            stamp: batch,
+            pins,
+            generation: sl.generation.wrapping_add(1),
+            state: LOADING,
+            referenced: false,
+        };
+        st.map.insert(id, v);
+        evicted
+    }
+
     /// Publish the outcome of loads: ready, or unmapped on failure.
     pub(super) fn finish_loads(&self, st: &mut State, loads: &[(u32, u64)], ok: bool) {
         for &(s, _) in loads {
@@ -142,20 +162,7 @@ impl Inner {
                         self.stats.evictions.fetch_add(evictions, Relaxed);
                         return Ok(Attempt::NoVictim);
                     };
-                    let sl = &mut st.slots[v as usize];
-                    if sl.state == READY {
-                        st.map.remove(&sl.id);
-                        evictions += 1;
-                    }
-                    *sl = Slot {
-                        id,
-                        stamp: batch,
-                        pins: 1,
-                        generation: sl.generation.wrapping_add(1),
-                        state: LOADING,
-                        referenced: false,
-                    };
-                    st.map.insert(id, v);
+                    evictions += u64::from(Self::claim(st, v, id, batch, 1));
                     pinned.push(v);
                     loads.push((v, id));
                     v

@@ -36,6 +36,7 @@ use metrale_engine::ple_site::PleSite;
 use metrale_engine::{Engine, EngineConfig, SeqId};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::bench::Rng;
 use metrale_storage::bench::RandomReads;
 use metrale_storage::table::TableStats;
 use serde::Serialize;
@@ -185,20 +186,10 @@ impl Drop for Scratch {
     }
 }
 
-/// splitmix64: the token stream and the highway rows.
-struct Mix(u64);
-
-impl Mix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
+/// Uniform in `[0, 1)` from `r`, the stream of the token draws and the
+/// highway rows.
+fn unit(r: &mut Rng) -> f64 {
+    (r.next_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// Tokens `0..vocab` drawn with probability proportional to `1/(k+1)^s`.
@@ -220,8 +211,8 @@ impl Zipf {
         }
         Zipf { cdf }
     }
-    fn sample(&self, r: &mut Mix) -> u32 {
-        let u = r.unit();
+    fn sample(&self, r: &mut Rng) -> u32 {
+        let u = unit(r);
         self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1) as u32
     }
 }
@@ -387,7 +378,7 @@ fn measure_all(ck: &Checkpoint, sizes: &Sizes) -> Result<Report> {
 /// prefetch reads).
 struct Workload {
     zipf: Zipf,
-    rng: Mix,
+    rng: Rng,
     ids: Vec<SeqId>,
     cur: Vec<u32>,
     next: Vec<u32>,
@@ -404,11 +395,11 @@ impl Workload {
         prefetch: bool,
     ) -> Result<Workload> {
         let zipf = Zipf::new(vocab, ZIPF);
-        let mut rng = Mix(0x0FF1_0AD5);
+        let mut rng = Rng::new(0x0FF1_0AD5);
         let w = e.width();
         let rows = sizes.sequences.max(sizes.prompt);
         let template: Vec<f32> = (0..rows * w)
-            .map(|_| (rng.unit() * 2.0 - 1.0) as f32)
+            .map(|_| (unit(&mut rng) * 2.0 - 1.0) as f32)
             .collect();
         let mut ids = Vec::with_capacity(sizes.sequences);
         for _ in 0..sizes.sequences {
@@ -449,19 +440,6 @@ impl Workload {
             *t = self.zipf.sample(&mut self.rng);
         }
         Ok(())
-    }
-}
-
-/// The difference of two counter snapshots.
-fn delta(a: &TableStats, b: &TableStats) -> TableStats {
-    TableStats {
-        hits: b.hits - a.hits,
-        misses: b.misses - a.misses,
-        evictions: b.evictions - a.evictions,
-        bytes_read: b.bytes_read - a.bytes_read,
-        read_calls: b.read_calls - a.read_calls,
-        pages_coalesced: b.pages_coalesced - a.pages_coalesced,
-        io_wait_ns: b.io_wait_ns - a.io_wait_ns,
     }
 }
 
@@ -533,7 +511,7 @@ fn measure(
             settled = true;
             break;
         }
-        let s = delta(&before, &e.table_stats());
+        let s = e.table_stats().since(&before);
         let hr = hit_rate(&s, per_step * sizes.window as u64).unwrap_or(0.0);
         let prev = trace.last().copied();
         trace.push(hr);
@@ -567,7 +545,7 @@ fn measure(
         rates.push((sizes.measure * sizes.sequences) as f64 / dt);
     }
     let io1 = process_read_bytes();
-    let s = delta(&stats0, &e.table_stats());
+    let s = e.table_stats().since(&stats0);
     e.close()?;
     let steps = (sizes.measure * sizes.reps.max(1)) as u64;
     let tokens = (steps * sizes.sequences as u64) as f64;
