@@ -306,16 +306,7 @@ impl<S: Site> Server<S> {
         }
         run.report.wall = start.elapsed();
         run.report.stats = self.engine.stats();
-        let t = self.engine.table_stats();
-        run.report.table = TableStats {
-            hits: t.hits - table_before.hits,
-            misses: t.misses - table_before.misses,
-            evictions: t.evictions - table_before.evictions,
-            bytes_read: t.bytes_read - table_before.bytes_read,
-            read_calls: t.read_calls - table_before.read_calls,
-            pages_coalesced: t.pages_coalesced - table_before.pages_coalesced,
-            io_wait_ns: t.io_wait_ns - table_before.io_wait_ns,
-        };
+        run.report.table = self.engine.table_stats().since(&table_before);
         Ok(run.report)
     }
 
