@@ -17,6 +17,13 @@ use serde_json::{Value, json};
 
 use super::{Fields, ModelFamily, ModelSpec, SpecError, TokenMap};
 
+pub mod tokenizer;
+
+pub use tokenizer::{
+    CompressedTokens, TokenizerJsonError, token_map_from_tokenizer_json,
+    token_map_from_tokenizer_str,
+};
+
 /// Which key spelling a config uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EngramKeys {
