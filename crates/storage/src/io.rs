@@ -11,9 +11,11 @@
 //!   OS error, per request, and never leaves a request in flight when it
 //!   returns (buffers may be reused at once);
 //! - files opened with [`ShardFile::open`] use O_DIRECT when the file system
-//!   accepts it; the cache then only issues reads whose offset, length and
-//!   buffer are multiples of [`PAGE`], which [`AlignedBuf`] guarantees for
-//!   memory;
+//!   accepts it, and carry the file's direct-I/O alignment ([`DioAlign`],
+//!   queried once at open); the cache then only issues reads whose offset
+//!   and length are multiples of its offset granule and whose buffer starts
+//!   on a multiple of its memory granule (both at most [`PAGE`], which
+//!   [`AlignedBuf`] guarantees for whole buffers);
 //! - where O_DIRECT is refused the file is read through the page cache with
 //!   `POSIX_FADV_RANDOM`, and a warning is logged once per file.
 
@@ -31,8 +33,146 @@ use parking_lot::Mutex;
 
 use crate::error::{IoContext, Result, StorageError};
 
-/// The I/O granule: reads cover whole 4 KiB pages.
+/// The largest I/O granule the cache supports, and the alignment of every
+/// [`AlignedBuf`]: any direct-I/O alignment a file reports must divide it.
 pub const PAGE: usize = 4096;
+
+/// Where a file's [`DioAlign`] came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlignSource {
+    /// `statx(STATX_DIO_READ_ALIGN)` (Linux 6.14+) or
+    /// `statx(STATX_DIOALIGN)` (Linux 6.1+): the file system's own answer.
+    Statx,
+    /// The logical block size of the device holding the file
+    /// (`BLKSSZGET` on a block device, else
+    /// `/sys/dev/block/MAJ:MIN/queue/logical_block_size`).
+    BlockDevice,
+    /// Nothing answered: [`FALLBACK_DIRECT_ALIGN`] for O_DIRECT files.
+    Fallback,
+    /// The file is read through the page cache, which needs no alignment;
+    /// reads still cover whole [`BUFFERED_ALIGN`] sectors so their spans
+    /// (and byte counts) match what a direct read of the same rows would be.
+    Buffered,
+}
+
+/// Alignment assumed for an O_DIRECT file when neither `statx` nor the
+/// block device answers: 4096 is a multiple of every logical block size up
+/// to a page, so it is always accepted (at the cost of reading more than a
+/// 512-byte-sector device needs).
+pub const FALLBACK_DIRECT_ALIGN: usize = 4096;
+
+/// The span granule of buffered files (one classic sector).
+pub const BUFFERED_ALIGN: usize = 512;
+
+/// A file's direct-I/O alignment: reads must start and end on multiples of
+/// `offset` and land in memory aligned to `mem`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DioAlign {
+    /// File offset and length granule (a power of two, at most [`PAGE`]).
+    pub offset: usize,
+    /// Buffer address granule (a power of two, at most [`PAGE`]).
+    pub mem: usize,
+    /// Where the numbers came from.
+    pub source: AlignSource,
+}
+
+impl DioAlign {
+    /// The alignment of a file read through the page cache.
+    pub const BUFFERED: DioAlign = DioAlign {
+        offset: BUFFERED_ALIGN,
+        mem: 1,
+        source: AlignSource::Buffered,
+    };
+
+    /// Ask the kernel for the direct-I/O alignment of the open `file`:
+    /// `statx` first, then the device's logical block size, then
+    /// [`FALLBACK_DIRECT_ALIGN`]. Answers that are not powers of two or
+    /// exceed [`PAGE`] are not used (the next source is asked).
+    pub fn query(file: &File) -> DioAlign {
+        let fd = file.as_raw_fd();
+        if let Some((offset, mem)) = statx_dio(fd)
+            && usable(offset)
+            && usable(mem)
+        {
+            return DioAlign {
+                offset,
+                mem,
+                source: AlignSource::Statx,
+            };
+        }
+        if let Some(lbs) = block_size(file)
+            && usable(lbs)
+        {
+            return DioAlign {
+                offset: lbs,
+                mem: lbs,
+                source: AlignSource::BlockDevice,
+            };
+        }
+        DioAlign {
+            offset: FALLBACK_DIRECT_ALIGN,
+            mem: FALLBACK_DIRECT_ALIGN,
+            source: AlignSource::Fallback,
+        }
+    }
+}
+
+fn usable(a: usize) -> bool {
+    a.is_power_of_two() && a <= PAGE
+}
+
+/// `(offset, memory)` direct-I/O alignment from `statx`, preferring the
+/// read-specific offset alignment where the kernel reports one. `None`
+/// where the kernel or file system does not answer (or reports 0: no
+/// direct I/O for this file).
+fn statx_dio(fd: RawFd) -> Option<(usize, usize)> {
+    // SAFETY: an all-zero statx is a valid value of this plain C struct.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: the empty path with AT_EMPTY_PATH names `fd` itself; `st` is
+    // a writable statx the kernel fills.
+    let rc = unsafe {
+        libc::statx(
+            fd,
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_DIOALIGN | libc::STATX_DIO_READ_ALIGN,
+            &mut st,
+        )
+    };
+    if rc != 0 || st.stx_mask & libc::STATX_DIOALIGN == 0 {
+        return None;
+    }
+    let mut offset = st.stx_dio_offset_align as usize;
+    if st.stx_mask & libc::STATX_DIO_READ_ALIGN != 0 && st.stx_dio_read_offset_align != 0 {
+        offset = st.stx_dio_read_offset_align as usize;
+    }
+    let mem = st.stx_dio_mem_align as usize;
+    (offset != 0 && mem != 0).then_some((offset, mem))
+}
+
+/// The logical block size under `file`: `BLKSSZGET` when the file is a
+/// block device itself, else sysfs for the device its file system is on
+/// (a partition's own directory has no `queue/`, its disk's has).
+fn block_size(file: &File) -> Option<usize> {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    let md = file.metadata().ok()?;
+    if md.file_type().is_block_device() {
+        let mut lbs: libc::c_int = 0;
+        // SAFETY: BLKSSZGET writes one int through the pointer.
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), libc::BLKSSZGET, &mut lbs) };
+        return (rc == 0 && lbs > 0).then_some(lbs as usize);
+    }
+    let dev = md.dev();
+    let dir = PathBuf::from(format!(
+        "/sys/dev/block/{}:{}",
+        libc::major(dev),
+        libc::minor(dev)
+    ));
+    ["queue/logical_block_size", "../queue/logical_block_size"]
+        .iter()
+        .find_map(|rel| std::fs::read_to_string(dir.join(rel)).ok())
+        .and_then(|s| s.trim().parse().ok())
+}
 
 /// A heap buffer aligned to [`PAGE`], zero-initialised.
 pub struct AlignedBuf {
@@ -98,6 +238,8 @@ pub struct ShardFile {
     pub file: File,
     /// Whether reads bypass the page cache (O_DIRECT).
     pub direct: bool,
+    /// The granules reads of this file keep to.
+    pub align: DioAlign,
 }
 
 impl ShardFile {
@@ -118,10 +260,12 @@ impl ShardFile {
         if direct {
             match try_direct(path) {
                 Ok(f) => {
+                    let align = DioAlign::query(&f);
                     return Ok(ShardFile {
                         path: path.to_path_buf(),
                         file: f,
                         direct: true,
+                        align,
                     });
                 }
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
@@ -143,6 +287,7 @@ impl ShardFile {
             path: path.to_path_buf(),
             file,
             direct: false,
+            align: DioAlign::BUFFERED,
         })
     }
 
@@ -564,6 +709,30 @@ mod tests {
         assert!(e.contains("f.bin") && e.contains("O_DIRECT"), "{e}");
         let missing = ShardFile::open(&d.path().join("nope"), true).unwrap_err();
         assert!(format!("{missing:#}").contains("nope"));
+    }
+
+    #[test]
+    fn direct_files_know_their_alignment() {
+        let d = tempfile::tempdir().unwrap();
+        let (p, data) = sample_file(d.path(), 4 * PAGE);
+        let f = ShardFile::open(&p, true).unwrap();
+        let a = f.align;
+        eprintln!("direct={} alignment {a:?}", f.direct);
+        if f.direct {
+            assert!(a.offset.is_power_of_two() && a.offset <= PAGE, "{a:?}");
+            assert!(a.mem.is_power_of_two() && a.mem <= PAGE, "{a:?}");
+            assert_ne!(a.source, AlignSource::Buffered);
+            // A read of exactly one offset granule at an unaligned-to-page
+            // position must be accepted by the kernel.
+            let mut b = AlignedBuf::new(PAGE);
+            let off = (PAGE + a.offset) as u64 % (4 * PAGE) as u64;
+            let n = pread_full(f.fd(), &mut b.as_mut_slice()[..a.offset], off).unwrap();
+            assert_eq!(&b.as_slice()[..n], &data[off as usize..off as usize + n]);
+        } else {
+            assert_eq!(a, DioAlign::BUFFERED);
+        }
+        assert_eq!(ShardFile::open(&p, false).unwrap().align, DioAlign::BUFFERED);
+        assert!(!usable(0) && !usable(3) && !usable(8192) && usable(512));
     }
 
     #[test]

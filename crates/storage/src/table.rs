@@ -100,10 +100,13 @@ pub struct TableStats {
     pub bytes_read: u64,
     /// Read calls issued.
     pub read_calls: u64,
-    /// Rows that shared a page with another row of the same read.
+    /// Rows whose read span overlapped another row's in the same read.
     pub pages_coalesced: u64,
     /// Nanoseconds spent waiting for reads.
     pub io_wait_ns: u64,
+    /// Misses of the row cache served from its host-memory tier instead of
+    /// the disk (counted in `misses` too).
+    pub host_hits: u64,
 }
 
 impl TableStats {
@@ -118,6 +121,36 @@ impl TableStats {
             read_calls: self.read_calls - before.read_calls,
             pages_coalesced: self.pages_coalesced - before.pages_coalesced,
             io_wait_ns: self.io_wait_ns - before.io_wait_ns,
+            host_hits: self.host_hits - before.host_hits,
+        }
+    }
+
+    /// Bytes read from disk per row read from disk (`misses` less
+    /// `host_hits`), or 0 when no row was read.
+    pub fn bytes_per_miss(&self) -> f64 {
+        let disk = self.misses.saturating_sub(self.host_hits);
+        if disk == 0 {
+            0.0
+        } else {
+            self.bytes_read as f64 / disk as f64
+        }
+    }
+}
+
+impl std::ops::Add for TableStats {
+    type Output = TableStats;
+
+    /// Counter-wise sum (several tables' counters together).
+    fn add(self, o: TableStats) -> TableStats {
+        TableStats {
+            hits: self.hits + o.hits,
+            misses: self.misses + o.misses,
+            evictions: self.evictions + o.evictions,
+            bytes_read: self.bytes_read + o.bytes_read,
+            read_calls: self.read_calls + o.read_calls,
+            pages_coalesced: self.pages_coalesced + o.pages_coalesced,
+            io_wait_ns: self.io_wait_ns + o.io_wait_ns,
+            host_hits: self.host_hits + o.host_hits,
         }
     }
 }

@@ -529,15 +529,7 @@ impl<S: Site> Engine<S> {
         self.sites
             .iter()
             .map(Site::table_stats)
-            .fold(TableStats::default(), |a, b| TableStats {
-                hits: a.hits + b.hits,
-                misses: a.misses + b.misses,
-                evictions: a.evictions + b.evictions,
-                bytes_read: a.bytes_read + b.bytes_read,
-                read_calls: a.read_calls + b.read_calls,
-                pages_coalesced: a.pages_coalesced + b.pages_coalesced,
-                io_wait_ns: a.io_wait_ns + b.io_wait_ns,
-            })
+            .fold(TableStats::default(), |a, b| a + b)
     }
 
     /// Counters and sizes.

@@ -2,9 +2,12 @@
 //! holding the hot rows of a table that stays on disk.
 //!
 //! `resolve(ids)` maps ids to slots. Hits pin their slot; misses take a
-//! CLOCK victim among unpinned slots, are read from the shard files in one
-//! batch (whole aligned pages, rows sharing a page read once, O_DIRECT
-//! through a [`PageReader`]) and copied into their slots. The pins of a
+//! victim among unpinned slots (CLOCK, or S3-FIFO admission, see
+//! [`Policy`]), are copied from the host-memory tier when it holds them,
+//! and otherwise read from the shard files in one batch (each row's
+//! smallest span of direct-I/O granules, rows sharing or touching a span
+//! read together, O_DIRECT through a [`PageReader`]) and copied into their
+//! slots. The pins of a
 //! resolve form a [`Lease`]; released with an event, they are kept until
 //! the event has completed, i.e. until the gather that reads the slots has
 //! run.
@@ -19,6 +22,13 @@
 //!   thread that loads it, outside the mutex; no lease hands out a
 //!   `LOADING` slot, and a resolve that finds one waits until it is `READY`
 //!   (or its load failed, in which case it retries from scratch);
+//! - a prefetched row is first `QUEUED` (mapped, unpinned, not yet read):
+//!   a resolve that needs it takes the read over at once (it becomes one of
+//!   the resolve's own loads), so a foreground miss never waits behind the
+//!   prefetch queue, only behind a chunk of at most [`PREFETCH_CHUNK`] rows
+//!   the prefetch thread has already started; prefetches hold at most
+//!   `slots - max_resolve` slots queued or loading, so a resolve always
+//!   finds room that leases do not hold;
 //! - a failed resolve holds no pins, and the slots of its failed reads are
 //!   unmapped (`FREE`), so a retry reads them again;
 //! - each resolve pins at most `max_resolve` distinct slots; a batch with
@@ -33,18 +43,21 @@
 //!
 //! Concurrency: resolves from several threads take the mutex only to plan
 //! and to publish; their reads run in parallel. Prefetches are read by a
-//! background thread.
+//! background thread, in chunks.
 //!
 //! Statistics: `hits` counts ids found mapped (including repeats within a
 //! batch and rows a prefetch brought in), `misses` rows read (by resolves or
 //! prefetches), `pages_coalesced` rows that shared a page with an earlier
 //! row of the same read, and `io_wait_ns` the time resolves spent blocked on
 //! reads (their own, or a concurrent resolve's or prefetch's); reads done by
-//! the prefetch thread alone do not count as waiting.
+//! the prefetch thread alone do not count as waiting. `host_hits` counts
+//! misses served from the host tier (no disk read); `bytes_read` counts the
+//! bytes of the aligned spans read.
 //!
 //! Layout: this module holds the types, `open` and the [`RowTable`] calls;
-//! `resolve` maps a batch of ids to slots, `read` fills missed slots from
-//! the shard files.
+//! `resolve` maps a batch of ids to slots, `policy` chooses victims,
+//! `host` is the host-memory tier, `read` fills missed slots from the host
+//! tier or the shard files.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -62,13 +75,26 @@ use crate::io::{AlignedBuf, PageReader, ShardFile, default_reader};
 use crate::layout::TableFiles;
 use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len};
 
+mod host;
+mod policy;
 mod read;
 mod resolve;
+
+pub use policy::Policy;
+
+use host::HostTier;
+use policy::Evictor;
 
 const FREE: u8 = 0;
 const LOADING: u8 = 1;
 const READY: u8 = 2;
+/// Claimed by a prefetch, not yet read.
+const QUEUED: u8 = 3;
 const NO_ID: u64 = u64::MAX;
+
+/// Rows the prefetch thread reads per batch: a resolve that needs a row the
+/// thread has started on waits for at most this many.
+pub const PREFETCH_CHUNK: usize = 256;
 
 /// A multiplicative hash for row ids (uniform enough, and a few ns).
 #[derive(Default, Clone, Copy)]
@@ -107,7 +133,19 @@ pub struct CacheConfig {
     /// How long a resolve waits for pinned slots to be released before it
     /// gives up with an error.
     pub pin_wait: Duration,
+    /// Which rows the arena keeps (see [`Policy`]).
+    pub policy: Policy,
+    /// Rows of the host-memory tier behind the arena (0: none). Hot rows
+    /// evicted from the arena are kept there, in pageable host memory of
+    /// about `host_rows * row bytes`, and copied back on a later miss
+    /// instead of read from disk.
+    pub host_rows: usize,
 }
+
+/// The policy of [`CacheConfig::new`]: S3-FIFO, which keeps more hot rows
+/// than CLOCK on a Zipf stream with one-off ids (the storage bench's
+/// `policy` figures).
+pub const DEFAULT_POLICY: Policy = Policy::S3Fifo;
 
 /// Slots of a [`CacheConfig::default`] arena (64 Ki rows).
 pub const DEFAULT_SLOTS: usize = 1 << 16;
@@ -129,6 +167,8 @@ impl CacheConfig {
             io_depth: 32,
             reader: None,
             pin_wait: Duration::from_secs(10),
+            policy: DEFAULT_POLICY,
+            host_rows: 0,
         }
     }
 }
@@ -144,13 +184,18 @@ struct Slot {
     /// completed load from a failed-and-reused one.
     generation: u32,
     state: u8,
-    referenced: bool,
+    /// Hits since loaded, saturating (the policy's reference count).
+    freq: u8,
+    /// Hit at least once since loaded.
+    hot: bool,
 }
 
 struct State {
     map: IdMap<u32>,
     slots: Vec<Slot>,
-    hand: usize,
+    evict: Evictor,
+    /// Slots prefetches hold `QUEUED` or are reading.
+    prefetching: usize,
     leases: IdMap<Vec<u32>>,
     next_lease: u64,
     next_batch: u64,
@@ -166,6 +211,7 @@ struct Stats {
     read_calls: AtomicU64,
     pages_coalesced: AtomicU64,
     io_wait_ns: AtomicU64,
+    host_hits: AtomicU64,
 }
 
 struct Inner {
@@ -179,6 +225,9 @@ struct Inner {
     row_bytes: usize,
     fp8: bool,
     max_resolve: usize,
+    /// Most slots prefetches may hold queued or loading.
+    prefetch_cap: usize,
+    host: Option<HostTier>,
     /// Slots in the arena (fixed at open; also `st.slots.len()`).
     slot_count: usize,
     pin_wait: Duration,
@@ -191,7 +240,7 @@ struct Inner {
 /// A table whose rows stay on disk, with the hot ones in a slot arena.
 pub struct CachedTable {
     inner: Arc<Inner>,
-    prefetch_tx: Option<Sender<Vec<(u32, u64)>>>,
+    prefetch_tx: Option<Sender<Vec<(u32, u64, u32)>>>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -258,7 +307,8 @@ impl CachedTable {
                 pins: 0,
                 generation: 0,
                 state: FREE,
-                referenced: false
+                freq: 0,
+                hot: false,
             };
             cfg.slots
         ];
@@ -273,12 +323,16 @@ impl CachedTable {
             row_bytes,
             fp8,
             max_resolve,
+            prefetch_cap: cfg.slots - max_resolve,
+            host: (cfg.host_rows > 0)
+                .then(|| HostTier::new(cfg.host_rows, row_bytes + if fp8 { 4 } else { 0 })),
             slot_count: cfg.slots,
             pin_wait: cfg.pin_wait,
             st: Mutex::new(State {
                 map: IdMap::with_capacity_and_hasher(cfg.slots, Default::default()),
                 slots,
-                hand: 0,
+                evict: Evictor::new(cfg.policy, cfg.slots),
+                prefetching: 0,
                 leases: IdMap::default(),
                 next_lease: 1,
                 next_batch: 1,
@@ -288,12 +342,16 @@ impl CachedTable {
             stats: Stats::default(),
             bufs: Mutex::new(Vec::new()),
         });
-        let (tx, rx) = unbounded::<Vec<(u32, u64)>>();
+        let (tx, rx) = unbounded::<Vec<(u32, u64, u32)>>();
         let w = inner.clone();
         let worker = std::thread::Builder::new()
             .name("table-prefetch".into())
             .spawn(move || {
-                for loads in rx.iter() {
+                for chunk in rx.iter() {
+                    let loads = w.start_prefetch(&chunk);
+                    if loads.is_empty() {
+                        continue;
+                    }
                     let r = w.load(&loads);
                     if let Err(e) = &r {
                         // Advice only: the rows stay unmapped and the resolve
@@ -303,6 +361,7 @@ impl CachedTable {
                         tracing::debug!(error = %e, "prefetch read failed; rows left unmapped");
                     }
                     let mut g = w.st.lock();
+                    g.prefetching -= loads.len();
                     w.finish_loads(&mut g, &loads, r.is_ok());
                 }
             })
@@ -320,6 +379,24 @@ impl CachedTable {
     /// Number of slots in the arena.
     pub fn slots(&self) -> usize {
         self.inner.slot_count
+    }
+
+    /// The eviction policy in use.
+    pub fn policy(&self) -> Policy {
+        match self.inner.st.lock().evict {
+            Evictor::Clock { .. } => Policy::Clock,
+            Evictor::S3 { .. } => Policy::S3Fifo,
+        }
+    }
+
+    /// Rows held by the host-memory tier now (0 without one).
+    pub fn host_rows(&self) -> usize {
+        self.inner.host.as_ref().map_or(0, HostTier::len)
+    }
+
+    /// The direct-I/O alignment reads of each shard keep to.
+    pub fn read_alignment(&self) -> Vec<crate::io::DioAlign> {
+        self.inner.fds.iter().map(|f| f.align).collect()
     }
 
     /// Name of the page reader in use (`io_uring`, `pread-pool`, ...).
@@ -386,7 +463,11 @@ impl CachedTable {
     /// Wait until every queued prefetch has been read.
     pub fn wait_prefetched(&self) {
         let mut g = self.inner.st.lock();
-        while g.slots.iter().any(|s| s.state == LOADING) {
+        while g
+            .slots
+            .iter()
+            .any(|s| s.state == LOADING || s.state == QUEUED)
+        {
             self.inner.cv.wait_for(&mut g, Duration::from_millis(5));
         }
     }
@@ -531,6 +612,12 @@ impl RowTable for CachedTable {
         Ok(())
     }
 
+    /// Claim slots for the ids not mapped yet (as `QUEUED`) and hand them
+    /// to the prefetch thread in chunks. Any number of ids is accepted (a
+    /// whole step of every site at once); claiming stops quietly once
+    /// prefetches hold `slots - max_resolve` slots or no victim is left,
+    /// since prefetch is advice. Ids not yet read when a resolve needs them
+    /// are read by that resolve itself.
     fn prefetch(&self, ids: &[u64]) -> Result<()> {
         for &id in ids {
             self.inner.files.check_id(id)?;
@@ -546,30 +633,38 @@ impl RowTable for CachedTable {
         let mut loads = Vec::new();
         let mut evictions = 0;
         for &id in ids {
+            if st.prefetching >= inner.prefetch_cap {
+                break;
+            }
             if st.map.contains_key(&id) {
                 continue;
             }
-            // Prefetch is advice: with no free slot, stop quietly.
-            let Some(v) = inner.clock(st) else { break };
-            evictions += u64::from(Inner::claim(st, v, id, batch, 0));
-            loads.push((v, id));
+            let Some((v, evicted)) = inner.take(st, id, batch, 0, QUEUED, false) else {
+                break;
+            };
+            evictions += u64::from(evicted);
+            st.prefetching += 1;
+            loads.push((v, id, st.slots[v as usize].generation));
         }
         drop(g);
         inner.stats.evictions.fetch_add(evictions, Relaxed);
         if loads.is_empty() {
             return Ok(());
         }
-        inner.stats.misses.fetch_add(loads.len() as u64, Relaxed);
         let tx = self
             .prefetch_tx
             .as_ref()
             .expect("prefetch channel lives until drop");
-        if let Err(e) = tx.send(loads) {
-            let loads = e.into_inner();
-            let r = inner.load(&loads);
-            let mut g = inner.st.lock();
-            inner.finish_loads(&mut g, &loads, r.is_ok());
-            r?;
+        for chunk in loads.chunks(PREFETCH_CHUNK) {
+            if let Err(e) = tx.send(chunk.to_vec()) {
+                // The thread is gone (only while dropping): read here.
+                let loads = inner.start_prefetch(&e.into_inner());
+                let r = inner.load(&loads);
+                let mut g = inner.st.lock();
+                g.prefetching -= loads.len();
+                inner.finish_loads(&mut g, &loads, r.is_ok());
+                r?;
+            }
         }
         Ok(())
     }
@@ -584,6 +679,7 @@ impl RowTable for CachedTable {
             read_calls: s.read_calls.load(Relaxed),
             pages_coalesced: s.pages_coalesced.load(Relaxed),
             io_wait_ns: s.io_wait_ns.load(Relaxed),
+            host_hits: s.host_hits.load(Relaxed),
         }
     }
 }

@@ -1,17 +1,20 @@
 //! Reading missed rows into their slots: the misses of one batch are
-//! sorted, rows sharing a page are read once, adjacent pages are merged
-//! into extents of at most [`MAX_EXTENT`] bytes, and one batch of page reads
-//! goes to the [`crate::io::PageReader`].
+//! sorted, each row needs the smallest span of whole alignment granules
+//! holding it (the shard file's [`crate::io::DioAlign`], 512 B on most
+//! disks, not a whole 4 KiB page), rows whose spans overlap or touch are
+//! merged into extents of at most [`MAX_EXTENT`] bytes, and one batch of
+//! reads goes to the [`crate::io::PageReader`].
 //!
 //! Invariant: slot bytes are written only here, only for slots the caller
-//! holds `LOADING`, and only after every read of the batch succeeded in
-//! full, so a failed load leaves no slot half-filled.
+//! holds `LOADING`: rows the host tier holds are copied first, rows read
+//! from disk only after every read of the batch succeeded in full; a failed
+//! load unmaps every slot of the batch, so none is handed out half-filled.
 
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::Inner;
 use crate::error::{Result, StorageError};
-use crate::io::{AlignedBuf, PAGE, ReadReq};
+use crate::io::{AlignedBuf, ReadReq};
 
 /// Largest single read: adjacent pages are merged up to this size.
 const MAX_EXTENT: u64 = 128 * 1024;
@@ -42,9 +45,56 @@ impl Inner {
         }
     }
 
+    /// Copy the rows of `loads` the host tier holds into their slots;
+    /// returns the rest, which must come from disk. A row copied here into
+    /// a slot whose batch then fails to read is unmapped with the others,
+    /// so no half-loaded batch is ever handed out.
+    fn copy_from_host(&self, host: &super::HostTier, loads: &[(u32, u64)]) -> Vec<(u32, u64)> {
+        let mut rest = Vec::with_capacity(loads.len());
+        for &(s, id) in loads {
+            let s = s as usize;
+            // SAFETY: the slot is LOADING and owned by this load (see
+            // `load`); both ranges lie inside the arena.
+            let (row, scale) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(
+                        self.arena.host.add(s * self.stride),
+                        self.row_bytes,
+                    ),
+                    if self.fp8 {
+                        std::slice::from_raw_parts_mut(
+                            self.arena.host.add(self.scale_base + s * 4),
+                            4,
+                        )
+                    } else {
+                        &mut [][..]
+                    },
+                )
+            };
+            if !host.get(id, row, scale) {
+                rest.push((s as u32, id));
+            }
+        }
+        self.stats
+            .host_hits
+            .fetch_add((loads.len() - rest.len()) as u64, Relaxed);
+        rest
+    }
+
     /// Read the rows of `loads` into their slots. The slots are `LOADING`
     /// and owned by the caller; nothing else reads or writes them.
     pub(super) fn load(&self, loads: &[(u32, u64)]) -> Result<()> {
+        let from_disk;
+        let loads = match &self.host {
+            None => loads,
+            Some(host) => {
+                from_disk = self.copy_from_host(host, loads);
+                if from_disk.is_empty() {
+                    return Ok(());
+                }
+                &from_disk[..]
+            }
+        };
         let mut needs = Vec::with_capacity(loads.len() * if self.fp8 { 2 } else { 1 });
         for &(s, id) in loads {
             let loc = self.files.locate(id)?;
@@ -71,8 +121,9 @@ impl Inner {
         let mut ext: Vec<(usize, u64, u64, usize, usize)> = Vec::new();
         let mut coalesced = 0u64;
         for (k, n) in needs.iter().enumerate() {
-            let lo = n.off & !(PAGE as u64 - 1);
-            let hi = (n.off + n.len as u64).next_multiple_of(PAGE as u64);
+            let a = self.fds[n.shard].align.offset as u64;
+            let lo = n.off & !(a - 1);
+            let hi = (n.off + n.len as u64).next_multiple_of(a);
             if let Some(e) = ext.last_mut()
                 && e.0 == n.shard
                 && lo <= e.2
@@ -87,14 +138,26 @@ impl Inner {
             }
             ext.push((n.shard, lo, hi, k, 1));
         }
-        let total: u64 = ext.iter().map(|e| e.2 - e.1).sum();
-        let mut buf = self.take_buf(total as usize);
+        // Where each extent lands in the buffer: its start on the file's
+        // memory granule (extent lengths are multiples of the offset
+        // granule, which may be smaller).
+        let mut at = Vec::with_capacity(ext.len());
+        let mut total = 0usize;
+        for e in &ext {
+            total = total.next_multiple_of(self.fds[e.0].align.mem);
+            at.push(total);
+            total += (e.2 - e.1) as usize;
+        }
+        let mut buf = self.take_buf(total);
         let results = {
-            let mut rest = buf.as_mut_slice();
             let mut reqs = Vec::with_capacity(ext.len());
-            for e in &ext {
-                let (head, tail) = rest.split_at_mut((e.2 - e.1) as usize);
+            let mut rest = buf.as_mut_slice();
+            let mut pos = 0usize;
+            for (e, &start) in ext.iter().zip(&at) {
+                let (_, tail) = rest.split_at_mut(start - pos);
+                let (head, tail) = tail.split_at_mut((e.2 - e.1) as usize);
                 rest = tail;
+                pos = start + head.len();
                 reqs.push(ReadReq {
                     fd: self.fds[e.0].fd(),
                     offset: e.1,
@@ -157,9 +220,8 @@ impl Inner {
             self.give_buf(buf);
             return Err(e);
         }
-        let mut base = 0usize;
         let src = buf.as_slice();
-        for e in &ext {
+        for (e, &base) in ext.iter().zip(&at) {
             for need in &needs[e.3..e.3 + e.4] {
                 let at = base + (need.off - e.1) as usize;
                 let from = &src[at..at + need.len];
@@ -174,7 +236,6 @@ impl Inner {
                     );
                 }
             }
-            base += (e.2 - e.1) as usize;
         }
         self.give_buf(buf);
         Ok(())

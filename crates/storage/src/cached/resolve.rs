@@ -1,5 +1,6 @@
-//! Slot planning for the row cache: the CLOCK victim choice, pending
-//! (event-guarded) releases, and mapping a batch of ids to pinned slots.
+//! Slot planning for the row cache: taking victims (through the policy,
+//! stashing hot ones in the host tier), pending (event-guarded) releases,
+//! prefetch hand-over, and mapping a batch of ids to pinned slots.
 //!
 //! Everything here runs under the cache's state mutex and never touches
 //! slot bytes; the module invariants are those of [`super`]: a pinned or
@@ -9,38 +10,75 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use super::{Attempt, FREE, Inner, LOADING, NO_ID, READY, Slot, State};
+use super::policy::Evictor;
+use super::{Attempt, FREE, Inner, LOADING, NO_ID, QUEUED, READY, Slot, State};
 use crate::error::{Result, StorageError};
 use crate::table::{Lease, RowRef};
 
 impl Inner {
-    /// A CLOCK victim: unpinned, not loading, reference bit clear.
-    pub(super) fn clock(&self, st: &mut State) -> Option<u32> {
-        let n = st.slots.len();
-        for _ in 0..2 * n + 1 {
-            let s = st.hand;
-            st.hand = if s + 1 == n { 0 } else { s + 1 };
-            let sl = &mut st.slots[s];
-            if sl.pins > 0 || sl.state == LOADING {
-                continue;
+    /// Take a victim slot for `id` and claim it (`state`, stamped `batch`,
+    /// `pins` pins, mapped). A hot row leaving the arena is copied to the
+    /// host tier first. With `poll`, completed pending releases are
+    /// dropped when no victim is free. Returns the slot and whether a ready
+    /// row was evicted, or `None` when every slot is busy.
+    pub(super) fn take(
+        &self,
+        st: &mut State,
+        id: u64,
+        batch: u64,
+        pins: u32,
+        state: u8,
+        poll: bool,
+    ) -> Option<(u32, bool)> {
+        let v = match st.evict.victim(&mut st.slots) {
+            Some(v) => v,
+            None if poll && !st.pending.is_empty() && self.poll_pending(st) => {
+                st.evict.victim(&mut st.slots)?
             }
-            if sl.referenced {
-                sl.referenced = false;
-                continue;
-            }
-            return Some(s as u32);
+            None => return None,
+        };
+        if v.hot
+            && let Some(host) = &self.host
+        {
+            let sl = &st.slots[v.slot as usize];
+            debug_assert_eq!(sl.state, READY);
+            let s = v.slot as usize;
+            // SAFETY: the slot is READY and unpinned (a victim), so no load
+            // writes it and no queued gather reads it; the ranges lie in the
+            // arena (slot index < slots).
+            let (row, scale) = unsafe {
+                (
+                    std::slice::from_raw_parts(self.arena.host.add(s * self.stride), self.row_bytes),
+                    if self.fp8 {
+                        std::slice::from_raw_parts(self.arena.host.add(self.scale_base + s * 4), 4)
+                    } else {
+                        &[][..]
+                    },
+                )
+            };
+            host.put(sl.id, row, scale);
         }
-        None
+        let evicted = Self::claim(st, v.slot, id, batch, pins, state);
+        st.evict.admit(&mut st.slots, v.slot, id);
+        Some((v.slot, evicted))
     }
 
-    fn victim(&self, st: &mut State) -> Option<u32> {
-        if let Some(v) = self.clock(st) {
-            return Some(v);
+    /// Move the rows of a prefetch chunk that are still `QUEUED` (not
+    /// taken over by a resolve, not remapped since) to `LOADING`: the
+    /// prefetch thread reads those. Counts them as misses.
+    pub(super) fn start_prefetch(&self, chunk: &[(u32, u64, u32)]) -> Vec<(u32, u64)> {
+        let mut g = self.st.lock();
+        let mut loads = Vec::with_capacity(chunk.len());
+        for &(s, id, gen0) in chunk {
+            let sl = &mut g.slots[s as usize];
+            if sl.state == QUEUED && sl.generation == gen0 && sl.id == id {
+                sl.state = LOADING;
+                loads.push((s, id));
+            }
         }
-        if !st.pending.is_empty() && self.poll_pending(st) {
-            return self.clock(st);
-        }
-        None
+        drop(g);
+        self.stats.misses.fetch_add(loads.len() as u64, Relaxed);
+        loads
     }
 
     /// Drop the pins of releases whose event has completed. Returns whether
@@ -88,13 +126,15 @@ impl Inner {
         }
         sl.id = NO_ID;
         sl.state = FREE;
-        sl.referenced = false;
+        sl.freq = 0;
+        sl.hot = false;
         sl.generation = sl.generation.wrapping_add(1);
     }
 
-    /// Hand slot `v` to `id`: loading, stamped `batch`, with `pins` pins,
-    /// and mapped. True when it held a ready row (an eviction).
-    pub(super) fn claim(st: &mut State, v: u32, id: u64, batch: u64, pins: u32) -> bool {
+    /// Hand slot `v` to `id`: in `state` (`LOADING` or `QUEUED`), stamped
+    /// `batch`, with `pins` pins, and mapped. True when it held a ready row
+    /// (an eviction).
+    fn claim(st: &mut State, v: u32, id: u64, batch: u64, pins: u32, state: u8) -> bool {
         let sl = &mut st.slots[v as usize];
         let evicted = sl.state == READY;
         if evicted {
@@ -105,8 +145,9 @@ impl Inner {
             stamp: batch,
             pins,
             generation: sl.generation.wrapping_add(1),
-            state: LOADING,
-            referenced: false,
+            state,
+            freq: 0,
+            hot: false,
         };
         st.map.insert(id, v);
         evicted
@@ -147,9 +188,17 @@ impl Inner {
                         pinned.push(s);
                         if sl.state == LOADING {
                             waits.push((s, sl.generation));
+                        } else if sl.state == QUEUED {
+                            // Queued by a prefetch, not started: read it now
+                            // rather than wait behind the prefetch queue.
+                            sl.state = LOADING;
+                            st.prefetching -= 1;
+                            loads.push((s, id));
+                            out[i] = self.row_ref(s);
+                            continue;
                         }
                     }
-                    sl.referenced = true;
+                    Evictor::touch(sl);
                     s
                 }
                 None => {
@@ -157,12 +206,12 @@ impl Inner {
                         over = true;
                         break;
                     }
-                    let Some(v) = self.victim(st) else {
+                    let Some((v, evicted)) = self.take(st, id, batch, 1, LOADING, true) else {
                         Self::undo(st, &pinned, &loads);
                         self.stats.evictions.fetch_add(evictions, Relaxed);
                         return Ok(Attempt::NoVictim);
                     };
-                    evictions += u64::from(Self::claim(st, v, id, batch, 1));
+                    evictions += u64::from(evicted);
                     pinned.push(v);
                     loads.push((v, id));
                     v
