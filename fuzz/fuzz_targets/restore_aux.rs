@@ -58,6 +58,8 @@ fn world() -> &'static Mutex<World> {
             norm_query: vec![0.0; c],
             norm_conv: vec![0.0; c],
             conv1d: (0..c * k).map(|i| (i % 5) as f32 / 8.0).collect(),
+            key_bias: Vec::new(),
+            value_bias: Vec::new(),
         };
         let spec = SiteSpec::new(dims, HEAD_DIM, hidden, hc, k, 3);
         let layer = PleLayer::new(&spec, w, table, 4, gpu.as_ref())

@@ -426,6 +426,7 @@ mod tests {
             kernel: 4,
             dilation: 3,
             rms_eps: 1e-6,
+            combine: metrale_model_layers::layers::ple::Combine::qwen4exp(),
         }
     }
 

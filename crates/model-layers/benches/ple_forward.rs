@@ -263,6 +263,8 @@ fn main() {
             norm_query: Vec::new(),
             norm_conv: Vec::new(),
             conv1d: Vec::new(),
+            key_bias: Vec::new(),
+            value_bias: Vec::new(),
         },
         norm_q: (0..C).map(|_| rng.f32(0.1)).collect(),
         norm_k: (0..C).map(|_| rng.f32(0.1)).collect(),

@@ -324,6 +324,8 @@ pub fn random_weights(spec: &ModelSpec, rng: &mut Rng) -> PleWeights {
         conv1d: (0..c * spec.conv_kernel_size)
             .map(|_| rng.f32(0.5))
             .collect(),
+        key_bias: Vec::new(),
+        value_bias: Vec::new(),
     }
 }
 

@@ -108,6 +108,8 @@ fn layer_matches_the_numpy_reference_across_chunks() {
         norm_query: read_f32(&meta, "norm_query"),
         norm_conv: read_f32(&meta, "norm_conv"),
         conv1d: read_f32(&meta, "conv1d"),
+        key_bias: Vec::new(),
+        value_bias: Vec::new(),
     };
     let table = TestTable::new(g, &read_u16(&meta, "table"), head_dim, 7).unwrap();
     // max_tokens 4 makes the longer chunks split inside the layer as well.

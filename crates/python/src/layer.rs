@@ -349,6 +349,8 @@ impl Layer {
             norm_query: f32s(norm_query, "norm_query")?,
             norm_conv: f32s(norm_conv, "norm_conv")?,
             conv1d: f32s(conv1d, "conv1d")?,
+            key_bias: Vec::new(),
+            value_bias: Vec::new(),
         };
         let table_bits = u16s(table, "table")?;
         py.detach(|| -> anyhow::Result<Layer> {

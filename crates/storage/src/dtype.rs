@@ -15,6 +15,13 @@
 //!   largest magnitude lands on the largest finite code and nothing
 //!   overflows, which is how checkpoints quantise table rows.
 //!
+//! - a block-scaled FP8 row ([`crate::table::RowDType::Fp8E4M3Block32`])
+//!   holds its values, then one UE8M0 byte per [`FP8_BLOCK`] values: the
+//!   block's scale is `2^(byte - 127)` (byte 255 is NaN). A power-of-two
+//!   scale makes decoding `byte_value * scale` exact (barring f32 underflow);
+//!   [`ue8m0_block_scale`] picks the smallest power of two at or above
+//!   `amax / 448` (computed in f64), so nothing overflows.
+//!
 //! API at a glance: [`f32_to_bf16`] / [`bf16_to_f32`] (bits),
 //! [`round_to_bf16`] (an f32 rounded through BF16); [`f32_to_fp8_e4m3`] /
 //! [`fp8_e4m3_to_f32`] (bytes), [`f32_to_fp8_e4m3_scaled`] /
@@ -155,6 +162,96 @@ pub fn quantize_fp8_row(src: &[f32], dst: &mut Vec<u8>) -> f32 {
     scale
 }
 
+/// Values per UE8M0 scale in a block-scaled FP8 row.
+pub const FP8_BLOCK: usize = 32;
+
+/// Bytes of a block-scaled FP8 row of `head_dim` values: the values, then
+/// one scale byte per started block (264 for 256 values).
+pub const fn fp8_block_row_bytes(head_dim: usize) -> usize {
+    head_dim + head_dim.div_ceil(FP8_BLOCK)
+}
+
+/// Decode a UE8M0 scale byte: `2^(e - 127)`; 255 is NaN. Exact for every
+/// byte (`e = 0` is the f32 subnormal `2^-127`).
+#[inline]
+pub fn ue8m0_to_f32(e: u8) -> f32 {
+    match e {
+        255 => f32::NAN,
+        0 => f32::from_bits(1 << 22),
+        e => f32::from_bits(u32::from(e) << 23),
+    }
+}
+
+/// The UE8M0 byte of the smallest power of two at or above `amax / 448`
+/// over `block` (the quotient computed in f64), clamped to the encodable
+/// range `2^-127..=2^127`; 127 (scale 1) for an all-zero block. Non-finite
+/// values are ignored by the max (they encode as NaN either way).
+pub fn ue8m0_block_scale(block: &[f32]) -> u8 {
+    let amax = block
+        .iter()
+        .filter(|v| v.is_finite())
+        .fold(0f32, |a, &v| a.max(v.abs()));
+    if amax == 0.0 {
+        return 127;
+    }
+    let q = f64::from(amax) / f64::from(FP8_E4M3_MAX);
+    let bits = q.to_bits();
+    // q is a normal f64 (amax >= 2^-149): its unbiased exponent, plus one
+    // when any mantissa bit makes it exceed that power of two.
+    let exp = ((bits >> 52) & 0x7FF) as i64 - 1023 + i64::from(bits & ((1 << 52) - 1) != 0);
+    (exp + 127).clamp(0, 254) as u8
+}
+
+/// Quantise a row to block-scaled FP8 E4M3: appends the `src.len()` value
+/// bytes (each `v / scale` of its block, rounded to nearest even), then one
+/// [`ue8m0_block_scale`] byte per block, to `dst`.
+///
+/// # Panics
+/// If `src.len()` is not a multiple of [`FP8_BLOCK`] (a caller bug).
+pub fn quantize_fp8_block_row(src: &[f32], dst: &mut Vec<u8>) {
+    assert!(
+        src.len() % FP8_BLOCK == 0,
+        "block-scaled fp8 row of {} values is not a multiple of {FP8_BLOCK}",
+        src.len()
+    );
+    dst.reserve(fp8_block_row_bytes(src.len()));
+    let scales: Vec<u8> = src.chunks_exact(FP8_BLOCK).map(ue8m0_block_scale).collect();
+    for (block, &e) in src.chunks_exact(FP8_BLOCK).zip(&scales) {
+        let scale = ue8m0_to_f32(e);
+        dst.extend(block.iter().map(|&v| f32_to_fp8_e4m3(v / scale)));
+    }
+    dst.extend_from_slice(&scales);
+}
+
+/// Decode value `i` of a block-scaled FP8 row of `head_dim` values held in
+/// `row` (values, then scales).
+///
+/// # Panics
+/// If `row` is shorter than [`fp8_block_row_bytes`]`(head_dim)` or `i >=
+/// head_dim` (caller bugs).
+#[inline]
+pub fn fp8_block_value(row: &[u8], head_dim: usize, i: usize) -> f32 {
+    assert!(i < head_dim, "value {i} of a row of {head_dim}");
+    fp8_e4m3_to_f32(row[i]) * ue8m0_to_f32(row[head_dim + i / FP8_BLOCK])
+}
+
+/// Decode a block-scaled FP8 row (values, then scales) into `dst`.
+///
+/// # Panics
+/// If `src.len() != fp8_block_row_bytes(dst.len())` (a caller bug).
+pub fn fp8_block_bytes_to_f32(src: &[u8], dst: &mut [f32]) {
+    let n = dst.len();
+    assert_eq!(
+        src.len(),
+        fp8_block_row_bytes(n),
+        "block-scaled fp8 row length mismatch"
+    );
+    let (values, scales) = src.split_at(n);
+    for ((d, &b), i) in dst.iter_mut().zip(values).zip(0..) {
+        *d = fp8_e4m3_to_f32(b) * ue8m0_to_f32(scales[i / FP8_BLOCK]);
+    }
+}
+
 /// Decode a row of little-endian BF16 bytes into `dst`.
 ///
 /// # Panics
@@ -284,6 +381,48 @@ mod tests {
         assert_eq!(fp8_row_scale(&[0.0, -0.0]), 1.0);
         assert_eq!(f32_to_fp8_e4m3_scaled(2.0, 2.0), 0x38);
         assert_eq!(round_to_bf16(1.0 + 2f32.powi(-9)), 1.0);
+    }
+
+    #[test]
+    fn ue8m0_scales_are_powers_of_two() {
+        assert_eq!(ue8m0_to_f32(127), 1.0);
+        assert_eq!(ue8m0_to_f32(128), 2.0);
+        assert_eq!(ue8m0_to_f32(120), 2f32.powi(-7));
+        assert_eq!(ue8m0_to_f32(254), 2f32.powi(127));
+        assert_eq!(ue8m0_to_f32(1), 2f32.powi(-126));
+        assert_eq!(ue8m0_to_f32(0), 2f32.powi(-127));
+        assert!(ue8m0_to_f32(255).is_nan());
+        // amax 448 fits scale 1 exactly; a hair above needs 2.
+        assert_eq!(ue8m0_block_scale(&[448.0, -1.0]), 127);
+        assert_eq!(ue8m0_block_scale(&[-448.5]), 128);
+        assert_eq!(ue8m0_block_scale(&[1.0]), 127 - 8);
+        assert_eq!(ue8m0_block_scale(&[0.0, -0.0]), 127);
+        assert_eq!(ue8m0_block_scale(&[1e-45]), 0);
+        assert_eq!(fp8_block_row_bytes(256), 264);
+        assert_eq!(fp8_block_row_bytes(32), 33);
+    }
+
+    #[test]
+    fn block_fp8_rows_round_trip() {
+        let row: Vec<f32> = (0..64)
+            .map(|i| if i < 32 { i as f32 * 0.25 - 3.0 } else { (i as f32 - 40.0) * 1e-3 })
+            .collect();
+        let mut bytes = Vec::new();
+        quantize_fp8_block_row(&row, &mut bytes);
+        assert_eq!(bytes.len(), 66);
+        // Block 0: amax 4.75, 4.75 / 448 in (2^-7, 2^-6]: scale 2^-6.
+        assert_eq!(bytes[64], 127 - 6);
+        // Block 1: amax 0.023, / 448 in (2^-15, 2^-14]: scale 2^-14.
+        assert_eq!(bytes[65], 127 - 14);
+        let mut back = vec![0.0f32; 64];
+        fp8_block_bytes_to_f32(&bytes, &mut back);
+        for (i, (a, b)) in row.iter().zip(&back).enumerate() {
+            assert!((a - b).abs() <= a.abs() / 16.0, "{i}: {a} -> {b}");
+            assert_eq!(*b, fp8_block_value(&bytes, 64, i));
+        }
+        // Values that are exact in FP8 at their block's scale come back bit
+        // for bit: 1.5 * 2^-6 is FP8 0x3C at scale 2^-6.
+        assert_eq!(back[18], -3.0 + 18.0 * 0.25);
     }
 
     #[test]

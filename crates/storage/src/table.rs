@@ -28,15 +28,46 @@ pub enum RowDType {
     Bf16,
     /// `head_dim` FP8 E4M3 values, 1 byte each, times a per-row f32 scale.
     Fp8E4M3,
+    /// `head_dim` FP8 E4M3 values, 1 byte each, then one UE8M0 scale byte
+    /// (a power of two, [`crate::dtype::ue8m0_to_f32`]) per block of
+    /// [`crate::dtype::FP8_BLOCK`] values, inline in the row: a row of 256
+    /// values is 264 bytes. `head_dim` must be a multiple of the block.
+    Fp8E4M3Block32,
 }
 
 impl RowDType {
-    /// Bytes of one element.
+    /// Bytes of one value (the scales of [`RowDType::Fp8E4M3Block32`] come
+    /// on top, see [`Self::row_bytes`]).
     pub fn elem_bytes(self) -> usize {
         match self {
             RowDType::Bf16 => 2,
-            RowDType::Fp8E4M3 => 1,
+            RowDType::Fp8E4M3 | RowDType::Fp8E4M3Block32 => 1,
         }
+    }
+
+    /// Bytes one row of `head_dim` values occupies in the table: the values,
+    /// plus the inline block scales of [`RowDType::Fp8E4M3Block32`] (the
+    /// per-row scale of [`RowDType::Fp8E4M3`] is stored apart).
+    pub fn row_bytes(self, head_dim: usize) -> usize {
+        match self {
+            RowDType::Fp8E4M3Block32 => crate::dtype::fp8_block_row_bytes(head_dim),
+            _ => head_dim * self.elem_bytes(),
+        }
+    }
+
+    /// Whether rows of `head_dim` values have this type's layout: any
+    /// positive width, a multiple of [`crate::dtype::FP8_BLOCK`] for
+    /// [`RowDType::Fp8E4M3Block32`].
+    pub fn fits_head_dim(self, head_dim: usize) -> bool {
+        match self {
+            RowDType::Fp8E4M3Block32 => head_dim > 0 && head_dim % crate::dtype::FP8_BLOCK == 0,
+            _ => head_dim > 0,
+        }
+    }
+
+    /// Whether rows carry a separate per-row f32 scale ([`RowRef::scale`]).
+    pub fn has_row_scale(self) -> bool {
+        self == RowDType::Fp8E4M3
     }
 }
 
@@ -52,9 +83,11 @@ pub struct TableInfo {
 }
 
 impl TableInfo {
-    /// Bytes of one row's values (without the FP8 scale).
+    /// Bytes of one row as stored: its values, and its block scales for
+    /// [`RowDType::Fp8E4M3Block32`] (without the per-row scale of
+    /// [`RowDType::Fp8E4M3`], which is stored apart).
     pub fn row_bytes(&self) -> usize {
-        self.head_dim * self.dtype.elem_bytes()
+        self.dtype.row_bytes(self.head_dim)
     }
 }
 

@@ -236,6 +236,8 @@ pub fn tiny_weights(spec: &TinySpec, site: usize, seed: u64) -> (SiteSpec, PleWe
         norm_query: (0..c).map(|_| unit() * 0.2).collect(),
         norm_conv: (0..c).map(|_| unit() * 0.2).collect(),
         conv1d: (0..c * spec.kernel).map(|_| unit() * 0.6).collect(),
+        key_bias: Vec::new(),
+        value_bias: Vec::new(),
     };
     let site_spec = SiteSpec::new(
         dims,

@@ -254,6 +254,8 @@ impl Small {
             norm_query: f(c, 0.2),
             norm_conv: f(c, 0.2),
             conv1d: f(c * k, 0.8),
+            key_bias: Vec::new(),
+            value_bias: Vec::new(),
         };
         Small {
             dims,

@@ -154,6 +154,7 @@ mod tests {
             kernel: 2,
             dilation: 1,
             rms_eps: 1e-6,
+            combine: crate::layers::ple::spec::Combine::qwen4exp(),
         }
     }
 

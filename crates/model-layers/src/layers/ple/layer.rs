@@ -55,12 +55,19 @@ pub(crate) use error::{DeviceContext, layer_ensure, table_err};
 /// Results of the layer.
 type Result<T, E = LayerError> = std::result::Result<T, E>;
 
-/// Host-side weights of one PLE site, as stored in the checkpoint.
+/// Host-side weights of one PLE site, as stored in the checkpoint. A tensor
+/// the site's [`super::Combine`] does not use is empty: the biases of a
+/// Qwen4Exp site, the conv (and its norm) of a site without a conv, and
+/// everything but `value_proj` of a LongCat site.
 #[derive(Clone, Debug, Default)]
 pub struct PleWeights {
-    /// `key_proj [C, E]`, BF16 bit patterns, row-major.
+    /// `key_proj [C, E]`, BF16 bit patterns, row-major: the keys of the
+    /// `hc` streams stacked (Engram's per-stream key projections, or the
+    /// first `C` rows of DeepSeek-V4.1's fused key/value projection).
     pub key_proj: Vec<u16>,
-    /// `value_proj [H, E]`, BF16 bit patterns, row-major.
+    /// `value_proj [H, E]`, BF16 bit patterns, row-major (LongCat: the
+    /// sub-tables' `Linear(head_dim -> H)` projections side by side along
+    /// the input dimension).
     pub value_proj: Vec<u16>,
     /// `norm_key [C]`.
     pub norm_key: Vec<f32>,
@@ -70,6 +77,10 @@ pub struct PleWeights {
     pub norm_conv: Vec<f32>,
     /// `conv1d [C, 1, K]` flattened to `[C * K]`.
     pub conv1d: Vec<f32>,
+    /// `key_bias [C]` (Engram), else empty.
+    pub key_bias: Vec<f32>,
+    /// `value_bias [H]` (Engram), else empty.
+    pub value_bias: Vec<f32>,
 }
 
 /// One sequence's PLE carry: token history and the conv state on the device.

@@ -40,10 +40,12 @@ use super::ids::{
 };
 pub use super::ids::{HashFamily, TokenMap};
 
+pub mod combine;
 pub mod engram;
 mod error;
 mod site;
 
+pub use combine::{Combine, GatedSpec, NormForm};
 pub use error::SpecError;
 pub use site::SiteSpec;
 pub mod longcat;
@@ -839,6 +841,19 @@ impl ModelSpec {
             kernel: self.conv_kernel_size,
             dilation: self.dilation(),
             rms_eps: self.rms_norm_eps as f32,
+            combine: self.combine(),
+        }
+    }
+
+    /// How the family's sites combine their rows with the highway: the
+    /// Qwen4Exp layer; Engram's gated layer, with the short conv when
+    /// `conv_kernel_size` is at least 2 (the demo) and without it at 1
+    /// (DeepSeek-V4.1); LongCat's mean with the word embedding.
+    pub fn combine(&self) -> Combine {
+        match &self.family {
+            ModelFamily::Qwen4Exp => Combine::qwen4exp(),
+            ModelFamily::Engram(_) => Combine::Gated(GatedSpec::engram(self.conv_kernel_size >= 2)),
+            ModelFamily::LongCat(_) => Combine::Mean,
         }
     }
 

@@ -29,6 +29,15 @@ pub enum KernelError {
         /// The sizes with their values, e.g. "H = 0, hc = 2".
         sizes: String,
     },
+    /// A size does not fit the layout the kernel reads (e.g. a block-scaled
+    /// row whose width is not a multiple of its block).
+    #[error("{kernel}: {problem}")]
+    Layout {
+        /// The kernel.
+        kernel: &'static str,
+        /// The size and the rule it breaks.
+        problem: String,
+    },
     /// The norm epsilon is NaN, infinite or negative.
     #[error("{kernel}: eps {eps} is not a finite non-negative number")]
     Eps {

@@ -2,6 +2,11 @@
 //! grouped-RMS-normed highway slice against the normed key slice decides how much of the value
 //! passes; the gated values are then normed again for the conv.
 //!
+//! [`gate`] is the Qwen4Exp form (`(1 + w)` norms, one eps); [`gate_norms`]
+//! takes the form and an eps per norm ([`GateNorms`], Engram) and may skip
+//! the conv norm. Both run the same row code, so [`gate`] equals
+//! [`gate_norms`] with [`GateNorms::qwen4exp`] bit for bit.
+//!
 //! Invariants: each output row depends only on its own input row and the
 //! weights; the sums use the fixed lane order of `math`, so a row's result is
 //! the same whatever `T`, the thread split or the CPU path. Rows run in
@@ -11,7 +16,7 @@ use rayon::prelude::*;
 
 use super::cpu::CpuPath;
 use super::error::KernelError;
-use super::math::{gate_sigma, normed_dot, rms_factor};
+use super::math::{gate_sigma, normed_dot_off, rms_factor};
 
 /// Rows per rayon task (a row is `hc * H` values, tens of KiB at most).
 const ROWS_PER_TASK: usize = 4;
@@ -27,6 +32,44 @@ pub struct GateDims {
     pub hc: usize,
     /// RMS-norm epsilon.
     pub eps: f32,
+}
+
+/// The norms of [`gate_norms`]: their form and epsilons, and whether the
+/// conv-input norm (`xn`) is computed at all.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GateNorms {
+    /// Added to every norm weight: 1 for `(1 + w)`, 0 for `w`.
+    pub offset: f32,
+    /// Epsilon of the query (highway) norm.
+    pub eps_q: f32,
+    /// Epsilon of the key norm.
+    pub eps_k: f32,
+    /// Epsilon of the conv-input norm.
+    pub eps_conv: f32,
+    /// Whether `xn` is written; without it `norm_conv` and `xn` are empty.
+    pub conv: bool,
+}
+
+impl GateNorms {
+    /// The Qwen4Exp norms: `(1 + w)`, `eps` everywhere, with `xn`.
+    pub fn qwen4exp(eps: f32) -> Self {
+        GateNorms {
+            offset: 1.0,
+            eps_q: eps,
+            eps_k: eps,
+            eps_conv: eps,
+            conv: true,
+        }
+    }
+
+    /// Decode the `form` kernel argument (0: `1 + w`, 1: `w`).
+    pub fn offset_of_form(form: u32) -> Option<f32> {
+        match form {
+            0 => Some(1.0),
+            1 => Some(0.0),
+            _ => None,
+        }
+    }
 }
 
 /// The gate's inputs.
@@ -62,64 +105,112 @@ pub fn gate_on(
     gated: &mut [f32],
     xn: &mut [f32],
 ) -> Result<(), KernelError> {
-    const NAME: &str = "gate";
-    KernelError::check_path(NAME, path)?;
+    run("gate", path, d, GateNorms::qwen4exp(d.eps), inp, gated, xn)
+}
+
+/// The gate with the norms of `norms` on the best path: `gated [T, C]`,
+/// and `xn [T, C]` when `norms.conv` (else `norm_conv` and `xn` are
+/// empty). `d.eps` is not read: each norm has its own.
+pub fn gate_norms(
+    d: GateDims,
+    norms: GateNorms,
+    inp: GateInputs<'_>,
+    gated: &mut [f32],
+    xn: &mut [f32],
+) -> Result<(), KernelError> {
+    gate_norms_on(super::cpu::best_path(), d, norms, inp, gated, xn)
+}
+
+/// [`gate_norms`] on a chosen path.
+pub fn gate_norms_on(
+    path: CpuPath,
+    d: GateDims,
+    norms: GateNorms,
+    inp: GateInputs<'_>,
+    gated: &mut [f32],
+    xn: &mut [f32],
+) -> Result<(), KernelError> {
+    run("gate_norms", path, d, norms, inp, gated, xn)
+}
+
+fn run(
+    name: &'static str,
+    path: CpuPath,
+    d: GateDims,
+    norms: GateNorms,
+    inp: GateInputs<'_>,
+    gated: &mut [f32],
+    xn: &mut [f32],
+) -> Result<(), KernelError> {
+    KernelError::check_path(name, path)?;
     if d.h == 0 || d.hc == 0 {
         return Err(KernelError::ZeroSize {
-            kernel: NAME,
+            kernel: name,
             sizes: format!("H = {}, hc = {}", d.h, d.hc),
         });
     }
-    if !(d.eps.is_finite() && d.eps >= 0.0) {
-        return Err(KernelError::Eps {
-            kernel: NAME,
-            eps: d.eps,
-        });
+    for eps in [norms.eps_q, norms.eps_k, norms.eps_conv] {
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(KernelError::Eps { kernel: name, eps });
+        }
     }
     let c = d.h * d.hc;
-    let check = |name: &str, len: usize, want: usize| {
+    let check = |what: &str, len: usize, want: usize| {
         KernelError::check_len(
-            NAME,
-            || name.to_string(),
+            name,
+            || what.to_string(),
             len,
             want,
             || format!("T = {}, H = {}, hc = {}", d.t, d.h, d.hc),
         )
     };
+    let (conv_c, conv_tc) = if norms.conv { (c, d.t * c) } else { (0, 0) };
     check("highway", inp.highway.len(), d.t * c)?;
     check("kv", inp.kv.len(), d.t * (c + d.h))?;
     check("norm_q", inp.norm_q.len(), c)?;
     check("norm_k", inp.norm_k.len(), c)?;
-    check("norm_conv", inp.norm_conv.len(), c)?;
+    check("norm_conv", inp.norm_conv.len(), conv_c)?;
     check("gated", gated.len(), d.t * c)?;
-    check("xn", xn.len(), d.t * c)?;
+    check("xn", xn.len(), conv_tc)?;
     if d.t == 0 {
         return Ok(());
     }
-    gated
-        .par_chunks_mut(c * ROWS_PER_TASK)
-        .zip(xn.par_chunks_mut(c * ROWS_PER_TASK))
-        .enumerate()
-        .for_each(|(task, (g, x))| {
-            let t0 = task * ROWS_PER_TASK;
-            for (r, (gr, xr)) in g.chunks_exact_mut(c).zip(x.chunks_exact_mut(c)).enumerate() {
-                let t = t0 + r;
-                let hw = &inp.highway[t * c..(t + 1) * c];
-                let kv = &inp.kv[t * (c + d.h)..(t + 1) * (c + d.h)];
-                match path {
-                    CpuPath::Portable => gate_row(d, inp, hw, kv, gr, xr),
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `gate_on` checked that the CPU has AVX2 and FMA.
-                    CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => unsafe {
-                        gate_row_avx2(d, inp, hw, kv, gr, xr)
-                    },
-                    #[cfg(not(target_arch = "x86_64"))]
-                    CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => {
-                        unreachable!("AVX2 is never available off x86-64")
-                    }
+    let rows = |task: usize, g: &mut [f32], mut x: Option<&mut [f32]>| {
+        let t0 = task * ROWS_PER_TASK;
+        for (r, gr) in g.chunks_exact_mut(c).enumerate() {
+            let t = t0 + r;
+            let hw = &inp.highway[t * c..(t + 1) * c];
+            let kv = &inp.kv[t * (c + d.h)..(t + 1) * (c + d.h)];
+            let xr = match x.as_deref_mut() {
+                Some(x) => &mut x[r * c..(r + 1) * c],
+                None => &mut [][..],
+            };
+            match path {
+                CpuPath::Portable => gate_row(d, norms, inp, hw, kv, gr, xr),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `run` checked that the CPU has AVX2 and FMA.
+                CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => unsafe {
+                    gate_row_avx2(d, norms, inp, hw, kv, gr, xr)
+                },
+                #[cfg(not(target_arch = "x86_64"))]
+                CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => {
+                    unreachable!("AVX2 is never available off x86-64")
                 }
             }
-        });
+        }
+    };
+    if norms.conv {
+        gated
+            .par_chunks_mut(c * ROWS_PER_TASK)
+            .zip(xn.par_chunks_mut(c * ROWS_PER_TASK))
+            .enumerate()
+            .for_each(|(task, (g, x))| rows(task, g, Some(x)));
+    } else {
+        gated
+            .par_chunks_mut(c * ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(task, g)| rows(task, g, None));
+    }
     Ok(())
 }
 
@@ -131,19 +222,21 @@ pub fn gate_on(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn gate_row_avx2(
     d: GateDims,
+    norms: GateNorms,
     inp: GateInputs<'_>,
     hw: &[f32],
     kv: &[f32],
     gated: &mut [f32],
     xn: &mut [f32],
 ) {
-    gate_row(d, inp, hw, kv, gated, xn)
+    gate_row(d, norms, inp, hw, kv, gated, xn)
 }
 
 /// One token row, all streams.
 #[inline(always)]
 fn gate_row(
     d: GateDims,
+    norms: GateNorms,
     inp: GateInputs<'_>,
     hw: &[f32],
     kv: &[f32],
@@ -152,28 +245,39 @@ fn gate_row(
 ) {
     let h = d.h;
     let c = h * d.hc;
+    let off = norms.offset;
     let value = &kv[c..c + h];
     let inv_sqrt_h = 1.0 / (h as f32).sqrt();
     for s in 0..d.hc {
         let r = s * h..(s + 1) * h;
         let q = &hw[r.clone()];
         let k = &kv[r.clone()];
-        let rq = rms_factor(q, d.eps);
-        let rk = rms_factor(k, d.eps);
-        let g =
-            normed_dot(q, rq, &inp.norm_q[r.clone()], k, rk, &inp.norm_k[r.clone()]) * inv_sqrt_h;
+        let rq = rms_factor(q, norms.eps_q);
+        let rk = rms_factor(k, norms.eps_k);
+        let g = normed_dot_off(
+            q,
+            rq,
+            &inp.norm_q[r.clone()],
+            k,
+            rk,
+            &inp.norm_k[r.clone()],
+            off,
+        ) * inv_sqrt_h;
         let sigma = gate_sigma(g);
         let gs = &mut gated[r.clone()];
         for (o, &v) in gs.iter_mut().zip(value) {
             *o = sigma * v;
         }
-        let rc = rms_factor(gs, d.eps);
+        if !norms.conv {
+            continue;
+        }
+        let rc = rms_factor(gs, norms.eps_conv);
         for ((o, &v), &w) in xn[r.clone()]
             .iter_mut()
             .zip(gs.iter())
             .zip(&inp.norm_conv[r])
         {
-            *o = v * rc * (1.0 + w);
+            *o = v * rc * (off + w);
         }
     }
 }

@@ -1,14 +1,16 @@
-//! Row gather: table rows (BF16, or FP8 E4M3 with a per-row f32 scale) into
-//! f32 `emb` rows.
+//! Row gather: table rows (BF16, FP8 E4M3 with a per-row f32 scale, or FP8
+//! E4M3 with an inline UE8M0 scale per 32 values) into f32 `emb` rows.
 //!
 //! Invariant: every value written is BF16-representable. BF16 rows convert
 //! exactly; FP8 rows are decoded, scaled in f32 and rounded to BF16 (ties to
-//! even), so the projection always sees BF16 inputs whatever the table type.
-//! Each output row depends on its source row alone.
+//! even), so the projection always sees BF16 inputs whatever the table type
+//! (a block scale is a power of two, so its product is already BF16 unless
+//! it underflows). Each output row depends on its source row alone.
 
 use rayon::prelude::*;
 
-use metrale_storage::dtype::fp8_e4m3_to_f32;
+use metrale_storage::dtype::{FP8_BLOCK, fp8_block_row_bytes, fp8_e4m3_to_f32, ue8m0_to_f32};
+use metrale_storage::table::RowDType;
 
 use super::error::KernelError;
 use super::math::{bf16_round, bf16_to_f32};
@@ -24,6 +26,9 @@ pub enum GatherDType {
     Bf16,
     /// `1`: FP8 E4M3, one byte per value, times the row's f32 scale.
     Fp8E4M3,
+    /// `2`: FP8 E4M3, one byte per value, then one UE8M0 scale byte per 32
+    /// values in the row itself (`head_dim` a multiple of 32).
+    Fp8E4M3Block32,
 }
 
 impl GatherDType {
@@ -32,17 +37,49 @@ impl GatherDType {
         match v {
             0 => Ok(GatherDType::Bf16),
             1 => Ok(GatherDType::Fp8E4M3),
+            2 => Ok(GatherDType::Fp8E4M3Block32),
             _ => Err(metrale_gpu_runtime::GpuError::kernel(format!(
-                "gather: dtype {v} is not 0 (BF16) or 1 (FP8 E4M3)"
+                "gather: dtype {v} is not 0 (BF16), 1 (FP8 E4M3) or 2 (FP8 E4M3, 32-value blocks)"
             ))),
         }
+    }
+
+    /// The kernel argument of this type.
+    pub fn arg(self) -> u32 {
+        match self {
+            GatherDType::Bf16 => 0,
+            GatherDType::Fp8E4M3 => 1,
+            GatherDType::Fp8E4M3Block32 => 2,
+        }
+    }
+
+    /// The gather type of a table's rows.
+    pub fn of(dtype: RowDType) -> Self {
+        match dtype {
+            RowDType::Bf16 => GatherDType::Bf16,
+            RowDType::Fp8E4M3 => GatherDType::Fp8E4M3,
+            RowDType::Fp8E4M3Block32 => GatherDType::Fp8E4M3Block32,
+        }
+    }
+
+    /// Whether each row has an f32 scale apart from its bytes.
+    pub fn has_row_scale(self) -> bool {
+        self == GatherDType::Fp8E4M3
     }
 
     /// Bytes per value.
     pub fn elem_bytes(self) -> usize {
         match self {
             GatherDType::Bf16 => 2,
-            GatherDType::Fp8E4M3 => 1,
+            GatherDType::Fp8E4M3 | GatherDType::Fp8E4M3Block32 => 1,
+        }
+    }
+
+    /// Bytes of one row of `head_dim` values (with its inline scales).
+    pub fn row_bytes(self, head_dim: usize) -> usize {
+        match self {
+            GatherDType::Fp8E4M3Block32 => fp8_block_row_bytes(head_dim),
+            _ => head_dim * self.elem_bytes(),
         }
     }
 }
@@ -69,6 +106,16 @@ pub fn gather_bf16_row(src: &[u8], out: &mut [f32]) {
 pub fn gather_fp8_row(src: &[u8], scale: f32, out: &mut [f32]) {
     for (o, &b) in out.iter_mut().zip(src) {
         *o = bf16_round(fp8_e4m3_to_f32(b) * scale);
+    }
+}
+
+/// One block-scaled FP8 row (values, then a UE8M0 byte per 32 values) into
+/// f32: `bf16_round(decode(b) * 2^(e - 127))`.
+#[inline]
+pub fn gather_fp8_block_row(src: &[u8], out: &mut [f32]) {
+    let (values, scales) = src.split_at(out.len());
+    for ((o, &b), i) in out.iter_mut().zip(values).zip(0..) {
+        *o = bf16_round(fp8_e4m3_to_f32(b) * ue8m0_to_f32(scales[i / FP8_BLOCK]));
     }
 }
 
@@ -101,7 +148,13 @@ pub fn gather_rows(
         want,
         || format!("{} rows of {head_dim}", rows.len()),
     )?;
-    let row_bytes = head_dim * dtype.elem_bytes();
+    if dtype == GatherDType::Fp8E4M3Block32 && head_dim % FP8_BLOCK != 0 {
+        return Err(KernelError::Layout {
+            kernel: NAME,
+            problem: format!("head_dim = {head_dim} is not a multiple of the FP8 block {FP8_BLOCK}"),
+        });
+    }
+    let row_bytes = dtype.row_bytes(head_dim);
     if let Some(row) = rows.iter().position(|r| r.data.len() != row_bytes) {
         return Err(KernelError::RowBytes {
             kernel: NAME,
@@ -117,6 +170,7 @@ pub fn gather_rows(
                 match dtype {
                     GatherDType::Bf16 => gather_bf16_row(r.data, orow),
                     GatherDType::Fp8E4M3 => gather_fp8_row(r.data, r.scale, orow),
+                    GatherDType::Fp8E4M3Block32 => gather_fp8_block_row(r.data, orow),
                 }
             }
         });
@@ -212,10 +266,10 @@ mod tests {
         let mut out = vec![0.0f32; 2];
         assert!(gather_rows(&rows, 3, GatherDType::Bf16, &mut out).is_err());
         assert!(
-            GatherDType::from_arg(2)
+            GatherDType::from_arg(3)
                 .unwrap_err()
                 .to_string()
-                .contains("dtype 2")
+                .contains("dtype 3")
         );
     }
 }

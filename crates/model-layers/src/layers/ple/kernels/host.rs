@@ -203,7 +203,11 @@ pub(super) fn gather_kernel(
     if n == 0 {
         return Ok(());
     }
-    let row_bytes = head_dim * dtype.elem_bytes();
+    ensure!(
+        dtype != GatherDType::Fp8E4M3Block32 || head_dim % metrale_storage::dtype::FP8_BLOCK == 0,
+        "{K}: head_dim {head_dim} is not a multiple of the FP8 block of 32 values"
+    );
+    let row_bytes = dtype.row_bytes(head_dim);
     let mut regions = vec![
         Region::new("refs", refs, size(K, "refs", &[n, 16])?, false),
         Region::new("out", out, size(K, "out", &[n, head_dim, 4])?, true),
@@ -220,7 +224,7 @@ pub(super) fn gather_kernel(
             .with_context(|| format!("{K}: row {i} data at {data}"))?;
         regions.push(Region::new(format!("row {i}"), data, row_bytes, false));
         let scale = match dtype {
-            GatherDType::Bf16 => 0.0,
+            GatherDType::Bf16 | GatherDType::Fp8E4M3Block32 => 0.0,
             GatherDType::Fp8E4M3 => {
                 ensure!(
                     !scale_ptr.is_null(),

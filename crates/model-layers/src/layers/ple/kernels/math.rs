@@ -66,10 +66,25 @@ pub fn rms_factor(x: &[f32], eps: f32) -> f32 {
 /// in the fixed lane order. All slices have one length.
 #[inline(always)]
 pub fn normed_dot(q: &[f32], rq: f32, wq: &[f32], k: &[f32], rk: f32, wk: &[f32]) -> f32 {
+    normed_dot_off(q, rq, wq, k, rk, wk, 1.0)
+}
+
+/// [`normed_dot`] with `norm(v)[d] = v[d] * rv * (off + wv[d])`: `off` 1
+/// is the `(1 + w)` form, 0 the `w` form (adding 0.0 changes no weight).
+#[inline(always)]
+pub fn normed_dot_off(
+    q: &[f32],
+    rq: f32,
+    wq: &[f32],
+    k: &[f32],
+    rk: f32,
+    wk: &[f32],
+    off: f32,
+) -> f32 {
     let n = q.len();
     let (k, wq, wk) = (&k[..n], &wq[..n], &wk[..n]);
     lane_sum(n, |i| {
-        (q[i] * rq * (1.0 + wq[i])) * (k[i] * rk * (1.0 + wk[i]))
+        (q[i] * rq * (off + wq[i])) * (k[i] * rk * (off + wk[i]))
     })
 }
 

@@ -175,7 +175,7 @@ impl PleLayer {
             gpu.memset(p, 0, self.conv_state_bytes())?;
         }
         let pad_scale = match self.dtype_code {
-            0 => 0,
+            0 | 2 => 0,
             _ => self
                 .bufs
                 .pad_row

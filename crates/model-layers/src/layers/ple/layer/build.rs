@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
-use metrale_storage::table::{RowDType, RowTable};
+use metrale_storage::table::RowTable;
 use parking_lot::Mutex;
 
 use super::error::{DeviceContext, LayerError};
@@ -175,10 +175,13 @@ impl PleLayer {
         ] {
             fits_u32(what, v)?;
         }
-        let dtype_code = match info.dtype {
-            RowDType::Bf16 => 0,
-            RowDType::Fp8E4M3 => 1,
-        };
+        if !info.dtype.fits_head_dim(info.head_dim) {
+            return Err(LayerError::TableHeadDim {
+                table: info.head_dim,
+                layer: spec.head_dim,
+            });
+        }
+        let dtype_code = kernels::gather::GatherDType::of(info.dtype).arg();
 
         let shapes = LaunchShapes::for_backend(gpu);
         if shapes == LaunchShapes::Host {

@@ -1,7 +1,10 @@
 //! [`SiteSpec`]: one PLE site, what its layer is built from, and every
-//! size derived from it (docs/SPEC.md §2 (Geometry)).
+//! size derived from it (docs/SPEC.md §2 (Geometry)); its [`Combine`]
+//! says how the family turns rows into output (docs/SPEC.md §5 (Layer
+//! math)).
 
 use super::*;
+use combine::Combine;
 
 /// Everything about one PLE site: what a layer is built from, what decides
 /// whether a carry means the same thing in another engine, and every size
@@ -24,8 +27,11 @@ pub struct SiteSpec {
     pub kernel: usize,
     /// The conv dilation.
     pub dilation: usize,
-    /// The epsilon of the grouped RMS norms.
+    /// The epsilon of the grouped RMS norms (those a [`GatedSpec`] leaves
+    /// unset).
     pub rms_eps: f32,
+    /// How the gathered rows become the site's output.
+    pub combine: Combine,
 }
 
 impl SiteSpec {
@@ -50,6 +56,7 @@ impl SiteSpec {
             kernel,
             dilation,
             rms_eps: 1e-6,
+            combine: Combine::qwen4exp(),
         }
     }
 
@@ -69,8 +76,12 @@ impl SiteSpec {
     pub fn channels(&self) -> usize {
         self.hc_mult * self.hidden
     }
-    /// Rows of conv state carried: `(kernel - 1) * dilation`.
+    /// Rows of conv state carried: `(kernel - 1) * dilation` with a conv,
+    /// 0 without one.
     pub fn state_len(&self) -> usize {
+        if !self.combine.has_conv() {
+            return 0;
+        }
         self.kernel.saturating_sub(1) * self.dilation
     }
     /// Bytes of the conv state: `state_len * C` f32 values.
@@ -198,6 +209,11 @@ impl SiteSpec {
                 out.extend_from_slice(b"longcat");
                 out.extend_from_slice(&vocab_size.to_le_bytes());
             }
+        }
+        // Left out for the Qwen4Exp layer, so fingerprints of existing
+        // snapshots stay valid.
+        if self.combine != Combine::qwen4exp() {
+            self.combine.encode_canonical(out);
         }
     }
 }
