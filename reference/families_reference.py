@@ -100,6 +100,100 @@ def engram_ids(seq, token_map, pad, mults, sizes, offsets, n, heads):
     return [[int(v) for v in row] for row in np.stack(cols, axis=1)] if T else []
 
 
+def engram_ids_bounded(seq, doc_start, masked, token_map, pad, mults, sizes, offsets, n,
+                       heads):
+    """engram_ids with DeepSeek-V4.1's look-back boundaries (docs/SPEC.md §11):
+    a masked position reads as DEAD, and the look-back of position t is
+    blocked from the first shift that reaches a DEAD position, a position
+    before the sequence, or a position before a document start at or before
+    t; blocked shifts (and all longer ones) read the mapped pad id."""
+    x = [int(v) for v in seq]
+    if token_map is not None:
+        x = [int(token_map[v]) for v in x]
+        pad = int(token_map[pad])
+    T = len(x)
+    out = []
+    for t in range(T):
+        shifted = []
+        blocked = False
+        for s in range(n):
+            u = t - s
+            if u < 0:
+                blocked = True
+            else:
+                if s > 0 and doc_start[u + 1]:
+                    blocked = True
+                if masked[u]:
+                    blocked = True
+            shifted.append(pad if blocked else x[u])
+        row = []
+        for order in range(2, n + 1):
+            mix = np.int64(shifted[0]) * np.int64(mults[0])
+            for k in range(1, order):
+                mix = np.bitwise_xor(mix, np.int64(shifted[k]) * np.int64(mults[k]))
+            for j in range(heads):
+                h = (order - 2) * heads + j
+                row.append(int(mix % np.int64(sizes[h]) + np.int64(offsets[h])))
+        out.append(row)
+    return out
+
+
+def flags(count, positions):
+    return [i in positions for i in range(count)]
+
+
+def boundaries_fixture(name, base):
+    """Cases of look-back boundaries on the sites of an Engram fixture
+    `base` (its config, token map and constants)."""
+    config, token_map = base["config"], base["token_map"]
+    v41 = "engram_max_ngram_size" in config
+    n = config["engram_max_ngram_size" if v41 else "max_ngram_size"]
+    heads = config["engram_n_heads" if v41 else "n_head_per_ngram"]
+    pad = config["engram_pad_token_id" if v41 else "pad_id"]
+    ctx = n - 1
+    limit = len(token_map) if token_map is not None else (
+        config["engram_compressed_vocab_size"] if v41 else config["compressed_vocab_size"])
+    toks = pseudo_tokens(17, 30, limit)
+    specs = [
+        # name, history (None: fresh), history doc starts, history masked,
+        # tokens, doc starts, masked, chunks
+        ("none", None, [], [], toks, [], [], [30]),
+        ("doc_starts", None, [], [], toks, [0, 5, 6, 17], [], [30]),
+        ("masked_span", None, [], [], toks, [], [3, 4, 5, 6, 7, 20], [30]),
+        ("masked_first", None, [], [], toks[:6], [], [0], [6]),
+        ("both", None, [], [], toks, [9, 22], [2, 9, 10, 23, 29], [30]),
+        ("both_chunked", None, [], [], toks, [9, 22], [2, 9, 10, 23, 29], [1, 8, 2, 12, 7]),
+        ("history_masked", toks[:ctx], [], [ctx - 1], toks[ctx:ctx + 8], [], [], [8]),
+        ("history_doc_start", toks[:ctx], [ctx - 1], [], toks[ctx:ctx + 8], [], [], [3, 5]),
+        ("doc_start_cuts_history", toks[:ctx], [], [], toks[ctx:ctx + 8], [0], [4], [8]),
+    ]
+    cases = []
+    for si, site in enumerate(base["sites"]):
+        for (cname, hist, hds, hms, tk, ds, ms, chunks) in specs:
+            hist_seq = [pad] * ctx if hist is None else list(hist)
+            seq = hist_seq + list(tk)
+            h = len(hist_seq)
+            d = flags(h, hds) + flags(len(tk), ds)
+            m = flags(h, hms) + flags(len(tk), ms)
+            # A position after the last needs no flag: pad one for u + 1.
+            ids = engram_ids_bounded(seq, d + [False], m, token_map, pad, site["multipliers"],
+                                     site["head_vocab_sizes"], site["head_offsets"], n,
+                                     heads)[h:]
+            assert sum(chunks) == len(tk)
+            cases.append({"name": cname, "site": si, "history": hist,
+                          "history_doc_starts": hds, "history_masked": hms, "tokens": tk,
+                          "doc_starts": ds, "masked": ms, "chunks": chunks, "ids": ids})
+    # Without boundaries the bounded hash is the plain one.
+    for c in cases:
+        if c["name"] == "none":
+            site = base["sites"][c["site"]]
+            plain = engram_ids([pad] * ctx + c["tokens"], token_map, pad, site["multipliers"],
+                               site["head_vocab_sizes"], site["head_offsets"], n, heads)[ctx:]
+            assert plain == c["ids"]
+    return {"name": name, "family": "engram", "config": config, "token_map": token_map,
+            "sites": base["sites"], "cases": cases}
+
+
 # --------------------------------------------------------------- LongCat
 
 
@@ -321,6 +415,11 @@ def main():
         ("random", None, rnd, [25]),
         ("chunked", None, rnd, [4, 4, 17]),
     ], []))
+
+    # DeepSeek-V4.1's look-back boundaries (document starts, masked tokens)
+    # on the small Engram (with its token map) and on V4.1's constants.
+    fixtures.append(boundaries_fixture("engram_boundaries_small", fixtures[0]))
+    fixtures.append(boundaries_fixture("engram_boundaries_v41", fixtures[2]))
 
     for f in fixtures:
         path = os.path.join(out_dir, f["name"] + ".json")

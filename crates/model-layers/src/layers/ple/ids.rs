@@ -45,7 +45,9 @@ pub use derive::{
     PleHashParams, SITE_SEED_STRIDE, SPLITMIX64_GAMMA, check_stored_buffers, derive_multipliers,
     is_prime, primes_from, splitmix64,
 };
-pub use engram::{engram_head_sizes, engram_multipliers, running_offsets};
+pub use engram::{
+    Boundaries, engram_head_sizes, engram_ids_bounded_into, engram_multipliers, running_offsets,
+};
 pub use error::IdError;
 pub use family::{HashFamily, TokenMap, check_tokens, longcat_weights, validate_family};
 pub use fastmod::FastMod;

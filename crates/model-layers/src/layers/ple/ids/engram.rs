@@ -2,15 +2,24 @@
 //! from numpy's generator, prime head sizes from one `seen` set shared by
 //! every layer.
 //!
+//! Also DeepSeek-V4.1's look-back boundaries ([`Boundaries`],
+//! [`engram_ids_bounded_into`]): the n-gram look-back stops at document
+//! starts and at masked (e.g. image) tokens, the blocked positions reading
+//! the mapped pad id.
+//!
 //! Invariants: every multiplier is odd and at most `(2^63 - 1) / V'`, so
 //! no product of a hashed id leaves the signed 64-bit range; the head sizes
 //! of all layers are distinct primes; a layer's offsets are the running
-//! sums of its sizes from 0. Overflow is an error, never a panic.
+//! sums of its sizes from 0. Overflow is an error, never a panic. With no
+//! boundary flag set the bounded hash equals the plain Engram hash.
 
 use std::collections::HashSet;
 
 use super::error::{id_bail, id_ensure};
-use super::{IdError, MAX_PRIMES_SEARCHED, Result, SITE_SEED_STRIDE, is_prime};
+use super::{
+    HashFamily, IdError, MAX_NGRAM_SIZE, MAX_PRIMES_SEARCHED, PleIdDims, PleIdHasher, Result,
+    SITE_SEED_STRIDE, check_tokens, is_prime, validate_family,
+};
 
 /// The Engram multipliers of absolute (0-based) model layer `layer_id`:
 /// `2 * r + 1` with `r = default_rng(seed + 10007 * layer_id).integers(0,
@@ -108,6 +117,145 @@ pub fn running_offsets(sizes: &[u64]) -> Result<(Vec<u64>, u64)> {
             .ok_or_else(|| IdError::Params("the head sizes sum past 2^64 - 1".into()))?;
     }
     Ok((offsets, total))
+}
+
+/// Where DeepSeek-V4.1's Engram look-back stops, over the positions of
+/// `history ++ tokens` (history first). Each slice is empty (no such
+/// boundary) or holds one flag per position of `history ++ tokens`.
+///
+/// - `doc_start[i]`: position `i` starts a document. No n-gram ending at
+///   or after `i` reaches before `i`: position `i` hashes as at a sequence
+///   start, its predecessors reading the mapped pad id.
+/// - `masked[i]`: position `i` is masked (an image token, say). It hashes
+///   as an n-gram of mapped pad ids only, and no later n-gram reaches it or
+///   anything before it.
+///
+/// Flags on history positions older than `context_len` change nothing
+/// (no n-gram of the tokens reaches them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Boundaries<'a> {
+    /// Document starts, one flag per position, or empty.
+    pub doc_start: &'a [bool],
+    /// Masked positions, one flag per position, or empty.
+    pub masked: &'a [bool],
+}
+
+impl Boundaries<'_> {
+    /// Refuse flag slices that are neither empty nor `positions` long.
+    fn check(&self, positions: usize) -> Result<()> {
+        for (name, s) in [("doc_start", self.doc_start), ("masked", self.masked)] {
+            id_ensure!(
+                s.is_empty() || s.len() == positions,
+                Shape,
+                "Engram boundaries: {name} has {} flags, history ++ tokens has {positions} \
+                 positions (give one flag per position, or none)",
+                s.len()
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Engram ids of `tokens` after `history` with look-back boundaries
+/// (`%` form, any Engram pair that passes [`validate_family`]): writes
+/// `tokens.len() * ngram_heads` ids, row-major, to `out`. Refuses, before
+/// writing anything, a family other than Engram, flag slices of the wrong
+/// length, an `out` of the wrong length and out-of-vocabulary tokens.
+pub fn engram_ids_bounded_into(
+    family: &HashFamily,
+    dims: &PleIdDims,
+    history: &[u32],
+    tokens: &[u32],
+    bounds: Boundaries<'_>,
+    out: &mut [u64],
+) -> Result<()> {
+    let HashFamily::Engram { token_map, .. } = family else {
+        id_bail!(
+            Params,
+            "look-back boundaries are defined for the Engram family, not {}",
+            family.name()
+        );
+    };
+    validate_family(family, dims)?;
+    let positions = history.len() + tokens.len();
+    bounds.check(positions)?;
+    let heads = dims.ngram_heads();
+    id_ensure!(
+        Some(out.len()) == tokens.len().checked_mul(heads),
+        Shape,
+        "engram_ids_bounded_into: out holds {} ids, {} tokens x {heads} heads need {}",
+        out.len(),
+        tokens.len(),
+        tokens.len().saturating_mul(heads)
+    );
+    check_tokens(family, "history", history)?;
+    check_tokens(family, "tokens", tokens)?;
+
+    let map = token_map.as_deref();
+    let mapped = |t: u32| match map {
+        // Tokens were checked against the map's length.
+        Some(m) => u64::from(m[t as usize]),
+        None => u64::from(t),
+    };
+    let pad = mapped(dims.eos_token_id);
+    let flag = |s: &[bool], i: usize| s.get(i).copied().unwrap_or(false);
+    let c = dims.context_len();
+    let k = dims.heads_per_ngram;
+    let mults = &dims.multipliers;
+    // prev[p] is shift_{p+1}: the nearest predecessors first, the pad id
+    // where the look-back is blocked (a blocked shift blocks all longer
+    // ones, so the pads always sit at the far end).
+    let mut prev = [pad; MAX_NGRAM_SIZE - 1];
+    let push = |prev: &mut [u64; MAX_NGRAM_SIZE - 1], i: usize, x: u64| {
+        if flag(bounds.masked, i) {
+            prev[..c].fill(pad);
+        } else {
+            prev.copy_within(0..c - 1, 1);
+            prev[0] = x;
+        }
+    };
+    let first = history.len().saturating_sub(c);
+    for (i, &t) in history.iter().enumerate().skip(first) {
+        if flag(bounds.doc_start, i) {
+            prev[..c].fill(pad);
+        }
+        push(&mut prev, i, mapped(t));
+    }
+    for (j, (&t, row)) in tokens.iter().zip(out.chunks_exact_mut(heads)).enumerate() {
+        let i = history.len() + j;
+        if flag(bounds.doc_start, i) || flag(bounds.masked, i) {
+            prev[..c].fill(pad);
+        }
+        let x = if flag(bounds.masked, i) {
+            pad
+        } else {
+            mapped(t)
+        };
+        let mut mixed = x.wrapping_mul(mults[0]);
+        for p in 0..c {
+            mixed ^= prev[p].wrapping_mul(mults[p + 1]);
+            for h in p * k..(p + 1) * k {
+                row[h] = mixed % dims.head_vocab_sizes[h] + dims.head_offsets[h];
+            }
+        }
+        push(&mut prev, i, x);
+    }
+    Ok(())
+}
+
+impl PleIdHasher {
+    /// [`engram_ids_bounded_into`] with this hasher's family and dims: the
+    /// ids of `tokens` after `history` with DeepSeek-V4.1's look-back
+    /// boundaries. Refuses a hasher of another family.
+    pub fn engram_ids_bounded_into(
+        &self,
+        history: &[u32],
+        tokens: &[u32],
+        bounds: Boundaries<'_>,
+        out: &mut [u64],
+    ) -> Result<()> {
+        engram_ids_bounded_into(self.family(), self.dims(), history, tokens, bounds, out)
+    }
 }
 
 #[cfg(test)]
