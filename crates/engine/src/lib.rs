@@ -13,13 +13,16 @@
 //!   decode, speculative verify and commit, swap, release;
 //! - [`server`]: the serving loop over an engine: admission, chunked
 //!   prefill, batched decode, fault retries, statistics;
-//! - [`ple_site`]: the PLE layer as an engine site.
+//! - [`ple_site`]: the PLE layer as an engine site;
+//! - [`backbone`]: GEMM blocks standing in for the model's layers around
+//!   the sites, so table reads have compute to hide behind.
 //!
 //! Tiny test models and the other shared test helpers live in the
 //! `metrale-testkit` crate, a dev-dependency only.
 
 #[cfg(feature = "bench")]
 pub mod bench;
+pub mod backbone;
 pub mod budget;
 pub mod engine;
 pub mod ple_site;

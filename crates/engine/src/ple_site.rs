@@ -11,6 +11,7 @@
 //! exactly the layer's.
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_model_layers::layers::ple::ids::PleIdHasher;
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, SiteSpec};
 use metrale_storage::table::TableStats;
 
@@ -39,6 +40,24 @@ impl Site for PleSite {
 
     fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
         Ok(self.layer.prefetch(history, tokens)?)
+    }
+
+    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
+        // One batch of ids for the whole step, so the table reads them together.
+        let spec = self.layer.spec();
+        let heads = spec.dims.ngram_heads();
+        let hasher = PleIdHasher::with_family(&spec.family, &spec.dims)?;
+        let mut ids = vec![0u64; work.iter().map(|(_, t)| t.len()).sum::<usize>() * heads];
+        let mut at = 0;
+        for (history, tokens) in work {
+            let n = tokens.len() * heads;
+            hasher.ids_with_history_into(history, tokens, &mut ids[at..at + n])?;
+            at += n;
+        }
+        if ids.is_empty() {
+            return Ok(());
+        }
+        Ok(self.layer.table().prefetch(&ids)?)
     }
 
     fn table_stats(&self) -> TableStats {

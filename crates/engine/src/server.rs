@@ -6,9 +6,15 @@
 //! alternates one batched decode step (up to [`ServerConfig::decode_batch`]
 //! sequences, resident carries first) with one prefill chunk (at most
 //! [`ServerConfig::prefill_chunk`] tokens; the same request goes on until
-//! its prompt is done, first come, first served). Before each step it starts
-//! the table reads of the next one ([`Engine::prefetch`]) so they overlap.
-//! Preemption and swap under the device budget happen inside the engine.
+//! its prompt is done, first come, first served). At the start of each step,
+//! as soon as its tokens are known, it starts the row reads of the step's
+//! decode batch and prefill chunk at every site at once
+//! ([`Site::prefetch_step`]: one batch of ids per site, each id hashed once
+//! for it), so that they run while the step computes: with a backbone
+//! ([`ServerConfig::backbone`], [`crate::backbone`]) the blocks before a
+//! site hide its reads; without one the prefill chunk's reads overlap the
+//! decode step. Preemption and swap under the device budget happen inside
+//! the engine.
 //!
 //! The workload is an input: the [`Request`]s (tokens and how they are run)
 //! and the input highway row of each token ([`Workload::rows`]). Every
@@ -24,15 +30,23 @@
 //!   Without it, the first failure ends the run;
 //! - a report's rows hold exactly the positions computed by the last
 //!   attempt of each request; positions restored from the prefix cache are
-//!   `None`.
+//!   `None`;
+//! - prefetch and the backbone are advice and stand-in compute: neither
+//!   changes an output bit.
 
 use std::collections::VecDeque;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_storage::io::{PageReader, ReadReq};
 use metrale_storage::table::TableStats;
 use thiserror::Error;
 
-use crate::engine::{Engine, EngineError, EngineStats, SeqId, Site};
+use crate::backbone::{BackboneConfig, BackboneError, Layered, layered};
+use crate::engine::{Engine, EngineConfig, EngineError, EngineStats, SeqId, Site};
 
 /// Where a segment of a request's tokens goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,9 +87,13 @@ pub struct ServerConfig {
     pub prefill_chunk: usize,
     /// Most sequences per batched decode step.
     pub decode_batch: usize,
-    /// Start the table reads of the next prefill chunk and decode batch
-    /// ahead of time.
+    /// Start the row reads of each step's decode batch and prefill chunk at
+    /// the start of the step.
     pub prefetch: bool,
+    /// Run backbone blocks (one per model layer) around the sites. Taken by
+    /// [`Server::build`], which wraps the sites; [`Server::new`] takes an
+    /// engine whose sites are already built and refuses it.
+    pub backbone: Option<BackboneConfig>,
     /// Decode through captured graphs ([`Engine::enable_decode_graphs`]).
     pub decode_graphs: bool,
     /// `Some(n)`: the sequences of a failed call are released and run again,
@@ -90,6 +108,7 @@ impl Default for ServerConfig {
             prefill_chunk: 128,
             decode_batch: 16,
             prefetch: true,
+            backbone: None,
             decode_graphs: false,
             retries: None,
         }
@@ -113,6 +132,14 @@ pub struct ServerReport {
     /// The sites' row-table counters over this run (the difference between
     /// its end and its start).
     pub table: TableStats,
+    /// Time the run's calls were blocked waiting for rows (foreground
+    /// misses, and rows a prefetch was still reading): the I/O wait the
+    /// compute did not hide. `table.io_wait_ns` as a duration.
+    pub io_wait: Duration,
+    /// Time spent in read calls over the run, foreground and prefetch
+    /// alike (summed over concurrent readers), when the tables read
+    /// through the [`TimedReader`] given to [`Server::time_reads`].
+    pub read_time: Option<Duration>,
     /// Calls that failed (tolerated with retries on).
     pub failed_calls: u64,
     /// Requests run again after a failed call.
@@ -166,6 +193,9 @@ pub enum ServerError {
     /// Any other engine call failed (prefetch, release, residency query).
     #[error(transparent)]
     Engine(#[from] EngineError),
+    /// The backbone could not be built.
+    #[error(transparent)]
+    Backbone(#[from] BackboneError),
 }
 
 impl ServerError {
@@ -176,7 +206,7 @@ impl ServerError {
             | ServerError::Prefill { source, .. }
             | ServerError::Decode { source } => Some(source),
             ServerError::Engine(e) => Some(e),
-            ServerError::Config(_) | ServerError::Request { .. } => None,
+            ServerError::Config(_) | ServerError::Request { .. } | ServerError::Backbone(_) => None,
         }
     }
 }
@@ -190,11 +220,51 @@ pub fn fingerprint(row: &[f32]) -> u64 {
     h ^ (h >> 29)
 }
 
+/// A page reader that times its reads: give it to the row tables
+/// (`CacheConfig::reader`) and to [`Server::time_reads`], and the report
+/// carries the total read time beside the wait.
+pub struct TimedReader {
+    inner: Arc<dyn PageReader>,
+    ns: AtomicU64,
+}
+
+impl TimedReader {
+    /// Time the reads of `inner`.
+    pub fn new(inner: Arc<dyn PageReader>) -> Self {
+        TimedReader {
+            inner,
+            ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Time spent in read batches so far.
+    pub fn elapsed(&self) -> Duration {
+        Duration::from_nanos(self.ns.load(Ordering::Relaxed))
+    }
+}
+
+impl PageReader for TimedReader {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
+        let t0 = Instant::now();
+        let r = self.inner.read_batch(reqs);
+        self.ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+}
+
 /// A serving loop over an engine. See the module docs.
 pub struct Server<S: Site> {
     engine: Engine<S>,
     cfg: ServerConfig,
+    reads: Option<Arc<TimedReader>>,
 }
+
+/// Where a prefill chunk's reads were started: request and position.
+type Started = Option<(usize, usize)>;
 
 /// A request in flight.
 struct Live {
@@ -215,9 +285,19 @@ struct Run<'a> {
 }
 
 impl<S: Site> Server<S> {
-    /// A server over `engine`. Refused when a setting is 0 or decode graphs
-    /// are asked of sites that cannot replay them.
-    pub fn new(mut engine: Engine<S>, cfg: ServerConfig) -> Result<Self, ServerError> {
+    /// A server over `engine`. Refused when a setting is 0, a backbone is
+    /// asked for (see [`Server::build`]) or decode graphs are asked of sites
+    /// that cannot replay them.
+    pub fn new(engine: Engine<S>, cfg: ServerConfig) -> Result<Self, ServerError> {
+        if cfg.backbone.is_some() {
+            return Err(ServerError::Config(
+                "a backbone wraps the sites: build the server with Server::build".into(),
+            ));
+        }
+        Self::over(engine, cfg)
+    }
+
+    fn over(mut engine: Engine<S>, cfg: ServerConfig) -> Result<Self, ServerError> {
         if cfg.in_flight == 0 || cfg.prefill_chunk == 0 || cfg.decode_batch == 0 {
             return Err(ServerError::Config(format!(
                 "in_flight ({}), prefill_chunk ({}) and decode_batch ({}) must be positive",
@@ -227,12 +307,27 @@ impl<S: Site> Server<S> {
         if cfg.decode_graphs {
             engine.enable_decode_graphs()?;
         }
-        Ok(Server { engine, cfg })
+        Ok(Server {
+            engine,
+            cfg,
+            reads: None,
+        })
+    }
+
+    /// Report the time spent in `reader`'s reads (the tables' reader) as
+    /// [`ServerReport::read_time`].
+    pub fn time_reads(&mut self, reader: Arc<TimedReader>) {
+        self.reads = Some(reader);
     }
 
     /// The engine.
     pub fn engine(&self) -> &Engine<S> {
         &self.engine
+    }
+
+    /// The engine, to attach a carry store or change its settings.
+    pub fn engine_mut(&mut self) -> &mut Engine<S> {
+        &mut self.engine
     }
 
     /// The settings.
@@ -274,40 +369,78 @@ impl<S: Site> Server<S> {
         let width = self.engine.width();
         let mut highway = vec![0f32; self.cfg.prefill_chunk.max(self.cfg.decode_batch) * width];
         let table_before = self.engine.table_stats();
+        let reads_before = self.reads.as_ref().map(|r| r.elapsed());
         let start = Instant::now();
         loop {
             self.admit(&mut run, done)?;
             if run.prefilling.is_empty() && run.decoding.is_empty() {
                 break;
             }
-            // Start reading the rows of the next prefill chunk while the
-            // decode step computes.
-            if self.cfg.prefetch
-                && let Some(l) = run.prefilling.front()
-            {
-                let toks = &w.requests[l.req].tokens;
-                let end = w.requests[l.req].segments[l.seg].1;
-                let n = (end - l.pos).min(self.cfg.prefill_chunk);
-                self.engine.prefetch(l.id, &toks[l.pos..l.pos + n])?;
+            let lives = self.pick_decode(&mut run)?;
+            // The step's tokens are known: start every read it will make.
+            let mut started: Started = None;
+            if self.cfg.prefetch {
+                started = self.prefetch_step(&run, &lives, true)?;
             }
-            if !self.decode_step(&mut run, &mut highway, done)? {
+            if !self.decode_step(&mut run, lives, &mut highway, done)? {
                 // A failed step starts the next round: admission refills
                 // the places of the sequences it released.
                 continue;
             }
-            // And those of the next decode batch while the prefill computes.
-            if self.cfg.prefetch {
-                for l in run.decoding.iter().take(self.cfg.decode_batch) {
-                    let toks = &w.requests[l.req].tokens;
-                    self.engine.prefetch(l.id, &toks[l.pos..l.pos + 1])?;
-                }
+            // A prompt that became due during the decode step (a turn
+            // after generated tokens) starts its reads now.
+            if self.cfg.prefetch && started != self.prefill_due(&run) {
+                self.prefetch_step(&run, &[], true)?;
             }
             self.prefill_step(&mut run, &mut highway, done)?;
         }
         run.report.wall = start.elapsed();
         run.report.stats = self.engine.stats();
         run.report.table = self.engine.table_stats().since(&table_before);
+        run.report.io_wait = Duration::from_nanos(run.report.table.io_wait_ns);
+        run.report.read_time = self
+            .reads
+            .as_ref()
+            .zip(reads_before)
+            .map(|(r, b)| r.elapsed().saturating_sub(b));
         Ok(run.report)
+    }
+
+    /// The request and position of the prefill chunk due next, if any.
+    fn prefill_due(&self, run: &Run<'_>) -> Started {
+        run.prefilling.front().map(|l| (l.req, l.pos))
+    }
+
+    /// Start the row reads of `lives`' decode tokens and, with `prefill`,
+    /// of the prefill chunk due next, at every site: one call per site with
+    /// every sequence of the step. Returns the chunk it covered.
+    fn prefetch_step(
+        &self,
+        run: &Run<'_>,
+        lives: &[Live],
+        prefill: bool,
+    ) -> Result<Started, ServerError> {
+        let reqs = run.w.requests;
+        let mut work: Vec<(&[u32], &[u32])> = Vec::with_capacity(lives.len() + 1);
+        for l in lives {
+            let toks = &reqs[l.req].tokens;
+            work.push((self.engine.tokens(l.id)?, &toks[l.pos..l.pos + 1]));
+        }
+        let mut started = None;
+        if prefill && let Some(l) = run.prefilling.front() {
+            let r = &reqs[l.req];
+            let n = (r.segments[l.seg].1 - l.pos).min(self.cfg.prefill_chunk);
+            work.push((self.engine.tokens(l.id)?, &r.tokens[l.pos..l.pos + n]));
+            started = Some((l.req, l.pos));
+        }
+        if work.is_empty() {
+            return Ok(started);
+        }
+        for (i, site) in self.engine.sites().iter().enumerate() {
+            site.prefetch_step(&work)
+                .map_err(|e| EngineError::site(i, format!("site {i} step prefetch"), e))?;
+        }
+        Ok(started)
     }
 
     /// Admit waiting requests up to `in_flight`.
@@ -335,22 +468,15 @@ impl<S: Site> Server<S> {
         Ok(())
     }
 
-    /// One batched decode step, resident carries first (as a server
-    /// schedules running sequences before swapped ones); the rest keep
-    /// their order. `false` when the step failed and its sequences were
-    /// queued again.
-    fn decode_step(
-        &mut self,
-        run: &mut Run<'_>,
-        highway: &mut [f32],
-        done: &mut dyn FnMut(usize),
-    ) -> Result<bool, ServerError> {
+    /// The sequences of the next decode step, resident carries first (as a
+    /// server schedules running sequences before swapped ones); the rest
+    /// keep their order.
+    fn pick_decode(&mut self, run: &mut Run<'_>) -> Result<Vec<Live>, ServerError> {
         let n = run.decoding.len().min(self.cfg.decode_batch);
-        if n == 0 {
-            return Ok(true);
-        }
-        let width = self.engine.width();
         let mut lives = Vec::with_capacity(n);
+        if n == 0 {
+            return Ok(lives);
+        }
         let mut rest = VecDeque::with_capacity(run.decoding.len());
         for l in run.decoding.drain(..) {
             if lives.len() < n && self.engine.is_resident(l.id)? {
@@ -364,6 +490,23 @@ impl<S: Site> Server<S> {
             lives.push(l);
         }
         run.decoding = rest;
+        Ok(lives)
+    }
+
+    /// One batched decode step over `lives` (from [`Self::pick_decode`]).
+    /// `false` when the step failed and its sequences were queued again.
+    fn decode_step(
+        &mut self,
+        run: &mut Run<'_>,
+        lives: Vec<Live>,
+        highway: &mut [f32],
+        done: &mut dyn FnMut(usize),
+    ) -> Result<bool, ServerError> {
+        let n = lives.len();
+        if n == 0 {
+            return Ok(true);
+        }
+        let width = self.engine.width();
         let batch: Vec<(SeqId, u32)> = lives
             .iter()
             .map(|l| (l.id, run.w.requests[l.req].tokens[l.pos]))
@@ -482,6 +625,26 @@ impl<S: Site> Server<S> {
             Some((Phase::Decode, _)) => run.decoding.push_back(l),
         }
         Ok(())
+    }
+}
+
+impl<S: Site> Server<Layered<S>> {
+    /// An engine over `sites` on `gpu`, each wrapped with the blocks of
+    /// `cfg.backbone` (none when it is `None`), and a server over it. On an
+    /// error every site is freed.
+    pub fn build(
+        gpu: Arc<dyn GpuBackend>,
+        sites: Vec<S>,
+        engine: EngineConfig,
+        cfg: ServerConfig,
+    ) -> Result<Self, ServerError> {
+        let rows = engine
+            .prefill_chunk
+            .max(cfg.decode_batch)
+            .max(cfg.prefill_chunk);
+        let sites = layered(gpu.as_ref(), sites, cfg.backbone.as_ref(), rows)?;
+        let engine = Engine::new(gpu, sites, engine)?;
+        Self::over(engine, cfg)
     }
 }
 

@@ -124,6 +124,7 @@ fn cfg(in_flight: usize) -> ServerConfig {
         prefill_chunk: 5,
         decode_batch: 4,
         prefetch: true,
+        backbone: None,
         decode_graphs: false,
         retries: None,
     }

@@ -192,6 +192,18 @@ pub trait Site: Send + Sync {
         let _ = (history, tokens);
         Ok(())
     }
+    /// Start reading the rows of a whole step at once: entry `i` holds the
+    /// tokens a sequence ends with (`history`, as in [`Self::prefetch`]) and
+    /// the tokens its next forward runs. A site with a row table hashes
+    /// every entry into one batch of ids and asks its table once, so the
+    /// reads of a step go out together as soon as its tokens are known.
+    /// Advice, as `prefetch`; the default calls `prefetch` entry by entry.
+    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
+        for (history, tokens) in work {
+            self.prefetch(history, tokens)?;
+        }
+        Ok(())
+    }
     /// The counters of the site's row table since it was opened. The
     /// default, for sites without a table, reports zeros.
     fn table_stats(&self) -> TableStats {

@@ -1,0 +1,677 @@
+//! A compute backbone around the PLE sites: for every layer of the model,
+//! GEMMs standing in for its attention and MLP, run on the backend over the
+//! current rows, with each PLE site at its place among them. It gives the
+//! row reads a site's table starts at the beginning of a step (see
+//! [`crate::server`]) something to hide behind, as the layers before a
+//! site do in a real model.
+//!
+//! One block (one model layer) over `T` rows of the highway (`W = hc *
+//! hidden` values each), with `d = W / scale` and `I = 8d / 3` (the usual
+//! gated-MLP width), both rounded up to a multiple of 16:
+//! `qkv [T, 2d] = highway @ Wqkv^T`, `o [T, d] = qkv @ Wo^T` (the attention
+//! stand-in: its projections, not the attention over a KV cache),
+//! `up [T, 2I] = o @ Wup^T`, `act = silu(up[:, :I]) * up[:, I:]`,
+//! `down [T, d] = act @ Wdown^T`. At `scale` 1 that is `8 W^2 + 6 W I`
+//! multiply-adds per token per layer, as a block of that width with
+//! multi-head attention; `scale` shrinks it so that a small CPU still runs
+//! it. The GEMMs are the PLE module's BF16 `project` (model-layers' GEMM on
+//! the CPU backend, `ple.cu` on a device); the activation is
+//! `kernels/backbone.cu` on a device and a host kernel on the CPU backend.
+//!
+//! Invariants:
+//! - the backbone reads the highway and writes only its own scratch, so it
+//!   changes no output bit: an engine with it gives the highway an engine
+//!   without it gives;
+//! - every block shares one set of weights (seeded, uniform in
+//!   `±sqrt(3 / E)` so values stay near unit scale): the compute per layer
+//!   is a real block's, the weight memory one block's;
+//! - site `k` (model layer `l_k`, 1-based) runs at the input of its layer:
+//!   after the blocks of layers `l_{k-1}..l_k - 1` (from layer 1 for the
+//!   first site), and the last site's wrapper runs the blocks of layers
+//!   `l_last..=layers` after it;
+//! - the weights and scratch are freed when the last [`Layered`] site over
+//!   them is freed.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use metrale_gpu_runtime::compile_source;
+use metrale_gpu_runtime::gpu::{
+    ArgKind, DevicePtr, GpuBackend, GpuError, HostMemory, KernelArg, KernelHandle, LaunchConfig,
+    StreamId,
+};
+use metrale_model_layers::layers::ple::ModelSpec;
+use metrale_model_layers::layers::ple::SiteSpec;
+use metrale_model_layers::layers::ple::device_kernels::{LaunchShapes, load_ple_module};
+use metrale_model_layers::layers::ple::kernels::{self, pack_projection};
+use metrale_storage::table::TableStats;
+use thiserror::Error;
+
+use crate::engine::{Site, SiteResult};
+
+/// The CUDA C++ source of the backbone's own kernel.
+pub const BACKBONE_CU: &str = include_str!("../kernels/backbone.cu");
+
+/// The kernel module of the backbone's own kernel.
+pub const MODULE: &str = "backbone";
+
+/// What the backbone is built from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackboneConfig {
+    /// Layers of the model (`num_hidden_layers`).
+    pub layers: usize,
+    /// The 1-based layer of each site, in site order (`ple_layer_ids`).
+    pub site_layers: Vec<usize>,
+    /// Widths are divided by this (at least 1): 1 is a block of the model's
+    /// width.
+    pub scale: usize,
+}
+
+impl BackboneConfig {
+    /// The backbone of `spec`'s layers at `scale`.
+    pub fn for_model(spec: &ModelSpec, scale: usize) -> Self {
+        BackboneConfig {
+            layers: spec.num_hidden_layers,
+            site_layers: spec.ple_layer_ids.clone(),
+            scale,
+        }
+    }
+}
+
+/// Why a backbone could not be built.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum BackboneError {
+    /// The layers, the sites' places or the scale do not fit together.
+    #[error("backbone config: {0}")]
+    Config(String),
+    /// A backend call failed.
+    #[error("backbone: {what}")]
+    Device {
+        /// What was being done.
+        what: String,
+        /// The backend's error.
+        #[source]
+        source: GpuError,
+    },
+}
+
+fn device(what: impl Into<String>) -> impl FnOnce(GpuError) -> BackboneError {
+    let what = what.into();
+    move |source| BackboneError::Device { what, source }
+}
+
+/// The widths of one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockShape {
+    /// The highway width the first GEMM reads.
+    pub width: usize,
+    /// `d`: the block's model width.
+    pub model: usize,
+    /// `I`: the MLP's intermediate width.
+    pub intermediate: usize,
+}
+
+impl BlockShape {
+    /// The shape for a highway of `width` values at `scale`.
+    pub fn new(width: usize, scale: usize) -> Self {
+        let model = (width / scale.max(1)).max(1).next_multiple_of(16);
+        let intermediate = (model * 8).div_ceil(3).next_multiple_of(16);
+        BlockShape {
+            width,
+            model,
+            intermediate,
+        }
+    }
+
+    /// `(O, E)` of the four GEMMs, in order.
+    fn gemms(&self) -> [(usize, usize); 4] {
+        let (w, d, i) = (self.width, self.model, self.intermediate);
+        [(2 * d, w), (d, 2 * d), (2 * i, d), (d, i)]
+    }
+
+    /// Multiply-adds of one block per token.
+    pub fn macs_per_token(&self) -> u64 {
+        self.gemms().iter().map(|&(o, e)| (o * e) as u64).sum()
+    }
+}
+
+/// Device buffers of a backbone.
+#[derive(Clone, Copy, Debug)]
+struct Bufs {
+    w: [DevicePtr; 4],
+    qkv: DevicePtr,
+    o: DevicePtr,
+    up: DevicePtr,
+    act: DevicePtr,
+    down: DevicePtr,
+}
+
+impl Bufs {
+    fn all(&self) -> impl Iterator<Item = DevicePtr> + '_ {
+        self.w
+            .iter()
+            .copied()
+            .chain([self.qkv, self.o, self.up, self.act, self.down])
+    }
+}
+
+/// The weights, scratch and kernels of the blocks, shared by every
+/// [`Layered`] site of one engine. See the module docs.
+pub struct Backbone {
+    shape: BlockShape,
+    max_rows: usize,
+    shapes: LaunchShapes,
+    project: KernelHandle,
+    silu_mul: KernelHandle,
+    bufs: Mutex<Option<Bufs>>,
+    /// Live [`Layered`] sites over it; the last one to be freed frees it.
+    users: AtomicUsize,
+}
+
+impl std::fmt::Debug for Backbone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Backbone")
+            .field("shape", &self.shape)
+            .field("max_rows", &self.max_rows)
+            .finish()
+    }
+}
+
+/// `act = silu(up[:, :I]) * up[:, I:]` on the host: `silu_mul(up, act, T, I)`.
+fn silu_mul_host(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<(), GpuError> {
+    let (
+        [
+            KernelArg::Ptr(up),
+            KernelArg::Ptr(act),
+            KernelArg::U32(t),
+            KernelArg::U32(i),
+        ],
+    ) = (args,)
+    else {
+        return Err(GpuError::kernel(
+            "backbone::silu_mul: expects up, act, T, I",
+        ));
+    };
+    let (t, i) = (*t as usize, *i as usize);
+    // SAFETY: `act` and `up` are distinct allocations of the backbone (the
+    // only caller), so the writable view overlaps no other.
+    let (ups, acts) = unsafe {
+        (
+            mem.slice::<f32>(*up, t * 2 * i)?,
+            mem.slice_mut::<f32>(*act, t * i)?,
+        )
+    };
+    for (row, out) in ups.chunks_exact(2 * i).zip(acts.chunks_exact_mut(i)) {
+        let (g, u) = row.split_at(i);
+        for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+            *o = g / (1.0 + (-g).exp()) * u;
+        }
+    }
+    Ok(())
+}
+
+/// Make the kernels the backbone launches resolvable on `gpu`.
+fn load_kernels(gpu: &dyn GpuBackend) -> Result<(KernelHandle, KernelHandle), BackboneError> {
+    if gpu.supports_host_kernels() {
+        kernels::register_cpu_kernels(gpu).map_err(device("registering the PLE host kernels"))?;
+        if gpu.kernel(MODULE, "silu_mul").is_err() {
+            gpu.register_host_kernel(
+                MODULE,
+                "silu_mul",
+                &[ArgKind::Ptr, ArgKind::Ptr, ArgKind::U32, ArgKind::U32],
+                Arc::new(silu_mul_host),
+            )
+            .map_err(device("registering the silu_mul host kernel"))?;
+        }
+    } else {
+        load_ple_module(gpu).map_err(device("loading the PLE module"))?;
+        if gpu.kernel(MODULE, "silu_mul").is_err() {
+            let image = compile_source(gpu, "backbone.cu", BACKBONE_CU)
+                .map_err(device("compiling backbone.cu"))?;
+            gpu.load_module(MODULE, &image)
+                .map_err(device("loading backbone.cu"))?;
+        }
+    }
+    let project = gpu
+        .kernel(kernels::MODULE, "project")
+        .map_err(device("resolving the PLE project kernel"))?;
+    let silu_mul = gpu
+        .kernel(MODULE, "silu_mul")
+        .map_err(device("resolving the silu_mul kernel"))?;
+    Ok((project, silu_mul))
+}
+
+/// A row-major `[o, e]` BF16 weight, uniform in `±sqrt(3 / e)`, from `seed`.
+fn weight(o: usize, e: usize, seed: u64) -> Vec<u16> {
+    let a = (3.0 / e as f64).sqrt();
+    let mut s = seed;
+    (0..o * e)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            let u = (z >> 11) as f64 / (1u64 << 53) as f64;
+            let v = ((u * 2.0 - 1.0) * a) as f32;
+            (v.to_bits() >> 16) as u16
+        })
+        .collect()
+}
+
+impl Backbone {
+    /// Weights and scratch for blocks over up to `max_rows` rows of a
+    /// highway of `width` values, at `scale`.
+    pub fn new(
+        gpu: &dyn GpuBackend,
+        width: usize,
+        scale: usize,
+        max_rows: usize,
+    ) -> Result<Backbone, BackboneError> {
+        if scale == 0 || width == 0 || max_rows == 0 {
+            return Err(BackboneError::Config(format!(
+                "scale ({scale}), highway width ({width}) and rows ({max_rows}) must be positive"
+            )));
+        }
+        let shape = BlockShape::new(width, scale);
+        let (project, silu_mul) = load_kernels(gpu)?;
+        let mut held: Vec<DevicePtr> = Vec::new();
+        let r = Self::alloc_all(gpu, &shape, max_rows, &mut held);
+        let bufs = match r {
+            Ok(b) => b,
+            Err(e) => {
+                for p in held {
+                    let _ = gpu.dealloc(p);
+                }
+                return Err(e);
+            }
+        };
+        Ok(Backbone {
+            shape,
+            max_rows,
+            shapes: LaunchShapes::for_backend(gpu),
+            project,
+            silu_mul,
+            bufs: Mutex::new(Some(bufs)),
+            users: AtomicUsize::new(0),
+        })
+    }
+
+    fn alloc_all(
+        gpu: &dyn GpuBackend,
+        shape: &BlockShape,
+        rows: usize,
+        held: &mut Vec<DevicePtr>,
+    ) -> Result<Bufs, BackboneError> {
+        let mut alloc = |bytes: usize, label: &str| -> Result<DevicePtr, BackboneError> {
+            let p = gpu
+                .alloc(bytes, label)
+                .map_err(device(format!("allocating {bytes} bytes for {label}")))?;
+            held.push(p);
+            Ok(p)
+        };
+        let mut w = [DevicePtr::NULL; 4];
+        for (k, &(o, e)) in shape.gemms().iter().enumerate() {
+            let packed = pack_projection(&weight(o, e, 0xBAC0 + k as u64), o, e);
+            let bytes: Vec<u8> = packed.iter().flat_map(|v| v.to_ne_bytes()).collect();
+            w[k] = alloc(bytes.len(), "backbone weight")?;
+            gpu.copy_h2d(&bytes, w[k])
+                .map_err(device("uploading a backbone weight"))?;
+        }
+        let (d, i) = (shape.model, shape.intermediate);
+        Ok(Bufs {
+            w,
+            qkv: alloc(rows * 2 * d * 4, "backbone qkv")?,
+            o: alloc(rows * d * 4, "backbone attention out")?,
+            up: alloc(rows * 2 * i * 4, "backbone mlp up")?,
+            act: alloc(rows * i * 4, "backbone mlp act")?,
+            down: alloc(rows * d * 4, "backbone mlp down")?,
+        })
+    }
+
+    /// The widths of one block.
+    pub fn shape(&self) -> BlockShape {
+        self.shape
+    }
+
+    /// The most rows one call takes.
+    pub fn max_rows(&self) -> usize {
+        self.max_rows
+    }
+
+    /// Queue `blocks` blocks over the `rows` rows at `highway` on `stream`.
+    pub fn run(
+        &self,
+        blocks: usize,
+        highway: DevicePtr,
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<(), GpuError> {
+        if blocks == 0 || rows == 0 {
+            return Ok(());
+        }
+        if rows > self.max_rows {
+            return Err(GpuError::invalid(
+                "backbone block",
+                format!("{rows} rows, the scratch holds {}", self.max_rows),
+            ));
+        }
+        let Some(b) = *self.bufs.lock().unwrap_or_else(PoisonError::into_inner) else {
+            return Err(GpuError::invalid(
+                "backbone block",
+                "the backbone was freed",
+            ));
+        };
+        let (d, i) = (self.shape.model, self.shape.intermediate);
+        let gemm = |x: DevicePtr, w: DevicePtr, y: DevicePtr, e: usize, o: usize| {
+            gpu.launch(self.project, self.shapes.project(rows, o))
+                .ptr(x)
+                .ptr(w)
+                .ptr(y)
+                .u32(rows as u32)
+                .u32(e as u32)
+                .u32(o as u32)
+                .run(stream)
+        };
+        let act_cfg = match self.shapes {
+            LaunchShapes::Host => LaunchConfig::linear(1, 1),
+            LaunchShapes::Device => LaunchConfig::linear(
+                ((rows * i) as u64).div_ceil(256).clamp(1, 1 << 16) as u32,
+                256,
+            ),
+        };
+        for _ in 0..blocks {
+            gemm(highway, b.w[0], b.qkv, self.shape.width, 2 * d)?;
+            gemm(b.qkv, b.w[1], b.o, 2 * d, d)?;
+            gemm(b.o, b.w[2], b.up, d, 2 * i)?;
+            gpu.launch(self.silu_mul, act_cfg)
+                .ptr(b.up)
+                .ptr(b.act)
+                .u32(rows as u32)
+                .u32(i as u32)
+                .run(stream)?;
+            gemm(b.act, b.w[3], b.down, i, d)?;
+        }
+        Ok(())
+    }
+
+    /// Free the weights and scratch. Idempotent.
+    fn free(&self, gpu: &dyn GpuBackend) -> Result<(), GpuError> {
+        let Some(b) = self
+            .bufs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        else {
+            return Ok(());
+        };
+        let mut first = Ok(());
+        for p in b.all() {
+            let r = gpu.dealloc(p);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+/// A site with the backbone blocks that run before it (and, for the last
+/// site, after it). Without a backbone it is the site itself. See the
+/// module docs.
+pub struct Layered<S> {
+    inner: S,
+    before: usize,
+    after: usize,
+    backbone: Option<Arc<Backbone>>,
+    freed: bool,
+}
+
+impl<S> Layered<S> {
+    /// The wrapped site.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// Blocks run before the site and after it.
+    pub fn blocks(&self) -> (usize, usize) {
+        (self.before, self.after)
+    }
+
+    /// The shared backbone, if any.
+    pub fn backbone(&self) -> Option<&Arc<Backbone>> {
+        self.backbone.as_ref()
+    }
+
+    fn blocks_around(
+        &self,
+        n: usize,
+        highway: DevicePtr,
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        if let Some(b) = &self.backbone {
+            b.run(n, highway, rows, gpu, stream)?;
+        }
+        Ok(())
+    }
+}
+
+/// Wrap `sites` with the blocks of `cfg` (none when `cfg` is `None`), for
+/// forwards of up to `max_rows` rows. On an error every site is freed.
+pub fn layered<S: Site>(
+    gpu: &dyn GpuBackend,
+    mut sites: Vec<S>,
+    cfg: Option<&BackboneConfig>,
+    max_rows: usize,
+) -> Result<Vec<Layered<S>>, BackboneError> {
+    let plan = match cfg {
+        None => Ok(None),
+        Some(c) => plan(c, &sites, max_rows, gpu).map(Some),
+    };
+    let plan = match plan {
+        Ok(p) => p,
+        Err(e) => {
+            for s in &mut sites {
+                let _ = s.free(gpu);
+            }
+            return Err(e);
+        }
+    };
+    let n = sites.len();
+    Ok(sites
+        .into_iter()
+        .enumerate()
+        .map(|(k, inner)| match &plan {
+            None => Layered {
+                inner,
+                before: 0,
+                after: 0,
+                backbone: None,
+                freed: false,
+            },
+            Some((bb, cuts, layers)) => {
+                bb.users.fetch_add(1, Ordering::AcqRel);
+                let prev = if k == 0 { 1 } else { cuts[k - 1] };
+                Layered {
+                    inner,
+                    before: cuts[k] - prev,
+                    after: if k + 1 == n { layers + 1 - cuts[k] } else { 0 },
+                    backbone: Some(bb.clone()),
+                    freed: false,
+                }
+            }
+        })
+        .collect())
+}
+
+/// The backbone and each site's layer, checked.
+fn plan<S: Site>(
+    c: &BackboneConfig,
+    sites: &[S],
+    max_rows: usize,
+    gpu: &dyn GpuBackend,
+) -> Result<(Arc<Backbone>, Vec<usize>, usize), BackboneError> {
+    if c.site_layers.len() != sites.len() {
+        return Err(BackboneError::Config(format!(
+            "{} site layers for {} sites",
+            c.site_layers.len(),
+            sites.len()
+        )));
+    }
+    let mut prev = 0;
+    for &l in &c.site_layers {
+        if l <= prev || l > c.layers {
+            return Err(BackboneError::Config(format!(
+                "site layers {:?} must increase within 1..={} (the model's layers)",
+                c.site_layers, c.layers
+            )));
+        }
+        prev = l;
+    }
+    let width = sites
+        .first()
+        .map(|s| {
+            let g = s.geometry();
+            g.hc_mult * g.hidden
+        })
+        .unwrap_or(0);
+    let bb = Backbone::new(gpu, width, c.scale, max_rows)?;
+    Ok((Arc::new(bb), c.site_layers.clone(), c.layers))
+}
+
+impl<S: Site> Site for Layered<S> {
+    type State = S::State;
+
+    fn geometry(&self) -> SiteSpec {
+        self.inner.geometry()
+    }
+    fn max_tokens(&self) -> usize {
+        let m = self.inner.max_tokens();
+        match &self.backbone {
+            Some(b) => m.min(b.max_rows()),
+            None => m,
+        }
+    }
+    fn carry_bytes(&self) -> usize {
+        self.inner.carry_bytes()
+    }
+    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<Self::State> {
+        self.inner.new_state(gpu)
+    }
+    fn forward(
+        &self,
+        st: &mut Self::State,
+        tokens: &[u32],
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.blocks_around(self.before, highway, tokens.len(), gpu, stream)?;
+        self.inner
+            .forward(st, tokens, highway, fresh, gpu, stream)?;
+        self.blocks_around(self.after, highway, tokens.len(), gpu, stream)
+    }
+    fn forward_batch(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.blocks_around(self.before, highway, tokens.len(), gpu, stream)?;
+        self.inner
+            .forward_batch(states, tokens, highway, gpu, stream)?;
+        self.blocks_around(self.after, highway, tokens.len(), gpu, stream)
+    }
+    fn snapshot(
+        &self,
+        st: &Self::State,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<Vec<u8>> {
+        self.inner.snapshot(st, gpu, stream)
+    }
+    fn restore(
+        &self,
+        st: &mut Self::State,
+        blob: &[u8],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.inner.restore(st, blob, gpu, stream)
+    }
+    fn release(&self, st: &mut Self::State, gpu: &dyn GpuBackend) -> SiteResult<()> {
+        self.inner.release(st, gpu)
+    }
+    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
+        let r = self.inner.free(gpu);
+        if !self.freed {
+            self.freed = true;
+            if let Some(b) = &self.backbone
+                && b.users.fetch_sub(1, Ordering::AcqRel) == 1
+            {
+                b.free(gpu)?;
+            }
+        }
+        r
+    }
+    fn supports_graphs(&self) -> bool {
+        self.inner.supports_graphs()
+    }
+    fn max_prestage_batch(&self) -> Option<usize> {
+        self.inner.max_prestage_batch()
+    }
+    fn prestage_batch(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.inner.prestage_batch(states, tokens, rows, gpu, stream)
+    }
+    fn forward_prestaged(
+        &self,
+        states: &mut [&mut Self::State],
+        highway: DevicePtr,
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.blocks_around(self.before, highway, rows, gpu, stream)?;
+        self.inner
+            .forward_prestaged(states, highway, rows, gpu, stream)?;
+        self.blocks_around(self.after, highway, rows, gpu, stream)
+    }
+    fn note_replayed(
+        &self,
+        states: &mut [&mut Self::State],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.inner.note_replayed(states, gpu, stream)
+    }
+    fn rearm(&self, st: &mut Self::State) {
+        self.inner.rearm(st);
+    }
+    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
+        self.inner.prefetch(history, tokens)
+    }
+    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
+        self.inner.prefetch_step(work)
+    }
+    fn table_stats(&self) -> TableStats {
+        self.inner.table_stats()
+    }
+}

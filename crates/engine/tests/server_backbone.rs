@@ -1,0 +1,278 @@
+//! The serving loop with the compute backbone and step-start prefetch:
+//! neither changes an output bit (with the backbone and without, prefetch
+//! on and off, over resident and few-slot cached tables), the blocks sit
+//! where the model's layers put them, the report carries the wait and the
+//! read time, and a malformed backbone is refused with every site freed.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use metrale_engine::backbone::{BackboneConfig, BackboneError, BlockShape, layered};
+use metrale_engine::ple_site::PleSite;
+use metrale_engine::server::{Phase, Request, TimedReader, Workload};
+use metrale_engine::{EngineConfig, Server, ServerConfig, ServerError, ServerReport, Site};
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::PleLayer;
+use metrale_storage::cached::{CacheConfig, CachedTable};
+use metrale_storage::io::{PageReader, default_reader};
+use metrale_storage::table::RowTable;
+use metrale_testkit::Rng;
+use metrale_testkit::tiny::{TinySpec, tiny_site, tiny_site_files};
+
+fn spec() -> TinySpec {
+    TinySpec {
+        max_tokens: 16,
+        ..Default::default()
+    }
+}
+
+fn embed(token: u32, out: &mut [f32]) {
+    let mut r = Rng(0x5EED ^ u64::from(token).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    for v in out {
+        *v = r.unit();
+    }
+}
+
+/// Prompts, generated tokens, and second turns (a prefill due after a
+/// decode step).
+fn workload(n: usize, seed: u64) -> Vec<Request> {
+    let mut rng = Rng(seed);
+    (0..n)
+        .map(|_| {
+            let mut tokens = Vec::new();
+            let mut segments = Vec::new();
+            for turn in 0..1 + rng.below(2) {
+                if turn > 0 {
+                    tokens.push(0);
+                }
+                tokens.extend((0..2 + rng.below(9)).map(|_| 1 + rng.below(900) as u32));
+                segments.push((Phase::Prefill, tokens.len()));
+                tokens.extend((0..1 + rng.below(6)).map(|_| 1 + rng.below(900) as u32));
+                segments.push((Phase::Decode, tokens.len()));
+            }
+            Request { tokens, segments }
+        })
+        .collect()
+}
+
+fn engine_cfg() -> EngineConfig {
+    EngineConfig {
+        prefill_chunk: 5,
+        block_size: 4,
+        prefix_cache_bytes: 0,
+        ..Default::default()
+    }
+}
+
+fn cfg(prefetch: bool, backbone: Option<BackboneConfig>) -> ServerConfig {
+    ServerConfig {
+        in_flight: 6,
+        prefill_chunk: 5,
+        decode_batch: 4,
+        prefetch,
+        backbone,
+        decode_graphs: false,
+        retries: None,
+    }
+}
+
+/// A model of 5 layers with the two sites at layers 2 and 4.
+fn backbone() -> BackboneConfig {
+    BackboneConfig {
+        layers: 5,
+        site_layers: vec![2, 4],
+        scale: 2,
+    }
+}
+
+/// How the two sites' tables are held.
+#[derive(Clone, Copy)]
+enum Tables {
+    InMemory,
+    Cached(usize),
+}
+
+/// Two tiny sites (the same weights whatever the tables).
+fn sites(
+    gpu: &Arc<dyn GpuBackend>,
+    dir: &Path,
+    tables: Tables,
+    reader: &Option<Arc<TimedReader>>,
+) -> Vec<PleSite> {
+    (0..2)
+        .map(|i| match tables {
+            Tables::InMemory => tiny_site(gpu, &spec(), i, 0xBB).unwrap(),
+            Tables::Cached(slots) => {
+                let (ss, files, weights) = tiny_site_files(dir, &spec(), i, 0xBB).unwrap();
+                let mut cc = CacheConfig::new(slots);
+                cc.reader = reader.clone().map(|r| r as Arc<dyn PageReader>);
+                let table: Arc<dyn RowTable> =
+                    Arc::new(CachedTable::open(files, gpu.clone(), cc).unwrap());
+                let layer =
+                    PleLayer::new(&ss, weights, table, spec().max_tokens, gpu.as_ref()).unwrap();
+                PleSite::new(layer)
+            }
+        })
+        .collect()
+}
+
+fn run(
+    dir: &Path,
+    tables: Tables,
+    prefetch: bool,
+    bb: Option<BackboneConfig>,
+    reqs: &[Request],
+) -> ServerReport {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let base = gpu.live_alloc_count();
+    let reader = match tables {
+        Tables::Cached(_) => Some(Arc::new(TimedReader::new(default_reader(4).unwrap()))),
+        Tables::InMemory => None,
+    };
+    let s = sites(&gpu, dir, tables, &reader);
+    let mut server = Server::build(gpu.clone(), s, engine_cfg(), cfg(prefetch, bb)).unwrap();
+    if let Some(r) = reader {
+        server.time_reads(r);
+    }
+    let mut done = vec![0u32; reqs.len()];
+    let w = Workload {
+        requests: reqs,
+        rows: &embed,
+    };
+    let report = server.run(w, &mut |i| done[i] += 1).unwrap();
+    assert!(done.iter().all(|&d| d == 1), "each request done once");
+    server.into_engine().close().unwrap();
+    assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+    report
+}
+
+#[test]
+fn the_backbone_and_prefetch_change_no_output_row() {
+    let dir = tempfile::tempdir().unwrap();
+    let reqs = workload(14, 3);
+    let want = run(dir.path(), Tables::InMemory, false, None, &reqs);
+    assert!(want.rows.iter().flatten().all(Option::is_some));
+    for (tables, prefetch, bb) in [
+        (Tables::InMemory, true, None),
+        (Tables::InMemory, false, Some(backbone())),
+        (Tables::InMemory, true, Some(backbone())),
+        (Tables::Cached(96), true, None),
+        (Tables::Cached(96), false, Some(backbone())),
+    ] {
+        let got = run(dir.path(), tables, prefetch, bb.clone(), &reqs);
+        assert_eq!(
+            got.rows,
+            want.rows,
+            "prefetch {prefetch}, backbone {:?}",
+            bb.is_some()
+        );
+    }
+}
+
+#[test]
+fn a_few_slot_cache_with_the_backbone_serves_the_same_rows_and_reports_its_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let reqs = workload(16, 9);
+    let want = run(dir.path(), Tables::InMemory, false, None, &reqs);
+    // 48 slots per site: a decode batch of 4 needs 16 rows per site, a
+    // prefill chunk of 5 needs 20, so the step's prefetch evicts rows the
+    // step will still need, and resolves read them again.
+    let got = run(
+        dir.path(),
+        Tables::Cached(48),
+        true,
+        Some(backbone()),
+        &reqs,
+    );
+    assert_eq!(got.rows, want.rows);
+    assert!(
+        got.table.misses > 0 && got.table.evictions > 0,
+        "{:?}",
+        got.table
+    );
+    let read = got.read_time.expect("the timed reader was given");
+    assert!(read > std::time::Duration::ZERO);
+    assert_eq!(got.io_wait.as_nanos() as u64, got.table.io_wait_ns);
+    // The same run without a timed reader has no read time.
+    let plain = run(dir.path(), Tables::InMemory, true, Some(backbone()), &reqs);
+    assert!(plain.read_time.is_none());
+}
+
+#[test]
+fn blocks_sit_at_the_model_layers_of_the_sites() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let base = gpu.live_alloc_count();
+    let s: Vec<PleSite> = (0..2)
+        .map(|i| tiny_site(&gpu, &spec(), i, 1).unwrap())
+        .collect();
+    let mut l = layered(gpu.as_ref(), s, Some(&backbone()), 16).unwrap();
+    // Layers 1 (before site 1 at layer 2), 2..3 (site 2 at layer 4), and
+    // 4..5 after the last site.
+    assert_eq!(l[0].blocks(), (1, 0));
+    assert_eq!(l[1].blocks(), (2, 2));
+    let shape = l[0].backbone().unwrap().shape();
+    assert_eq!(shape, BlockShape::new(64, 2));
+    assert_eq!((shape.model, shape.intermediate), (32, 96));
+    assert!(gpu.live_alloc_count() > base);
+    for site in &mut l {
+        site.free(gpu.as_ref()).unwrap();
+    }
+    // The tiny tables' rows go with the sites.
+    drop(l);
+    assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+    let s: Vec<PleSite> = (0..2)
+        .map(|i| tiny_site(&gpu, &spec(), i, 1).unwrap())
+        .collect();
+    let l = layered(gpu.as_ref(), s, None, 16).unwrap();
+    assert!(
+        l.iter()
+            .all(|s| s.blocks() == (0, 0) && s.backbone().is_none())
+    );
+}
+
+#[test]
+fn a_malformed_backbone_is_refused_and_frees_the_sites() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let base = gpu.live_alloc_count();
+    for bad in [
+        BackboneConfig {
+            site_layers: vec![2],
+            ..backbone()
+        },
+        BackboneConfig {
+            site_layers: vec![4, 2],
+            ..backbone()
+        },
+        BackboneConfig {
+            site_layers: vec![2, 6],
+            ..backbone()
+        },
+        BackboneConfig {
+            scale: 0,
+            ..backbone()
+        },
+    ] {
+        let s: Vec<PleSite> = (0..2)
+            .map(|i| tiny_site(&gpu, &spec(), i, 1).unwrap())
+            .collect();
+        let err = Server::build(gpu.clone(), s, engine_cfg(), cfg(true, Some(bad.clone())))
+            .err()
+            .unwrap();
+        assert!(
+            matches!(err, ServerError::Backbone(BackboneError::Config(_))),
+            "{bad:?}: {err}"
+        );
+        assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+    }
+    // Server::new takes an engine whose sites are built: a backbone there
+    // is refused rather than ignored.
+    let s: Vec<PleSite> = (0..2)
+        .map(|i| tiny_site(&gpu, &spec(), i, 1).unwrap())
+        .collect();
+    let engine = metrale_engine::Engine::new(gpu.clone(), s, engine_cfg()).unwrap();
+    let err = Server::new(engine, cfg(true, Some(backbone())))
+        .err()
+        .unwrap();
+    assert!(matches!(err, ServerError::Config(_)), "{err}");
+}
