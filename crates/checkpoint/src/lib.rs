@@ -14,7 +14,9 @@
 //! Invariant: a [`load::Checkpoint`] exists only for a directory that
 //! passed every check in [`load`].
 
+pub mod concat;
 pub mod error;
+pub mod family;
 pub mod fold;
 pub mod load;
 pub mod names;

@@ -17,14 +17,21 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use metrale_model_layers::layers::ple::PleWeights;
-use metrale_model_layers::layers::ple::spec::{ModelSpec, SiteSpec};
+use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec, SiteSpec, load_token_map};
 use metrale_storage::StorageError;
+use metrale_storage::dtype::{
+    FP8_BLOCK, bf16_to_f32, f32_to_bf16, fp8_block_row_bytes, fp8_e4m3_to_f32, ue8m0_to_f32,
+};
+use metrale_storage::layout::scale_name;
 use metrale_storage::safetensors::{Dtype, Header, TensorInfo};
 use metrale_storage::table::RowDType;
 use serde::Deserialize;
 
 use crate::error::{CheckpointError, Result};
-use crate::names::{CONFIG_FILE, INDEX_FILE, SiteNames};
+use crate::family::Layout;
+use crate::names::{
+    CONFIG_FILE, EngramDemoNames, INDEX_FILE, SiteNames, TOKEN_MAP_FILE, V41Names,
+};
 
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -43,6 +50,19 @@ pub struct SiteTable {
     pub head_dim: usize,
     /// Bytes of row data (and FP8 scales) over all shards.
     pub bytes: u64,
+    /// LongCat: one entry per shard, each shard being a sub-table of its
+    /// own size (the table is their concatenation, each folded on its own
+    /// when cut); empty when the shards are equal parts of one table.
+    pub sub_tables: Vec<SubTable>,
+}
+
+/// One LongCat sub-table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SubTable {
+    /// Rows its ids address (`m + 2i + 1`).
+    pub logical_rows: u64,
+    /// Rows stored (fewer when the table is cut: ids fold onto them).
+    pub stored_rows: u64,
 }
 
 /// One PLE site of a checkpoint.
@@ -109,6 +129,27 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
         &text,
         &path.display().to_string(),
     )?)
+}
+
+/// `spec` with the checkpoint's compressed-token map, when it is an Engram
+/// spec and the directory has one ([`TOKEN_MAP_FILE`]): the map must cover
+/// the raw vocabulary (`vocab_size` entries) and map onto exactly
+/// `engram_compressed_vocab_size` ids containing the pad id.
+pub fn with_token_map(spec: ModelSpec, dir: &Path) -> Result<ModelSpec> {
+    let path = dir.join(TOKEN_MAP_FILE);
+    if !matches!(spec.family, ModelFamily::Engram(_)) || !path.exists() {
+        return Ok(spec);
+    }
+    let map = load_token_map(&path)?;
+    if map.len() as u64 != spec.vocab_size {
+        return Err(CheckpointError::Invalid(format!(
+            "{}: the token map has {} entries, but config.json's vocab_size is {}",
+            path.display(),
+            map.len(),
+            spec.vocab_size
+        )));
+    }
+    Ok(spec.with_token_map(map, &path.display().to_string())?)
 }
 
 struct Files {
@@ -202,6 +243,43 @@ impl Files {
         Ok(v)
     }
 
+    /// A `[rows, cols]` FP8 E4M3 tensor with one UE8M0 scale per 32 x 32
+    /// block (tensor `scale`, `[ceil(rows/32), ceil(cols/32)]`, stored as
+    /// bytes), dequantised to BF16 bit patterns. The product of an E4M3
+    /// value and a power of two is exact in BF16, so nothing is rounded.
+    fn read_fp8_blocks(
+        &self,
+        tensor: &str,
+        scale: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<u16>> {
+        let (file, w) = self.read(tensor, Dtype::F8E4M3, &[rows as u64, cols as u64])?;
+        let (rb, cb) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
+        let (sfile, sc) = self.read(scale, crate::synth::SCALE_DTYPE, &[rb as u64, cb as u64])?;
+        if let Some(i) = sc.iter().position(|&b| b == 255) {
+            return Err(CheckpointError::Value {
+                file: sfile,
+                tensor: scale.to_string(),
+                msg: format!("block scale {i} is the UE8M0 NaN code 255"),
+            });
+        }
+        let mut out = Vec::with_capacity(rows * cols);
+        for (i, &b) in w.iter().enumerate() {
+            let (r, c) = (i / cols, i % cols);
+            let v = fp8_e4m3_to_f32(b) * ue8m0_to_f32(sc[(r / FP8_BLOCK) * cb + c / FP8_BLOCK]);
+            if !v.is_finite() {
+                return Err(CheckpointError::Value {
+                    file,
+                    tensor: tensor.to_string(),
+                    msg: format!("element {i} (byte {b:#04x}) is not a finite number"),
+                });
+            }
+            out.push(f32_to_bf16(v));
+        }
+        Ok(out)
+    }
+
     fn read_i64(&self, tensor: &str, len: usize) -> Result<(PathBuf, Vec<i64>)> {
         let (file, b) = self.read(tensor, Dtype::I64, &[len as u64])?;
         Ok((
@@ -229,7 +307,7 @@ fn check_buffer(file: &Path, tensor: &str, stored: &[i64], derived: &[u64]) -> R
 impl Checkpoint {
     /// Open and fully validate the checkpoint in `dir`.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        let spec = read_spec(dir)?;
+        let spec = with_token_map(read_spec(dir)?, dir)?;
         let files = Self::open_files(dir)?;
         let mut sites = Vec::with_capacity(spec.sites());
         for s in 0..spec.sites() {
@@ -301,13 +379,33 @@ impl Checkpoint {
 
     fn open_site(g: &ModelSpec, files: &Files, s: usize) -> Result<Site> {
         let layer = g.site_layer(s);
-        let n = SiteNames::new(layer);
         let derived = g.derive(s).map_err(|source| CheckpointError::Config {
             file: files.dir.join(CONFIG_FILE),
             source: Box::new(source),
         })?;
         let dims = derived.dims;
+        let spec = g.site_with(s, dims);
+        let layout = Layout::of(g);
+        let weights = match layout {
+            Layout::Qwen4Exp => Self::qwen_weights(g, files, &spec)?,
+            Layout::EngramDemo => Self::demo_weights(g, files, &spec)?,
+            Layout::EngramV41 => Self::v41_weights(g, files, &spec)?,
+            Layout::LongCat { .. } => Self::longcat_weights(g, files, layout)?,
+        };
+        let table = Self::check_table(g, files, layout, s, &spec, derived.padded_rows)?;
+        Ok(Site {
+            index: s,
+            layer,
+            spec,
+            padded_rows: derived.padded_rows,
+            weights,
+            table,
+        })
+    }
 
+    fn qwen_weights(g: &ModelSpec, files: &Files, spec: &SiteSpec) -> Result<PleWeights> {
+        let n = SiteNames::new(spec.layer);
+        let dims = &spec.dims;
         let (file, m) = files.read_i64(&n.layer_multipliers(), g.ngram_size)?;
         if let Some(i) = m.iter().position(|x| x % 2 == 0) {
             return Err(CheckpointError::Value {
@@ -324,130 +422,251 @@ impl Checkpoint {
         check_buffer(&file, &n.vocab_sizes(), &v, &dims.head_vocab_sizes)?;
         let (file, o) = files.read_i64(&n.offsets(), g.ngram_heads())?;
         check_buffer(&file, &n.offsets(), &o, &dims.head_offsets)?;
-
         let (c, e, h, k) = (
             g.channels() as u64,
             g.emb_dim() as u64,
             g.hidden_size as u64,
             g.conv_kernel_size,
         );
-        let weights = PleWeights {
+        Ok(PleWeights {
             key_proj: files.read_bf16(&n.key_proj(), &[c, e])?,
             value_proj: files.read_bf16(&n.value_proj(), &[h, e])?,
             norm_key: files.read_f32(&n.norm_key(), &[c])?,
             norm_query: files.read_f32(&n.norm_query(), &[c])?,
             norm_conv: files.read_f32(&n.norm_conv(), &[c])?,
             conv1d: files.read_f32(&n.conv1d(), &[c, 1, k as u64])?,
+            key_bias: Vec::new(),
+            value_bias: Vec::new(),
+        })
+    }
+
+    /// The demo's per-branch tensors, stacked branch by branch into the
+    /// layer's `[C, ...]` ones.
+    fn demo_weights(g: &ModelSpec, files: &Files, spec: &SiteSpec) -> Result<PleWeights> {
+        let n = EngramDemoNames::new(spec.layer);
+        let (file, o) = files.read_i64(&n.offsets(), g.ngram_heads())?;
+        check_buffer(&file, &n.offsets(), &o, &spec.dims.head_offsets)?;
+        let (c, e, h) = (
+            g.channels() as u64,
+            g.emb_dim() as u64,
+            g.hidden_size as u64,
+        );
+        let mut w = PleWeights::default();
+        let conv = spec.combine.has_conv();
+        for b in 0..g.hc_mult {
+            w.key_proj.extend(files.read_bf16(&n.key_proj(b), &[h, e])?);
+            w.key_bias.extend(files.read_f32(&n.key_bias(b), &[h])?);
+            w.norm_key.extend(files.read_f32(&n.norm_key(b), &[h])?);
+            w.norm_query.extend(files.read_f32(&n.norm_query(b), &[h])?);
+            if conv {
+                w.norm_conv.extend(files.read_f32(&n.norm_conv(b), &[h])?);
+            }
+        }
+        w.value_proj = files.read_bf16(&n.value_proj(), &[h, e])?;
+        w.value_bias = files.read_f32(&n.value_bias(), &[h])?;
+        if conv {
+            w.conv1d = files.read_f32(&n.conv(), &[c, 1, g.conv_kernel_size as u64])?;
+        }
+        Ok(w)
+    }
+
+    /// DeepSeek-V4.1: the fused FP8 projection dequantised (exactly) to
+    /// BF16, keys first; the norms from `[hc, H]` BF16. The release has no
+    /// projection biases, so a site whose combination asks for them gets
+    /// zeros.
+    fn v41_weights(g: &ModelSpec, files: &Files, spec: &SiteSpec) -> Result<PleWeights> {
+        let n = V41Names::new(spec.layer);
+        let (c, e, h) = (g.channels(), g.emb_dim(), g.hidden_size);
+        let rows = c + h;
+        let kv = files.read_fp8_blocks(&n.wkv(), &n.wkv_scale(), rows, e)?;
+        let (key, value) = kv.split_at(c * e);
+        let hc = g.hc_mult as u64;
+        let bf16_f32 = |name: &str| -> Result<Vec<f32>> {
+            Ok(files
+                .read_bf16(name, &[hc, h as u64])?
+                .into_iter()
+                .map(bf16_to_f32)
+                .collect())
         };
-        let table = Self::check_table(g, files, &n, layer, derived.padded_rows)?;
-        Ok(Site {
-            index: s,
-            layer,
-            spec: g.site_with(s, dims),
-            padded_rows: derived.padded_rows,
-            weights,
-            table,
+        let gated = spec.combine.gated().copied();
+        Ok(PleWeights {
+            key_proj: key.to_vec(),
+            value_proj: value.to_vec(),
+            norm_key: bf16_f32(&n.k_weight())?,
+            norm_query: bf16_f32(&n.q_weight())?,
+            norm_conv: Vec::new(),
+            conv1d: Vec::new(),
+            key_bias: if gated.is_some_and(|g| g.key_bias) {
+                vec![0.0; c]
+            } else {
+                Vec::new()
+            },
+            value_bias: if gated.is_some_and(|g| g.value_bias) {
+                vec![0.0; h]
+            } else {
+                Vec::new()
+            },
+        })
+    }
+
+    /// LongCat: the sub-tables' `[H, d]` projections side by side along the
+    /// input dimension, one `[H, E]` value projection.
+    fn longcat_weights(g: &ModelSpec, files: &Files, layout: Layout) -> Result<PleWeights> {
+        let n = layout
+            .longcat_names()
+            .expect("a LongCat layout has LongCat names");
+        let (h, d, parts) = (g.hidden_size, g.head_dim, g.ngram_heads());
+        let mut value = vec![0u16; h * d * parts];
+        for i in 0..parts {
+            let p = files.read_bf16(&n.post_proj(i), &[h as u64, d as u64])?;
+            for r in 0..h {
+                value[r * d * parts + i * d..r * d * parts + (i + 1) * d]
+                    .copy_from_slice(&p[r * d..(r + 1) * d]);
+            }
+        }
+        Ok(PleWeights {
+            value_proj: value,
+            ..PleWeights::default()
         })
     }
 
     fn check_table(
         g: &ModelSpec,
         files: &Files,
-        n: &SiteNames,
-        layer: usize,
+        layout: Layout,
+        s: usize,
+        spec: &SiteSpec,
         padded_rows: u64,
     ) -> Result<SiteTable> {
+        let layer = spec.layer;
         let shards_err = |msg: String| CheckpointError::Shards {
             file: files.index_path.clone(),
             layer,
             msg,
         };
-        let mut present: Vec<usize> = files
-            .weight_map
-            .keys()
-            .filter_map(|t| n.parse_shard_weight(t))
-            .collect();
-        present.sort_unstable();
-        let parts = g.split_ngram_parts;
-        for i in 0..parts {
-            if present.binary_search(&i).is_err() {
+        let names = layout.table_tensors(g, s);
+        let parts = names.len();
+        if layout == Layout::Qwen4Exp {
+            let n = SiteNames::new(layer);
+            let mut present: Vec<usize> = files
+                .weight_map
+                .keys()
+                .filter_map(|t| n.parse_shard_weight(t))
+                .collect();
+            present.sort_unstable();
+            if let Some(&extra) = present.iter().find(|&&i| i >= parts) {
+                return Err(shards_err(format!(
+                    "shard {extra} is past split_ngram_parts = {parts} ({})",
+                    n.shard_weight(extra)
+                )));
+            }
+        }
+        for name in &names {
+            if !files.weight_map.contains_key(name) {
                 return Err(CheckpointError::MissingTensor {
                     file: files.index_path.clone(),
-                    tensor: n.shard_weight(i),
+                    tensor: name.clone(),
                 });
             }
         }
-        if let Some(&extra) = present.iter().find(|&&i| i >= parts) {
-            return Err(shards_err(format!(
-                "shard {extra} is past split_ngram_parts = {parts} ({})",
-                n.shard_weight(extra)
-            )));
-        }
-        let (_, t0) = files.find(&n.shard_weight(0))?;
-        let rows_per_shard = t0.shape.first().copied().unwrap_or(0);
-        let (dtype, st_dtype) = match t0.dtype {
-            Dtype::BF16 => (RowDType::Bf16, Dtype::BF16),
-            Dtype::F8E4M3 => (RowDType::Fp8E4M3, Dtype::F8E4M3),
-            Dtype::U8 => (RowDType::Fp8E4M3, Dtype::U8),
+        let (h0, t0) = files.find(&names[0])?;
+        let hd = g.head_dim as u64;
+        let block_width = fp8_block_row_bytes(g.head_dim) as u64;
+        let (dtype, st_dtype, width) = match t0.dtype {
+            Dtype::BF16 => (RowDType::Bf16, Dtype::BF16, hd),
+            Dtype::F8E4M3 => (RowDType::Fp8E4M3, Dtype::F8E4M3, hd),
+            Dtype::U8 if t0.shape.get(1) == Some(&block_width) && block_width != hd => {
+                (RowDType::Fp8E4M3Block32, Dtype::U8, block_width)
+            }
+            Dtype::U8 => (RowDType::Fp8E4M3, Dtype::U8, hd),
             other => {
                 return Err(CheckpointError::DType {
-                    file: files.headers[&files.weight_map[&n.shard_weight(0)]]
-                        .path
-                        .clone(),
-                    tensor: n.shard_weight(0),
-                    expected: "BF16 or F8_E4M3".into(),
+                    file: h0.path.clone(),
+                    tensor: names[0].clone(),
+                    expected: "BF16, F8_E4M3, or U8 (FP8 rows with inline block scales)".into(),
                     found: other.name().into(),
                 });
             }
         };
+        if !dtype.fits_head_dim(g.head_dim) {
+            return Err(shards_err(format!(
+                "{}: {dtype:?} rows need a head_dim that is a multiple of {FP8_BLOCK}, not {hd}",
+                names[0]
+            )));
+        }
+        // Rows of each part: equal shards of the cut or whole table, or
+        // LongCat's sub-tables (whole: each its own size; cut: equal).
+        let rows_per_shard = t0.shape.first().copied().unwrap_or(0);
+        if rows_per_shard == 0 {
+            return Err(shards_err(format!("{} has no rows", names[0])));
+        }
+        let logical: Vec<u64> = if layout.sub_tables() {
+            spec.dims.head_vocab_sizes.clone()
+        } else {
+            Vec::new()
+        };
+        let expect_rows = |i: usize| -> u64 {
+            match (layout.sub_tables(), g.table_rows) {
+                (true, None) => logical[i],
+                _ => rows_per_shard,
+            }
+        };
         let mut shards = Vec::with_capacity(parts);
+        let mut part_rows = Vec::with_capacity(parts);
         let mut bytes = 0u64;
-        for i in 0..parts {
-            let (h, t) = files.checked(
-                &n.shard_weight(i),
-                st_dtype,
-                &[rows_per_shard, g.head_dim as u64],
-            )?;
+        for (i, name) in names.iter().enumerate() {
+            let r = expect_rows(i);
+            let (h, t) = files.checked(name, st_dtype, &[r, width])?;
             bytes += t.len;
-            if dtype == RowDType::Fp8E4M3 {
-                let (sh, st) = files.checked(&n.shard_scale(i), Dtype::F32, &[rows_per_shard])?;
+            if dtype.has_row_scale() {
+                let sn = scale_name(name);
+                let (sh, st) = files.checked(&sn, Dtype::F32, &[r])?;
                 if sh.path != h.path {
                     return Err(shards_err(format!(
-                        "{} must be in the same file as {} ({})",
-                        n.shard_scale(i),
-                        n.shard_weight(i),
+                        "{sn} must be in the same file as {name} ({})",
                         h.path.display()
                     )));
                 }
                 bytes += st.len;
             }
-            shards.push((h.path.clone(), n.shard_weight(i)));
+            shards.push((h.path.clone(), name.clone()));
+            part_rows.push(r);
         }
-        let stored_rows = rows_per_shard * parts as u64;
-        if rows_per_shard == 0 {
-            return Err(shards_err(format!("{} has no rows", n.shard_weight(0))));
-        }
+        let stored_rows: u64 = part_rows.iter().sum();
         let fold_rows = match g.table_rows {
             None if stored_rows < padded_rows => {
                 return Err(shards_err(format!(
-                    "{parts} shards of {rows_per_shard} rows hold {stored_rows} rows, fewer than \
-                     the {padded_rows} rows the hash addresses (and config.json has no \
+                    "{parts} table tensors of {rows_per_shard} rows hold {stored_rows} rows, fewer \
+                     than the {padded_rows} rows the hash addresses (and config.json has no \
                      `ple_table_rows` to fold ids into a cut table)"
                 )));
             }
             None => None,
             Some(m) if m != stored_rows => {
                 return Err(shards_err(format!(
-                    "{parts} shards of {rows_per_shard} rows hold {stored_rows} rows, but \
+                    "{parts} table tensors of {rows_per_shard} rows hold {stored_rows} rows, but \
                      config.json says `ple_table_rows` = {m}"
                 )));
             }
             Some(m) if m >= padded_rows => None,
             Some(m) => Some(m),
         };
+        if let Some(i) = logical.iter().zip(&part_rows).position(|(l, r)| r > l) {
+            return Err(shards_err(format!(
+                "{} stores {} rows, more than the {} rows of its sub-table",
+                names[i], part_rows[i], logical[i]
+            )));
+        }
         // The storage layer's own opener must agree (equal shapes, scales).
-        metrale_storage::layout::TableFiles::open(&shards, Some(stored_rows))
-            .map_err(|e| shards_err(format!("{e:#}")))?;
+        if layout.sub_tables() {
+            for (shard, &r) in shards.iter().zip(&part_rows) {
+                metrale_storage::layout::TableFiles::open(std::slice::from_ref(shard), Some(r))
+                    .map_err(|e| shards_err(format!("{e:#}")))?;
+            }
+        } else {
+            metrale_storage::layout::TableFiles::open(&shards, Some(stored_rows))
+                .map_err(|e| shards_err(format!("{e:#}")))?;
+        }
         Ok(SiteTable {
             shards,
             rows_per_shard,
@@ -456,6 +675,14 @@ impl Checkpoint {
             dtype,
             head_dim: g.head_dim,
             bytes,
+            sub_tables: logical
+                .into_iter()
+                .zip(part_rows)
+                .map(|(logical_rows, stored_rows)| SubTable {
+                    logical_rows,
+                    stored_rows,
+                })
+                .collect(),
         })
     }
 

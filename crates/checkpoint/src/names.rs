@@ -1,8 +1,13 @@
 //! The file and tensor names of the checkpoint format.
 //!
-//! One PLE site at model layer `L` (0-based, `ple_layer_ids[s] - 1`) owns
-//! every tensor under `model.layers.{L}.ple.`. These functions are the only
-//! place the names are spelled, so the writer and the loader cannot drift.
+//! One Qwen4Exp PLE site at model layer `L` (0-based, `ple_layer_ids[s] -
+//! 1`) owns every tensor under `model.layers.{L}.ple.` ([`SiteNames`]). The
+//! other families keep their released names: the Engram demo's module
+//! names under `model.layers.{L}.engram.` ([`EngramDemoNames`]),
+//! DeepSeek-V4.1's under `layers.{L}.engram.` ([`V41Names`]), LongCat's
+//! `model.ngram_embeddings.*` or LongCat-2.0's `model.oe_*`
+//! ([`LongCatNames`]). These are the only place names are spelled, so the
+//! writer and the loader cannot drift.
 
 /// The model configuration file.
 pub const CONFIG_FILE: &str = "config.json";
@@ -87,6 +92,158 @@ impl SiteNames {
     }
 }
 
+/// An Engram checkpoint's compressed-token map (a JSON array, entry `t`
+/// the compressed id of raw token `t`): optional; when present the loader
+/// checks it against `engram_compressed_vocab_size` and the sites hash
+/// through it.
+pub const TOKEN_MAP_FILE: &str = "engram_token_map.json";
+
+/// The tensor names of one layer of the Engram demo (`engram_demo_v1.py`),
+/// under `model.layers.{L}.engram.` with `L` the absolute 0-based block
+/// index: the module's own `state_dict` names (`multi_head_embedding`,
+/// `key_projs.{b}`, `value_proj`, `norm1.{b}` (keys), `norm2.{b}`
+/// (queries), `short_conv.norms.{b}`, `short_conv.conv`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngramDemoNames {
+    prefix: String,
+}
+
+impl EngramDemoNames {
+    /// Names for block `layer` (0-based).
+    pub fn new(layer: usize) -> Self {
+        EngramDemoNames {
+            prefix: format!("model.layers.{layer}.engram."),
+        }
+    }
+    fn name(&self, suffix: &str) -> String {
+        format!("{}{suffix}", self.prefix)
+    }
+    /// `multi_head_embedding.embedding.weight`, `[rows, head_dim]` BF16:
+    /// every head's rows, concatenated (unpadded).
+    pub fn table(&self) -> String {
+        self.name("multi_head_embedding.embedding.weight")
+    }
+    /// `multi_head_embedding.offsets`, `[ngram_heads]` I64: each head's
+    /// first row.
+    pub fn offsets(&self) -> String {
+        self.name("multi_head_embedding.offsets")
+    }
+    /// `key_projs.{b}.weight`, `[H, E]` BF16: branch `b`'s key projection.
+    pub fn key_proj(&self, b: usize) -> String {
+        self.name(&format!("key_projs.{b}.weight"))
+    }
+    /// `key_projs.{b}.bias`, `[H]` F32.
+    pub fn key_bias(&self, b: usize) -> String {
+        self.name(&format!("key_projs.{b}.bias"))
+    }
+    /// `value_proj.weight`, `[H, E]` BF16.
+    pub fn value_proj(&self) -> String {
+        self.name("value_proj.weight")
+    }
+    /// `value_proj.bias`, `[H]` F32.
+    pub fn value_bias(&self) -> String {
+        self.name("value_proj.bias")
+    }
+    /// `norm1.{b}.weight`, `[H]` F32: branch `b`'s key norm.
+    pub fn norm_key(&self, b: usize) -> String {
+        self.name(&format!("norm1.{b}.weight"))
+    }
+    /// `norm2.{b}.weight`, `[H]` F32: branch `b`'s query (highway) norm.
+    pub fn norm_query(&self, b: usize) -> String {
+        self.name(&format!("norm2.{b}.weight"))
+    }
+    /// `short_conv.norms.{b}.weight`, `[H]` F32: branch `b`'s conv norm.
+    pub fn norm_conv(&self, b: usize) -> String {
+        self.name(&format!("short_conv.norms.{b}.weight"))
+    }
+    /// `short_conv.conv.weight`, `[C, 1, K]` F32: the depthwise conv.
+    pub fn conv(&self) -> String {
+        self.name("short_conv.conv.weight")
+    }
+}
+
+/// The tensor names of one DeepSeek-V4.1 Engram layer, under
+/// `layers.{L}.engram.` as the release spells them (no `model.` prefix).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct V41Names {
+    prefix: String,
+}
+
+impl V41Names {
+    /// Names for block `layer` (0-based).
+    pub fn new(layer: usize) -> Self {
+        V41Names {
+            prefix: format!("layers.{layer}.engram."),
+        }
+    }
+    fn name(&self, suffix: &str) -> String {
+        format!("{}{suffix}", self.prefix)
+    }
+    /// `embed.weight`, `[rows, head_dim]` F8_E4M3: the table.
+    pub fn table(&self) -> String {
+        self.name("embed.weight")
+    }
+    /// `embed.scale`, `[rows, head_dim / 32]` F8_E8M0: one power-of-two
+    /// scale per 32 values of a row.
+    pub fn table_scale(&self) -> String {
+        self.name("embed.scale")
+    }
+    /// `wkv.weight`, `[(hc + 1) * H, E]` F8_E4M3: the fused projection,
+    /// the `hc` key projections first, then the value projection.
+    pub fn wkv(&self) -> String {
+        self.name("wkv.weight")
+    }
+    /// `wkv.scale`, `[(hc + 1) * H / 32, E / 32]` F8_E8M0: one scale per
+    /// 32 x 32 block of `wkv.weight`.
+    pub fn wkv_scale(&self) -> String {
+        self.name("wkv.scale")
+    }
+    /// `q_weight`, `[hc, H]` BF16: the query (highway) norm of each branch.
+    pub fn q_weight(&self) -> String {
+        self.name("q_weight")
+    }
+    /// `k_weight`, `[hc, H]` BF16: the key norm of each branch.
+    pub fn k_weight(&self) -> String {
+        self.name("k_weight")
+    }
+}
+
+/// The tensor names of LongCat's n-gram embedding (one site, at the
+/// input), in LongCat-Flash's spelling or LongCat-2.0's `oe_*` one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LongCatNames {
+    oe: bool,
+}
+
+impl LongCatNames {
+    /// LongCat-Flash's names (`model.ngram_embeddings.*`).
+    pub fn flash() -> Self {
+        LongCatNames { oe: false }
+    }
+    /// LongCat-2.0's names (`model.oe_embed_tokens{i}`, `model.oe_embed_proj{i}`).
+    pub fn oe() -> Self {
+        LongCatNames { oe: true }
+    }
+    /// Sub-table `i` (order-major: order `2 + i / k`, split `i % k`),
+    /// `[m + 2i + 1, hidden / (k * (n - 1))]` BF16.
+    pub fn sub_table(&self, i: usize) -> String {
+        if self.oe {
+            format!("model.oe_embed_tokens{i}.weight")
+        } else {
+            format!("model.ngram_embeddings.embedders.{i}.weight")
+        }
+    }
+    /// Sub-table `i`'s projection `Linear(d -> hidden, no bias)`,
+    /// `[hidden, d]` BF16.
+    pub fn post_proj(&self, i: usize) -> String {
+        if self.oe {
+            format!("model.oe_embed_proj{i}.weight")
+        } else {
+            format!("model.ngram_embeddings.post_projs.{i}.weight")
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,5 +267,28 @@ mod tests {
         );
         assert_eq!(n.parse_shard_weight(&n.shard_scale(0)), None);
         assert_eq!(shard_file(1, 3), "model-00001-of-00003.safetensors");
+    }
+
+    #[test]
+    fn family_names_are_the_released_ones() {
+        let d = EngramDemoNames::new(15);
+        assert_eq!(
+            d.table(),
+            "model.layers.15.engram.multi_head_embedding.embedding.weight"
+        );
+        assert_eq!(d.key_bias(3), "model.layers.15.engram.key_projs.3.bias");
+        assert_eq!(d.norm_conv(0), "model.layers.15.engram.short_conv.norms.0.weight");
+        assert_eq!(d.conv(), "model.layers.15.engram.short_conv.conv.weight");
+        let v = V41Names::new(14);
+        assert_eq!(v.table(), "layers.14.engram.embed.weight");
+        assert_eq!(v.table_scale(), "layers.14.engram.embed.scale");
+        assert_eq!(v.wkv(), "layers.14.engram.wkv.weight");
+        assert_eq!(v.q_weight(), "layers.14.engram.q_weight");
+        let l = LongCatNames::flash();
+        assert_eq!(l.sub_table(11), "model.ngram_embeddings.embedders.11.weight");
+        assert_eq!(l.post_proj(0), "model.ngram_embeddings.post_projs.0.weight");
+        let o = LongCatNames::oe();
+        assert_eq!(o.sub_table(2), "model.oe_embed_tokens2.weight");
+        assert_eq!(o.post_proj(2), "model.oe_embed_proj2.weight");
     }
 }

@@ -3,9 +3,9 @@
 //!
 //! Invariant: every preset's [`ModelSpec`] passes [`ModelSpec::validate`]
 //! and round-trips through `config.json` unchanged. The family presets
-//! (`engram-demo`, `deepseek-v4.1`, `longcat-flash-lite`) hash exactly as
-//! their models do, but their layers are not implemented:
-//! [`Preset::check_layer`] refuses them for `init` and `run`.
+//! (`engram-demo`, `deepseek-v4.1`, `longcat-flash-lite`) have their
+//! models' real configs (key names, widths, hash constants, logical table
+//! sizes); `init` cuts their tables to the rows asked for.
 
 use metrale_model_layers::layers::ple::spec::{
     EngramKeys, EngramSpec, LongCatKeys, LongCatSpec, ModelFamily, ModelSpec,
@@ -35,21 +35,6 @@ pub enum Preset {
     LongcatFlashLite,
 }
 
-/// A preset whose family's layer is not implemented (only its ids hash).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "preset {preset}: the {family} layer ({what}) is not implemented, so no checkpoint can be \
-     written or run for it; its ids hash with `metrale-ple ids --config`"
-)]
-pub struct LayerNotImplemented {
-    /// The preset's name.
-    pub preset: &'static str,
-    /// The family.
-    pub family: &'static str,
-    /// What the layer would need.
-    pub what: &'static str,
-}
-
 /// The compressed vocabulary DeepSeek-V4.1 states for its 129,280-token
 /// vocabulary. The demo computes its own from DeepSeek-V3's tokenizer,
 /// which is not at hand; the two vocabularies have the same size, and this
@@ -72,27 +57,14 @@ impl Preset {
         Self::ALL.into_iter().find(|p| p.name() == s)
     }
 
-    /// Refuse a preset whose family's layer is not implemented: Engram
-    /// (per-branch key projections with bias, a value projection with
-    /// bias, the demo's grouped short conv) and LongCat (the mean of the
-    /// word embedding and the sub-tables' projections).
-    pub fn check_layer(self) -> Result<(), LayerNotImplemented> {
-        let (family, what) = match self {
-            Preset::Tiny | Preset::Small | Preset::Flagship => return Ok(()),
-            Preset::EngramDemo | Preset::DeepseekV41 => (
-                "Engram",
-                "per-branch gates over key projections with bias, a value projection with bias",
-            ),
-            Preset::LongcatFlashLite => (
-                "LongCat",
-                "the mean of the word embedding and the sub-tables' projections",
-            ),
-        };
-        Err(LayerNotImplemented {
-            preset: self.name(),
-            family,
-            what,
-        })
+    /// The table element type `init` writes when none is asked for: the
+    /// family's own, FP8 rows with a UE8M0 scale per 32 values for
+    /// DeepSeek-V4.1, BF16 for the rest.
+    pub fn default_dtype(self) -> crate::synth::TableDType {
+        match self {
+            Preset::DeepseekV41 => crate::synth::TableDType::Fp8Block,
+            _ => crate::synth::TableDType::Bf16,
+        }
     }
 
     /// The preset's name.
@@ -414,7 +386,7 @@ mod tests {
     }
 
     #[test]
-    fn family_presets_have_real_constants_and_refuse_layers() {
+    fn family_presets_have_real_constants_and_valid_sites() {
         let demo = Preset::EngramDemo.spec();
         let d = demo.derive(0).unwrap();
         assert_eq!(d.dims.head_vocab_sizes[..3], [646_403, 646_411, 646_421]);
@@ -429,17 +401,8 @@ mod tests {
         assert_eq!(d.dims.head_vocab_sizes[11], 78 * 131_072 + 23);
         assert_eq!(lite.head_dim, 256);
         for p in Preset::ALL {
-            let site = p.spec().site(0).unwrap();
-            match p {
-                Preset::Tiny | Preset::Small | Preset::Flagship => {
-                    p.check_layer().unwrap();
-                    site.validate().unwrap();
-                }
-                _ => {
-                    let e = p.check_layer().unwrap_err().to_string();
-                    assert!(e.contains("not implemented") && e.contains(p.name()), "{e}");
-                    assert!(site.validate().is_err());
-                }
+            for s in 0..p.spec().sites() {
+                p.spec().site(s).unwrap().validate().unwrap();
             }
         }
     }

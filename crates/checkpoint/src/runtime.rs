@@ -1,7 +1,9 @@
 //! From a validated checkpoint to running parts: tables and layers.
 //!
-//! [`Checkpoint::open_table`] serves a site's table resident, mapped or
-//! behind the row cache, wrapped in a [`FoldedTable`] when the table is cut;
+//! [`Checkpoint::open_table`] serves a site's table resident, mapped, shared
+//! or behind the row cache, wrapped in a [`FoldedTable`] when the table is
+//! cut; LongCat's sub-tables are each served (and folded) alone and joined
+//! by a [`ConcatTable`];
 //! [`Checkpoint::build_layer`] builds the site's [`PleLayer`] over it.
 //!
 //! Invariant: the layer always sees the full padded id range; whether rows
@@ -23,6 +25,7 @@ use metrale_storage::resident::ResidentTable;
 use metrale_storage::shared::SharedTable;
 use metrale_storage::table::RowTable;
 
+use crate::concat::ConcatTable;
 use crate::error::{CheckpointError, Result};
 use crate::fold::FoldedTable;
 use crate::load::Checkpoint;
@@ -41,6 +44,9 @@ impl Checkpoint {
         mode: TableMode,
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
+        if !self.sites[site].table.sub_tables.is_empty() {
+            return self.open_sub_tables(site, mode, None, gpu);
+        }
         let layer = self.sites[site].layer;
         let err = |what| {
             move |source: StorageError| CheckpointError::Table {
@@ -77,6 +83,9 @@ impl Checkpoint {
         cfg: CacheConfig,
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
+        if !self.sites[site].table.sub_tables.is_empty() {
+            return self.open_sub_tables(site, TableMode::Cached, Some(cfg), gpu);
+        }
         let files = self.table_files(site)?;
         let table = CachedTable::open(files, gpu, cfg).map_err(|e| CheckpointError::Table {
             layer: self.sites[site].layer,
@@ -84,6 +93,65 @@ impl Checkpoint {
             source: Box::new(e),
         })?;
         self.fold(site, Arc::new(table))
+    }
+
+    /// LongCat's sub-tables, each served in `mode` (a cached one gets an
+    /// equal share of `cfg`'s slots) and folded on its own when cut, as one
+    /// [`ConcatTable`].
+    fn open_sub_tables(
+        &self,
+        site: usize,
+        mode: TableMode,
+        cfg: Option<CacheConfig>,
+        gpu: Arc<dyn GpuBackend>,
+    ) -> Result<Arc<dyn RowTable>> {
+        let s = &self.sites[site];
+        let err = |what| {
+            move |source: StorageError| CheckpointError::Table {
+                layer: s.layer,
+                what,
+                source: Box::new(source),
+            }
+        };
+        let n = s.table.sub_tables.len();
+        let mut parts: Vec<Arc<dyn RowTable>> = Vec::with_capacity(n);
+        for (i, sub) in s.table.sub_tables.iter().enumerate() {
+            let files = TableFiles::open(&s.table.shards[i..=i], Some(sub.stored_rows))
+                .map_err(err("opening a sub-table"))?;
+            let inner: Arc<dyn RowTable> = match mode {
+                TableMode::Resident => Arc::new(
+                    ResidentTable::load(&files, gpu.clone())
+                        .map_err(err("loading a resident sub-table"))?,
+                ),
+                TableMode::Mapped => Arc::new(
+                    MappedTable::open(&files, gpu.clone()).map_err(err("mapping a sub-table"))?,
+                ),
+                TableMode::Shared => Arc::new(
+                    SharedTable::open(&files, gpu.clone())
+                        .map_err(err("attaching a shared sub-table"))?,
+                ),
+                TableMode::Cached => {
+                    let mut c = cfg.clone().unwrap_or_default();
+                    c.slots = (c.slots / n).max(2);
+                    c.max_resolve /= n;
+                    Arc::new(
+                        CachedTable::open(files, gpu.clone(), c)
+                            .map_err(err("opening a sub-table's row cache"))?,
+                    )
+                }
+            };
+            parts.push(if sub.stored_rows < sub.logical_rows {
+                Arc::new(
+                    FoldedTable::new(inner, sub.logical_rows)
+                        .map_err(err("folding a sub-table"))?,
+                )
+            } else {
+                inner
+            });
+        }
+        Ok(Arc::new(
+            ConcatTable::new(parts, gpu).map_err(err("concatenating the sub-tables"))?,
+        ))
     }
 
     /// Site `site`'s validated shards, opened.

@@ -6,9 +6,11 @@
 //! buffers are the real derived constants.
 //!
 //! Files: `model-00001-of-{n}.safetensors` holds every site's dense tensors
-//! (projections, norms, conv, hash buffers); each table shard has a file of
-//! its own, so the row cache reads rows in place and `table pack` can
-//! realign one shard at a time.
+//! (projections, norms, conv, hash buffers, in the family's names); each
+//! table tensor (a shard, an Engram layer's table, a LongCat sub-table) has
+//! a file of its own, so the row cache reads rows in place and `table pack`
+//! can realign one at a time. An Engram checkpoint also gets a synthetic
+//! compressed-token map of the size its config states.
 //!
 //! Invariant: a checkpoint appears at its destination complete or not at
 //! all. Everything is written into a sibling `*.partial-{pid}` directory
@@ -17,14 +19,22 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
-use metrale_model_layers::layers::ple::spec::ModelSpec;
+use metrale_model_layers::layers::ple::ids::{DerivedPleIds, SPLITMIX64_GAMMA, splitmix64};
+use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec};
 use metrale_storage::StorageError;
-use metrale_storage::dtype::{f32_to_bf16, f32_to_fp8_e4m3};
+use metrale_storage::dtype::{
+    FP8_BLOCK, f32_to_bf16, f32_to_fp8_e4m3, fp8_block_row_bytes, quantize_fp8_block_row,
+    ue8m0_block_scale, ue8m0_to_f32,
+};
+use metrale_storage::layout::scale_name;
 use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 
 use crate::error::{CheckpointError, Result};
-use crate::names::{CONFIG_FILE, INDEX_FILE, SiteNames, shard_file};
+use crate::family::Layout;
+use crate::names::{
+    CONFIG_FILE, EngramDemoNames, INDEX_FILE, LongCatNames, SiteNames, TOKEN_MAP_FILE, V41Names,
+    shard_file,
+};
 use crate::preset::Preset;
 
 /// The element type of the table rows written.
@@ -34,15 +44,28 @@ pub enum TableDType {
     Bf16,
     /// FP8 E4M3 rows with a per-row f32 scale.
     Fp8,
+    /// FP8 E4M3 rows with one UE8M0 scale per 32 values, inline after the
+    /// values (DeepSeek-V4.1's table: 264 bytes a row of 256).
+    Fp8Block,
 }
 
 impl TableDType {
-    /// Parse `bf16` or `fp8`.
+    /// Parse `bf16`, `fp8` or `fp8-block`.
     pub fn parse(s: &str) -> Option<TableDType> {
         match s {
             "bf16" => Some(TableDType::Bf16),
             "fp8" => Some(TableDType::Fp8),
+            "fp8-block" => Some(TableDType::Fp8Block),
             _ => None,
+        }
+    }
+
+    /// Bytes of one stored row of `d` values, scales included.
+    pub fn row_bytes(self, d: u64) -> u64 {
+        match self {
+            TableDType::Bf16 => 2 * d,
+            TableDType::Fp8 => d + 4,
+            TableDType::Fp8Block => fp8_block_row_bytes(d as usize) as u64,
         }
     }
 }
@@ -53,9 +76,10 @@ pub struct InitOptions {
     /// The geometry preset.
     pub preset: Preset,
     /// Rows stored per site; `None` takes the preset's default. Rounded up
-    /// to a whole number of equal shards.
+    /// to a whole number of equal table parts (shards, or LongCat's
+    /// sub-tables).
     pub table_rows: Option<u64>,
-    /// The table's element type.
+    /// The table's element type ([`Preset::default_dtype`] is the family's).
     pub dtype: TableDType,
     /// The seed of the random weights (the hash seed stays the config's).
     pub seed: u64,
@@ -85,25 +109,148 @@ impl Stream {
     }
 }
 
-fn bf16_tensor(n: usize, amp: f32, s: &mut Stream) -> Vec<u8> {
-    let mut out = Vec::with_capacity(n * 2);
-    for _ in 0..n {
-        out.extend_from_slice(&f32_to_bf16(s.unit() * amp).to_le_bytes());
-    }
-    out
+/// How a dense tensor's values are drawn.
+enum Fill {
+    /// BF16 `center + amp * u`.
+    Bf16 { center: f32, amp: f32 },
+    /// F32 `center + amp * u`.
+    F32 { center: f32, amp: f32 },
+    /// The given I64 values.
+    I64(Vec<u64>),
+    /// FP8 E4M3 `amp * u`, one UE8M0 scale per 32 x 32 block, which the
+    /// next tensor ([`Fill::BlockScales`]) holds.
+    Fp8Blocks { amp: f32 },
+    /// The block scales of the FP8 tensor before it.
+    BlockScales,
 }
 
-fn f32_tensor(n: usize, amp: f32, s: &mut Stream) -> Vec<u8> {
-    let mut out = Vec::with_capacity(n * 4);
-    for _ in 0..n {
-        out.extend_from_slice(&(s.unit() * amp).to_le_bytes());
-    }
-    out
+/// One dense tensor of a site.
+struct Dense {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    tag: u64,
+    fill: Fill,
 }
 
-fn i64_tensor(v: &[u64]) -> Vec<u8> {
-    v.iter().flat_map(|&x| (x as i64).to_le_bytes()).collect()
+impl Dense {
+    fn new(name: String, dtype: Dtype, shape: &[u64], tag: u64, fill: Fill) -> Dense {
+        Dense {
+            name,
+            dtype,
+            shape: shape.to_vec(),
+            tag,
+            fill,
+        }
+    }
+    fn bytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.dtype.size() as u64
+    }
 }
+
+/// The dense tensors of site `s` of `g`, in file order.
+fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
+    let (c, e, h, k) = (
+        g.channels() as u64,
+        g.emb_dim() as u64,
+        g.hidden_size as u64,
+        g.conv_kernel_size as u64,
+    );
+    let hc = g.hc_mult;
+    let amp = 1.0 / (e as f32).sqrt();
+    let heads = g.ngram_heads() as u64;
+    let layer = g.site_layer(s);
+    let bf = |center, amp| Fill::Bf16 { center, amp };
+    let f32f = |center, amp| Fill::F32 { center, amp };
+    let mut v = Vec::new();
+    match Layout::of(g) {
+        Layout::Qwen4Exp => {
+            let n = SiteNames::new(layer);
+            v.push(Dense::new(n.key_proj(), Dtype::BF16, &[c, e], 1, bf(0.0, amp)));
+            v.push(Dense::new(n.value_proj(), Dtype::BF16, &[h, e], 2, bf(0.0, amp)));
+            v.push(Dense::new(n.norm_key(), Dtype::F32, &[c], 3, f32f(0.0, 0.1)));
+            v.push(Dense::new(n.norm_query(), Dtype::F32, &[c], 4, f32f(0.0, 0.1)));
+            v.push(Dense::new(n.norm_conv(), Dtype::F32, &[c], 5, f32f(0.0, 0.1)));
+            v.push(Dense::new(n.conv1d(), Dtype::F32, &[c, 1, k], 6, f32f(0.0, 0.5)));
+            v.push(Dense::new(
+                n.layer_multipliers(),
+                Dtype::I64,
+                &[g.ngram_size as u64],
+                0,
+                Fill::I64(d.dims.multipliers.clone()),
+            ));
+            v.push(Dense::new(
+                n.vocab_sizes(),
+                Dtype::I64,
+                &[heads],
+                0,
+                Fill::I64(d.dims.head_vocab_sizes.clone()),
+            ));
+            v.push(Dense::new(
+                n.offsets(),
+                Dtype::I64,
+                &[heads],
+                0,
+                Fill::I64(d.dims.head_offsets.clone()),
+            ));
+        }
+        Layout::EngramDemo => {
+            // Norm weights of the `w` form sit around 1, as they start.
+            let n = EngramDemoNames::new(layer);
+            for b in 0..hc {
+                let t = 0x1000 + 16 * b as u64;
+                v.push(Dense::new(n.key_proj(b), Dtype::BF16, &[h, e], t, bf(0.0, amp)));
+                v.push(Dense::new(n.key_bias(b), Dtype::F32, &[h], t + 1, f32f(0.0, 0.05)));
+                v.push(Dense::new(n.norm_key(b), Dtype::F32, &[h], t + 2, f32f(1.0, 0.1)));
+                v.push(Dense::new(n.norm_query(b), Dtype::F32, &[h], t + 3, f32f(1.0, 0.1)));
+                v.push(Dense::new(n.norm_conv(b), Dtype::F32, &[h], t + 4, f32f(1.0, 0.1)));
+            }
+            v.push(Dense::new(n.value_proj(), Dtype::BF16, &[h, e], 0x2000, bf(0.0, amp)));
+            v.push(Dense::new(n.value_bias(), Dtype::F32, &[h], 0x2001, f32f(0.0, 0.05)));
+            v.push(Dense::new(n.conv(), Dtype::F32, &[c, 1, k], 0x2002, f32f(0.0, 0.5)));
+            v.push(Dense::new(
+                n.offsets(),
+                Dtype::I64,
+                &[heads],
+                0,
+                Fill::I64(d.dims.head_offsets.clone()),
+            ));
+        }
+        Layout::EngramV41 => {
+            let n = V41Names::new(layer);
+            let rows = c + h;
+            let blk = FP8_BLOCK as u64;
+            v.push(Dense::new(n.wkv(), Dtype::F8E4M3, &[rows, e], 0x3000, Fill::Fp8Blocks { amp }));
+            v.push(Dense::new(
+                n.wkv_scale(),
+                SCALE_DTYPE,
+                &[rows.div_ceil(blk), e.div_ceil(blk)],
+                0,
+                Fill::BlockScales,
+            ));
+            v.push(Dense::new(n.q_weight(), Dtype::BF16, &[hc as u64, h], 0x3001, bf(1.0, 0.1)));
+            v.push(Dense::new(n.k_weight(), Dtype::BF16, &[hc as u64, h], 0x3002, bf(1.0, 0.1)));
+        }
+        Layout::LongCat { oe } => {
+            let n = if oe { LongCatNames::oe() } else { LongCatNames::flash() };
+            let dd = g.head_dim as u64;
+            for i in 0..g.ngram_heads() {
+                v.push(Dense::new(
+                    n.post_proj(i),
+                    Dtype::BF16,
+                    &[h, dd],
+                    0x4000 + i as u64,
+                    bf(0.0, amp),
+                ));
+            }
+        }
+    }
+    v
+}
+
+/// The dtype the UE8M0 block scales are stored as: raw bytes, since the
+/// safetensors reader knows no `F8_E8M0`.
+pub const SCALE_DTYPE: Dtype = Dtype::U8;
 
 /// The model spec `init` writes for `opts`, with the rows stored per site.
 pub fn init_spec(opts: &InitOptions) -> Result<(ModelSpec, u64)> {
@@ -114,7 +261,7 @@ pub fn init_spec(opts: &InitOptions) -> Result<(ModelSpec, u64)> {
         padded = padded.max(derive_site(&g, s)?.padded_rows);
     }
     let want = opts.table_rows.or(opts.preset.default_table_rows());
-    let parts = g.split_ngram_parts as u64;
+    let parts = Layout::of(&g).table_parts(&g) as u64;
     let stored = match want {
         Some(0) => {
             return Err(CheckpointError::Invalid(
@@ -133,41 +280,42 @@ pub fn init_spec(opts: &InitOptions) -> Result<(ModelSpec, u64)> {
     // A table cut below the padded size folds ids; the config records the
     // fold modulus, which is the number of rows stored.
     g.table_rows = (stored < padded).then_some(stored);
+    if Layout::of(&g).sub_tables() && g.table_rows.is_none() {
+        // An uncut LongCat table stores every sub-table whole.
+        return Ok((g, padded));
+    }
     Ok((g, stored))
 }
 
-fn derive_site(
-    g: &ModelSpec,
-    s: usize,
-) -> Result<metrale_model_layers::layers::ple::ids::DerivedPleIds> {
+fn derive_site(g: &ModelSpec, s: usize) -> Result<DerivedPleIds> {
     g.derive(s).map_err(|source| CheckpointError::Config {
         file: PathBuf::from(CONFIG_FILE),
         source: Box::new(source),
     })
 }
 
+/// Rows stored in each table tensor of site `s` (in [`Layout::table_tensors`]
+/// order), `stored` being the site's stored rows.
+fn part_rows(g: &ModelSpec, d: &DerivedPleIds, stored: u64) -> Vec<u64> {
+    let layout = Layout::of(g);
+    let parts = layout.table_parts(g);
+    if layout.sub_tables() && g.table_rows.is_none() {
+        return d.dims.head_vocab_sizes.clone();
+    }
+    vec![stored / parts as u64; parts]
+}
+
 /// Bytes `init` will write for `opts` (tensor data, not headers).
 pub fn planned_bytes(opts: &InitOptions) -> Result<u64> {
     let (g, stored) = init_spec(opts)?;
-    Ok(g.sites() as u64 * (dense_bytes(&g) + table_bytes(&g, stored, opts.dtype)))
-}
-
-fn dense_bytes(g: &ModelSpec) -> u64 {
-    let (c, e, h) = (
-        g.channels() as u64,
-        g.emb_dim() as u64,
-        g.hidden_size as u64,
-    );
-    2 * (c * e + h * e)
-        + 4 * (3 * c + c * g.conv_kernel_size as u64)
-        + 8 * (g.ngram_size as u64 + 2 * g.ngram_heads() as u64)
-}
-
-fn table_bytes(g: &ModelSpec, rows: u64, dtype: TableDType) -> u64 {
-    match dtype {
-        TableDType::Bf16 => rows * g.head_dim as u64 * 2,
-        TableDType::Fp8 => rows * (g.head_dim as u64 + 4),
+    let mut total = 0;
+    for s in 0..g.sites() {
+        let d = derive_site(&g, s)?;
+        total += dense_tensors(&g, s, &d).iter().map(Dense::bytes).sum::<u64>();
+        total += part_rows(&g, &d, stored).iter().sum::<u64>()
+            * opts.dtype.row_bytes(g.head_dim as u64);
     }
+    Ok(total)
 }
 
 /// Write a synthetic checkpoint into `dir`, which must not exist or be
@@ -229,139 +377,59 @@ fn write_into(
     total: u64,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
-    let parts = g.split_ngram_parts;
+    let layout = Layout::of(g);
+    let parts = layout.table_parts(g);
     let nfiles = 1 + g.sites() * parts;
     let mut weight_map: BTreeMap<String, String> = BTreeMap::new();
     let mut done = 0u64;
     progress(0, total);
 
-    let (c, e, h, k) = (g.channels(), g.emb_dim(), g.hidden_size, g.conv_kernel_size);
+    // Every site's dense tensors go in the first file, drawn and written
+    // one tensor at a time (DeepSeek-V4.1's fused projection alone is
+    // 157 MB a layer).
     let dense_file = shard_file(1, nfiles);
-    let mut specs = Vec::new();
-    let mut datas: Vec<Vec<u8>> = Vec::new();
+    let mut dense = Vec::new();
     for s in 0..g.sites() {
         let d = derive_site(g, s)?;
-        let n = SiteNames::new(g.site_layer(s));
-        let amp = 1.0 / (e as f32).sqrt();
-        let tensors: [(String, Dtype, Vec<u64>, Vec<u8>); 9] = [
-            (n.key_proj(), Dtype::BF16, vec![c as u64, e as u64], {
-                bf16_tensor(c * e, amp, &mut Stream::new(opts.seed, s, 1))
-            }),
-            (n.value_proj(), Dtype::BF16, vec![h as u64, e as u64], {
-                bf16_tensor(h * e, amp, &mut Stream::new(opts.seed, s, 2))
-            }),
-            (n.norm_key(), Dtype::F32, vec![c as u64], {
-                f32_tensor(c, 0.1, &mut Stream::new(opts.seed, s, 3))
-            }),
-            (n.norm_query(), Dtype::F32, vec![c as u64], {
-                f32_tensor(c, 0.1, &mut Stream::new(opts.seed, s, 4))
-            }),
-            (n.norm_conv(), Dtype::F32, vec![c as u64], {
-                f32_tensor(c, 0.1, &mut Stream::new(opts.seed, s, 5))
-            }),
-            (n.conv1d(), Dtype::F32, vec![c as u64, 1, k as u64], {
-                f32_tensor(c * k, 0.5, &mut Stream::new(opts.seed, s, 6))
-            }),
-            (
-                n.layer_multipliers(),
-                Dtype::I64,
-                vec![g.ngram_size as u64],
-                i64_tensor(&d.dims.multipliers),
-            ),
-            (
-                n.vocab_sizes(),
-                Dtype::I64,
-                vec![g.ngram_heads() as u64],
-                i64_tensor(&d.dims.head_vocab_sizes),
-            ),
-            (
-                n.offsets(),
-                Dtype::I64,
-                vec![g.ngram_heads() as u64],
-                i64_tensor(&d.dims.head_offsets),
-            ),
-        ];
-        for (name, dt, shape, data) in tensors {
-            weight_map.insert(name.clone(), dense_file.clone());
-            specs.push(TensorSpec::new(name, dt, &shape));
-            datas.push(data);
+        for t in dense_tensors(g, s, &d) {
+            dense.push((s, t));
         }
+    }
+    let specs: Vec<TensorSpec> = dense
+        .iter()
+        .map(|(_, t)| TensorSpec::new(t.name.clone(), t.dtype, &t.shape))
+        .collect();
+    for (_, t) in &dense {
+        weight_map.insert(t.name.clone(), dense_file.clone());
     }
     let path = dir.join(&dense_file);
     let mut w = Writer::create(&path, &specs, &BTreeMap::new(), 8).map_err(|e| st_err(&path, e))?;
-    for d in &datas {
-        w.write(d).map_err(|e| st_err(&path, e))?;
-        done += d.len() as u64;
+    let mut scales = Vec::new();
+    for (s, t) in &dense {
+        let data = draw(t, *s, opts.seed, &mut scales);
+        w.write(&data).map_err(|e| st_err(&path, e))?;
+        done += data.len() as u64;
+        progress(done, total);
     }
     w.finish().map_err(|e| st_err(&path, e))?;
-    progress(done, total);
-    drop(datas);
+    drop(dense);
 
-    let rows_per_shard = stored / parts as u64;
     let hd = g.head_dim;
     for s in 0..g.sites() {
-        let n = SiteNames::new(g.site_layer(s));
-        for i in 0..parts {
+        let d = derive_site(g, s)?;
+        let rows = part_rows(g, &d, stored);
+        for (i, (name, &r)) in layout.table_tensors(g, s).iter().zip(&rows).enumerate() {
             let file = shard_file(2 + s * parts + i, nfiles);
             let path = dir.join(&file);
-            let mut specs = vec![TensorSpec::new(
-                n.shard_weight(i),
-                dtype_of(opts.dtype),
-                &[rows_per_shard, hd as u64],
-            )];
-            weight_map.insert(n.shard_weight(i), file.clone());
-            if opts.dtype == TableDType::Fp8 {
-                specs.push(TensorSpec::new(
-                    n.shard_scale(i),
-                    Dtype::F32,
-                    &[rows_per_shard],
-                ));
-                weight_map.insert(n.shard_scale(i), file.clone());
-            }
-            let mut w =
-                Writer::create(&path, &specs, &BTreeMap::new(), 8).map_err(|e| st_err(&path, e))?;
             let mut rng = Stream::new(opts.seed, s, 0x100 + i as u64);
-            let mut scales = Vec::new();
-            let chunk_rows = (1 << 20) / hd.max(1) + 1;
-            let mut row = vec![0f32; hd];
-            let mut buf = Vec::with_capacity(chunk_rows * hd * 2);
-            let mut r = 0u64;
-            while r < rows_per_shard {
-                let m = (rows_per_shard - r).min(chunk_rows as u64);
-                buf.clear();
-                for _ in 0..m {
-                    // Rows get different magnitudes so FP8 scales differ.
-                    let mag = 0.25 + (rng.unit() + 1.0);
-                    for v in row.iter_mut() {
-                        *v = rng.unit() * mag;
-                    }
-                    match opts.dtype {
-                        TableDType::Bf16 => {
-                            for &v in &row {
-                                buf.extend_from_slice(&f32_to_bf16(v).to_le_bytes());
-                            }
-                        }
-                        TableDType::Fp8 => {
-                            let max = row.iter().fold(0f32, |a, &v| a.max(v.abs()));
-                            let scale = if max > 0.0 { max / FP8_MAX } else { 1.0 };
-                            for &v in &row {
-                                buf.push(f32_to_fp8_e4m3(v / scale));
-                            }
-                            scales.extend_from_slice(&scale.to_le_bytes());
-                        }
-                    }
-                }
-                w.write(&buf).map_err(|e| st_err(&path, e))?;
-                done += buf.len() as u64;
+            write_table_part(&path, name, r, hd, opts.dtype, &mut rng, &mut |n| {
+                done += n;
                 progress(done, total);
-                r += m;
+            })?;
+            weight_map.insert(name.clone(), file.clone());
+            if opts.dtype == TableDType::Fp8 {
+                weight_map.insert(scale_name(name), file.clone());
             }
-            if !scales.is_empty() {
-                w.write(&scales).map_err(|e| st_err(&path, e))?;
-                done += scales.len() as u64;
-            }
-            w.finish().map_err(|e| st_err(&path, e))?;
-            progress(done, total);
         }
     }
 
@@ -375,13 +443,134 @@ fn write_into(
     std::fs::write(&ipath, text).map_err(|e| CheckpointError::io(&ipath, e))?;
     let cpath = dir.join(CONFIG_FILE);
     std::fs::write(&cpath, g.to_config_json()).map_err(|e| CheckpointError::io(&cpath, e))?;
+    if let ModelFamily::Engram(e) = &g.family {
+        let map = synthetic_token_map(g.vocab_size, e.compressed_vocab_size);
+        let mpath = dir.join(TOKEN_MAP_FILE);
+        let text = serde_json::to_string(&map).expect("a list of ids always serialises");
+        std::fs::write(&mpath, text).map_err(|e| CheckpointError::io(&mpath, e))?;
+    }
     progress(total, total);
     Ok(())
 }
 
-fn dtype_of(d: TableDType) -> Dtype {
-    match d {
-        TableDType::Bf16 => Dtype::BF16,
-        TableDType::Fp8 => Dtype::F8E4M3,
+/// A compressed-token map of `vocab` raw ids onto exactly `0..compressed`
+/// (`t % compressed`): a stand-in for the tokenizer-derived map, of the
+/// size the config states.
+pub fn synthetic_token_map(vocab: u64, compressed: u64) -> Vec<u32> {
+    (0..vocab).map(|t| (t % compressed) as u32).collect()
+}
+
+/// The bytes of dense tensor `t` of site `s`. The block scales of an FP8
+/// tensor are left in `scales` for the [`Fill::BlockScales`] tensor after
+/// it.
+fn draw(t: &Dense, s: usize, seed: u64, scales: &mut Vec<u8>) -> Vec<u8> {
+    let n: usize = t.shape.iter().product::<u64>() as usize;
+    let mut rng = Stream::new(seed, s, t.tag);
+    match &t.fill {
+        Fill::Bf16 { center, amp } => (0..n)
+            .flat_map(|_| f32_to_bf16(center + rng.unit() * amp).to_le_bytes())
+            .collect(),
+        Fill::F32 { center, amp } => (0..n)
+            .flat_map(|_| (center + rng.unit() * amp).to_le_bytes())
+            .collect(),
+        Fill::I64(v) => v.iter().flat_map(|&x| (x as i64).to_le_bytes()).collect(),
+        Fill::Fp8Blocks { amp } => {
+            let (rows, cols) = (t.shape[0] as usize, t.shape[1] as usize);
+            let (rb, cb) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
+            let mut out = vec![0u8; rows * cols];
+            scales.clear();
+            scales.resize(rb * cb, 0);
+            let mut vals = vec![0f32; FP8_BLOCK * cols];
+            let mut block = Vec::with_capacity(FP8_BLOCK * FP8_BLOCK);
+            for r0 in (0..rows).step_by(FP8_BLOCK) {
+                let nr = (rows - r0).min(FP8_BLOCK);
+                for v in vals[..nr * cols].iter_mut() {
+                    *v = rng.unit() * amp;
+                }
+                for (j, c0) in (0..cols).step_by(FP8_BLOCK).enumerate() {
+                    let nc = (cols - c0).min(FP8_BLOCK);
+                    block.clear();
+                    for r in 0..nr {
+                        block.extend_from_slice(&vals[r * cols + c0..r * cols + c0 + nc]);
+                    }
+                    let e = ue8m0_block_scale(&block);
+                    scales[(r0 / FP8_BLOCK) * cb + j] = e;
+                    let scale = ue8m0_to_f32(e);
+                    for r in 0..nr {
+                        for c in c0..c0 + nc {
+                            out[(r0 + r) * cols + c] = f32_to_fp8_e4m3(vals[r * cols + c] / scale);
+                        }
+                    }
+                }
+            }
+            out
+        }
+        Fill::BlockScales => std::mem::take(scales),
     }
+}
+
+/// Write one table tensor `name` of `rows` rows of `hd` values into its
+/// own file `path`, in `dtype`; `wrote(bytes)` after each chunk.
+fn write_table_part(
+    path: &Path,
+    name: &str,
+    rows: u64,
+    hd: usize,
+    dtype: TableDType,
+    rng: &mut Stream,
+    wrote: &mut dyn FnMut(u64),
+) -> Result<()> {
+    let mut specs = vec![match dtype {
+        TableDType::Bf16 => TensorSpec::new(name.to_string(), Dtype::BF16, &[rows, hd as u64]),
+        TableDType::Fp8 => TensorSpec::new(name.to_string(), Dtype::F8E4M3, &[rows, hd as u64]),
+        TableDType::Fp8Block => TensorSpec::new(
+            name.to_string(),
+            Dtype::U8,
+            &[rows, fp8_block_row_bytes(hd) as u64],
+        ),
+    }];
+    if dtype == TableDType::Fp8 {
+        specs.push(TensorSpec::new(scale_name(name), Dtype::F32, &[rows]));
+    }
+    let mut w = Writer::create(path, &specs, &BTreeMap::new(), 8).map_err(|e| st_err(path, e))?;
+    let mut scales = Vec::new();
+    let chunk_rows = (1 << 20) / hd.max(1) + 1;
+    let mut row = vec![0f32; hd];
+    let mut buf = Vec::with_capacity(chunk_rows * hd * 2);
+    let mut r = 0u64;
+    while r < rows {
+        let m = (rows - r).min(chunk_rows as u64);
+        buf.clear();
+        for _ in 0..m {
+            // Rows get different magnitudes so FP8 scales differ.
+            let mag = 0.25 + (rng.unit() + 1.0);
+            for v in row.iter_mut() {
+                *v = rng.unit() * mag;
+            }
+            match dtype {
+                TableDType::Bf16 => {
+                    for &v in &row {
+                        buf.extend_from_slice(&f32_to_bf16(v).to_le_bytes());
+                    }
+                }
+                TableDType::Fp8 => {
+                    let max = row.iter().fold(0f32, |a, &v| a.max(v.abs()));
+                    let scale = if max > 0.0 { max / FP8_MAX } else { 1.0 };
+                    for &v in &row {
+                        buf.push(f32_to_fp8_e4m3(v / scale));
+                    }
+                    scales.extend_from_slice(&scale.to_le_bytes());
+                }
+                TableDType::Fp8Block => quantize_fp8_block_row(&row, &mut buf),
+            }
+        }
+        w.write(&buf).map_err(|e| st_err(path, e))?;
+        wrote(buf.len() as u64);
+        r += m;
+    }
+    if !scales.is_empty() {
+        w.write(&scales).map_err(|e| st_err(path, e))?;
+        wrote(scales.len() as u64);
+    }
+    w.finish().map_err(|e| st_err(path, e))
 }

@@ -1,8 +1,10 @@
 //! `metrale-ple init`: write a deterministic synthetic checkpoint.
 //!
 //! Random weights from `--seed`, the real hash constants, and for
-//! `flagship` the real geometry with the table cut to `--table-rows` rows
-//! per site (ids folded into them as `id % rows`, see README.md).
+//! `flagship` and the family presets (`engram-demo`, `deepseek-v4.1`,
+//! `longcat-flash-lite`) the real geometry, config keys and tensor names
+//! with the table cut to `--table-rows` rows per site (ids folded into
+//! them as `id % rows`, see README.md).
 
 use std::path::PathBuf;
 
@@ -22,13 +24,15 @@ pub enum PresetArg {
     Small,
     /// The real Qwen4Exp geometry; the table is cut to --table-rows.
     Flagship,
-    /// The Engram demo's hash (refused: the Engram layer is not implemented).
+    /// The Engram demo (two layers, orders 2 and 3, the short conv); the
+    /// table is cut to --table-rows.
     EngramDemo,
-    /// DeepSeek-V4.1's Engram hash (refused: the layer is not implemented).
+    /// DeepSeek-V4.1's Engram (two layers, orders 2 to 4, FP8 block rows,
+    /// no conv); the table is cut to --table-rows.
     #[value(name = "deepseek-v4.1")]
     DeepseekV41,
-    /// LongCat-Flash-Lite's n-gram hash (refused: the layer is not
-    /// implemented).
+    /// LongCat-Flash-Lite's n-gram embedding (12 sub-tables at the input);
+    /// the sub-tables are cut to --table-rows in all.
     LongcatFlashLite,
 }
 
@@ -53,6 +57,9 @@ pub enum DTypeArg {
     Bf16,
     /// FP8 E4M3 rows with a per-row f32 scale.
     Fp8,
+    /// FP8 E4M3 rows with a UE8M0 scale per 32 values, inline (264 bytes a
+    /// row of 256).
+    Fp8Block,
 }
 
 /// Arguments of `init`.
@@ -67,14 +74,15 @@ pub struct InitArgs {
     /// The geometry.
     #[arg(long, value_enum, default_value = "tiny")]
     pub preset: PresetArg,
-    /// Table rows stored per site, rounded up to equal shards; ids are
-    /// folded into them. Default: the full table (tiny, small) or 1048576
-    /// (flagship).
+    /// Table rows stored per site, rounded up to equal shards (or LongCat
+    /// sub-tables); ids are folded into them. Default: the full table
+    /// (tiny, small) or 1048576 (flagship and the family presets).
     #[arg(long)]
     pub table_rows: Option<u64>,
-    /// Table element type.
-    #[arg(long, value_enum, default_value = "bf16")]
-    pub dtype: DTypeArg,
+    /// Table element type. Default: the family's (fp8-block for
+    /// deepseek-v4.1, bf16 for the rest).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DTypeArg>,
     /// Seed of the random weights (the hash constants are the real ones).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -88,7 +96,6 @@ pub fn default_dir(p: Preset) -> Result<PathBuf, CmdError> {
 /// Run `init`.
 pub fn run(a: InitArgs) -> Result<(), CmdError> {
     let preset = a.preset.preset();
-    preset.check_layer().map_err(input)?;
     let dir = match a.dir {
         Some(d) => d,
         None => default_dir(preset)?,
@@ -97,8 +104,10 @@ pub fn run(a: InitArgs) -> Result<(), CmdError> {
         preset,
         table_rows: a.table_rows,
         dtype: match a.dtype {
-            DTypeArg::Bf16 => TableDType::Bf16,
-            DTypeArg::Fp8 => TableDType::Fp8,
+            None => preset.default_dtype(),
+            Some(DTypeArg::Bf16) => TableDType::Bf16,
+            Some(DTypeArg::Fp8) => TableDType::Fp8,
+            Some(DTypeArg::Fp8Block) => TableDType::Fp8Block,
         },
         seed: a.seed,
     };

@@ -1,0 +1,146 @@
+//! What a checkpoint of each family holds besides `config.json`: which
+//! tensors make a site's table and how they form the one table the ids
+//! address (docs/SPEC.md §10 (Checkpoint layout), §11 (Families)).
+//!
+//! - Qwen4Exp: `split_ngram_parts` equal shards of one table
+//!   ([`SiteNames::shard_weight`]).
+//! - Engram (the demo and DeepSeek-V4.1): one tensor per layer holding
+//!   every head's rows back to back.
+//! - LongCat: one tensor per (order, split) sub-table, each with its own
+//!   row count `m + 2i + 1`. The hash adds each sub-table's offset, so the
+//!   ids address the sub-tables concatenated in order; the runtime serves
+//!   them as one table through [`crate::concat::ConcatTable`].
+//!
+//! A cut table (`ple_table_rows` = `r` in config.json) stores `r / parts`
+//! rows in every table tensor, `parts` being [`Layout::table_parts`]: ids
+//! of an equal-shard table fold as `id % r`; ids of a LongCat sub-table
+//! fold inside the sub-table, as `(id - offset_i) % (r / parts)`.
+//!
+//! Invariant: the writer and the loader take the table tensors of a site
+//! from [`Layout::table_tensors`] alone.
+
+use metrale_model_layers::layers::ple::spec::{
+    EngramKeys, LongCatKeys, ModelFamily, ModelSpec,
+};
+
+use crate::names::{EngramDemoNames, LongCatNames, SiteNames, V41Names};
+
+/// The checkpoint layout of a model family (and key spelling).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Qwen4Exp PLE sites (`model.layers.{L}.ple.*`).
+    Qwen4Exp,
+    /// The Engram demo (`model.layers.{L}.engram.*`).
+    EngramDemo,
+    /// DeepSeek-V4.1's Engram (`layers.{L}.engram.*`).
+    EngramV41,
+    /// LongCat's n-gram embedding; `oe` for LongCat-2.0's `oe_*` names.
+    LongCat {
+        /// LongCat-2.0's spelling.
+        oe: bool,
+    },
+}
+
+impl Layout {
+    /// The layout of `g`'s family.
+    pub fn of(g: &ModelSpec) -> Layout {
+        match &g.family {
+            ModelFamily::Qwen4Exp => Layout::Qwen4Exp,
+            ModelFamily::Engram(e) => match e.keys {
+                EngramKeys::Demo => Layout::EngramDemo,
+                EngramKeys::V41 => Layout::EngramV41,
+            },
+            ModelFamily::LongCat(l) => Layout::LongCat {
+                oe: l.keys == LongCatKeys::Oe,
+            },
+        }
+    }
+
+    /// How `inspect` names the layout.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Qwen4Exp => "Qwen4Exp PLE",
+            Layout::EngramDemo => "Engram (demo)",
+            Layout::EngramV41 => "Engram (DeepSeek-V4.1)",
+            Layout::LongCat { oe: false } => "LongCat n-gram embedding",
+            Layout::LongCat { oe: true } => "LongCat n-gram embedding (oe_* names)",
+        }
+    }
+
+    /// Whether the table tensors are sub-tables of their own sizes
+    /// (LongCat) rather than equal shards of one table.
+    pub fn sub_tables(self) -> bool {
+        matches!(self, Layout::LongCat { .. })
+    }
+
+    /// The number of table tensors of a site: the shards of a Qwen4Exp
+    /// table, 1 for Engram, the `k * (n - 1)` sub-tables of LongCat. A cut
+    /// table stores the same number of rows in each.
+    pub fn table_parts(self, g: &ModelSpec) -> usize {
+        match self {
+            Layout::Qwen4Exp => g.split_ngram_parts,
+            Layout::EngramDemo | Layout::EngramV41 => 1,
+            Layout::LongCat { .. } => g.ngram_heads(),
+        }
+    }
+
+    /// The weight tensors of site `s`'s table, in id order.
+    pub fn table_tensors(self, g: &ModelSpec, s: usize) -> Vec<String> {
+        let layer = g.site_layer(s);
+        match self {
+            Layout::Qwen4Exp => {
+                let n = SiteNames::new(layer);
+                (0..g.split_ngram_parts).map(|i| n.shard_weight(i)).collect()
+            }
+            Layout::EngramDemo => vec![EngramDemoNames::new(layer).table()],
+            Layout::EngramV41 => vec![V41Names::new(layer).table()],
+            Layout::LongCat { oe } => {
+                let n = if oe {
+                    LongCatNames::oe()
+                } else {
+                    LongCatNames::flash()
+                };
+                (0..g.ngram_heads()).map(|i| n.sub_table(i)).collect()
+            }
+        }
+    }
+
+    /// The LongCat names of this layout (`None` for other families).
+    pub fn longcat_names(self) -> Option<LongCatNames> {
+        match self {
+            Layout::LongCat { oe: false } => Some(LongCatNames::flash()),
+            Layout::LongCat { oe: true } => Some(LongCatNames::oe()),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preset::Preset;
+
+    #[test]
+    fn every_preset_has_its_family_layout() {
+        let lite = Preset::LongcatFlashLite.spec();
+        let l = Layout::of(&lite);
+        assert_eq!(l, Layout::LongCat { oe: false });
+        assert_eq!(l.table_parts(&lite), 12);
+        let t = l.table_tensors(&lite, 0);
+        assert_eq!(t.len(), 12);
+        assert_eq!(t[11], "model.ngram_embeddings.embedders.11.weight");
+        let v41 = Preset::DeepseekV41.spec();
+        assert_eq!(Layout::of(&v41), Layout::EngramV41);
+        assert_eq!(
+            Layout::of(&v41).table_tensors(&v41, 1),
+            ["layers.14.engram.embed.weight"]
+        );
+        let demo = Preset::EngramDemo.spec();
+        assert_eq!(
+            Layout::of(&demo).table_tensors(&demo, 0),
+            ["model.layers.1.engram.multi_head_embedding.embedding.weight"]
+        );
+        let tiny = Preset::Tiny.spec();
+        assert_eq!(Layout::of(&tiny).table_parts(&tiny), 2);
+    }
+}

@@ -1,0 +1,326 @@
+//! Engram and LongCat checkpoints end to end: `init` writes each family
+//! preset with its real config keys, tensor names, shapes and dtypes; the
+//! loader rebuilds the layer's weights from them and refuses damage naming
+//! the file and tensor; every table mode gives the same highway.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use metrale_checkpoint::family::Layout;
+use metrale_checkpoint::names::{
+    CONFIG_FILE, EngramDemoNames, LongCatNames, TOKEN_MAP_FILE, V41Names, shard_file,
+};
+use metrale_checkpoint::runtime::TableMode;
+use metrale_checkpoint::synth::write_synthetic;
+use metrale_checkpoint::{Checkpoint, CheckpointError, InitOptions, Preset};
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::ForwardContext;
+use metrale_storage::cached::CacheConfig;
+use metrale_storage::safetensors::{Dtype, Header, TensorSpec};
+use metrale_storage::table::RowDType;
+use metrale_testkit::files::{replace_tensor, reshape_tensor};
+
+fn write(dir: &Path, preset: Preset, rows: u64) -> PathBuf {
+    let p = dir.join(preset.name());
+    let o = InitOptions {
+        preset,
+        table_rows: Some(rows),
+        dtype: preset.default_dtype(),
+        seed: 3,
+    };
+    write_synthetic(&p, &o, &mut |_, _| {}).unwrap();
+    p
+}
+
+fn config(ck: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(ck.join(CONFIG_FILE)).unwrap()).unwrap()
+}
+
+fn refusal(ck: &Path) -> String {
+    let e: CheckpointError = Checkpoint::open(ck).unwrap_err();
+    e.to_string()
+}
+
+/// The file holding `tensor`, from the weight map.
+fn file_of(ck: &Path, tensor: &str) -> PathBuf {
+    let c = Checkpoint::open(ck).unwrap();
+    for f in &c.files {
+        let h = Header::read(&ck.join(&f.name)).unwrap();
+        if h.get(tensor).is_ok() {
+            return ck.join(&f.name);
+        }
+    }
+    panic!("{tensor} is in no file");
+}
+
+#[test]
+fn the_engram_demo_checkpoint_has_the_demo_names_and_keys() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = write(tmp.path(), Preset::EngramDemo, 4096);
+    let v = config(&ck);
+    for key in [
+        "engram_vocab_size",
+        "max_ngram_size",
+        "n_embed_per_ngram",
+        "n_head_per_ngram",
+        "layer_ids",
+        "pad_id",
+        "kernel_size",
+    ] {
+        assert!(v.get(key).is_some(), "config.json lacks {key}: {v}");
+    }
+    assert_eq!(v["layer_ids"], serde_json::json!([1, 15]));
+    assert_eq!(v["ple_table_rows"], serde_json::json!(4096));
+    assert!(ck.join(TOKEN_MAP_FILE).exists());
+    let c = Checkpoint::open(&ck).unwrap();
+    assert_eq!(Layout::of(&c.spec), Layout::EngramDemo);
+    assert_eq!(c.sites.len(), 2);
+    let (h, hc) = (1024usize, 4usize);
+    for s in &c.sites {
+        assert_eq!(s.weights.key_proj.len(), hc * h * 1024);
+        assert_eq!(s.weights.key_bias.len(), hc * h);
+        assert_eq!(s.weights.value_bias.len(), h);
+        assert_eq!(s.weights.norm_conv.len(), hc * h);
+        assert_eq!(s.weights.conv1d.len(), hc * h * 4);
+        assert_eq!(s.table.dtype, RowDType::Bf16);
+        assert_eq!(s.table.stored_rows, 4096);
+        assert_eq!(s.table.fold_rows, Some(4096));
+        assert_eq!(
+            s.table.shards[0].1,
+            EngramDemoNames::new(s.layer).table(),
+            "site {}",
+            s.index
+        );
+        assert_eq!(s.padded_rows, s.spec.dims.head_vocab_sizes.iter().sum::<u64>());
+    }
+    // The token map went into the sites' hash family.
+    assert!(c.sites[0].spec.family.token_limit() == Some(129_280));
+}
+
+#[test]
+fn the_longcat_checkpoint_has_twelve_sub_tables() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = write(tmp.path(), Preset::LongcatFlashLite, 1000);
+    let v = config(&ck);
+    assert_eq!(v["ngram_vocab_size_ratio"], serde_json::json!(78));
+    assert_eq!(v["emb_neighbor_num"], serde_json::json!(4));
+    assert_eq!(v["emb_split_num"], serde_json::json!(4));
+    // 1000 rows round up to 12 equal sub-tables of 84.
+    assert_eq!(v["ple_table_rows"], serde_json::json!(1008));
+    let c = Checkpoint::open(&ck).unwrap();
+    let s = &c.sites[0];
+    assert_eq!(s.table.sub_tables.len(), 12);
+    let n = LongCatNames::flash();
+    for (i, sub) in s.table.sub_tables.iter().enumerate() {
+        assert_eq!(sub.stored_rows, 84);
+        assert_eq!(sub.logical_rows, 78 * 131_072 + 2 * i as u64 + 1);
+        assert_eq!(s.table.shards[i].1, n.sub_table(i));
+    }
+    assert_eq!(s.weights.value_proj.len(), 3072 * 3072);
+    assert!(s.weights.key_proj.is_empty() && s.weights.conv1d.is_empty());
+    // Row r of the value projection holds sub-table i's projection row r
+    // at columns i*256..(i+1)*256.
+    let p3 = file_of(&ck, &n.post_proj(3));
+    let raw = Header::read(&p3).unwrap().read_tensor(&n.post_proj(3)).unwrap();
+    let want = u16::from_le_bytes([raw[2 * (5 * 256 + 7)], raw[2 * (5 * 256 + 7) + 1]]);
+    assert_eq!(s.weights.value_proj[5 * 3072 + 3 * 256 + 7], want);
+}
+
+#[test]
+fn longcat_refuses_a_sub_table_of_the_wrong_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = write(tmp.path(), Preset::LongcatFlashLite, 1200);
+    let n = LongCatNames::flash();
+    let f = file_of(&ck, &n.sub_table(7));
+    reshape_tensor(&f, &n.sub_table(7), &[99, 256]);
+    let e = refusal(&ck);
+    assert!(e.contains(&n.sub_table(7)) && e.contains("[99, 256]"), "{e}");
+    let ck = write(&tmp.path().join("b"), Preset::LongcatFlashLite, 1200);
+    let f = file_of(&ck, &n.post_proj(0));
+    reshape_tensor(&f, &n.post_proj(0), &[256, 3072]);
+    let e = refusal(&ck);
+    assert!(e.contains(&n.post_proj(0)) && e.contains(&f.display().to_string()), "{e}");
+}
+
+#[test]
+fn engram_refusals_name_the_file_and_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = write(tmp.path(), Preset::EngramDemo, 2048);
+    let n = EngramDemoNames::new(15);
+    let dense = ck.join(shard_file(1, 3));
+    // A non-finite bias.
+    let mut bad = vec![0u8; 1024 * 4];
+    bad[4 * 17..4 * 18].copy_from_slice(&f32::NAN.to_le_bytes());
+    replace_tensor(
+        &dense,
+        &n.key_bias(2),
+        TensorSpec::new(n.key_bias(2), Dtype::F32, &[1024]),
+        bad,
+    );
+    let e = refusal(&ck);
+    assert!(
+        e.contains(&n.key_bias(2)) && e.contains("element 17") && e.contains("model-00001"),
+        "{e}"
+    );
+    // Offsets that are not the running sums of the head sizes.
+    let ck = write(&tmp.path().join("b"), Preset::EngramDemo, 2048);
+    let dense = ck.join(shard_file(1, 3));
+    replace_tensor(
+        &dense,
+        &n.offsets(),
+        TensorSpec::new(n.offsets(), Dtype::I64, &[16]),
+        vec![0u8; 16 * 8],
+    );
+    let e = refusal(&ck);
+    assert!(e.contains(&n.offsets()) && e.contains("entry 1"), "{e}");
+    // A token map of the wrong size, and one onto too few ids.
+    let ck = write(&tmp.path().join("c"), Preset::EngramDemo, 2048);
+    std::fs::write(ck.join(TOKEN_MAP_FILE), "[0, 1, 2]").unwrap();
+    let e = refusal(&ck);
+    assert!(e.contains(TOKEN_MAP_FILE) && e.contains("vocab_size"), "{e}");
+    let map: Vec<u32> = (0..129_280u32).map(|t| t % 1000).collect();
+    std::fs::write(ck.join(TOKEN_MAP_FILE), serde_json::to_string(&map).unwrap()).unwrap();
+    let e = refusal(&ck);
+    assert!(e.contains("engram_compressed_vocab_size"), "{e}");
+}
+
+#[test]
+fn a_stated_table_size_that_the_config_does_not_rebuild_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&Preset::DeepseekV41.spec().to_config_json()).unwrap();
+    v["engram_num_embeddings"] = serde_json::json!([384_006_168u64, 5]);
+    std::fs::write(ck.join(CONFIG_FILE), v.to_string()).unwrap();
+    let e = refusal(ck);
+    assert!(
+        e.contains("engram_num_embeddings[1]") && e.contains(CONFIG_FILE),
+        "{e}"
+    );
+}
+
+#[test]
+fn deepseek_v41_has_its_fused_fp8_projection_and_block_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = write(tmp.path(), Preset::DeepseekV41, 512);
+    let v = config(&ck);
+    assert_eq!(
+        v["engram_num_embeddings"],
+        serde_json::json!([384_006_168u64, 384_016_682u64])
+    );
+    assert_eq!(v["engram_layer_ids"], serde_json::json!([1, 14]));
+    let n = V41Names::new(14);
+    let dense = ck.join(shard_file(1, 3));
+    let h = Header::read(&dense).unwrap();
+    let wkv = h.get(&n.wkv()).unwrap();
+    assert_eq!(wkv.dtype, Dtype::F8E4M3);
+    assert_eq!(wkv.shape, [5 * 5120, 24 * 256]);
+    assert_eq!(h.get(&n.wkv_scale()).unwrap().shape, [5 * 160, 24 * 8]);
+    assert_eq!(h.get(&n.q_weight()).unwrap().shape, [4, 5120]);
+    let c = Checkpoint::open(&ck).unwrap();
+    let s = &c.sites[1];
+    assert_eq!(s.table.dtype, RowDType::Fp8E4M3Block32);
+    assert_eq!(s.table.bytes, 512 * 264);
+    assert_eq!(s.padded_rows, 384_016_682);
+    assert_eq!(s.weights.key_proj.len(), 4 * 5120 * 6144);
+    assert_eq!(s.weights.value_proj.len(), 5120 * 6144);
+    // A NaN block scale is refused by name.
+    let mut sc = h.read_tensor(&n.wkv_scale()).unwrap();
+    sc[3] = 255;
+    replace_tensor(
+        &dense,
+        &n.wkv_scale(),
+        TensorSpec::new(n.wkv_scale(), Dtype::U8, &[800, 192]),
+        sc,
+    );
+    let e = refusal(&ck);
+    assert!(e.contains(&n.wkv_scale()) && e.contains("block scale 3"), "{e}");
+}
+
+/// Run `tokens` through every site of `ck` with the table in `mode` (a
+/// small cache for [`TableMode::Cached`]), in `chunks`; the final highway.
+fn forward_all(ck: &Checkpoint, mode: TableMode, tokens: &[u32], chunks: &[usize]) -> Vec<f32> {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let start = gpu.live_alloc_count();
+    let width = ck.sites[0].spec.channels();
+    let mut host: Vec<f32> = (0..tokens.len() * width)
+        .map(|i| ((i % 89) as f32 - 44.0) / 50.0)
+        .collect();
+    {
+        let mut layers = Vec::new();
+        for s in 0..ck.sites.len() {
+            let table = match mode {
+                TableMode::Cached => ck.open_cached_table(s, CacheConfig::new(768), gpu.clone()),
+                m => ck.open_table(s, m, gpu.clone()),
+            }
+            .unwrap();
+            layers.push(ck.build_layer(s, table, 16, gpu.as_ref()).unwrap());
+        }
+        let hw = gpu.alloc(host.len() * 4, "highway").unwrap();
+        let bytes: Vec<u8> = host.iter().flat_map(|v| v.to_le_bytes()).collect();
+        gpu.copy_h2d(&bytes, hw).unwrap();
+        let mut states: Vec<_> = layers
+            .iter()
+            .map(|l| l.new_seq_state(gpu.as_ref()).unwrap())
+            .collect();
+        let mut at = 0;
+        for &n in chunks {
+            let toks = &tokens[at..at + n];
+            let rows = hw.offset(at * width * 4);
+            for (l, st) in layers.iter().zip(states.iter_mut()) {
+                let ctx = ForwardContext::new(gpu.as_ref()).with_host_ids(toks);
+                l.forward(st, rows, n, at == 0, &ctx, 0).unwrap();
+            }
+            at += n;
+        }
+        gpu.synchronize(0).unwrap();
+        let mut out = vec![0u8; host.len() * 4];
+        gpu.copy_d2h(hw, &mut out).unwrap();
+        for (v, c) in host.iter_mut().zip(out.chunks_exact(4)) {
+            *v = f32::from_le_bytes(c.try_into().unwrap());
+        }
+        for (l, st) in layers.iter().zip(states.iter_mut()) {
+            l.release_seq_state(st, gpu.as_ref()).unwrap();
+        }
+        for l in layers.iter_mut() {
+            l.free(gpu.as_ref()).unwrap();
+        }
+        gpu.free(hw).unwrap();
+    }
+    assert_eq!(gpu.live_alloc_count(), start, "leaked:\n{}", gpu.live_report());
+    host
+}
+
+fn check_modes(preset: Preset, rows: u64) {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = Checkpoint::open(&write(tmp.path(), preset, rows)).unwrap();
+    // Tokens across the raw vocabulary, with EOS (2) in the middle.
+    let tokens: Vec<u32> = (0..20u32)
+        .map(|i| if i == 9 { 2 } else { (i * 48_271 + 11) % 129_280 })
+        .collect();
+    let resident = forward_all(&ck, TableMode::Resident, &tokens, &[20]);
+    assert!(resident.iter().all(|v| v.is_finite()));
+    for (mode, chunks) in [
+        (TableMode::Resident, &[7usize, 13][..]),
+        (TableMode::Mapped, &[20][..]),
+        (TableMode::Cached, &[3, 16, 1][..]),
+    ] {
+        let h = forward_all(&ck, mode, &tokens, chunks);
+        assert!(
+            h.iter().zip(&resident).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{}: {mode:?} with chunks {chunks:?} differs from resident",
+            preset.name()
+        );
+    }
+}
+
+#[test]
+fn every_table_mode_gives_the_same_highway_for_the_engram_demo() {
+    check_modes(Preset::EngramDemo, 3000);
+}
+
+#[test]
+fn every_table_mode_gives_the_same_highway_for_longcat() {
+    check_modes(Preset::LongcatFlashLite, 1200);
+}
