@@ -3,7 +3,10 @@
 //! The checkpoint stores the table as shards `...ngram_embedding.shard_{i}.weight`
 //! of shape `[rows_per_shard, head_dim]`, all equal, either BF16 or FP8 E4M3
 //! (`F8_E4M3`, or `U8` holding E4M3 bytes). FP8 shards carry a companion
-//! `...shard_{i}.scale` tensor `[rows_per_shard]` F32 in the same file.
+//! `...shard_{i}.scale` tensor `[rows_per_shard]` F32 in the same file. A
+//! `U8` shard without that companion whose width is `33 * d / 32` holds
+//! block-scaled FP8 rows of `d` values, their UE8M0 scales inline
+//! ([`RowDType::Fp8E4M3Block32`]).
 //! Row id `r` lives in shard `r / rows_per_shard` at row `r % rows_per_shard`.
 //!
 //! Invariants of an opened [`TableFiles`]:
@@ -89,8 +92,18 @@ impl TableFiles {
                     t.shape
                 )));
             }
+            let block = crate::dtype::FP8_BLOCK as u64 + 1;
             let dtype = match t.dtype {
                 Dtype::BF16 => RowDType::Bf16,
+                // Bytes with no per-row scale beside them, `33 * d / 32`
+                // wide: FP8 rows of `d` values with their UE8M0 block scales
+                // inline (DeepSeek-V4.1's table).
+                Dtype::U8
+                    if h.tensor(&scale_name(name)).is_none()
+                        && t.shape.get(1).is_some_and(|&w| w > 0 && w % block == 0) =>
+                {
+                    RowDType::Fp8E4M3Block32
+                }
                 Dtype::F8E4M3 | Dtype::U8 => RowDType::Fp8E4M3,
                 other => {
                     return Err(err(format!(
@@ -158,6 +171,12 @@ impl TableFiles {
                 ),
             ));
         }
+        // A block-scaled row's width counts its scale bytes too.
+        let dim = if dtype == RowDType::Fp8E4M3Block32 {
+            dim / (crate::dtype::FP8_BLOCK as u64 + 1) * crate::dtype::FP8_BLOCK as u64
+        } else {
+            dim
+        };
         let head_dim = usize::try_from(dim).map_err(|_| {
             StorageError::layout(None, None, format!("head_dim {dim} does not fit in usize"))
         })?;
