@@ -96,8 +96,9 @@ fn text_table_help_and_bad_dir() {
 }
 
 /// `bench offload` at the hidden `--smoke` sizes: one JSON object whose
-/// rows cover every table with prefetch off and on, with the measured
-/// figures present where the table produces them.
+/// rows cover every table with prefetch off and on, without and with the
+/// backbone, with the measured figures present where the table produces
+/// them.
 #[test]
 fn offload_smoke_run_prints_every_table_as_json() {
     let dir = tempfile::tempdir().unwrap();
@@ -119,22 +120,26 @@ fn offload_smoke_run_prints_every_table_as_json() {
     let mut seen = Vec::new();
     for row in rows {
         let table = row["table"].as_str().unwrap();
-        seen.push((table.to_string(), row["prefetch"].as_bool().unwrap()));
-        assert_eq!(row["backbone"], false, "{row:#}");
+        seen.push((
+            table.to_string(),
+            row["prefetch"].as_bool().unwrap(),
+            row["backbone"].as_bool().unwrap(),
+        ));
         assert!(
             row["decode_tokens_per_s"].as_f64().unwrap() > 0.0,
             "{row:#}"
         );
         assert!(row["overhead_vs_resident_pct"].is_number(), "{row:#}");
         let cached = table == "cached";
-        for key in ["hit_rate", "io_wait_share"] {
+        for key in ["hit_rate", "io_wait_share", "read_share"] {
             assert_eq!(row[key].is_number(), cached, "{key} in {row:#}");
         }
         assert!(row["bytes_read_per_token"].as_f64().is_some() || !cached);
     }
-    let want: Vec<(String, bool)> = [false, true]
+    let want: Vec<(String, bool, bool)> = [false, true]
         .into_iter()
-        .flat_map(|p| ["resident", "mapped", "cached"].map(|t| (t.to_string(), p)))
+        .flat_map(|b| [false, true].map(move |p| (p, b)))
+        .flat_map(|(p, b)| ["resident", "mapped", "cached"].map(|t| (t.to_string(), p, b)))
         .collect();
     assert_eq!(seen, want);
     // The checkpoint written for the run stays for the next one.

@@ -239,13 +239,18 @@ fn decode_batches_larger_than_the_row_cache_run_and_verify() {
         "--slots",
     ];
     for extra in [
-        &["4", "--verify"][..],
+        &["4"][..],
+        &["4", "--verify"],
         &["4", "--verify", "--decode-graphs"],
+        &["4", "--verify", "--backbone"],
     ] {
         let args = [&base[..], extra].concat();
         let (o, out, err) = run(tmp.path(), &args);
         assert!(o.status.success(), "{args:?}: {out}\n{err}");
-        assert!(out.contains("bit-identical"), "{args:?}: {out}");
+        assert!(
+            out.contains("bit-identical") || !args.contains(&"--verify"),
+            "{args:?}: {out}"
+        );
     }
     let args = [&base[..], &["3", "--decode-graphs"]].concat();
     let (o, _, err) = run(tmp.path(), &args);
@@ -254,4 +259,53 @@ fn decode_batches_larger_than_the_row_cache_run_and_verify() {
         err.contains("cannot keep one sequence's rows pinned"),
         "{err}"
     );
+}
+
+/// With the backbone the outputs verify against a run without it (eager
+/// and through graphs), the summary names the blocks and carries the read
+/// time beside the wait; a scale of 0 is refused.
+#[test]
+fn the_backbone_changes_no_output_and_the_reads_are_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    for extra in [&[][..], &["--decode-graphs"], &["--no-prefetch"]] {
+        let mut args = vec![
+            "run",
+            "--verify",
+            "--json",
+            "--backbone",
+            "--backbone-scale",
+            "2",
+        ];
+        args.extend_from_slice(SMALL);
+        args.extend_from_slice(extra);
+        let (o, out, err) = run(tmp.path(), &args);
+        assert!(o.status.success(), "{extra:?}: {out}\n{err}");
+        let v: Value = serde_json::from_str(&out).expect("JSON on stdout");
+        assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");
+        assert_eq!(count(&v, &["backbone", "layers"]), 4, "{out}");
+        assert_eq!(v["backbone"]["site_layers"], serde_json::json!([2, 4]));
+        assert_eq!(count(&v, &["backbone", "model_width"]), 128);
+        assert_eq!(
+            v["prefetch"],
+            Value::Bool(!extra.contains(&"--no-prefetch"))
+        );
+        let read = v["read_seconds"]
+            .as_f64()
+            .expect("a cached table's read time");
+        let wait = v["io_wait_seconds"].as_f64().unwrap();
+        assert!(read > 0.0, "{out}");
+        let hidden = v["read_hidden_share"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hidden), "{out}");
+        assert!(wait >= 0.0);
+    }
+    let mut args = vec!["run", "--backbone"];
+    args.extend_from_slice(SMALL);
+    let (o, out, err) = run(tmp.path(), &args);
+    assert!(o.status.success(), "{out}\n{err}");
+    for row in ["backbone", "I/O wait", "reads"] {
+        assert!(out.contains(row), "no {row} in {out}");
+    }
+    let (o, _, err) = run(tmp.path(), &["run", "--backbone", "--backbone-scale", "0"]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--backbone-scale"), "{err}");
 }

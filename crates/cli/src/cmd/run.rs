@@ -14,6 +14,12 @@
 //! (swapping them to host memory) when more sequences are in flight than
 //! `--resident-carries` allows.
 //!
+//! With `--backbone`, every model layer gets GEMM blocks standing in for its
+//! attention and MLP (widths divided by `--backbone-scale`), each PLE site
+//! at its layer among them, so the row reads started at the beginning of a
+//! step have compute to hide behind; the summary then shows how much of
+//! the read time the steps still waited for (`I/O wait` against `reads`).
+//!
 //! The highway rows fed in for a token are a function of the token alone
 //! (a hashed pseudo-embedding), so they are a function of the token prefix
 //! as the prefix cache requires. Every output row is fingerprinted by
@@ -34,8 +40,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
+use metrale_engine::backbone::{BackboneConfig, BlockShape};
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::server::{Request, Server, ServerConfig, ServerReport, Workload};
+use metrale_engine::server::{Request, Server, ServerConfig, ServerReport, TimedReader, Workload};
 use metrale_engine::{Engine, EngineConfig, Site, SwapTarget};
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::cached::CacheConfig;
@@ -129,10 +136,22 @@ pub struct RunArgs {
     /// token ids.
     #[arg(long)]
     pub text: Option<PathBuf>,
-    /// Do not start the table reads of the next prefill chunk and decode
-    /// batch ahead of time (they overlap the current step by default).
+    /// Do not start the row reads of each step's decode batch and prefill
+    /// chunk at the start of the step (by default they overlap the step's
+    /// compute).
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Run a compute backbone: for every model layer, BF16 GEMMs standing
+    /// in for its attention and MLP (a QKV and output projection, a gated
+    /// MLP up and down of 8/3 the width), each PLE site at its layer among
+    /// them. Outputs do not change; the reads have compute to hide behind.
+    #[arg(long)]
+    pub backbone: bool,
+    /// Divide the backbone's widths by this: 1 is a block of the model's
+    /// highway width; the default keeps a flagship block usable on a small
+    /// CPU.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub backbone_scale: usize,
     /// Fail this percentage of the table's read batches (EIO or a short
     /// read; --table cached only). The sequences of a failed call are
     /// released and run again from the start, up to --retries times.
@@ -195,6 +214,10 @@ struct PassConfig {
     graphs: bool,
     /// The shared carry store behind the prefix cache.
     store: Option<store::StoreSetup>,
+    /// Start each step's reads at its start.
+    prefetch: bool,
+    /// The backbone around the sites.
+    backbone: Option<BackboneConfig>,
 }
 
 /// What one pass measured.
@@ -213,14 +236,28 @@ pub(super) fn build_engine(
     pc: &EngineSetup,
     max_tokens: usize,
 ) -> Result<Engine<PleSite>> {
+    let reader = pc.faults.as_ref().map(|r| r.clone() as Arc<dyn PageReader>);
+    let sites = build_sites(ck, gpu, pc, max_tokens, reader)?;
+    let cfg = engine_config(pc, &sites);
+    Ok(Engine::new(gpu.clone(), sites, cfg)?)
+}
+
+/// The PLE site of every site of `ck`, each layer taking up to
+/// `max_tokens` rows per forward; a cached table reads through `reader`
+/// when one is given.
+pub(super) fn build_sites(
+    ck: &Checkpoint,
+    gpu: &Arc<dyn GpuBackend>,
+    pc: &EngineSetup,
+    max_tokens: usize,
+    reader: Option<Arc<dyn PageReader>>,
+) -> Result<Vec<PleSite>> {
     let mut sites = Vec::new();
     for s in 0..ck.sites.len() {
         let table = match pc.mode {
             TableMode::Cached => {
                 let mut cfg = CacheConfig::new(pc.slots);
-                if let Some(reader) = &pc.faults {
-                    cfg.reader = Some(reader.clone() as Arc<dyn PageReader>);
-                }
+                cfg.reader = reader.clone();
                 ck.open_cached_table(s, cfg, gpu.clone())?
             }
             mode => ck.open_table(s, mode, gpu.clone())?,
@@ -228,12 +265,18 @@ pub(super) fn build_engine(
         let layer = ck.build_layer(s, table, max_tokens, gpu.as_ref())?;
         sites.push(PleSite::new(layer));
     }
+    Ok(sites)
+}
+
+/// `pc`'s engine settings, the device budget set from
+/// `resident_carries` of `sites`' carries when that is positive.
+pub(super) fn engine_config<S: Site>(pc: &EngineSetup, sites: &[S]) -> EngineConfig {
     let mut cfg = pc.engine.clone();
     if pc.resident_carries > 0 {
         let carry: usize = sites.iter().map(Site::carry_bytes).sum();
         cfg.device_budget_bytes = pc.resident_carries * carry;
     }
-    Ok(Engine::new(gpu.clone(), sites, cfg)?)
+    cfg
 }
 
 /// Run the workload once, through the engine's server.
@@ -246,21 +289,44 @@ fn pass(
 ) -> Result<PassResult> {
     let gpu: Arc<dyn GpuBackend> = open_backend(a.device).map_err(|e| anyhow!("{e}"))?;
     let max_tokens = a.prefill_chunk.max(a.decode_batch);
-    let mut engine = build_engine(ck, &gpu, &pc.setup, max_tokens)?;
-    if let Some(st) = &pc.store {
-        st.attach(&mut engine)?;
-    }
-    let carry_bytes = engine.carry_bytes();
+    // Every read of a cached table goes through one timed reader (over the
+    // fault injector when there is one), for the total read time.
+    let timed = match pc.setup.mode {
+        TableMode::Cached => {
+            let inner: Arc<dyn PageReader> = match &pc.setup.faults {
+                Some(f) => f.clone(),
+                None => default_reader(32)?,
+            };
+            Some(Arc::new(TimedReader::new(inner)))
+        }
+        _ => None,
+    };
+    let sites = build_sites(
+        ck,
+        &gpu,
+        &pc.setup,
+        max_tokens,
+        timed.clone().map(|t| t as Arc<dyn PageReader>),
+    )?;
+    let engine_cfg = engine_config(&pc.setup, &sites);
     let cfg = ServerConfig {
         in_flight: a.in_flight.max(1),
         prefill_chunk: a.prefill_chunk,
         decode_batch: a.decode_batch.max(1),
-        prefetch: !a.no_prefetch,
+        prefetch: pc.prefetch,
+        backbone: pc.backbone.clone(),
         decode_graphs: pc.graphs,
         // Failed calls are tolerated (and rerun) only with injected faults.
         retries: pc.setup.faults.is_some().then_some(a.retries),
     };
-    let mut server = Server::new(engine, cfg)?;
+    let mut server = Server::build(gpu.clone(), sites, engine_cfg, cfg)?;
+    if let Some(t) = timed {
+        server.time_reads(t);
+    }
+    if let Some(st) = &pc.store {
+        st.attach(server.engine_mut())?;
+    }
+    let carry_bytes = server.engine().carry_bytes();
     let workload = Workload {
         requests: plans,
         rows: &embed,
@@ -291,6 +357,10 @@ struct Summary {
     read_calls: u64,
     io_wait_seconds: f64,
     io_wait_share: f64,
+    read_seconds: Option<f64>,
+    read_hidden_share: Option<f64>,
+    prefetch: bool,
+    backbone: Option<BackboneSummary>,
     prefix_cache: PrefixSummary,
     swaps: SwapSummary,
     decode_graphs: Option<GraphSummary>,
@@ -300,6 +370,16 @@ struct Summary {
     faults: Option<FaultSummary>,
     verify: Option<VerifySummary>,
     carry_store: Option<store::StoreSummary>,
+}
+
+#[derive(Serialize)]
+struct BackboneSummary {
+    layers: usize,
+    site_layers: Vec<usize>,
+    scale: usize,
+    model_width: usize,
+    intermediate: usize,
+    gflop_per_token: f64,
 }
 
 #[derive(Serialize)]
@@ -412,12 +492,32 @@ fn render(s: &Summary) -> String {
         bytes(s.bytes_read),
         s.read_calls
     );
+    if let Some(b) = &s.backbone {
+        let _ = writeln!(
+            o,
+            "  backbone        {} layers (sites at {:?}), blocks of width {} / MLP {} (scale 1/{}), {:.1} MFLOP per token",
+            b.layers,
+            b.site_layers,
+            b.model_width,
+            b.intermediate,
+            b.scale,
+            b.gflop_per_token * 1e3
+        );
+    }
     let _ = writeln!(
         o,
-        "  I/O wait        {:.1}% of wall time ({:.3} s)",
+        "  I/O wait        {:.1}% of wall time ({:.3} s blocked on rows; prefetch {})",
         100.0 * s.io_wait_share,
-        s.io_wait_seconds
+        s.io_wait_seconds,
+        if s.prefetch { "on" } else { "off" }
     );
+    if let (Some(r), Some(h)) = (s.read_seconds, s.read_hidden_share) {
+        let _ = writeln!(
+            o,
+            "  reads           {r:.3} s in read calls, {:.1}% of it hidden behind compute",
+            100.0 * h
+        );
+    }
     let _ = writeln!(
         o,
         "  prefix cache    {} hits, {} tokens restored",
@@ -556,6 +656,9 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     if a.block_size == 0 {
         return Err(input(anyhow!("--block-size must be positive")));
     }
+    if a.backbone_scale == 0 {
+        return Err(input(anyhow!("--backbone-scale must be positive")));
+    }
     drop(open_backend(a.device)?);
     let dir = checkpoint_dir(&a.dir)?;
     let ck = Checkpoint::open(&dir).map_err(input)?;
@@ -621,6 +724,10 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         },
         graphs: a.decode_graphs,
         store: store_setup,
+        prefetch: !a.no_prefetch,
+        backbone: a
+            .backbone
+            .then(|| BackboneConfig::for_model(&ck.spec, a.backbone_scale)),
     };
     let bar = sequence_bar(plans.len(), "run");
     let r = pass(&ck, &plans, a, &main, &bar).map_err(failure)?;
@@ -640,6 +747,10 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             },
             graphs: false,
             store: None,
+            // The reference runs no backbone and no prefetch: neither may
+            // change an output bit.
+            prefetch: false,
+            backbone: None,
         };
         let bar = sequence_bar(plans.len(), "verify");
         let v = pass(&ck, &plans, a, &check, &bar).map_err(failure)?;
@@ -657,7 +768,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
 
     let st = r.report.stats;
     let lookups = r.report.table.hits + r.report.table.misses;
-    let io_wait = r.report.table.io_wait_ns as f64 / 1e9;
+    let io_wait = r.report.io_wait.as_secs_f64();
     let summary = Summary {
         checkpoint: dir.display().to_string(),
         sequences: plans.len(),
@@ -690,6 +801,27 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         read_calls: r.report.table.read_calls,
         io_wait_seconds: io_wait,
         io_wait_share: io_wait / r.report.wall.as_secs_f64().max(1e-9),
+        read_seconds: r.report.read_time.map(|d| d.as_secs_f64()),
+        read_hidden_share: r.report.read_time.map(|d| {
+            let read = d.as_secs_f64();
+            if read > 0.0 {
+                (1.0 - io_wait / read).clamp(0.0, 1.0)
+            } else {
+                1.0
+            }
+        }),
+        prefetch: !a.no_prefetch,
+        backbone: main.backbone.as_ref().map(|b| {
+            let shape = BlockShape::new(g.hc_mult * g.hidden_size, b.scale);
+            BackboneSummary {
+                layers: b.layers,
+                site_layers: b.site_layers.clone(),
+                scale: b.scale,
+                model_width: shape.model,
+                intermediate: shape.intermediate,
+                gflop_per_token: 2.0 * shape.macs_per_token() as f64 * b.layers as f64 / 1e9,
+            }
+        }),
         prefix_cache: PrefixSummary {
             hits: st.prefix_hits,
             tokens_restored: st.prefix_tokens_restored,

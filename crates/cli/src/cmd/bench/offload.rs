@@ -4,13 +4,18 @@
 //! One synthetic flagship checkpoint (its table cut to a size several times
 //! the row cache: at least 8x, several GiB on disk for the full run) is
 //! served resident, memory-mapped and through the row cache, each with
-//! prefetch off and on. For each, a fresh engine prefills a set of
+//! prefetch off and on, and each without and with the compute backbone
+//! ([`metrale_engine::backbone`]: GEMM blocks for every model layer around
+//! the sites, widths divided by `--backbone-scale`). For each, a fresh
+//! engine prefills a set of
 //! sequences and decodes them together, one Zipf-distributed token each per
 //! step, window after window until the row cache is warm (its hit rate moved
 //! less than half a point between two consecutive windows), and then the
 //! same workload is measured: decode tokens/s, the overhead against the
-//! resident table with the same prefetch setting, the hit rate, bytes read
-//! per token and the share of wall time spent waiting for reads. The disk's
+//! resident table with the same prefetch and backbone settings, the hit
+//! rate, bytes read per token, the share of wall time the steps were
+//! blocked waiting for rows, and (cached tables) the share spent in read
+//! calls at all, foreground or prefetch. The disk's
 //! random 4 KiB read ceiling ([`RandomReads`], the miss path's reader) is
 //! measured in the same run, on the checkpoint's own shard file.
 //!
@@ -20,8 +25,10 @@
 //! does not produce (a hit rate without a cache, I/O wait of page faults)
 //! is left out (JSON `null`). Bytes read are the row cache's own reads for a
 //! cached table, and the process's storage reads (`/proc/self/io`) for the
-//! others. With prefetch on, the rows of each sequence's next token are
-//! requested before the current step runs, so their reads overlap it.
+//! others. With prefetch on, the rows of every sequence's token of a step
+//! are requested at every site at the start of the step (once its tokens
+//! are known, as the server does), so their reads overlap the blocks that
+//! run before each site.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,17 +39,20 @@ use clap::Args;
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
+use metrale_engine::backbone::{BackboneConfig, Layered, layered};
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::{Engine, EngineConfig, SeqId};
+use metrale_engine::server::TimedReader;
+use metrale_engine::{Engine, EngineConfig, EngineError, SeqId, Site};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::bench::Rng;
 use metrale_storage::bench::RandomReads;
+use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::table::TableStats;
 use serde::Serialize;
 
 use crate::cmd::common::bytes;
-use crate::cmd::run::{EngineSetup, build_engine};
+use crate::cmd::run::{EngineSetup, build_sites, engine_config};
 use crate::cmd::{CmdError, failure, input};
 
 /// Arguments of `metrale-ple bench offload`.
@@ -66,6 +76,23 @@ pub struct OffloadArgs {
     /// figure is produced, measures nothing worth reading.
     #[arg(long, hide = true)]
     smoke: bool,
+    /// Divide the backbone's widths by this (1: blocks of the model's
+    /// highway width); the default keeps the flagship's blocks usable on a
+    /// small CPU.
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    backbone_scale: usize,
+    /// Measure only without the backbone (or only with it).
+    #[arg(long, value_name = "on|off")]
+    only_backbone: Option<OnOff>,
+}
+
+/// A setting to keep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum OnOff {
+    /// Only with it.
+    On,
+    /// Only without it.
+    Off,
 }
 
 /// The sizes of one run.
@@ -146,13 +173,16 @@ const ZIPF: f64 = 1.1;
 struct OffloadRow {
     table: &'static str,
     prefetch: bool,
-    /// The backbone is not run: only the PLE sites.
+    /// Whether the backbone blocks ran around the sites.
     backbone: bool,
     decode_tokens_per_s: f64,
     overhead_vs_resident_pct: Option<f64>,
     hit_rate: Option<f64>,
     bytes_read_per_token: Option<f64>,
     io_wait_share: Option<f64>,
+    /// The share of wall time spent in read calls (foreground and
+    /// prefetch, summed over concurrent readers); cached tables only.
+    read_share: Option<f64>,
 }
 
 /// The whole report.
@@ -172,6 +202,8 @@ struct Report {
     disk_direct: bool,
     disk_random_reads_per_s: f64,
     disk_random_read_bytes_per_s: f64,
+    backbone_scale: usize,
+    backbone_layers: usize,
     rows: Vec<OffloadRow>,
 }
 
@@ -233,8 +265,16 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
             (d.clone(), Some(Scratch(d)))
         }
     };
+    if args.backbone_scale == 0 {
+        return Err(input(anyhow::anyhow!("--backbone-scale must be positive")));
+    }
     let ck = checkpoint(&dir, &sizes)?;
-    let report = measure_all(&ck, &sizes).map_err(failure)?;
+    let backbones: &[bool] = match args.only_backbone {
+        None => &[false, true],
+        Some(OnOff::On) => &[true],
+        Some(OnOff::Off) => &[false],
+    };
+    let report = measure_all(&ck, &sizes, args.backbone_scale, backbones).map_err(failure)?;
     eprintln!("bench offload: done in {:.1} s", t0.elapsed().as_secs_f64());
     print(&report, args.json).map_err(failure)
 }
@@ -297,9 +337,10 @@ struct Measured {
     hit_rate: Option<f64>,
     bytes_per_token: Option<f64>,
     io_wait_share: Option<f64>,
+    read_share: Option<f64>,
 }
 
-fn measure_all(ck: &Checkpoint, sizes: &Sizes) -> Result<Report> {
+fn measure_all(ck: &Checkpoint, sizes: &Sizes, scale: usize, backbones: &[bool]) -> Result<Report> {
     let site = &ck.sites[0];
     let stored = site.table.stored_rows;
     let row_bytes = site.table.head_dim as u64 * 2;
@@ -334,24 +375,31 @@ fn measure_all(ck: &Checkpoint, sizes: &Sizes) -> Result<Report> {
         ("cached", TableMode::Cached),
     ];
     let mut rows = Vec::new();
-    for prefetch in [false, true] {
-        let mut resident_tps = None;
-        for (name, mode) in tables {
-            let m = measure(ck, sizes, mode, slots, prefetch)
-                .with_context(|| format!("{name} table, prefetch {prefetch}"))?;
-            if mode == TableMode::Resident {
-                resident_tps = Some(m.tokens_per_s);
+    for &backbone in backbones {
+        let bb = backbone.then(|| BackboneConfig::for_model(&ck.spec, scale));
+        for prefetch in [false, true] {
+            let mut resident_tps = None;
+            for (name, mode) in tables {
+                let m =
+                    measure(ck, sizes, mode, slots, prefetch, bb.as_ref()).with_context(|| {
+                        format!("{name} table, prefetch {prefetch}, backbone {backbone}")
+                    })?;
+                if mode == TableMode::Resident {
+                    resident_tps = Some(m.tokens_per_s);
+                }
+                rows.push(OffloadRow {
+                    table: name,
+                    prefetch,
+                    backbone,
+                    decode_tokens_per_s: m.tokens_per_s,
+                    overhead_vs_resident_pct: resident_tps
+                        .map(|r| (r / m.tokens_per_s - 1.0) * 100.0),
+                    hit_rate: m.hit_rate,
+                    bytes_read_per_token: m.bytes_per_token,
+                    io_wait_share: m.io_wait_share,
+                    read_share: m.read_share,
+                });
             }
-            rows.push(OffloadRow {
-                table: name,
-                prefetch,
-                backbone: false,
-                decode_tokens_per_s: m.tokens_per_s,
-                overhead_vs_resident_pct: resident_tps.map(|r| (r / m.tokens_per_s - 1.0) * 100.0),
-                hit_rate: m.hit_rate,
-                bytes_read_per_token: m.bytes_per_token,
-                io_wait_share: m.io_wait_share,
-            });
         }
     }
     Ok(Report {
@@ -369,31 +417,30 @@ fn measure_all(ck: &Checkpoint, sizes: &Sizes) -> Result<Report> {
         disk_direct: direct,
         disk_random_reads_per_s: reads_per_s,
         disk_random_read_bytes_per_s: reads_per_s * 4096.0,
+        backbone_scale: scale,
+        backbone_layers: ck.spec.num_hidden_layers,
         rows,
     })
 }
 
+/// The engine the bench drives.
+type Served = Engine<Layered<PleSite>>;
+
 /// The decode workload over one engine: sequences prefilled once, then
-/// steps of one token each, the next token known one step ahead (what
+/// steps of one token each; a step's tokens are known at its start (what
 /// prefetch reads).
 struct Workload {
     zipf: Zipf,
     rng: Rng,
     ids: Vec<SeqId>,
     cur: Vec<u32>,
-    next: Vec<u32>,
     template: Vec<f32>,
     highway: Vec<f32>,
     prefetch: bool,
 }
 
 impl Workload {
-    fn new(
-        e: &mut Engine<PleSite>,
-        vocab: usize,
-        sizes: &Sizes,
-        prefetch: bool,
-    ) -> Result<Workload> {
+    fn new(e: &mut Served, vocab: usize, sizes: &Sizes, prefetch: bool) -> Result<Workload> {
         let zipf = Zipf::new(vocab, ZIPF);
         let mut rng = Rng::new(0x0FF1_0AD5);
         let w = e.width();
@@ -410,24 +457,28 @@ impl Workload {
             ids.push(id);
         }
         let cur = (0..ids.len()).map(|_| zipf.sample(&mut rng)).collect();
-        let next = (0..ids.len()).map(|_| zipf.sample(&mut rng)).collect();
         Ok(Workload {
             zipf,
             rng,
             ids,
             cur,
-            next,
             highway: Vec::with_capacity(sizes.sequences * w),
             template,
             prefetch,
         })
     }
 
-    /// One decode step of every sequence.
-    fn step(&mut self, e: &mut Engine<PleSite>) -> Result<()> {
+    /// One decode step of every sequence; with prefetch, every site's
+    /// reads of the step start first, in one call per site.
+    fn step(&mut self, e: &mut Served) -> Result<()> {
         if self.prefetch {
+            let mut work = Vec::with_capacity(self.ids.len());
             for (i, &id) in self.ids.iter().enumerate() {
-                e.prefetch(id, &[self.cur[i], self.next[i]])?;
+                work.push((e.tokens(id)?, std::slice::from_ref(&self.cur[i])));
+            }
+            for (k, site) in e.sites().iter().enumerate() {
+                site.prefetch_step(&work)
+                    .map_err(|err| EngineError::site(k, format!("site {k} step prefetch"), err))?;
             }
         }
         let batch: Vec<(SeqId, u32)> = self.ids.iter().copied().zip(self.cur.clone()).collect();
@@ -435,8 +486,7 @@ impl Workload {
         self.highway
             .extend_from_slice(&self.template[..batch.len() * e.width()]);
         e.decode(&batch, &mut self.highway)?;
-        std::mem::swap(&mut self.cur, &mut self.next);
-        for t in &mut self.next {
+        for t in &mut self.cur {
             *t = self.zipf.sample(&mut self.rng);
         }
         Ok(())
@@ -468,6 +518,7 @@ fn measure(
     mode: TableMode,
     slots: usize,
     prefetch: bool,
+    backbone: Option<&BackboneConfig>,
 ) -> Result<Measured> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let setup = EngineSetup {
@@ -482,21 +533,32 @@ fn measure(
         resident_carries: 0,
     };
     let t_open = Instant::now();
-    let mut e = build_engine(ck, &gpu, &setup, sizes.sequences.max(sizes.prompt))?;
+    let rows = sizes.sequences.max(sizes.prompt);
+    let cached = mode == TableMode::Cached;
+    let timed = if cached {
+        Some(Arc::new(TimedReader::new(default_reader(32)?)))
+    } else {
+        None
+    };
+    let reader = timed.clone().map(|t| t as Arc<dyn PageReader>);
+    let sites = build_sites(ck, &gpu, &setup, rows, reader)?;
+    let cfg = engine_config(&setup, &sites);
+    let sites = layered(gpu.as_ref(), sites, backbone, rows)?;
+    let mut e = Engine::new(gpu.clone(), sites, cfg)?;
     let opened = t_open.elapsed();
     let mut w = Workload::new(&mut e, ck.spec.vocab_size as usize, sizes, prefetch)?;
-    let cached = mode == TableMode::Cached;
     // Every decode token looks up `ngram_heads` rows at every site.
     let per_token: usize = e.geometries().iter().map(|g| g.dims.ngram_heads()).sum();
     let per_step = (per_token * sizes.sequences) as u64;
     let label = format!(
-        "{} table, prefetch {}",
+        "{} table, prefetch {}, backbone {}",
         match mode {
             TableMode::Resident => "resident",
             TableMode::Mapped => "mapped",
             _ => "cached",
         },
-        if prefetch { "on" } else { "off" }
+        if prefetch { "on" } else { "off" },
+        if backbone.is_some() { "on" } else { "off" }
     );
     // Warm up: windows until the hit rate settles (one window for tables
     // without a cache, which only fault pages in).
@@ -532,6 +594,7 @@ fn measure(
         }
     );
     let stats0 = e.table_stats();
+    let read0 = timed.as_ref().map(|t| t.elapsed());
     let io0 = process_read_bytes();
     let mut rates = Vec::with_capacity(sizes.reps);
     let mut wall = 0.0;
@@ -545,6 +608,7 @@ fn measure(
         rates.push((sizes.measure * sizes.sequences) as f64 / dt);
     }
     let io1 = process_read_bytes();
+    let read1 = timed.as_ref().map(|t| t.elapsed());
     let s = e.table_stats().since(&stats0);
     e.close()?;
     let steps = (sizes.measure * sizes.reps.max(1)) as u64;
@@ -564,6 +628,9 @@ fn measure(
         },
         bytes_per_token: bytes_read.map(|b| b as f64 / tokens),
         io_wait_share: cached.then(|| s.io_wait_ns as f64 / 1e9 / wall),
+        read_share: read0
+            .zip(read1)
+            .map(|(a, b)| b.saturating_sub(a).as_secs_f64() / wall),
     };
     eprintln!(
         "bench offload: {label}: {:.1} tokens/s (median of {} x {} steps; {:.2} s in all)",
@@ -611,20 +678,35 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "{:<9} {:<8} {:>12} {:>10} {:>9} {:>12} {:>9}",
-        "table", "prefetch", "tokens/s", "overhead", "hit rate", "bytes/token", "I/O wait"
+        "backbone: {} layers of GEMM blocks at 1/{} width where on",
+        r.backbone_layers, r.backbone_scale
+    )?;
+    writeln!(
+        out,
+        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>9} {:>12} {:>9} {:>9}",
+        "table",
+        "prefetch",
+        "backbone",
+        "tokens/s",
+        "overhead",
+        "hit rate",
+        "bytes/token",
+        "I/O wait",
+        "reads"
     )?;
     for row in &r.rows {
         writeln!(
             out,
-            "{:<9} {:<8} {:>12.1} {:>10} {:>9} {:>12} {:>9}",
+            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>9} {:>12} {:>9} {:>9}",
             row.table,
             if row.prefetch { "on" } else { "off" },
+            if row.backbone { "on" } else { "off" },
             row.decode_tokens_per_s,
             opt(row.overhead_vs_resident_pct, |v| format!("{v:+.1}%")),
             opt(row.hit_rate, |v| format!("{:.1}%", v * 100.0)),
             opt(row.bytes_read_per_token, |v| format!("{v:.0}")),
             opt(row.io_wait_share, |v| format!("{:.1}%", v * 100.0)),
+            opt(row.read_share, |v| format!("{:.1}%", v * 100.0)),
         )?;
     }
     Ok(())

@@ -10,10 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow};
-use metrale_engine::Engine;
-use metrale_engine::ple_site::PleSite;
 use metrale_engine::store::key::sha256;
 use metrale_engine::store::{CarryStore, CarryStoreStats, OpenOptions, TierConfig, open_store};
+use metrale_engine::{Engine, Site};
 use serde::Serialize;
 
 use super::super::common::bytes;
@@ -67,7 +66,7 @@ pub(super) fn setup(a: &RunArgs, dir: &Path) -> Result<Option<StoreSetup>> {
 
 impl StoreSetup {
     /// Put the store behind `engine`'s prefix cache.
-    pub(super) fn attach(&self, engine: &mut Engine<PleSite>) -> Result<()> {
+    pub(super) fn attach<S: Site>(&self, engine: &mut Engine<S>) -> Result<()> {
         let mut cfg = TierConfig::new(self.model_id.clone());
         cfg.max_probes = self.probes;
         engine
