@@ -41,6 +41,9 @@ enum Command {
     Bench(cmd::bench::BenchArgs),
     /// Table file tools: `table pack` realigns shards to 4 KiB.
     Table(cmd::table::TableArgs),
+    /// Build Engram's compressed-token map from a tokenizer.json and
+    /// write it as the JSON array `ids --token-map` reads.
+    TokenMap(cmd::token_map::TokenMapArgs),
     /// Random sequence lifecycles on many threads against one engine, every
     /// output checked against a sequential run, with read faults injected.
     Soak(cmd::soak::SoakArgs),
@@ -77,6 +80,7 @@ fn main() -> ExitCode {
         Command::Run(args) => cmd::run::run(&args),
         Command::Bench(args) => cmd::bench::run(&args),
         Command::Table(args) => cmd::table::run(args),
+        Command::TokenMap(args) => cmd::token_map::run(&args),
         Command::Soak(args) => cmd::soak::run(&args),
     };
     match result {

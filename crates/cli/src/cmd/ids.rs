@@ -10,6 +10,11 @@
 //! or Engram's pad id). Every token must be below the family's vocabulary
 //! (Engram: the token map's length, or the compressed vocabulary without
 //! one); the history must hold exactly `context_len` tokens.
+//!
+//! Engram's compressed-token map comes from a JSON array (`--token-map`)
+//! or is built from the tokenizer (`--tokenizer tokenizer.json`).
+//! `--doc-starts` and `--masked` (Engram only) give DeepSeek-V4.1's
+//! look-back boundaries as positions in `--tokens` (docs/SPEC.md §11).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -18,9 +23,10 @@ use anyhow::{Context as _, anyhow};
 use clap::Args;
 use metrale_model_layers::layers::ple::ModelSpec;
 use metrale_model_layers::layers::ple::ids::{
-    DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, HashFamily, IdError, PleHashParams,
-    PleIdHasher,
+    Boundaries, DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, HashFamily, IdError,
+    PleHashParams, PleIdHasher,
 };
+use metrale_model_layers::layers::ple::spec::engram::token_map_from_tokenizer_json;
 use metrale_model_layers::layers::ple::spec::load_token_map;
 use serde_json::json;
 
@@ -31,7 +37,7 @@ use super::{CmdError, failure, input};
 /// Flags of `metrale-ple ids`.
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Examples:\n  metrale-ple ids --vocab-size 151936 --eos 151645 --ngram-size 3 --heads-per-ngram 8 \\\n      --vocab-base 20000000 --tokens 1,2,3\n  metrale-ple ids --config ckpt/config.json --site 0 --tokens 5,6 --history 7,8\n  metrale-ple ids --config v41/config.json --layer 14 --token-map map.json --tokens 5,6"
+    after_help = "Examples:\n  metrale-ple ids --vocab-size 151936 --eos 151645 --ngram-size 3 --heads-per-ngram 8 \\\n      --vocab-base 20000000 --tokens 1,2,3\n  metrale-ple ids --config ckpt/config.json --site 0 --tokens 5,6 --history 7,8\n  metrale-ple ids --config v41/config.json --layer 14 --token-map map.json --tokens 5,6\n  metrale-ple ids --config v41/config.json --layer 14 --tokenizer tokenizer.json \\\n      --tokens 5,6,7,8,9,10 --doc-starts 0,4 --masked 2,3"
 )]
 pub struct IdsArgs {
     /// Take the geometry from this config.json instead of the flags.
@@ -73,6 +79,23 @@ pub struct IdsArgs {
     /// for raw token t (with --config only).
     #[arg(long, value_name = "PATH", requires = "config")]
     token_map: Option<PathBuf>,
+    /// Build Engram's compressed-token map from this Hugging Face
+    /// tokenizer.json, as the Engram demo does (with --config only).
+    #[arg(
+        long,
+        value_name = "PATH",
+        requires = "config",
+        conflicts_with = "token_map"
+    )]
+    tokenizer: Option<PathBuf>,
+    /// Engram: positions in --tokens that start a document; the n-gram
+    /// look-back does not reach before them, e.g. 0,5.
+    #[arg(long, value_name = "LIST", requires = "config")]
+    doc_starts: Option<String>,
+    /// Engram: positions in --tokens that are masked (e.g. image tokens):
+    /// they hash as pad ids and block the look-back, e.g. 3,4.
+    #[arg(long, value_name = "LIST", requires = "config")]
+    masked: Option<String>,
     /// Comma-separated token ids to hash, e.g. 1,2,3.
     #[arg(long, value_name = "LIST", allow_hyphen_values = true)]
     tokens: String,
@@ -97,6 +120,10 @@ fn from_config(args: &IdsArgs, path: &std::path::Path) -> anyhow::Result<Site> {
     if let Some(map_path) = &args.token_map {
         let map = load_token_map(map_path)?;
         spec = spec.with_token_map(map, &map_path.display().to_string())?;
+    }
+    if let Some(tok_path) = &args.tokenizer {
+        let built = token_map_from_tokenizer_json(tok_path)?;
+        spec = spec.with_token_map(built.map, &tok_path.display().to_string())?;
     }
     let site = match args.layer {
         None => args.site,
@@ -155,6 +182,30 @@ fn check_input(flag: &str, tokens: &[u32], vocab: Option<u64>) -> anyhow::Result
     }
 }
 
+/// One flag per position of `history ++ tokens` from a list of positions
+/// in the tokens (`None`: no flags).
+fn position_flags(
+    flag: &str,
+    list: Option<&str>,
+    history: usize,
+    tokens: usize,
+) -> anyhow::Result<Vec<bool>> {
+    let Some(text) = list else {
+        return Ok(Vec::new());
+    };
+    let mut flags = vec![false; history + tokens];
+    for p in parse_tokens(flag, text)? {
+        let p = p as usize;
+        if p >= tokens {
+            return Err(anyhow!(
+                "--{flag}: position {p} is past the {tokens} tokens given"
+            ));
+        }
+        flags[history + p] = true;
+    }
+    Ok(flags)
+}
+
 /// Run `metrale-ple ids`.
 pub fn run(args: &IdsArgs) -> Result<(), CmdError> {
     let site = match &args.config {
@@ -183,15 +234,34 @@ pub fn run(args: &IdsArgs) -> Result<(), CmdError> {
         }
     };
 
+    let bounded = args.doc_starts.is_some() || args.masked.is_some();
+    if bounded && !matches!(site.family, HashFamily::Engram { .. }) {
+        return Err(input(anyhow!(
+            "--doc-starts and --masked are defined for the Engram family; this config is {}",
+            site.family.name()
+        )));
+    }
+    let doc_start = position_flags("doc-starts", args.doc_starts.as_deref(), ctx, tokens.len())
+        .map_err(input)?;
+    let masked =
+        position_flags("masked", args.masked.as_deref(), ctx, tokens.len()).map_err(input)?;
+
     let hasher = PleIdHasher::with_family(&site.family, dims).map_err(failure)?;
     let heads = dims.ngram_heads();
     let mut ids = vec![0u64; tokens.len() * heads];
-    hasher
-        .ids_with_history_into(&history, &tokens, &mut ids)
-        .map_err(|e| match e {
-            IdError::TokenOutOfRange { .. } => input(e),
-            e => failure(e),
-        })?;
+    let hashed = if bounded {
+        let bounds = Boundaries {
+            doc_start: &doc_start,
+            masked: &masked,
+        };
+        hasher.engram_ids_bounded_into(&history, &tokens, bounds, &mut ids)
+    } else {
+        hasher.ids_with_history_into(&history, &tokens, &mut ids)
+    };
+    hashed.map_err(|e| match e {
+        IdError::TokenOutOfRange { .. } => input(e),
+        e => failure(e),
+    })?;
     dims.advance_history(&mut history, &tokens);
 
     let rows: Vec<&[u64]> = ids.chunks_exact(heads).collect();

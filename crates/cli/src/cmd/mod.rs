@@ -11,6 +11,7 @@ pub mod inspect;
 pub mod run;
 pub mod soak;
 pub mod table;
+pub mod token_map;
 
 use std::fmt;
 

@@ -234,8 +234,11 @@ pub fn engram_ids_bounded_into(
         let mut mixed = x.wrapping_mul(mults[0]);
         for p in 0..c {
             mixed ^= prev[p].wrapping_mul(mults[p + 1]);
-            for h in p * k..(p + 1) * k {
-                row[h] = mixed % dims.head_vocab_sizes[h] + dims.head_offsets[h];
+            let order = p * k..(p + 1) * k;
+            let sizes = &dims.head_vocab_sizes[order.clone()];
+            let offsets = &dims.head_offsets[order.clone()];
+            for ((slot, &size), &offset) in row[order].iter_mut().zip(sizes).zip(offsets) {
+                *slot = mixed % size + offset;
             }
         }
         push(&mut prev, i, x);
