@@ -135,7 +135,7 @@ pub struct CacheConfig {
     pub pin_wait: Duration,
     /// Which rows the arena keeps (see [`Policy`]).
     pub policy: Policy,
-    /// Rows of the host-memory tier behind the arena (0: none). Hot rows
+    /// Rows of the host-memory tier behind the arena (0: none). Rows
     /// evicted from the arena are kept there, in pageable host memory of
     /// about `host_rows * row bytes`, and copied back on a later miss
     /// instead of read from disk.
@@ -186,8 +186,6 @@ struct Slot {
     state: u8,
     /// Hits since loaded, saturating (the policy's reference count).
     freq: u8,
-    /// Hit at least once since loaded.
-    hot: bool,
 }
 
 struct State {
@@ -308,7 +306,6 @@ impl CachedTable {
                 generation: 0,
                 state: FREE,
                 freq: 0,
-                hot: false,
             };
             cfg.slots
         ];

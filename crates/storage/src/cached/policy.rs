@@ -15,10 +15,7 @@
 //!   never returned as a victim;
 //! - with S3-FIFO every slot is in exactly one of the two queues, except a
 //!   victim between [`Evictor::victim`] and the [`Evictor::admit`] that
-//!   follows it in the same critical section;
-//! - a victim is returned with `hot` set when its row earned a place in the
-//!   host tier: hit since it was loaded (CLOCK), or evicted from the main
-//!   queue (S3-FIFO).
+//!   follows it in the same critical section.
 
 use std::collections::VecDeque;
 
@@ -81,11 +78,6 @@ pub(super) enum Evictor {
     },
 }
 
-/// A victim slot, and whether the row it held deserves the host tier.
-pub(super) struct Victim {
-    pub slot: u32,
-    pub hot: bool,
-}
 
 fn busy(sl: &Slot) -> bool {
     sl.pins > 0 || (sl.state != READY && sl.state != FREE)
@@ -112,11 +104,10 @@ impl Evictor {
     #[inline]
     pub(super) fn touch(sl: &mut Slot) {
         sl.freq = (sl.freq + 1).min(MAX_FREQ);
-        sl.hot = true;
     }
 
     /// A victim among `slots`, or `None` when every slot is busy.
-    pub(super) fn victim(&mut self, slots: &mut [Slot]) -> Option<Victim> {
+    pub(super) fn victim(&mut self, slots: &mut [Slot]) -> Option<u32> {
         match self {
             Evictor::Clock { hand } => {
                 let n = slots.len();
@@ -131,10 +122,7 @@ impl Evictor {
                         sl.freq = 0;
                         continue;
                     }
-                    return Some(Victim {
-                        slot: s as u32,
-                        hot: sl.state == READY && sl.hot,
-                    });
+                    return Some(s as u32);
                 }
                 None
             }
@@ -177,7 +165,6 @@ impl Evictor {
     pub(super) fn admit(&mut self, slots: &mut [Slot], s: u32, id: u64) {
         let sl = &mut slots[s as usize];
         sl.freq = 0;
-        sl.hot = false;
         if let Evictor::S3 {
             small,
             main,
@@ -210,12 +197,12 @@ fn evict_small(
     main: &mut VecDeque<u32>,
     slots: &mut [Slot],
     mut to_ghost: impl FnMut(u64),
-) -> Option<Victim> {
+) -> Option<u32> {
     for _ in 0..small.len() {
         let s = small.pop_front()?;
         let sl = &mut slots[s as usize];
         if sl.state == FREE && sl.pins == 0 {
-            return Some(Victim { slot: s, hot: false });
+            return Some(s);
         }
         if busy(sl) {
             small.push_back(s);
@@ -227,19 +214,19 @@ fn evict_small(
             continue;
         }
         to_ghost(sl.id);
-        return Some(Victim { slot: s, hot: false });
+        return Some(s);
     }
     None
 }
 
 /// Pop the main queue until a row with no hits left: FIFO with
 /// reinsertion, each hit buys one more pass.
-fn evict_main(main: &mut VecDeque<u32>, slots: &mut [Slot]) -> Option<Victim> {
+fn evict_main(main: &mut VecDeque<u32>, slots: &mut [Slot]) -> Option<u32> {
     for _ in 0..(MAX_FREQ as usize + 1) * main.len() + 1 {
         let s = main.pop_front()?;
         let sl = &mut slots[s as usize];
         if sl.state == FREE && sl.pins == 0 {
-            return Some(Victim { slot: s, hot: false });
+            return Some(s);
         }
         if busy(sl) {
             main.push_back(s);
@@ -250,7 +237,7 @@ fn evict_main(main: &mut VecDeque<u32>, slots: &mut [Slot]) -> Option<Victim> {
             main.push_back(s);
             continue;
         }
-        return Some(Victim { slot: s, hot: true });
+        return Some(s);
     }
     None
 }
@@ -269,7 +256,6 @@ mod tests {
                 generation: 0,
                 state: FREE,
                 freq: 0,
-                hot: false,
             };
             n
         ]
@@ -282,14 +268,14 @@ mod tests {
             return None;
         }
         let v = e.victim(sl).expect("a victim");
-        let old = sl[v.slot as usize].id;
+        let old = sl[v as usize].id;
         if old != NO_ID {
             map.remove(&old);
         }
-        sl[v.slot as usize].id = id;
-        sl[v.slot as usize].state = READY;
-        e.admit(sl, v.slot, id);
-        map.insert(id, v.slot);
+        sl[v as usize].id = id;
+        sl[v as usize].state = READY;
+        e.admit(sl, v, id);
+        map.insert(id, v);
         (old != NO_ID).then_some(old)
     }
 
@@ -339,12 +325,12 @@ mod tests {
             sl[1].state = LOADING;
             sl[2].pins = 2;
             let v = e.victim(&mut sl).expect("slot 3 is free to take");
-            assert_eq!(v.slot, 3, "{policy:?}");
+            assert_eq!(v, 3, "{policy:?}");
             e.admit(&mut sl, 3, 99);
             sl[3].pins = 1;
             assert!(e.victim(&mut sl).is_none(), "{policy:?}");
             sl[0].pins = 0;
-            assert_eq!(e.victim(&mut sl).unwrap().slot, 0, "{policy:?}");
+            assert_eq!(e.victim(&mut sl).unwrap(), 0, "{policy:?}");
         }
     }
 

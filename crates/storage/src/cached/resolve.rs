@@ -17,7 +17,7 @@ use crate::table::{Lease, RowRef};
 
 impl Inner {
     /// Take a victim slot for `id` and claim it (`state`, stamped `batch`,
-    /// `pins` pins, mapped). A hot row leaving the arena is copied to the
+    /// `pins` pins, mapped). A ready row leaving the arena is copied to the
     /// host tier first. With `poll`, completed pending releases are
     /// dropped when no victim is free. Returns the slot and whether a ready
     /// row was evicted, or `None` when every slot is busy.
@@ -37,12 +37,11 @@ impl Inner {
             }
             None => return None,
         };
-        if v.hot
+        if st.slots[v as usize].state == READY
             && let Some(host) = &self.host
         {
-            let sl = &st.slots[v.slot as usize];
-            debug_assert_eq!(sl.state, READY);
-            let s = v.slot as usize;
+            let sl = &st.slots[v as usize];
+            let s = v as usize;
             // SAFETY: the slot is READY and unpinned (a victim), so no load
             // writes it and no queued gather reads it; the ranges lie in the
             // arena (slot index < slots).
@@ -58,9 +57,9 @@ impl Inner {
             };
             host.put(sl.id, row, scale);
         }
-        let evicted = Self::claim(st, v.slot, id, batch, pins, state);
-        st.evict.admit(&mut st.slots, v.slot, id);
-        Some((v.slot, evicted))
+        let evicted = Self::claim(st, v, id, batch, pins, state);
+        st.evict.admit(&mut st.slots, v, id);
+        Some((v, evicted))
     }
 
     /// Move the rows of a prefetch chunk that are still `QUEUED` (not
@@ -127,7 +126,6 @@ impl Inner {
         sl.id = NO_ID;
         sl.state = FREE;
         sl.freq = 0;
-        sl.hot = false;
         sl.generation = sl.generation.wrapping_add(1);
     }
 
@@ -147,7 +145,6 @@ impl Inner {
             generation: sl.generation.wrapping_add(1),
             state,
             freq: 0,
-            hot: false,
         };
         st.map.insert(id, v);
         evicted
