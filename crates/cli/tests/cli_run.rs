@@ -305,6 +305,35 @@ fn the_backbone_changes_no_output_and_the_reads_are_reported() {
     for row in ["backbone", "I/O wait", "reads"] {
         assert!(out.contains(row), "no {row} in {out}");
     }
+    // The row cache's policy and host tier: evicted rows come back from
+    // host memory, and the outputs still verify.
+    let (o, out, err) = run(
+        tmp.path(),
+        &[
+            "run",
+            "--sequences",
+            "8",
+            "--in-flight",
+            "4",
+            "--decode-tokens",
+            "8",
+            "--slots",
+            "512",
+            "--cache-policy",
+            "clock",
+            "--host-rows",
+            "4096",
+            "--backbone",
+            "--verify",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{out}\n{err}");
+    let v: Value = serde_json::from_str(&out).expect("JSON on stdout");
+    assert_eq!(v["verify"]["identical"], Value::Bool(true), "{out}");
+    assert!(count(&v, &["row_cache", "host_hits"]) > 0, "{out}");
+    let (o, _, err) = run(tmp.path(), &["run", "--cache-policy", "lru"]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
     let (o, _, err) = run(tmp.path(), &["run", "--backbone", "--backbone-scale", "0"]);
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("--backbone-scale"), "{err}");

@@ -45,7 +45,7 @@ use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Request, Server, ServerConfig, ServerReport, TimedReader, Workload};
 use metrale_engine::{Engine, EngineConfig, Site, SwapTarget};
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_storage::cached::CacheConfig;
+use metrale_storage::cached::{CacheConfig, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use serde::Serialize;
 
@@ -113,6 +113,16 @@ pub struct RunArgs {
     /// Row slots per site in the row cache (--table cached).
     #[arg(long, default_value_t = 65536)]
     pub slots: usize,
+    /// Which rows the row cache keeps: clock, or s3fifo (one-off n-grams
+    /// pass through a small FIFO before they can evict hot rows).
+    /// Default: the row cache's own (s3fifo).
+    #[arg(long, value_name = "clock|s3fifo")]
+    pub cache_policy: Option<Policy>,
+    /// Rows per site of the host-memory tier behind the row cache: rows
+    /// evicted from the cache are kept there and copied back on a later
+    /// miss instead of read from disk. 0: none.
+    #[arg(long, default_value_t = 0, value_name = "ROWS")]
+    pub host_rows: usize,
     /// Carries the device budget holds; more sequences in flight are
     /// preempted to host memory. 0: no limit.
     #[arg(long, default_value_t = 32)]
@@ -237,27 +247,45 @@ pub(super) fn build_engine(
     max_tokens: usize,
 ) -> Result<Engine<PleSite>> {
     let reader = pc.faults.as_ref().map(|r| r.clone() as Arc<dyn PageReader>);
-    let sites = build_sites(ck, gpu, pc, max_tokens, reader)?;
+    let cache = CacheOptions {
+        reader,
+        ..CacheOptions::default()
+    };
+    let sites = build_sites(ck, gpu, pc, max_tokens, &cache)?;
     let cfg = engine_config(pc, &sites);
     Ok(Engine::new(gpu.clone(), sites, cfg)?)
 }
 
+/// How a cached table is opened besides its slots.
+#[derive(Clone, Default)]
+pub(super) struct CacheOptions {
+    /// Read through this reader instead of the automatic choice.
+    pub(super) reader: Option<Arc<dyn PageReader>>,
+    /// The eviction policy; `None`: the row cache's default.
+    pub(super) policy: Option<Policy>,
+    /// Rows of the host-memory tier (0: none).
+    pub(super) host_rows: usize,
+}
+
 /// The PLE site of every site of `ck`, each layer taking up to
-/// `max_tokens` rows per forward; a cached table reads through `reader`
-/// when one is given.
+/// `max_tokens` rows per forward; a cached table is opened with `cache`.
 pub(super) fn build_sites(
     ck: &Checkpoint,
     gpu: &Arc<dyn GpuBackend>,
     pc: &EngineSetup,
     max_tokens: usize,
-    reader: Option<Arc<dyn PageReader>>,
+    cache: &CacheOptions,
 ) -> Result<Vec<PleSite>> {
     let mut sites = Vec::new();
     for s in 0..ck.sites.len() {
         let table = match pc.mode {
             TableMode::Cached => {
                 let mut cfg = CacheConfig::new(pc.slots);
-                cfg.reader = reader.clone();
+                cfg.reader = cache.reader.clone();
+                if let Some(p) = cache.policy {
+                    cfg.policy = p;
+                }
+                cfg.host_rows = cache.host_rows;
                 ck.open_cached_table(s, cfg, gpu.clone())?
             }
             mode => ck.open_table(s, mode, gpu.clone())?,
@@ -301,13 +329,12 @@ fn pass(
         }
         _ => None,
     };
-    let sites = build_sites(
-        ck,
-        &gpu,
-        &pc.setup,
-        max_tokens,
-        timed.clone().map(|t| t as Arc<dyn PageReader>),
-    )?;
+    let cache = CacheOptions {
+        reader: timed.clone().map(|t| t as Arc<dyn PageReader>),
+        policy: a.cache_policy,
+        host_rows: a.host_rows,
+    };
+    let sites = build_sites(ck, &gpu, &pc.setup, max_tokens, &cache)?;
     let engine_cfg = engine_config(&pc.setup, &sites);
     let cfg = ServerConfig {
         in_flight: a.in_flight.max(1),
@@ -405,6 +432,7 @@ struct CacheSummary {
     hits: u64,
     misses: u64,
     hit_rate: f64,
+    host_hits: u64,
 }
 
 #[derive(Serialize)]
@@ -478,10 +506,11 @@ fn render(s: &Summary) -> String {
     if s.row_cache.hits + s.row_cache.misses > 0 {
         let _ = writeln!(
             o,
-            "  row cache       hit rate {:.1}%  ({} hits, {} misses)",
+            "  row cache       hit rate {:.1}%  ({} hits, {} misses, {} of them from host memory)",
             100.0 * s.row_cache.hit_rate,
             s.row_cache.hits,
-            s.row_cache.misses
+            s.row_cache.misses,
+            s.row_cache.host_hits
         );
     } else {
         let _ = writeln!(o, "  row cache       none (every row in place)");
@@ -796,6 +825,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             } else {
                 r.report.table.hits as f64 / lookups as f64
             },
+            host_hits: r.report.table.host_hits,
         },
         bytes_read: r.report.table.bytes_read,
         read_calls: r.report.table.read_calls,

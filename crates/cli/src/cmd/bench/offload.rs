@@ -47,12 +47,13 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::bench::Rng;
 use metrale_storage::bench::RandomReads;
+use metrale_storage::cached::{DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::table::TableStats;
 use serde::Serialize;
 
 use crate::cmd::common::bytes;
-use crate::cmd::run::{EngineSetup, build_sites, engine_config};
+use crate::cmd::run::{CacheOptions, EngineSetup, build_sites, engine_config};
 use crate::cmd::{CmdError, failure, input};
 
 /// Arguments of `metrale-ple bench offload`.
@@ -84,6 +85,13 @@ pub struct OffloadArgs {
     /// Measure only without the backbone (or only with it).
     #[arg(long, value_name = "on|off")]
     only_backbone: Option<OnOff>,
+    /// The row cache's eviction policy (clock or s3fifo). Default: the row
+    /// cache's own.
+    #[arg(long, value_name = "clock|s3fifo")]
+    cache_policy: Option<Policy>,
+    /// Rows per site of the row cache's host-memory tier (0: none).
+    #[arg(long, default_value_t = 0, value_name = "ROWS")]
+    host_rows: usize,
 }
 
 /// A setting to keep.
@@ -204,6 +212,8 @@ struct Report {
     disk_random_read_bytes_per_s: f64,
     backbone_scale: usize,
     backbone_layers: usize,
+    cache_policy: &'static str,
+    host_rows: usize,
     rows: Vec<OffloadRow>,
 }
 
@@ -274,7 +284,13 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         Some(OnOff::On) => &[true],
         Some(OnOff::Off) => &[false],
     };
-    let report = measure_all(&ck, &sizes, args.backbone_scale, backbones).map_err(failure)?;
+    let tuning = CacheOptions {
+        reader: None,
+        policy: args.cache_policy,
+        host_rows: args.host_rows,
+    };
+    let report =
+        measure_all(&ck, &sizes, args.backbone_scale, backbones, &tuning).map_err(failure)?;
     eprintln!("bench offload: done in {:.1} s", t0.elapsed().as_secs_f64());
     print(&report, args.json).map_err(failure)
 }
@@ -340,7 +356,13 @@ struct Measured {
     read_share: Option<f64>,
 }
 
-fn measure_all(ck: &Checkpoint, sizes: &Sizes, scale: usize, backbones: &[bool]) -> Result<Report> {
+fn measure_all(
+    ck: &Checkpoint,
+    sizes: &Sizes,
+    scale: usize,
+    backbones: &[bool],
+    tuning: &CacheOptions,
+) -> Result<Report> {
     let site = &ck.sites[0];
     let stored = site.table.stored_rows;
     let row_bytes = site.table.head_dim as u64 * 2;
@@ -380,8 +402,8 @@ fn measure_all(ck: &Checkpoint, sizes: &Sizes, scale: usize, backbones: &[bool])
         for prefetch in [false, true] {
             let mut resident_tps = None;
             for (name, mode) in tables {
-                let m =
-                    measure(ck, sizes, mode, slots, prefetch, bb.as_ref()).with_context(|| {
+                let m = measure(ck, sizes, mode, slots, prefetch, bb.as_ref(), tuning)
+                    .with_context(|| {
                         format!("{name} table, prefetch {prefetch}, backbone {backbone}")
                     })?;
                 if mode == TableMode::Resident {
@@ -419,6 +441,8 @@ fn measure_all(ck: &Checkpoint, sizes: &Sizes, scale: usize, backbones: &[bool])
         disk_random_read_bytes_per_s: reads_per_s * 4096.0,
         backbone_scale: scale,
         backbone_layers: ck.spec.num_hidden_layers,
+        cache_policy: tuning.policy.unwrap_or(DEFAULT_POLICY).name(),
+        host_rows: tuning.host_rows,
         rows,
     })
 }
@@ -519,6 +543,7 @@ fn measure(
     slots: usize,
     prefetch: bool,
     backbone: Option<&BackboneConfig>,
+    tuning: &CacheOptions,
 ) -> Result<Measured> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let setup = EngineSetup {
@@ -540,8 +565,11 @@ fn measure(
     } else {
         None
     };
-    let reader = timed.clone().map(|t| t as Arc<dyn PageReader>);
-    let sites = build_sites(ck, &gpu, &setup, rows, reader)?;
+    let cache = CacheOptions {
+        reader: timed.clone().map(|t| t as Arc<dyn PageReader>),
+        ..tuning.clone()
+    };
+    let sites = build_sites(ck, &gpu, &setup, rows, &cache)?;
     let cfg = engine_config(&setup, &sites);
     let sites = layered(gpu.as_ref(), sites, backbone, rows)?;
     let mut e = Engine::new(gpu.clone(), sites, cfg)?;
@@ -678,8 +706,9 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "backbone: {} layers of GEMM blocks at 1/{} width where on",
-        r.backbone_layers, r.backbone_scale
+        "backbone: {} layers of GEMM blocks at 1/{} width where on; row cache policy {}, \
+         host tier {} rows per site",
+        r.backbone_layers, r.backbone_scale, r.cache_policy, r.host_rows
     )?;
     writeln!(
         out,
