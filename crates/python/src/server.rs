@@ -123,6 +123,7 @@ fn report_dict<'py>(py: Python<'py>, r: &ServerReport) -> PyResult<Bound<'py, Py
     d.set_item("prefill_seconds", r.prefill_time.as_secs_f64())?;
     d.set_item("decode_seconds", r.decode_time.as_secs_f64())?;
     d.set_item("wall_seconds", r.wall.as_secs_f64())?;
+    d.set_item("io_wait_seconds", r.io_wait.as_secs_f64())?;
     d.set_item("stats", stats_dict(py, &r.stats, &r.table)?)?;
     d.set_item("failed_calls", r.failed_calls)?;
     d.set_item("retried", r.retried)?;
@@ -232,7 +233,8 @@ impl Server {
     /// Run `requests` to completion and return the report as a dict:
     /// `rows` (per request, per position: the fingerprint of the output
     /// row, or None where the prefix cache restored it), `prefill_seconds`,
-    /// `decode_seconds`, `wall_seconds`, `stats` (as `Engine.stats()`),
+    /// `decode_seconds`, `wall_seconds`, `io_wait_seconds` (time blocked
+    /// waiting for table rows), `stats` (as `Engine.stats()`),
     /// `failed_calls`, `retried`, `failed`, `first_fault`.
     #[pyo3(signature = (requests, *, rows = None))]
     fn run<'py>(
