@@ -21,12 +21,17 @@
 //! CPU path. Products of BF16 values are exact in f32, so the FMA matters only
 //! for the additions, and both paths use it.
 //!
-//! The AVX-512 BF16 path keeps that order: it feeds `vdpbf16ps` pairs
+//! On the AVX-512 BF16 path the projection runs one of two kernels, the
+//! faster on this CPU ([`super::cpu::avx512_projection`]): 16-lane f32 FMAs
+//! over weights widened to f32 one `KC` block at a time (the AVX2 scheme on
+//! 512-bit registers), or `vdpbf16ps`. Both keep the chain's order.
+//!
+//! The `vdpbf16ps` kernel keeps that order: it feeds `vdpbf16ps` pairs
 //! `(x[e], x[e+1])`, `(w[e], w[e+1])` with `e` in the half the instruction
 //! takes first, so each lane adds the exact product of `e`, rounds, then
 //! adds that of `e + 1` and rounds, as two FMAs do. It needs the activations
 //! to be exact BF16 values (rows gathered from a BF16 table are); a call
-//! with any other `x` runs on the AVX2 path.
+//! with any other `x` runs the FMA kernel.
 //!
 //! Work split: token tiles of [`TILE_ROWS`] rows, sequentially; within a tile,
 //! rayon over weight panels. Each panel's weights are read once per tile and
@@ -35,7 +40,7 @@
 
 use rayon::prelude::*;
 
-use super::cpu::CpuPath;
+use super::cpu::{Avx512Projection, CpuPath};
 use super::error::KernelError;
 use super::math::bf16_to_f32;
 
@@ -53,6 +58,49 @@ const TILE_ROWS: usize = 96;
 /// Panels one single-row task reads side by side.
 #[cfg(target_arch = "x86_64")]
 const GROUP: usize = 4;
+/// Rows of the AVX-512 FMA register tile (of 32 registers: 2 x 12
+/// accumulators, the two weight vectors, the broadcast).
+const MR_512: usize = 12;
+
+/// The kernel a call runs: the CPU path, and on the AVX-512 BF16 path the
+/// multiply instruction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    Avx2,
+    Avx512Fma,
+    Avx512Dot,
+}
+
+impl Kernel {
+    /// Every kernel this CPU runs (for tests: each must give the same bits).
+    #[cfg(test)]
+    fn all_available() -> Vec<Kernel> {
+        let mut v = vec![Kernel::Portable];
+        if CpuPath::Avx2Fma.available() {
+            v.push(Kernel::Avx2);
+        }
+        if CpuPath::Avx512Bf16.available() {
+            v.extend([Kernel::Avx512Fma, Kernel::Avx512Dot]);
+        }
+        v
+    }
+
+    /// The kernel of `path` for activations `x` (the `vdpbf16ps` kernel
+    /// needs exact BF16 values).
+    fn pick(path: CpuPath, x: &[f32]) -> Kernel {
+        match path {
+            CpuPath::Portable => Kernel::Portable,
+            CpuPath::Avx2Fma => Kernel::Avx2,
+            CpuPath::Avx512Bf16 => match super::cpu::avx512_projection() {
+                Avx512Projection::Dot if x.iter().all(|v| v.to_bits() & 0xFFFF == 0) => {
+                    Kernel::Avx512Dot
+                }
+                _ => Kernel::Avx512Fma,
+            },
+        }
+    }
+}
 
 /// Number of `NR`-wide panels covering `o` output rows.
 fn panels(o: usize) -> usize {
@@ -160,6 +208,20 @@ pub fn project_on(
 ) -> Result<(), KernelError> {
     const NAME: &str = "project";
     KernelError::check_path(NAME, path)?;
+    project_checked(Kernel::pick(path, x), x, w, y, t, e, o)
+}
+
+/// [`project_on`] once the path of `kernel` is known to run here.
+fn project_checked(
+    kernel: Kernel,
+    x: &[f32],
+    w: &[u16],
+    y: &mut [f32],
+    t: usize,
+    e: usize,
+    o: usize,
+) -> Result<(), KernelError> {
+    const NAME: &str = "project";
     if e == 0 || o == 0 {
         return Err(KernelError::ZeroSize {
             kernel: NAME,
@@ -188,14 +250,8 @@ pub fn project_on(
     let np = panels(o);
     let min_len = (np / (rayon::current_num_threads() * 8)).max(1);
     let yp = SyncPtr(y.as_mut_ptr());
-    // BF16 pair products need activations that are BF16 values.
-    let path = if path == CpuPath::Avx512Bf16 && !x.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
-        CpuPath::Avx2Fma
-    } else {
-        path
-    };
     #[cfg(target_arch = "x86_64")]
-    if matches!(path, CpuPath::Avx2Fma | CpuPath::Avx512Bf16) && t == 1 {
+    if kernel != Kernel::Portable && t == 1 {
         // One row is bound by reading the weights: convert them in registers
         // and keep GROUP panels (2 * GROUP independent FMA chains) in flight.
         let groups = np.div_ceil(GROUP);
@@ -209,16 +265,30 @@ pub fn project_on(
                 let mut out = [0.0f32; GROUP * NR];
                 let pl = panel_len(e);
                 let wg = &w[p0 * pl..(p0 + n) * pl];
-                // SAFETY: AVX2 and FMA were checked above; `x` holds `e`
+                // SAFETY: the kernel's path runs here (checked by
+                // `project_on`): AVX2 and FMA, and AVX-512F for the AVX-512
+                // kernels; `x` holds `e`
                 // values, `wg` holds `n` packed panels, `out` holds
                 // `GROUP * NR >= n * NR` values.
                 unsafe {
                     let (xp, wp, op) = (x.as_ptr(), wg.as_ptr(), out.as_mut_ptr());
-                    match n {
-                        1 => avx2::row_direct::<1>(xp, wp, e, op),
-                        2 => avx2::row_direct::<2>(xp, wp, e, op),
-                        3 => avx2::row_direct::<3>(xp, wp, e, op),
-                        _ => avx2::row_direct::<4>(xp, wp, e, op),
+                    match (kernel, n) {
+                        (Kernel::Avx512Fma | Kernel::Avx512Dot, 1) => {
+                            avx512::row_direct::<1>(xp, wp, e, op)
+                        }
+                        (Kernel::Avx512Fma | Kernel::Avx512Dot, 2) => {
+                            avx512::row_direct::<2>(xp, wp, e, op)
+                        }
+                        (Kernel::Avx512Fma | Kernel::Avx512Dot, 3) => {
+                            avx512::row_direct::<3>(xp, wp, e, op)
+                        }
+                        (Kernel::Avx512Fma | Kernel::Avx512Dot, _) => {
+                            avx512::row_direct::<4>(xp, wp, e, op)
+                        }
+                        (_, 1) => avx2::row_direct::<1>(xp, wp, e, op),
+                        (_, 2) => avx2::row_direct::<2>(xp, wp, e, op),
+                        (_, 3) => avx2::row_direct::<3>(xp, wp, e, op),
+                        (_, _) => avx2::row_direct::<4>(xp, wp, e, op),
                     }
                 }
                 let cols = (o - p0 * NR).min(n * NR);
@@ -233,7 +303,7 @@ pub fn project_on(
     for t0 in (0..t).step_by(TILE_ROWS) {
         let rows = TILE_ROWS.min(t - t0);
         let xt = &x[t0 * e..(t0 + rows) * e];
-        if path == CpuPath::Avx512Bf16 {
+        if kernel == Kernel::Avx512Dot {
             pairs.clear();
             pairs.extend(xt.chunks_exact(e).flat_map(|row| {
                 (0..e2).map(move |i| {
@@ -244,7 +314,7 @@ pub fn project_on(
             }));
         }
         let xpairs = &pairs[..];
-        if path == CpuPath::Avx512Bf16 {
+        if matches!(kernel, Kernel::Avx512Fma | Kernel::Avx512Dot) {
             // Two panels a task share every activation broadcast.
             let groups = np.div_ceil(2);
             let min_len = (groups / (rayon::current_num_threads() * 8)).max(1);
@@ -255,14 +325,14 @@ pub fn project_on(
                     let p0 = 2 * g;
                     let n = 2.min(np - p0);
                     let mut acc = [0.0f32; 2 * TILE_ROWS * NR];
-                    panels_bf16(
-                        xpairs,
-                        &w[p0 * panel_len(e)..(p0 + n) * panel_len(e)],
-                        n,
-                        &mut acc[..n * rows * NR],
-                        rows,
-                        e,
-                    );
+                    let wg = &w[p0 * panel_len(e)..(p0 + n) * panel_len(e)];
+                    let acc_n = &mut acc[..n * rows * NR];
+                    if kernel == Kernel::Avx512Dot {
+                        panels_bf16(xpairs, wg, n, acc_n, rows, e);
+                    } else {
+                        let next = &w[((p0 + n) * panel_len(e)).min(w.len())..];
+                        panels_fma512(xt, wg, next, n, acc_n, rows, e);
+                    }
                     for q in 0..n {
                         let p = p0 + q;
                         let cols = NR.min(o - p * NR);
@@ -285,7 +355,7 @@ pub fn project_on(
         (0..np).into_par_iter().with_min_len(min_len).for_each(|p| {
             let mut acc = [0.0f32; TILE_ROWS * NR];
             panel(
-                path,
+                kernel,
                 xt,
                 &w[p * panel_len(e)..(p + 1) * panel_len(e)],
                 &mut acc[..rows * NR],
@@ -378,9 +448,118 @@ fn panels_bf16(xpairs: &[u32], wp: &[u16], n: usize, acc: &mut [f32], rows: usiz
     }
 }
 
+/// `n` (1 or 2) consecutive panels with the AVX-512 FMA kernel for `rows`
+/// token rows of `xt` (`[rows, e]` f32): `acc [n, rows, NR]` gets their
+/// outputs. Each `KC` block of the weights is widened to f32 once, `[kc,
+/// 2 * NR]` (both panels of a step side by side), and shared by every
+/// register tile of the rows.
+///
+/// The weights stream from memory once per token tile: while a block is
+/// multiplied, its tiles prefetch the next block (or, after the last one,
+/// the first block of `next`, the panels the task likely runs next), so the
+/// widening finds its block in cache.
+fn panels_fma512(
+    xt: &[f32],
+    wp: &[u16],
+    next: &[u16],
+    n: usize,
+    acc: &mut [f32],
+    rows: usize,
+    e: usize,
+) {
+    let pl = panel_len(e);
+    assert!((1..=2).contains(&n) && wp.len() == n * pl && acc.len() == n * rows * NR);
+    assert!(xt.len() == rows * e);
+    let mut buf = [0.0f32; KC * 2 * NR];
+    let (acc0, acc1) = acc.split_at_mut(rows * NR);
+    for kb in (0..e).step_by(KC) {
+        let kc = KC.min(e - kb);
+        // The block to prefetch: panels `q` at `base + q * pl`, `len` halves
+        // each (a 64-byte line holds one pair of 16 columns: 32 halves).
+        let (pf, pf_panels, pf_steps) = if kb + KC < e {
+            (&wp[(kb + KC) * NR..], n, KC.min(e - kb - KC))
+        } else {
+            (next, (next.len() / pl).min(2), KC.min(e))
+        };
+        let pf_lines = pf_steps.div_ceil(2);
+        for q in 0..n {
+            // KC is even, so block `kb` starts at half `kb * NR` of a panel.
+            let src = &wp[q * pl + kb * NR..q * pl + kb * NR + kc.div_ceil(2) * 2 * NR];
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `project_checked` picks this kernel only where the CPU
+            // has AVX-512F; `src` and `buf` hold the block (checked inside).
+            unsafe {
+                avx512::widen(src, &mut buf[..kc * 2 * NR], q)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            unreachable!("AVX-512 is never available off x86-64: {src:?}");
+        }
+        let tiles = rows.div_ceil(MR_512);
+        let (base, extra) = (rows / tiles, rows % tiles);
+        let mut r0 = 0;
+        for tile in 0..tiles {
+            // This tile's share of the next block's lines.
+            for q in 0..pf_panels {
+                let (l0, l1) = (tile * pf_lines / tiles, (tile + 1) * pf_lines / tiles);
+                for line in l0..l1 {
+                    if let Some(h) = pf.get(q * pl + line * 32) {
+                        prefetch(h);
+                    }
+                }
+            }
+            let mr = base + usize::from(tile < extra);
+            let xs = &xt[r0 * e + kb..];
+            // The last x element read is (mr - 1) * e + kc - 1.
+            assert!(xs.len() >= (mr - 1) * e + kc);
+            let a0 = &mut acc0[r0 * NR..(r0 + mr) * NR];
+            let a1: &mut [f32] = if n == 2 {
+                &mut acc1[r0 * NR..(r0 + mr) * NR]
+            } else {
+                &mut []
+            };
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX-512F as above; the assert and the slice lengths
+            // bound every access (`a1` only when n == 2).
+            unsafe {
+                let (xp, bp, p0, p1) = (xs.as_ptr(), buf.as_ptr(), a0.as_mut_ptr(), a1.as_mut_ptr());
+                macro_rules! tile {
+                    ($($m:literal)*) => {
+                        match (mr, n) {
+                            $(($m, 2) => avx512::micro_fma::<$m, 2>(xp, e, bp, kc, [p0, p1]),
+                              ($m, _) => avx512::micro_fma::<$m, 1>(xp, e, bp, kc, [p0]),)*
+                            _ => unreachable!("tile heights are at most MR_512"),
+                        }
+                    };
+                }
+                tile!(1 2 3 4 5 6 7 8 9 10 11 12);
+            }
+            r0 += mr;
+        }
+    }
+}
+
+/// Hint the cache line holding `v` into all cache levels.
+#[inline(always)]
+fn prefetch(v: &u16) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults; `v` is a valid reference anyway.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+            (v as *const u16).cast(),
+        )
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
+}
+
 /// One panel for `rows` token rows on the portable or AVX2 path:
 /// `acc [rows, NR]` gets the panel's outputs.
-fn panel(path: CpuPath, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e: usize) {
+fn panel(kernel: Kernel, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e: usize) {
+    let path = if kernel == Kernel::Portable {
+        CpuPath::Portable
+    } else {
+        CpuPath::Avx2Fma
+    };
     let mut buf = [0.0f32; KC * NR];
     for kb in (0..e).step_by(KC) {
         let kc = KC.min(e - kb);
@@ -602,11 +781,140 @@ mod avx2 {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    //! The AVX-512 BF16 register tile.
+    //! The AVX-512 register tiles (f32 FMA and BF16 pair dot products), the
+    //! weight widening and the single-row kernel.
 
     use std::arch::x86_64::*;
 
     use super::NR;
+
+    /// Widen one packed block of a panel (`kc = dst.len() / (2 * NR)`
+    /// steps) into slot `q` (0 or 1) of `dst [kc, 2 * NR]`: each pair word
+    /// gives step `2i` (its high half, masked) and step `2i + 1` (its low
+    /// half, shifted up).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn widen(src: &[u16], dst: &mut [f32], q: usize) {
+        let kc = dst.len() / (2 * NR);
+        assert!(q < 2 && src.len() >= kc.div_ceil(2) * 2 * NR && dst.len() == kc * 2 * NR);
+        let words = src.as_ptr().cast::<u32>();
+        let d = dst.as_mut_ptr();
+        // SAFETY: the assert bounds every load (pair `i` is words `i * NR ..
+        // (i + 1) * NR`) and store (step `k`, slot `q` is `dst[k * 2 * NR +
+        // q * NR ..][..NR]`); loads and stores are unaligned.
+        unsafe {
+            let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            for i in 0..kc / 2 {
+                let v = _mm512_loadu_si512(words.add(i * NR).cast());
+                let even = _mm512_castsi512_ps(_mm512_and_si512(v, mask));
+                let odd = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                _mm512_storeu_ps(d.add(2 * i * 2 * NR + q * NR), even);
+                _mm512_storeu_ps(d.add((2 * i + 1) * 2 * NR + q * NR), odd);
+            }
+            if kc % 2 == 1 {
+                let i = kc / 2;
+                let v = _mm512_loadu_si512(words.add(i * NR).cast());
+                let even = _mm512_castsi512_ps(_mm512_and_si512(v, mask));
+                _mm512_storeu_ps(d.add(2 * i * 2 * NR + q * NR), even);
+            }
+        }
+    }
+
+    /// `acc[p] [M, NR] += x [M, kc] @ b[.., p] [kc, NR]` for the `P` (1 or
+    /// 2) panels of `b [kc, 2 * NR]`: one FMA per element and step, `k`
+    /// ascending, exactly as `micro_portable`; each activation broadcast
+    /// feeds every panel.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `x` must be readable at `i * xs + k`
+    /// for `i < M`, `k < kc`; `b` at `kc * 2 * NR` values; each `acc[p]`
+    /// readable and writable at `M * NR` values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn micro_fma<const M: usize, const P: usize>(
+        x: *const f32,
+        xs: usize,
+        b: *const f32,
+        kc: usize,
+        acc: [*mut f32; P],
+    ) {
+        // SAFETY: all reads and writes stay inside the ranges the caller
+        // guarantees; unaligned loads and stores are used throughout.
+        unsafe {
+            let mut c = [[_mm512_setzero_ps(); M]; P];
+            for p in 0..P {
+                for i in 0..M {
+                    c[p][i] = _mm512_loadu_ps(acc[p].add(i * NR));
+                }
+            }
+            for k in 0..kc {
+                let mut bk = [_mm512_setzero_ps(); P];
+                for (p, bp) in bk.iter_mut().enumerate() {
+                    *bp = _mm512_loadu_ps(b.add(k * 2 * NR + p * NR));
+                }
+                for i in 0..M {
+                    let a = _mm512_set1_ps(*x.add(i * xs + k));
+                    for p in 0..P {
+                        c[p][i] = _mm512_fmadd_ps(a, bk[p], c[p][i]);
+                    }
+                }
+            }
+            for p in 0..P {
+                for i in 0..M {
+                    _mm512_storeu_ps(acc[p].add(i * NR), c[p][i]);
+                }
+            }
+        }
+    }
+
+    /// One row against `P` consecutive panels, widening the BF16 weights in
+    /// registers: `out [P * NR]` = the sequential FMA chain over all `e`,
+    /// exactly as `micro_portable` computes it through blocks.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `x` readable at `e` values, `w` at `P`
+    /// packed panels of depth `e`, `out` writable at `P * NR` values.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn row_direct<const P: usize>(
+        x: *const f32,
+        w: *const u16,
+        e: usize,
+        out: *mut f32,
+    ) {
+        // SAFETY: every access stays inside the ranges the caller guarantees;
+        // loads and stores are unaligned.
+        unsafe {
+            let words = w.cast::<u32>();
+            let pw = e.div_ceil(2) * NR;
+            let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            let mut c = [_mm512_setzero_ps(); P];
+            for i in 0..e / 2 {
+                let a0 = _mm512_set1_ps(*x.add(2 * i));
+                let a1 = _mm512_set1_ps(*x.add(2 * i + 1));
+                for p in 0..P {
+                    let v = _mm512_loadu_si512(words.add(p * pw + i * NR).cast());
+                    let even = _mm512_castsi512_ps(_mm512_and_si512(v, mask));
+                    let odd = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(v));
+                    c[p] = _mm512_fmadd_ps(a0, even, c[p]);
+                    c[p] = _mm512_fmadd_ps(a1, odd, c[p]);
+                }
+            }
+            if e % 2 == 1 {
+                // The last pair of an odd depth has no later step.
+                let i = e / 2;
+                let a0 = _mm512_set1_ps(*x.add(2 * i));
+                for p in 0..P {
+                    let v = _mm512_loadu_si512(words.add(p * pw + i * NR).cast());
+                    let even = _mm512_castsi512_ps(_mm512_and_si512(v, mask));
+                    c[p] = _mm512_fmadd_ps(a0, even, c[p]);
+                }
+            }
+            for p in 0..P {
+                _mm512_storeu_ps(out.add(p * NR), c[p]);
+            }
+        }
+    }
 
     /// `micro_bf16` for two panels at once (`b0`, `b1` into `acc0`,
     /// `acc1`): each broadcast of an activation pair feeds both.

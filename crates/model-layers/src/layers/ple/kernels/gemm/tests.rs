@@ -75,6 +75,9 @@ fn every_path_equals_the_fma_chain_bit_for_bit() {
         (13, 17, 16),
         (97, 257, 20),
         (100, 40, 50),
+        // Tile heights of the 12-row AVX-512 tile and a partial last block.
+        (25, 259, 48),
+        (12, 256, 32),
     ] {
         let (x, w) = case(t, e, o, (t * 131 + e * 7 + o) as u64);
         let want = naive(&x, &w, t, e, o);
@@ -84,6 +87,13 @@ fn every_path_equals_the_fma_chain_bit_for_bit() {
             project_on(path, &x, packed_as_bf16(&packed), &mut y, t, e, o).unwrap();
             let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "path {path:?} differs at T={t} E={e} O={o}");
+        }
+        // Each kernel, whichever one `project_on` picks on this CPU.
+        for kernel in Kernel::all_available() {
+            let mut y = vec![f32::NAN; t * o];
+            project_checked(kernel, &x, packed_as_bf16(&packed), &mut y, t, e, o).unwrap();
+            let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "kernel {kernel:?} differs at T={t} E={e} O={o}");
         }
     }
 }
