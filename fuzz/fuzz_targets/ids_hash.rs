@@ -50,6 +50,7 @@ fn dims(u: &mut Unstructured<'_>) -> Result<PleIdDims> {
         head_vocab_sizes,
         head_offsets,
         eos_token_id: u.arbitrary()?,
+        family: Default::default(),
     })
 }
 

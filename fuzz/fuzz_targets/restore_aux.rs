@@ -48,6 +48,7 @@ fn world() -> &'static Mutex<World> {
             head_vocab_sizes: vec![7, 11],
             head_offsets: vec![0, 7],
             eos_token_id: 0,
+            family: Default::default(),
         };
         let rows: Vec<u16> = (0..ROWS * HEAD_DIM).map(bf16).collect();
         let table = TinyTable::new(gpu.clone(), &rows, HEAD_DIM).expect("fuzz table");

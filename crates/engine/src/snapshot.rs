@@ -412,6 +412,7 @@ mod tests {
             head_vocab_sizes: vec![11, 13, 17, 19],
             head_offsets: vec![0, 11, 24, 41],
             eos_token_id: 0,
+            family: Default::default(),
         }
     }
 

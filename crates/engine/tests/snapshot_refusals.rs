@@ -12,6 +12,7 @@ fn geom(hidden: usize) -> SiteSpec {
         head_vocab_sizes: vec![11, 13, 17, 19],
         head_offsets: vec![0, 11, 24, 41],
         eos_token_id: 0,
+        family: Default::default(),
     };
     SiteSpec::new(dims, 8, hidden, 2, 4, 3)
 }

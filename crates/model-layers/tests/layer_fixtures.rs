@@ -100,6 +100,7 @@ fn layer_matches_the_numpy_reference_across_chunks() {
         head_vocab_sizes: u64s(&meta, "head_vocab_sizes"),
         head_offsets: u64s(&meta, "head_offsets"),
         eos_token_id: usize_of(&meta, "eos") as u32,
+        family: Default::default(),
     };
     let weights = PleWeights {
         key_proj: read_u16(&meta, "key_proj"),

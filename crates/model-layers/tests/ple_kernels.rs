@@ -413,11 +413,11 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
                 .ptr(refs_d)
                 .u32(1)
                 .u32(HD as u32)
-                .u32(2)
+                .u32(3)
                 .ptr(out)
                 .run(0)
         });
-        assert!(e.contains("dtype 2"), "{e}");
+        assert!(e.contains("dtype 3"), "{e}");
         f.finish()?;
     }
     {

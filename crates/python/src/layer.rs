@@ -339,6 +339,7 @@ impl Layer {
             head_vocab_sizes,
             head_offsets,
             eos_token_id: eos,
+            family: Default::default(),
         };
         let mut spec = SiteSpec::new(dims, head_dim, hidden, hc_mult, conv_kernel, dilation);
         spec.rms_eps = eps;

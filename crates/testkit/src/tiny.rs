@@ -205,6 +205,7 @@ pub fn tiny_dims(site: usize, k: usize, eos: u32) -> PleIdDims {
         head_vocab_sizes: sizes,
         head_offsets: offsets,
         eos_token_id: eos,
+        family: Default::default(),
     }
 }
 

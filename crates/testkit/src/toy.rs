@@ -40,6 +40,7 @@ impl ToySite {
             head_vocab_sizes: vec![11, 13, 17, 19],
             head_offsets: vec![0, 11, 24, 41],
             eos_token_id: 0,
+            family: Default::default(),
         };
         let geom = SiteSpec::new(dims, 4, hidden, hc, 4, 3);
         let c = hidden * hc;

@@ -108,6 +108,31 @@ impl TestTable {
         }))
     }
 
+    /// A table of FP8 E4M3 rows with an inline UE8M0 scale per 32 values
+    /// (`RowDType::Fp8E4M3Block32`): `rows_bytes` holds whole rows.
+    pub fn new_block_fp8(
+        gpu: &dyn GpuBackend,
+        rows_bytes: &[u8],
+        head_dim: usize,
+        max_resolve: usize,
+    ) -> Result<Arc<TestTable>> {
+        let dtype = RowDType::Fp8E4M3Block32;
+        let rows = rows_bytes.len() / dtype.row_bytes(head_dim);
+        let base = gpu.alloc(rows_bytes.len(), "test.table_fp8_block")?;
+        gpu.copy_h2d(rows_bytes, base)?;
+        Ok(Arc::new(TestTable {
+            base,
+            scales: DevicePtr::NULL,
+            info: TableInfo {
+                rows: rows as u64,
+                head_dim,
+                dtype,
+            },
+            max_resolve,
+            pins: Mutex::new(Pins::default()),
+        }))
+    }
+
     /// Pins still held once every completed release event is accounted for.
     pub fn pinned(&self, gpu: &dyn GpuBackend) -> usize {
         let mut p = self.pins.lock();
@@ -238,6 +263,7 @@ impl Small {
             head_vocab_sizes: sizes,
             head_offsets: offsets,
             eos_token_id: EOS,
+            family: Default::default(),
         };
         let e = heads * head_dim;
         let c = hidden * hc;

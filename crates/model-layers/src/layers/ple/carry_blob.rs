@@ -147,6 +147,7 @@ mod tests {
                 head_vocab_sizes: vec![7, 11],
                 head_offsets: vec![0, 7],
                 eos_token_id: 2,
+                family: Default::default(),
             },
             head_dim: 4,
             hidden: 2,

@@ -112,6 +112,12 @@ impl LaunchShapes {
         }
     }
 
+    /// An element-wise kernel over `n` values (`bias_add`, `highway_add`,
+    /// `mean_add`): one thread per value.
+    pub fn elementwise(self, n: usize) -> LaunchConfig {
+        self.gather(n, 1)
+    }
+
     /// `conv` (one sequence, `c` channels, one thread each) or
     /// `conv_batch` (`b` sequences of `c` channels, one thread per pair).
     pub fn conv(self, sequences: usize, c: usize) -> LaunchConfig {

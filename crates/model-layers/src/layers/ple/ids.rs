@@ -66,8 +66,13 @@ pub struct PleIdDims {
     pub head_vocab_sizes: Vec<u64>,
     /// Running sums of `head_vocab_sizes`.
     pub head_offsets: Vec<u64>,
-    /// The EOS token that starts every sequence and ends segments.
+    /// The EOS token that starts every sequence and ends segments (for
+    /// another family: the fill token of a fresh history, see `family`).
     pub eos_token_id: u32,
+    /// How n-grams map to rows with these constants (docs/SPEC.md §11
+    /// (Families)); every hash of these dims ([`ple_ngram_ids`],
+    /// [`ple_ngram_ids_into_plain`], [`PleIdHasher::new`]) follows it.
+    pub family: HashFamily,
 }
 
 impl PleIdDims {
@@ -92,10 +97,11 @@ impl PleIdDims {
 
     /// Check that the dims describe a usable hash: `ngram_size` in
     /// `2..=MAX_NGRAM_SIZE`, at least one head per order, one odd multiplier
-    /// per position, one non-zero size and one offset per head, offsets the
-    /// running sums of the sizes from 0, and the last id within `u64`.
+    /// per position (none for LongCat), one non-zero size and one offset per
+    /// head, offsets the running sums of the sizes from 0, the last id
+    /// within `u64`, and what the family adds ([`validate_family`]).
     pub fn validate(&self) -> Result<()> {
-        self.validate_layout(true)
+        validate_family(&self.family, self)
     }
 
     /// [`Self::validate`], with `multipliers` false for a family that has
@@ -439,15 +445,26 @@ fn check_out(what: &str, out_len: usize, tokens: usize, heads: usize) -> Result<
 /// one row of `ngram_heads` ids per token. The straightforward form the
 /// seed calls; the hot path is [`PleIdHasher`].
 ///
+/// Follows `dims.family`.
+///
 /// # Panics
-/// If `dims` fails [`PleIdDims::validate`]; dims come from
-/// [`PleHashParams::derive`] or are validated when a layer is built.
+/// If `dims` fails [`PleIdDims::validate`] (dims come from
+/// [`PleHashParams::derive`] or are validated when a layer is built), or a
+/// token is outside the vocabulary of a family that bounds it (Engram,
+/// LongCat: [`IdError::TokenOutOfRange`]); [`PleIdHasher`] returns both as
+/// errors instead.
 pub fn ple_ngram_ids(dims: &PleIdDims, tokens: &[u32]) -> Vec<Vec<u64>> {
     if let Err(e) = dims.validate() {
         panic!("ple_ngram_ids called with invalid dims: {e:#}");
     }
     let heads = dims.ngram_heads();
     let mut flat = vec![0u64; tokens.len() * heads];
+    if dims.family != HashFamily::Qwen4Exp {
+        if let Err(e) = family_ids_into_plain(&dims.family, dims, &[], tokens, &mut flat) {
+            panic!("ple_ngram_ids: {e:#}");
+        }
+        return flat.chunks_exact(heads).map(<[u64]>::to_vec).collect();
+    }
     let rows = PlainRows {
         sizes: &dims.head_vocab_sizes,
         offsets: &dims.head_offsets,
@@ -459,12 +476,16 @@ pub fn ple_ngram_ids(dims: &PleIdDims, tokens: &[u32]) -> Vec<Vec<u64>> {
 /// The `%` form of [`PleIdHasher::ids_with_history_into`]: hash
 /// `history ++ tokens` and write the `tokens.len() * ngram_heads` ids of
 /// `tokens`, row-major, to `out`. The baseline for tests and benchmarks.
+/// Follows `dims.family` (as [`family_ids_into_plain`] with it).
 pub fn ple_ngram_ids_into_plain(
     dims: &PleIdDims,
     history: &[u32],
     tokens: &[u32],
     out: &mut [u64],
 ) -> Result<()> {
+    if dims.family != HashFamily::Qwen4Exp {
+        return family_ids_into_plain(&dims.family, dims, history, tokens, out);
+    }
     dims.validate()?;
     check_out(
         "ple_ngram_ids_into_plain",
@@ -481,9 +502,10 @@ pub fn ple_ngram_ids_into_plain(
 }
 
 /// The `%` form of any family (docs/SPEC.md, "Families"): hash `history ++
-/// tokens` and write the `tokens.len() * ngram_heads` ids of `tokens`,
-/// row-major, to `out`. Qwen4Exp is [`ple_ngram_ids_into_plain`]; the other
-/// families refuse out-of-vocabulary tokens first
+/// tokens` with the constants of `dims` and the family `family` (which
+/// takes the place of `dims.family`) and write the `tokens.len() *
+/// ngram_heads` ids of `tokens`, row-major, to `out`. The families other
+/// than Qwen4Exp refuse out-of-vocabulary tokens first
 /// ([`IdError::TokenOutOfRange`]) and write nothing then.
 pub fn family_ids_into_plain(
     family: &HashFamily,
@@ -492,10 +514,21 @@ pub fn family_ids_into_plain(
     tokens: &[u32],
     out: &mut [u64],
 ) -> Result<()> {
-    if *family == HashFamily::Qwen4Exp {
-        return ple_ngram_ids_into_plain(dims, history, tokens, out);
-    }
     validate_family(family, dims)?;
+    if *family == HashFamily::Qwen4Exp {
+        check_out(
+            "family_ids_into_plain",
+            out.len(),
+            tokens.len(),
+            dims.ngram_heads(),
+        )?;
+        let rows = PlainRows {
+            sizes: &dims.head_vocab_sizes,
+            offsets: &dims.head_offsets,
+        };
+        hash_run(dims, &rows, history, tokens, out);
+        return Ok(());
+    }
     check_out(
         "family_ids_into_plain",
         out.len(),
@@ -540,12 +573,13 @@ pub struct PleIdHasher {
 
 impl PleIdHasher {
     /// Validate `dims`, precompute the reciprocals and pick the fastest
-    /// exact path this CPU supports.
+    /// exact path this CPU supports for `dims.family` (the AVX2 reduction
+    /// serves Qwen4Exp; the other families run their scalar kernels).
     pub fn new(dims: &PleIdDims) -> Result<Self> {
         #[allow(unused_mut)]
         let mut h = Self::new_portable(dims)?;
         #[cfg(target_arch = "x86_64")]
-        {
+        if dims.family == HashFamily::Qwen4Exp {
             h.avx2 = simd::Avx2Plan::new(dims);
         }
         Ok(h)
@@ -554,7 +588,7 @@ impl PleIdHasher {
     /// Like [`Self::new`] but always on the portable scalar path.
     pub fn new_portable(dims: &PleIdDims) -> Result<Self> {
         dims.validate()?;
-        Ok(Self::validated(&HashFamily::Qwen4Exp, dims))
+        Ok(Self::validated(&dims.family, dims))
     }
 
     /// The scalar-path hasher of a pair already validated (which rules
@@ -569,25 +603,29 @@ impl PleIdHasher {
                 offset,
             })
             .collect();
+        let mut own = dims.clone();
+        own.family = family.clone();
         Self {
-            dims: dims.clone(),
+            prep: family::Prepared::new(family, &own),
+            dims: own,
             family: family.clone(),
-            prep: family::Prepared::new(family, dims),
             heads,
             #[cfg(target_arch = "x86_64")]
             avx2: None,
         }
     }
 
-    /// A hasher of any family: [`Self::new`] for Qwen4Exp; the scalar
-    /// family kernels otherwise (docs/SPEC.md, "Families"). The pair is
-    /// checked with [`validate_family`].
+    /// [`Self::new`] with `family` in place of `dims.family`: the AVX2 or
+    /// scalar path for Qwen4Exp, the scalar family kernels otherwise
+    /// (docs/SPEC.md, "Families"). The pair is checked with
+    /// [`validate_family`].
     pub fn with_family(family: &HashFamily, dims: &PleIdDims) -> Result<Self> {
-        if *family == HashFamily::Qwen4Exp {
+        if *family == dims.family {
             return Self::new(dims);
         }
-        validate_family(family, dims)?;
-        Ok(Self::validated(family, dims))
+        let mut dims = dims.clone();
+        dims.family = family.clone();
+        Self::new(&dims)
     }
 
     /// The hash family.

@@ -170,7 +170,8 @@ impl<'a> ForwardContext<'a> {
     }
 }
 
-/// Resolved kernel handles and how to shape their launches.
+/// Resolved kernel handles and how to shape their launches. The kernels
+/// only some combinations launch are resolved only by layers that use them.
 #[derive(Clone, Copy, Debug)]
 struct Kernels {
     shapes: super::device_kernels::LaunchShapes,
@@ -179,6 +180,14 @@ struct Kernels {
     gate: KernelHandle,
     conv: KernelHandle,
     conv_batch: KernelHandle,
+    /// The gate with a norm form and an eps per norm (Engram).
+    gate_norms: Option<KernelHandle>,
+    /// The projection bias (Engram).
+    bias_add: Option<KernelHandle>,
+    /// `highway += gated` (a gated site without a conv).
+    highway_add: Option<KernelHandle>,
+    /// The mean with the word embedding (LongCat).
+    mean_add: Option<KernelHandle>,
 }
 
 /// Device buffers owned by the layer.
@@ -194,11 +203,15 @@ struct DeviceBufs {
     gated: DevicePtr,
     xn: DevicePtr,
     pad_row: DevicePtr,
+    /// `[key_bias | value_bias]`, `[O]` (zeros where a bias is absent);
+    /// null when the site has no bias.
+    bias: DevicePtr,
 }
 
 impl DeviceBufs {
-    fn all(&self) -> [DevicePtr; 10] {
+    fn all(&self) -> [DevicePtr; 11] {
         [
+            self.bias,
             self.w_proj,
             self.norm_q,
             self.norm_k,

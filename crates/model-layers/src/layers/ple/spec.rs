@@ -807,6 +807,7 @@ impl ModelSpec {
             head_vocab_sizes: sizes,
             head_offsets,
             eos_token_id: eos,
+            family: self.hash_family(),
         };
         validate_family(&self.hash_family(), &dims).map_err(wrap)?;
         Ok(DerivedPleIds { dims, padded_rows })

@@ -245,6 +245,7 @@ impl PleHashParams {
             head_vocab_sizes,
             head_offsets,
             eos_token_id: self.eos_token_id,
+            family: Default::default(),
         };
         dims.validate()?;
         Ok(DerivedPleIds { dims, padded_rows })

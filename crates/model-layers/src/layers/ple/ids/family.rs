@@ -97,7 +97,9 @@ impl HashFamily {
     }
 }
 
-/// Check that `dims` and `family` describe a usable hash together.
+/// Check that `dims` and `family` describe a usable hash together
+/// (`family` in place of `dims.family`; [`PleIdDims::validate`] passes
+/// its own).
 ///
 /// Qwen4Exp: [`PleIdDims::validate`]. Engram: the same, plus a non-empty
 /// hashed vocabulary, map entries below it, a fill (pad) token inside the
@@ -107,12 +109,12 @@ impl HashFamily {
 /// 1 and the fill (EOS) token below it.
 pub fn validate_family(family: &HashFamily, dims: &PleIdDims) -> Result<()> {
     match family {
-        HashFamily::Qwen4Exp => dims.validate(),
+        HashFamily::Qwen4Exp => dims.validate_layout(true),
         HashFamily::Engram {
             token_map,
             hashed_vocab,
         } => {
-            dims.validate()?;
+            dims.validate_layout(true)?;
             let v = *hashed_vocab;
             id_ensure!(v >= 1, Dims, "Engram: the hashed vocabulary is empty");
             let bound = (i64::MAX as u64) / v;
@@ -447,6 +449,7 @@ mod tests {
             head_vocab_sizes: sizes.clone(),
             head_offsets: offsets.clone(),
             eos_token_id: 7,
+            family: Default::default(),
         };
         validate_family(&HashFamily::LongCat { vocab_size: vocab }, &dims).unwrap();
         let weights = longcat_weights(vocab, &dims);

@@ -296,6 +296,7 @@ mod tests {
             head_vocab_sizes: vec![65_537, 65_539, 65_543, 65_551],
             head_offsets: vec![0, 65_537, 131_076, 196_619],
             eos_token_id: 0,
+            family: Default::default(),
         };
         assert!(Avx2Plan::build(&dims).is_some());
         dims.head_vocab_sizes[2] = 65_521; // below 2^16

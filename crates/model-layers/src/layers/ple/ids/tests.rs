@@ -12,6 +12,7 @@ fn tiny() -> PleIdDims {
         head_vocab_sizes: vec![101, 103],
         head_offsets: vec![0, 101],
         eos_token_id: 0,
+        family: Default::default(),
     }
 }
 

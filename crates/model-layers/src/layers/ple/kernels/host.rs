@@ -12,7 +12,8 @@ use std::fmt::Display;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuError, HostMemory, KernelArg, LaunchConfig};
 
 use super::conv::{ConvDims, conv, conv_batch};
-use super::gate::{GateDims, GateInputs, gate};
+use super::combine::{bias_add, highway_add, mean_add};
+use super::gate::{GateDims, GateInputs, GateNorms, gate, gate_norms};
 use super::gather::{GatherDType, RowSrc, gather_rows};
 use super::gemm::{packed_len, project};
 
@@ -296,6 +297,43 @@ pub(super) fn gate_kernel(
 ) -> Result<()> {
     const K: &str = "ple::gate";
     let a = Args::new(K, args, 11)?;
+    let eps = a.f32(10, "eps")?;
+    gate_common(K, mem, &a, GateNorms::qwen4exp(eps), false)
+}
+
+/// `gate_norms(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc,
+/// eps_q, eps_k, eps_conv, form, conv)`.
+pub(super) fn gate_norms_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::gate_norms";
+    let a = Args::new(K, args, 15)?;
+    let form = a.usize(13, "form")? as u32;
+    let Some(offset) = GateNorms::offset_of_form(form) else {
+        bail!("{K}: form {form} is not 0 (1 + w) or 1 (w)");
+    };
+    let norms = GateNorms {
+        offset,
+        eps_q: a.f32(10, "eps_q")?,
+        eps_k: a.f32(11, "eps_k")?,
+        eps_conv: a.f32(12, "eps_conv")?,
+        conv: a.usize(14, "conv")? != 0,
+    };
+    gate_common(K, mem, &a, norms, true)
+}
+
+/// The pointer and shape arguments `gate` and `gate_norms` share (the
+/// first ten); `norm_conv` and `xn` are neither read nor written without
+/// the conv norm.
+fn gate_common(
+    kernel: &'static str,
+    mem: &dyn HostMemory,
+    a: &Args<'_>,
+    norms: GateNorms,
+    with_norms: bool,
+) -> Result<()> {
     let names = [
         "highway",
         "kv",
@@ -309,36 +347,32 @@ pub(super) fn gate_kernel(
     for (i, p) in ptrs.iter_mut().enumerate() {
         *p = a.ptr(i, names[i])?;
     }
-    let (t, h, hc, eps) = (
-        a.usize(7, "T")?,
-        a.usize(8, "H")?,
-        a.usize(9, "hc")?,
-        a.f32(10, "eps")?,
-    );
+    let (t, h, hc) = (a.usize(7, "T")?, a.usize(8, "H")?, a.usize(9, "hc")?);
     ensure!(
         h > 0 && hc > 0,
-        "{K}: H = {h} and hc = {hc} must both be positive"
+        "{kernel}: H = {h} and hc = {hc} must both be positive"
     );
     if t == 0 {
         return Ok(());
     }
-    let c = size(K, "C", &[h, hc])?;
-    let tc = size(K, "highway", &[t, c])?;
-    let kv_len = size(K, "kv", &[t, c.saturating_add(h)])?;
-    let lens = [tc, kv_len, c, c, c, tc, tc];
+    let c = size(kernel, "C", &[h, hc])?;
+    let tc = size(kernel, "highway", &[t, c])?;
+    let kv_len = size(kernel, "kv", &[t, c.saturating_add(h)])?;
+    let (conv_c, conv_tc) = if norms.conv { (c, tc) } else { (0, 0) };
+    let lens = [tc, kv_len, c, c, conv_c, tc, conv_tc];
     let regions: Vec<Region> = (0..7)
         .map(|i| {
             Ok(Region::new(
                 names[i],
                 ptrs[i],
-                size(K, names[i], &[lens[i], 4])?,
+                size(kernel, names[i], &[lens[i], 4])?,
                 i >= 5,
             ))
         })
         .collect::<Result<_>>()?;
-    check_disjoint(K, &regions)?;
+    check_disjoint(kernel, &regions)?;
     // SAFETY: only `gated` and `xn` are written, and they overlap nothing
-    // else of this launch (checked above).
+    // else of this launch (checked above); empty views touch no memory.
     let (ins, gated, xn) = unsafe {
         let mut v = [&[][..]; 5];
         for i in 0..5 {
@@ -357,7 +391,108 @@ pub(super) fn gate_kernel(
         norm_k: ins[3],
         norm_conv: ins[4],
     };
-    gate(GateDims { t, h, hc, eps }, inputs, gated, xn).context(K)
+    let d = GateDims {
+        t,
+        h,
+        hc,
+        eps: norms.eps_q,
+    };
+    if with_norms {
+        gate_norms(d, norms, inputs, gated, xn).context(kernel)
+    } else {
+        gate(d, inputs, gated, xn).context(kernel)
+    }
+}
+
+/// `bias_add(y, bias, T, O)`.
+pub(super) fn bias_add_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::bias_add";
+    let a = Args::new(K, args, 4)?;
+    let (y, bias) = (a.ptr(0, "y")?, a.ptr(1, "bias")?);
+    let (t, o) = (a.usize(2, "T")?, a.usize(3, "O")?);
+    ensure!(o > 0, "{K}: O is 0");
+    if t == 0 {
+        return Ok(());
+    }
+    let to = size(K, "y", &[t, o])?;
+    check_disjoint(
+        K,
+        &[
+            Region::new("y", y, size(K, "y", &[to, 4])?, true),
+            Region::new("bias", bias, size(K, "bias", &[o, 4])?, false),
+        ],
+    )?;
+    // SAFETY: `y` is the only written range and does not overlap `bias`.
+    unsafe {
+        let b = view::<f32>(mem, bias, o, "bias")?;
+        let ys = view_mut::<f32>(mem, y, to, "y")?;
+        bias_add(ys, b, t, o).context(K)
+    }
+}
+
+/// `highway_add(highway, out, n)`.
+pub(super) fn highway_add_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::highway_add";
+    let a = Args::new(K, args, 3)?;
+    let (hw, out) = (a.ptr(0, "highway")?, a.ptr(1, "out")?);
+    let n = a.usize(2, "n")?;
+    if n == 0 {
+        return Ok(());
+    }
+    let bytes = size(K, "highway", &[n, 4])?;
+    check_disjoint(
+        K,
+        &[
+            Region::new("highway", hw, bytes, true),
+            Region::new("out", out, bytes, false),
+        ],
+    )?;
+    // SAFETY: `highway` is the only written range and does not overlap
+    // `out`.
+    unsafe {
+        let o = view::<f32>(mem, out, n, "out")?;
+        let h = view_mut::<f32>(mem, hw, n, "highway")?;
+        highway_add(h, o).context(K)
+    }
+}
+
+/// `mean_add(highway, value, n, divisor)`.
+pub(super) fn mean_add_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::mean_add";
+    let a = Args::new(K, args, 4)?;
+    let (hw, value) = (a.ptr(0, "highway")?, a.ptr(1, "value")?);
+    let n = a.usize(2, "n")?;
+    let divisor = a.f32(3, "divisor")?;
+    if n == 0 {
+        return Ok(());
+    }
+    let bytes = size(K, "highway", &[n, 4])?;
+    check_disjoint(
+        K,
+        &[
+            Region::new("highway", hw, bytes, true),
+            Region::new("value", value, bytes, false),
+        ],
+    )?;
+    // SAFETY: `highway` is the only written range and does not overlap
+    // `value`.
+    unsafe {
+        let v = view::<f32>(mem, value, n, "value")?;
+        let h = view_mut::<f32>(mem, hw, n, "highway")?;
+        mean_add(h, v, divisor).context(K)
+    }
 }
 
 /// Shared argument decoding of `conv` and `conv_batch`.

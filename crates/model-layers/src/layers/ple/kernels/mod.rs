@@ -1,5 +1,6 @@
 //! The PLE kernels for the CPU backend: row gather, the projection GEMM, the
-//! gate and the dilated conv, registered as host kernels of module `"ple"`.
+//! gate and the dilated conv, and the element-wise kernels of the family
+//! combinations, registered as host kernels of module `"ple"`.
 //!
 //! Each kernel is a pure function over slices (in the submodules) plus a thin
 //! wrapper (`host`) that turns launch arguments into checked slices. The
@@ -15,6 +16,7 @@
 //!   exact in f32; norms, gate, conv, state and highway are f32;
 //! - a launch checks every argument before it writes anything.
 
+pub mod combine;
 pub mod conv;
 pub mod cpu;
 mod error;
@@ -41,11 +43,15 @@ pub use super::device_kernels::MODULE;
 ///
 /// | name | args |
 /// |---|---|
-/// | `gather` | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3), out |
+/// | `gather` | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3, 2 FP8 E4M3 + UE8M0 per 32), out |
 /// | `project` | x, w (packed), y, T, E, O |
 /// | `gate` | highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps |
+/// | `gate_norms` | highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps_q, eps_k, eps_conv, form (0 `1+w`, 1 `w`), conv (0: no `xn`) |
 /// | `conv` | xn, gated, state, w, highway, T, C, K, D |
 /// | `conv_batch` | xn, gated, states, w, highway, B, C, K, D |
+/// | `bias_add` | y, bias, T, O |
+/// | `highway_add` | highway, out, n |
+/// | `mean_add` | highway, value, n, divisor |
 ///
 /// Errors ([`GpuError::Unsupported`]) when the backend runs no host kernels:
 /// a device backend runs the device kernels of `kernels/ple.cu` instead,
@@ -75,6 +81,32 @@ pub fn register_cpu_kernels(gpu: &dyn GpuBackend) -> Result<(), GpuError> {
         "gate",
         &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32],
         Arc::new(host::gate_kernel),
+    )?;
+    gpu.register_host_kernel(
+        MODULE,
+        "gate_norms",
+        &[
+            Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32, F32, F32, U32, U32,
+        ],
+        Arc::new(host::gate_norms_kernel),
+    )?;
+    gpu.register_host_kernel(
+        MODULE,
+        "bias_add",
+        &[Ptr, Ptr, U32, U32],
+        Arc::new(host::bias_add_kernel),
+    )?;
+    gpu.register_host_kernel(
+        MODULE,
+        "highway_add",
+        &[Ptr, Ptr, U32],
+        Arc::new(host::highway_add_kernel),
+    )?;
+    gpu.register_host_kernel(
+        MODULE,
+        "mean_add",
+        &[Ptr, Ptr, U32, F32],
+        Arc::new(host::mean_add_kernel),
     )?;
     gpu.register_host_kernel(
         MODULE,

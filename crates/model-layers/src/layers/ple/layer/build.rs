@@ -18,7 +18,7 @@ use super::{DeviceBufs, Kernels, PleLayer, PleWeights};
 use crate::layers::ple::device_kernels::{LaunchShapes, load_ple_module};
 use crate::layers::ple::ids::PleIdHasher;
 use crate::layers::ple::kernels;
-use crate::layers::ple::spec::SiteSpec;
+use crate::layers::ple::spec::{Combine, NormForm, SiteSpec};
 use crate::layers::ple::staging::Staging;
 
 /// Allocations made so far by a constructor, freed if it fails.
@@ -65,13 +65,24 @@ fn fits_u32(what: &'static str, value: usize) -> Result<u32, LayerError> {
     u32::try_from(value).map_err(|_| LayerError::KernelArg { what, value })
 }
 
-/// Check every weight tensor's size and values against the spec.
+/// Check every weight tensor's size and values against the spec: the
+/// tensors the site's combination uses have their shapes, the others are
+/// empty.
 fn check_weights(spec: &SiteSpec, w: &PleWeights) -> Result<(), LayerError> {
     let (c, e, hidden, k) = (spec.channels(), spec.emb_dim(), spec.hidden, spec.kernel);
+    let gated = spec.combine.gated().copied();
+    let keyed = gated.is_some();
+    let conv = spec.combine.has_conv();
+    let pick = |used: bool, n: usize| if used { n } else { 0 };
     let shape = |tensor, found: usize, expected: usize, shape: String| {
         if found == expected {
             Ok(())
         } else {
+            let shape = if expected == 0 {
+                format!("empty: the site's combination ({:?}) has no {tensor}", spec.combine)
+            } else {
+                shape
+            };
             Err(LayerError::WeightShape {
                 tensor,
                 found,
@@ -83,7 +94,7 @@ fn check_weights(spec: &SiteSpec, w: &PleWeights) -> Result<(), LayerError> {
     shape(
         "key_proj",
         w.key_proj.len(),
-        c * e,
+        pick(keyed, c * e),
         format!("[C = hc_mult*hidden = {c}, E = ngram_heads*head_dim = {e}]"),
     )?;
     shape(
@@ -100,21 +111,28 @@ fn check_weights(spec: &SiteSpec, w: &PleWeights) -> Result<(), LayerError> {
         }),
         None => Ok(()),
     };
-    for (name, v) in [
-        ("norm_key", &w.norm_key),
-        ("norm_query", &w.norm_query),
-        ("norm_conv", &w.norm_conv),
+    for (name, v, used) in [
+        ("norm_key", &w.norm_key, keyed),
+        ("norm_query", &w.norm_query, keyed),
+        ("norm_conv", &w.norm_conv, conv),
     ] {
-        shape(name, v.len(), c, format!("C = {c}"))?;
+        shape(name, v.len(), pick(used, c), format!("C = {c}"))?;
         finite(name, v)?;
     }
     shape(
         "conv1d",
         w.conv1d.len(),
-        c * k,
+        pick(conv, c * k),
         format!("[C = {c}, 1, K = {k}]"),
     )?;
     finite("conv1d", &w.conv1d)?;
+    for (name, v, used, n) in [
+        ("key_bias", &w.key_bias, gated.is_some_and(|g| g.key_bias), c),
+        ("value_bias", &w.value_bias, gated.is_some_and(|g| g.value_bias), hidden),
+    ] {
+        shape(name, v.len(), pick(used, n), format!("[{n}]"))?;
+        finite(name, v)?;
+    }
     for (tensor, v) in [("key_proj", &w.key_proj), ("value_proj", &w.value_proj)] {
         if let Some(index) = v.iter().position(|b| b & 0x7f80 == 0x7f80) {
             return Err(LayerError::NonFiniteBf16 {
@@ -125,6 +143,19 @@ fn check_weights(spec: &SiteSpec, w: &PleWeights) -> Result<(), LayerError> {
         }
     }
     Ok(())
+}
+
+/// `[key_bias | value_bias]` over the `o` projection outputs, zeros where a
+/// bias is absent, or `None` when the site has no bias at all.
+fn bias_vector(spec: &SiteSpec, w: &PleWeights, o: usize) -> Option<Vec<f32>> {
+    if w.key_bias.is_empty() && w.value_bias.is_empty() {
+        return None;
+    }
+    let keys = o - spec.hidden;
+    let mut b = vec![0.0f32; o];
+    b[..w.key_bias.len()].copy_from_slice(&w.key_bias);
+    b[keys..keys + w.value_bias.len()].copy_from_slice(&w.value_bias);
+    Some(b)
 }
 
 impl PleLayer {
@@ -143,7 +174,7 @@ impl PleLayer {
     ) -> Result<PleLayer, LayerError> {
         spec.validate()?;
         let dims = spec.dims.clone();
-        let hasher = PleIdHasher::new(&dims)?;
+        let hasher = PleIdHasher::with_family(&spec.family, &dims)?;
         if max_tokens == 0 {
             return Err(LayerError::NoTokens);
         }
@@ -159,7 +190,9 @@ impl PleLayer {
         dims.check_table_rows(info.rows)?;
         check_weights(spec, &weights)?;
         let w = &weights;
-        let o = c + hidden;
+        // The projection's outputs: the keys of every stream (gated sites)
+        // and the value.
+        let o = if spec.combine.has_key() { c + hidden } else { hidden };
         let tokens_heads = max_tokens.checked_mul(heads).ok_or(LayerError::KernelArg {
             what: "tokens*ngram_heads",
             value: usize::MAX,
@@ -201,7 +234,31 @@ impl PleLayer {
             gate: k("gate")?,
             conv: k("conv")?,
             conv_batch: k("conv_batch")?,
+            gate_norms: None,
+            bias_add: None,
+            highway_add: None,
+            mean_add: None,
         };
+        let mut kernels = kernels;
+        let bias = bias_vector(spec, w, o);
+        if bias.is_some() {
+            kernels.bias_add = Some(k("bias_add")?);
+        }
+        match spec.combine {
+            Combine::Gated(g) => {
+                let [q, k_eps, c_eps] = g.eps(spec.rms_eps);
+                let plain = g.norm == NormForm::OnePlusWeight
+                    && g.conv
+                    && [q, k_eps, c_eps] == [spec.rms_eps; 3];
+                if !plain {
+                    kernels.gate_norms = Some(k("gate_norms")?);
+                }
+                if !g.conv {
+                    kernels.highway_add = Some(k("highway_add")?);
+                }
+            }
+            Combine::Mean => kernels.mean_add = Some(k("mean_add")?),
+        }
 
         let mut g = AllocGuard {
             gpu,
@@ -227,6 +284,9 @@ impl PleLayer {
         bufs.norm_k = g.upload_f32(&w.norm_key, "ple.norm_key")?;
         bufs.norm_conv = g.upload_f32(&w.norm_conv, "ple.norm_conv")?;
         bufs.conv_w = g.upload_f32(&w.conv1d, "ple.conv1d")?;
+        if let Some(b) = &bias {
+            bufs.bias = g.upload_f32(b, "ple.proj_bias")?;
+        }
         bufs.emb = g.alloc(max_tokens * e * 4, "ple.emb")?;
         bufs.kv = g.alloc(max_tokens * o * 4, "ple.kv")?;
         bufs.gated = g.alloc(max_tokens * c * 4, "ple.gated")?;

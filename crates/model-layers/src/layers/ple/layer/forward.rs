@@ -12,7 +12,7 @@ use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
 use super::{ConvTarget, ForwardContext, PleLayer, PleSeqState, Result};
-use crate::layers::ple::ids::ple_ngram_ids;
+use crate::layers::ple::spec::Combine;
 use crate::layers::ple::staging::{self, StagedAt};
 
 impl PleLayer {
@@ -56,14 +56,19 @@ impl PleLayer {
     /// The ids of the heads of orders below N for the last token of a
     /// post-prestage `history`: the only ones the history still determines
     /// (order N also needs the token that left the history).
-    fn checkable_ids(&self, history: &[u32]) -> Vec<u64> {
+    fn checkable_ids(&self, history: &[u32]) -> Result<Vec<u64>> {
         if history.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let n = self.dims.ngram_size;
         let known = (n - 2) * self.dims.heads_per_ngram;
-        let rows = ple_ngram_ids(&self.dims, history);
-        rows[rows.len() - 1][..known].to_vec()
+        let heads = self.dims.ngram_heads();
+        let (last, before) = history.split_last().expect("not empty");
+        let mut row = vec![0u64; heads];
+        self.hasher
+            .ids_with_history_into(before, std::slice::from_ref(last), &mut row)?;
+        row.truncate(known);
+        Ok(row)
     }
 
     /// Token ids for `n` tokens starting at entry `first` of the context's
@@ -161,7 +166,7 @@ impl PleLayer {
         if let (Some(va), true) = (staged, usable) {
             let mut stg = self.staging.lock();
             stg.streams.insert(stream);
-            let expect = self.checkable_ids(&st.history);
+            let expect = self.checkable_ids(&st.history)?;
             let at = stg.lookup(va, heads, st.conv.addr(), &expect)?;
             layer_ensure!(
                 !capturing || matches!(at, StagedAt::Batch(_)),
@@ -291,7 +296,10 @@ impl PleLayer {
             .device(|| format!("launching PLE gather of {n} rows from refs at {refs}"))
     }
 
-    /// Queue projection, gate and conv over `t` rows of `emb` and `highway`.
+    /// Queue what follows the gather over `t` rows of `emb` and `highway`,
+    /// as the site's combination says: the projection, its bias, then the
+    /// gate and the conv (or the plain add of a gated site without one), or
+    /// the mean with the word embedding.
     pub(super) fn launch_rest(
         &self,
         gpu: &dyn GpuBackend,
@@ -302,7 +310,11 @@ impl PleLayer {
     ) -> Result<()> {
         let e = self.dims.ngram_heads() * self.spec.head_dim;
         let c = self.channels();
-        let o = c + self.hidden;
+        let o = if self.spec.combine.has_key() {
+            c + self.hidden
+        } else {
+            self.hidden
+        };
         let shapes = self.kernels.shapes;
         gpu.launch(self.kernels.project, shapes.project(t, o))
             .ptr(self.bufs.emb)
@@ -313,20 +325,74 @@ impl PleLayer {
             .u32(o as u32)
             .run(stream)
             .device(|| format!("launching PLE projection over {t} rows"))?;
-        gpu.launch(self.kernels.gate, shapes.gate(t, self.hc_mult))
-            .ptr(highway)
-            .ptr(self.bufs.kv)
-            .ptr(self.bufs.norm_q)
-            .ptr(self.bufs.norm_k)
-            .ptr(self.bufs.norm_conv)
-            .ptr(self.bufs.gated)
-            .ptr(self.bufs.xn)
-            .u32(t as u32)
-            .u32(self.hidden as u32)
-            .u32(self.hc_mult as u32)
-            .f32(self.spec.rms_eps)
-            .run(stream)
-            .device(|| format!("launching PLE gate over {t} rows of highway {highway}"))?;
+        if let Some(k) = self.kernels.bias_add {
+            gpu.launch(k, shapes.elementwise(t * o))
+                .ptr(self.bufs.kv)
+                .ptr(self.bufs.bias)
+                .u32(t as u32)
+                .u32(o as u32)
+                .run(stream)
+                .device(|| format!("launching PLE projection bias over {t} rows"))?;
+        }
+        let Combine::Gated(g) = self.spec.combine else {
+            let divisor = (1 + self.dims.ngram_heads()) as f32;
+            let k = self.kernels.mean_add.expect("resolved at build for a mean site");
+            return gpu
+                .launch(k, shapes.elementwise(t * c))
+                .ptr(highway)
+                .ptr(self.bufs.kv)
+                .u32((t * c) as u32)
+                .f32(divisor)
+                .run(stream)
+                .device(|| format!("launching PLE mean over {t} rows of highway {highway}"));
+        };
+        match self.kernels.gate_norms {
+            None => gpu
+                .launch(self.kernels.gate, shapes.gate(t, self.hc_mult))
+                .ptr(highway)
+                .ptr(self.bufs.kv)
+                .ptr(self.bufs.norm_q)
+                .ptr(self.bufs.norm_k)
+                .ptr(self.bufs.norm_conv)
+                .ptr(self.bufs.gated)
+                .ptr(self.bufs.xn)
+                .u32(t as u32)
+                .u32(self.hidden as u32)
+                .u32(self.hc_mult as u32)
+                .f32(self.spec.rms_eps)
+                .run(stream),
+            Some(k) => {
+                let [eq, ek, ec] = g.eps(self.spec.rms_eps);
+                gpu.launch(k, shapes.gate(t, self.hc_mult))
+                    .ptr(highway)
+                    .ptr(self.bufs.kv)
+                    .ptr(self.bufs.norm_q)
+                    .ptr(self.bufs.norm_k)
+                    .ptr(self.bufs.norm_conv)
+                    .ptr(self.bufs.gated)
+                    .ptr(self.bufs.xn)
+                    .u32(t as u32)
+                    .u32(self.hidden as u32)
+                    .u32(self.hc_mult as u32)
+                    .f32(eq)
+                    .f32(ek)
+                    .f32(ec)
+                    .u32(g.norm.code())
+                    .u32(u32::from(g.conv))
+                    .run(stream)
+            }
+        }
+        .device(|| format!("launching PLE gate over {t} rows of highway {highway}"))?;
+        if !g.conv {
+            let k = self.kernels.highway_add.expect("resolved at build for a conv-less site");
+            return gpu
+                .launch(k, shapes.elementwise(t * c))
+                .ptr(highway)
+                .ptr(self.bufs.gated)
+                .u32((t * c) as u32)
+                .run(stream)
+                .device(|| format!("launching PLE highway add over {t} rows of highway {highway}"));
+        }
         let (kernel, state, cfg) = match conv {
             ConvTarget::Single(p) => (self.kernels.conv, p, shapes.conv(1, c)),
             ConvTarget::Table(p) => (self.kernels.conv_batch, p, shapes.conv(t, c)),

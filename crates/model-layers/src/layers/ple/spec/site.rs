@@ -11,7 +11,9 @@ use combine::Combine;
 /// derived from them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SiteSpec {
-    /// How token n-grams map to table rows.
+    /// How token n-grams map to table rows: always `dims.family`
+    /// ([`Self::validate`] refuses a site where they differ); kept here as
+    /// well for the callers that read a site's family.
     pub family: HashFamily,
     /// The 0-based model layer the site sits on.
     pub layer: usize,
@@ -35,9 +37,9 @@ pub struct SiteSpec {
 }
 
 impl SiteSpec {
-    /// A Qwen4Exp site on model layer 0 with `rms_eps` 1e-6 (the models'
-    /// value): the usual site of tests and synthetic models. Set the public
-    /// fields for anything else.
+    /// A site of `dims.family` on model layer 0 with `rms_eps` 1e-6 (the
+    /// models' value) and the Qwen4Exp combination: the usual site of tests
+    /// and synthetic models. Set the public fields for anything else.
     pub fn new(
         dims: PleIdDims,
         head_dim: usize,
@@ -47,7 +49,7 @@ impl SiteSpec {
         dilation: usize,
     ) -> SiteSpec {
         SiteSpec {
-            family: HashFamily::Qwen4Exp,
+            family: dims.family.clone(),
             layer: 0,
             dims,
             head_dim,
@@ -99,22 +101,24 @@ impl SiteSpec {
     }
 
     /// Check what a layer needs beyond a parsed config: usable hash
-    /// constants, positive widths, `hc_mult` in `1..=MAX_HC_MULT`, a conv
-    /// kernel of at least 2, a dilation of at least 1, a finite
-    /// non-negative eps, and sizes that fit an allocation.
+    /// constants, positive widths, `hc_mult` in `1..=MAX_HC_MULT`, a
+    /// combination that goes with the hash family (the mean for LongCat,
+    /// with one stream; gated otherwise), with a conv a kernel of at least 2
+    /// and a dilation of at least 1, finite non-negative epsilons, and sizes
+    /// that fit an allocation.
     pub fn validate(&self) -> Result<(), SpecError> {
         let bad = |field: &'static str, problem: String| Err(SpecError::Site { field, problem });
-        validate_family(&self.family, &self.dims)?;
-        if self.family != HashFamily::Qwen4Exp {
+        if self.family != self.dims.family {
             return bad(
                 "family",
                 format!(
-                    "{}: the layer of this family (its gate, projections and output) is not \
-                     implemented; only its ids hash",
-                    self.family.name()
+                    "{} differs from the hash constants' family {}",
+                    self.family.name(),
+                    self.dims.family.name()
                 ),
             );
         }
+        validate_family(&self.family, &self.dims)?;
         if self.head_dim == 0 {
             return bad("head_dim", "must be positive".into());
         }
@@ -127,17 +131,54 @@ impl SiteSpec {
                 format!("= {} is outside 1..={MAX_HC_MULT}", self.hc_mult),
             );
         }
-        if self.kernel < 2 {
+        match (&self.family, &self.combine) {
+            (HashFamily::LongCat { .. }, Combine::Mean) => {}
+            (HashFamily::LongCat { .. }, _) | (_, Combine::Mean) => {
+                return bad(
+                    "combine",
+                    format!(
+                        "{:?} does not go with the {} hash: LongCat sites take the mean \
+                         with the word embedding, the others are gated",
+                        self.combine,
+                        self.family.name()
+                    ),
+                );
+            }
+            _ => {}
+        }
+        if self.combine == Combine::Mean && self.hc_mult != 1 {
             return bad(
-                "conv kernel size",
-                format!("must be at least 2, got {}", self.kernel),
+                "hc_mult",
+                format!(
+                    "= {}, but a site that takes the mean with the word embedding has one stream",
+                    self.hc_mult
+                ),
             );
         }
-        if self.dilation < 1 {
-            return bad(
-                "conv dilation",
-                format!("must be at least 1, got {}", self.dilation),
-            );
+        if let Combine::Gated(g) = &self.combine {
+            for (name, eps) in [
+                ("query norm eps", g.query_eps),
+                ("key norm eps", g.key_eps),
+                ("conv norm eps", g.conv_eps),
+            ] {
+                if let Some(e) = eps.filter(|e| !(e.is_finite() && *e >= 0.0)) {
+                    return bad(name, format!("must be finite and >= 0, got {e}"));
+                }
+            }
+        }
+        if self.combine.has_conv() {
+            if self.kernel < 2 {
+                return bad(
+                    "conv kernel size",
+                    format!("must be at least 2, got {}", self.kernel),
+                );
+            }
+            if self.dilation < 1 {
+                return bad(
+                    "conv dilation",
+                    format!("must be at least 1, got {}", self.dilation),
+                );
+            }
         }
         if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
             return bad(
@@ -150,7 +191,7 @@ impl SiteSpec {
             .ngram_heads()
             .checked_mul(self.head_dim)
             .and(self.hc_mult.checked_mul(self.hidden))
-            .and_then(|c| (self.kernel - 1).checked_mul(self.dilation)?.checked_mul(c))
+            .and_then(|c| self.kernel.saturating_sub(1).checked_mul(self.dilation)?.checked_mul(c))
             .and_then(|v| v.checked_mul(4))
             .and_then(|conv| carry_blob::checked_blob_len(self.context_len(), conv))
             .filter(|&v| v <= LIMIT);
