@@ -12,6 +12,14 @@
 //! figures from `reference/torch_bench.py` (PyTorch's CPU path doing the same
 //! math) and the ratio of ours to PyTorch's.
 //!
+//! Against the machine, in the same run: the projection's GFLOP/s beside
+//! the measured peak of the instruction it multiplies with (a tight loop of
+//! it on independent accumulators, on every rayon thread at once), and
+//! decode at batch 1 (which reads every weight once a step) its weight
+//! bytes/s beside the measured read bandwidth of a buffer of the weights'
+//! size (what decode rereads every step, as cache-resident as it can be)
+//! and of 1 GiB (beyond the caches).
+//!
 //! Environment: `PLE_BENCH_ROWS` (table rows, default 3,000,000),
 //! `PLE_BENCH_REPS` (timed repetitions, default 5).
 
@@ -24,6 +32,9 @@ use metrale_model_layers::layers::ple::kernels::conv::{ConvDims, conv, conv_batc
 use metrale_model_layers::layers::ple::kernels::gate::{GateDims, GateInputs, gate};
 use metrale_model_layers::layers::ple::kernels::gather::{GatherDType, RowSrc, gather_rows};
 use metrale_model_layers::layers::ple::kernels::gemm::{packed_as_bf16, project};
+use metrale_model_layers::layers::ple::kernels::cpu::{
+    Avx512Projection, CpuPath, MulAddLoop, avx512_projection, mul_add_rate,
+};
 use metrale_model_layers::layers::ple::kernels::{cpu, pack_projection};
 use metrale_storage::dtype::bf16_to_f32;
 
@@ -139,6 +150,62 @@ fn per_cpu(tokens: usize, cpu: Option<f64>) -> String {
         Some(c) if c > 0.0 => format!("{:.1}", tokens as f64 / c),
         _ => "n/a".to_string(),
     }
+}
+
+/// The instruction the projection multiplies with on `path`, if any.
+fn projection_loop(path: CpuPath) -> Option<MulAddLoop> {
+    match path {
+        CpuPath::Portable => None,
+        CpuPath::Avx2Fma => Some(MulAddLoop::Fma256),
+        CpuPath::Avx512Bf16 => Some(match avx512_projection() {
+            Avx512Projection::Fma => MulAddLoop::Fma512,
+            Avx512Projection::Dot => MulAddLoop::Dot512,
+        }),
+    }
+}
+
+/// Peak GFLOP/s of `l` (two FLOPs a product) on every rayon thread at
+/// once: each thread's best of three runs, summed.
+fn peak_gflops(l: MulAddLoop) -> Option<f64> {
+    let per_thread = rayon::broadcast(|_| {
+        (0..3)
+            .filter_map(|_| mul_add_rate(l, 20_000_000))
+            .fold(0.0f64, f64::max)
+    });
+    let instr: f64 = per_thread.iter().sum();
+    (instr > 0.0).then(|| instr * l.products() as f64 * 2.0 / 1e9)
+}
+
+/// XOR of the 64-bit words of `b`, in 64-byte strides with eight
+/// independent lanes so the loads, not the XORs, set the pace.
+fn read_all(b: &[u64]) -> u64 {
+    let mut acc = [0u64; 8];
+    for c in b.chunks_exact(8) {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a ^= *v;
+        }
+    }
+    acc.iter().fold(0, |x, y| x ^ y)
+}
+
+/// Read bandwidth in GB/s over a buffer of `bytes`, split over every rayon
+/// thread: best of five passes (the first also warms the caches it fits).
+fn read_gbs(bytes: usize) -> f64 {
+    let buf: Vec<u64> = (0..bytes / 8).map(|i| i as u64).collect();
+    let threads = rayon::current_num_threads();
+    let part = buf.len().div_ceil(threads).next_multiple_of(8);
+    let mut best = 0.0f64;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let x = rayon::broadcast(|c| {
+            let lo = (c.index() * part).min(buf.len());
+            read_all(&buf[lo..(lo + part).min(buf.len())])
+        });
+        let dt = t0.elapsed().as_secs_f64();
+        black_box(x);
+        best = best.max(bytes as f64 / dt / 1e9);
+    }
+    best
 }
 
 fn time<R>(acc: &mut Duration, f: impl FnOnce() -> R) -> R {
@@ -304,6 +371,18 @@ fn main() {
     let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
     let (med, best, share) = summarize(&runs);
     let mut ours = vec![(format!("prefill chunk {t}"), t as f64 / med)];
+    // Projection FLOPs a token (one multiply and one add a weight).
+    let flop_token = 2.0 * (E * O) as f64;
+    let proj_med = |runs: &[Stages]| {
+        let mut v: Vec<f64> = runs.iter().map(|s| s.project.as_secs_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut gflops = vec![(
+        format!("prefill chunk {t}"),
+        flop_token * t as f64 / proj_med(&runs) / 1e9,
+    )];
+    let mut decode1_proj = None;
     let prefill_proj = runs
         .iter()
         .map(|s| s.project)
@@ -349,6 +428,11 @@ fn main() {
         let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
         let (med, best, share) = summarize(&runs);
         ours.push((format!("decode batch {b}"), b as f64 / med));
+        let pm = proj_med(&runs);
+        gflops.push((format!("decode batch {b}"), flop_token * b as f64 / pm / 1e9));
+        if b == 1 {
+            decode1_proj = Some(pm);
+        }
         println!(
             "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.2} ms/step median; {share})",
             b as f64 / med,
@@ -374,7 +458,51 @@ fn main() {
         prefill_proj * 1e3,
         naive / prefill_proj
     );
+    machine_figures(&m.packed, &gflops, decode1_proj);
     torch_side_by_side(rows, reps, &ours);
+}
+
+/// The projection against the measured peak of its instruction, and decode
+/// at batch 1 against the measured read bandwidth (see the module docs).
+fn machine_figures(packed: &[f32], gflops: &[(String, f64)], decode1_proj: Option<f64>) {
+    let path = cpu::best_path();
+    let threads = rayon::current_num_threads();
+    match projection_loop(path).and_then(|l| Some((l, peak_gflops(l)?))) {
+        Some((l, peak)) => {
+            println!(
+                "projection vs peak: {l:?} loop on {threads} threads measures {peak:.1} GFLOP/s \
+                 (two FLOPs a product, {} products an instruction)",
+                l.products()
+            );
+            if l != MulAddLoop::Dot512 && MulAddLoop::Dot512.available() {
+                if let Some(dot) = peak_gflops(MulAddLoop::Dot512) {
+                    println!("  (the BF16 dot product, Dot512, measures {dot:.1} GFLOP/s)");
+                }
+            }
+            for (label, g) in gflops {
+                println!(
+                    "  {label:<18} projection {g:>7.1} GFLOP/s, {:>5.1}% of peak",
+                    100.0 * g / peak
+                );
+            }
+        }
+        None => println!("projection vs peak: no vector multiply loop on path {path:?}"),
+    }
+    if let Some(pm) = decode1_proj {
+        // Decode at batch 1 reads every packed weight once a step.
+        let bytes = std::mem::size_of_val(packed);
+        let ours = bytes as f64 / pm / 1e9;
+        let hot = read_gbs(bytes);
+        let far = read_gbs(1 << 30);
+        println!(
+            "decode batch 1 vs memory: projection reads {:.1} MB of weights at {ours:.1} GB/s; \
+             read bandwidth on {threads} threads {hot:.1} GB/s over a buffer of that size \
+             ({:.0}% of it), {far:.1} GB/s over 1 GiB ({:.0}%)",
+            bytes as f64 / 1e6,
+            100.0 * ours / hot,
+            100.0 * ours / far
+        );
+    }
 }
 
 /// Run `reference/torch_bench.py` with the same table size and repetitions
