@@ -105,6 +105,21 @@ impl Layout {
         }
     }
 
+    /// The prefix of site `s`'s tensors (`model.layers.1.ple`,
+    /// `layers.14.engram`, `model.ngram_embeddings`, ...).
+    pub fn site_prefix(self, g: &ModelSpec, s: usize) -> String {
+        let layer = g.site_layer(s);
+        match self {
+            Layout::Qwen4Exp => SiteNames::new(layer).prefix().to_string(),
+            Layout::EngramDemo => EngramDemoNames::new(layer).prefix().to_string(),
+            Layout::EngramV41 => V41Names::new(layer).prefix().to_string(),
+            Layout::LongCat { .. } => self
+                .longcat_names()
+                .map(|n| n.prefix().to_string())
+                .unwrap_or_default(),
+        }
+    }
+
     /// The LongCat names of this layout (`None` for other families).
     pub fn longcat_names(self) -> Option<LongCatNames> {
         match self {

@@ -14,6 +14,12 @@ pub const CONFIG_FILE: &str = "config.json";
 /// The weight map: tensor name to safetensors file.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
+/// The row remap of the table of the site at model layer `layer` (0-based),
+/// written by `table pack --hot-rows` (format: [`crate::remap`]).
+pub fn row_remap_file(layer: usize) -> String {
+    format!("model.layers.{layer}.ple.row_remap.bin")
+}
+
 /// The safetensors file `k` (1-based) of `n`, Hugging Face style.
 pub fn shard_file(k: usize, n: usize) -> String {
     format!("model-{k:05}-of-{n:05}.safetensors")
@@ -35,6 +41,10 @@ impl SiteNames {
 
     fn name(&self, suffix: &str) -> String {
         format!("{}{suffix}", self.prefix)
+    }
+    /// The prefix of every tensor of the site, without its final dot.
+    pub fn prefix(&self) -> &str {
+        self.prefix.trim_end_matches('.')
     }
 
     /// `key_proj.weight`, `[C, E]` BF16.
@@ -118,6 +128,10 @@ impl EngramDemoNames {
     fn name(&self, suffix: &str) -> String {
         format!("{}{suffix}", self.prefix)
     }
+    /// The prefix of every tensor of the layer, without its final dot.
+    pub fn prefix(&self) -> &str {
+        self.prefix.trim_end_matches('.')
+    }
     /// `multi_head_embedding.embedding.weight`, `[rows, head_dim]` BF16:
     /// every head's rows, concatenated (unpadded).
     pub fn table(&self) -> String {
@@ -179,6 +193,10 @@ impl V41Names {
     fn name(&self, suffix: &str) -> String {
         format!("{}{suffix}", self.prefix)
     }
+    /// The prefix of every tensor of the layer, without its final dot.
+    pub fn prefix(&self) -> &str {
+        self.prefix.trim_end_matches('.')
+    }
     /// `embed.weight`, `[rows, head_dim]` F8_E4M3: the table.
     pub fn table(&self) -> String {
         self.name("embed.weight")
@@ -223,6 +241,14 @@ impl LongCatNames {
     /// LongCat-2.0's names (`model.oe_embed_tokens{i}`, `model.oe_embed_proj{i}`).
     pub fn oe() -> Self {
         LongCatNames { oe: true }
+    }
+    /// The prefix the n-gram embedding's tensors share.
+    pub fn prefix(&self) -> &'static str {
+        if self.oe {
+            "model.oe_*"
+        } else {
+            "model.ngram_embeddings"
+        }
     }
     /// Sub-table `i` (order-major: order `2 + i / k`, split `i % k`),
     /// `[m + 2i + 1, hidden / (k * (n - 1))]` BF16.

@@ -287,24 +287,3 @@ fn family_refusals_exit_2_naming_what_is_wrong() {
         "engram_num_embeddings[0]",
     );
 }
-
-/// `init` refuses the family presets, whose layers are not implemented,
-/// before writing anything.
-#[test]
-fn init_refuses_family_presets() {
-    for preset in ["engram-demo", "deepseek-v4.1", "longcat-flash-lite"] {
-        let dir = tempfile::tempdir().unwrap();
-        let target = dir.path().join("ckpt");
-        let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
-            .args(["init", target.to_str().unwrap(), "--preset", preset])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{preset}: {err}");
-        assert!(
-            err.contains("not implemented") && err.contains(preset),
-            "{preset}: {err}"
-        );
-        assert!(!target.exists(), "{preset}: nothing written");
-    }
-}

@@ -1,4 +1,5 @@
-//! `metrale-ple inspect`: a checkpoint's model spec, sizes, shard layout and
+//! `metrale-ple inspect`: a checkpoint's family, model spec, sizes, table
+//! layout (shards, or LongCat's sub-tables), row format, carry and
 //! validation result.
 //!
 //! The spec is printed from `config.json` alone first, so a checkpoint
@@ -9,8 +10,10 @@ use std::path::PathBuf;
 
 use clap::Args;
 use metrale_checkpoint::Checkpoint;
+use metrale_checkpoint::family::Layout;
 use metrale_checkpoint::load::read_spec;
 use metrale_model_layers::layers::ple::ModelSpec;
+use metrale_model_layers::layers::ple::spec::{Combine, NormForm};
 use metrale_storage::table::RowDType;
 
 use super::common::bytes;
@@ -24,7 +27,35 @@ pub struct InspectArgs {
     pub dir: PathBuf,
 }
 
+/// The combination a family's sites apply, in words.
+fn combination(c: &Combine) -> String {
+    match c {
+        Combine::Gated(g) => format!(
+            "gated: a key per stream, {} norms{}{}",
+            match g.norm {
+                NormForm::OnePlusWeight => "(1 + w)",
+                NormForm::Weight => "w",
+            },
+            match (g.key_bias, g.value_bias) {
+                (true, true) => ", key and value biases",
+                (true, false) => ", a key bias",
+                (false, true) => ", a value bias",
+                (false, false) => "",
+            },
+            if g.conv {
+                ", dilated short conv"
+            } else {
+                ", no conv"
+            }
+        ),
+        Combine::Mean => "mean: (word embedding + projected sub-table rows) / (1 + sub-tables)"
+            .to_string(),
+    }
+}
+
 fn print_spec(g: &ModelSpec) {
+    println!("family              {}", Layout::of(g).name());
+    println!("  layer             {}", combination(&g.combine()));
     println!("geometry");
     println!(
         "  vocab_size        {} (eos {})",
@@ -55,11 +86,17 @@ fn print_spec(g: &ModelSpec) {
         "  hash              base {}, padded to a multiple of {}, seed {}",
         g.ngram_vocab_size_base, g.divisible_by, g.hash_seed
     );
+    let layout = Layout::of(g);
     println!(
-        "  sites             {} at layer ids {:?} ({} shards each)",
+        "  sites             {} at layer ids {:?} ({} {} each)",
         g.sites(),
         g.ple_layer_ids,
-        g.split_ngram_parts
+        layout.table_parts(g),
+        if layout.sub_tables() {
+            "sub-tables"
+        } else {
+            "table tensors"
+        }
     );
 }
 
@@ -82,27 +119,37 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
         }
     };
     let mut gathered_per_token = 0u64;
+    let layout = Layout::of(&ck.spec);
     println!("sites");
     for s in &ck.sites {
         let t = &s.table;
-        let row_bytes = t.head_dim as u64 * if t.dtype == RowDType::Bf16 { 2 } else { 1 };
+        let row_bytes = t.dtype.row_bytes(t.head_dim) as u64 + if t.dtype.has_row_scale() { 4 } else { 0 };
         gathered_per_token += row_bytes * s.spec.dims.ngram_heads() as u64;
-        println!("  site {} (model.layers.{}.ple)", s.index, s.layer);
-        println!("    multipliers     {:?}", s.spec.dims.multipliers);
+        println!(
+            "  site {} (block {}, {})",
+            s.index,
+            s.layer,
+            layout.site_prefix(&ck.spec, s.index)
+        );
+        if !s.spec.dims.multipliers.is_empty() {
+            println!("    multipliers     {:?}", s.spec.dims.multipliers);
+        }
         let sizes = &s.spec.dims.head_vocab_sizes;
         println!(
-            "    head sizes      {} .. {} ({} heads)",
+            "    head sizes      {} .. {} ({} {})",
             sizes.first().copied().unwrap_or(0),
             sizes.last().copied().unwrap_or(0),
-            sizes.len()
+            sizes.len(),
+            if layout.sub_tables() { "sub-tables" } else { "heads" }
         );
         println!(
             "    table           {} rows addressed, {} stored{}, {}, {}",
             s.padded_rows,
             t.stored_rows,
-            match t.fold_rows {
-                Some(m) => format!(" (ids folded: row = id % {m})"),
-                None => String::new(),
+            match (t.fold_rows, layout.sub_tables()) {
+                (Some(_), true) => " (ids folded inside each sub-table)".to_string(),
+                (Some(m), false) => format!(" (ids folded: row = id % {m})"),
+                (None, _) => String::new(),
             },
             match t.dtype {
                 RowDType::Bf16 => "BF16".to_string(),
@@ -111,6 +158,34 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
             },
             bytes(t.bytes)
         );
+        println!(
+            "    rows            {} values, {row_bytes} B each",
+            t.head_dim
+        );
+        println!(
+            "    carry           {} history tokens, {} B conv state, aux blob {} B",
+            s.spec.context_len(),
+            s.spec.conv_bytes(),
+            s.spec.aux_blob_len()
+        );
+        if layout.sub_tables() {
+            println!("    sub-tables      {}", t.shards.len());
+            let mut start = 0u64;
+            for (i, (sub, (path, _))) in t.sub_tables.iter().zip(&t.shards).enumerate() {
+                let name = path
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                println!(
+                    "      sub-table {i:<3} ids {:>11} .. {:<11} {} stored  {name}",
+                    start,
+                    start + sub.logical_rows,
+                    sub.stored_rows
+                );
+                start += sub.logical_rows;
+            }
+            continue;
+        }
         println!(
             "    shards          {} x [{}, {}]",
             t.shards.len(),
@@ -141,10 +216,9 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
         gathered_per_token
     );
     println!(
-        "  carry per seq     {} on the device ({} B conv state per site), aux blob {} B per site",
-        bytes(g.carry_bytes_per_seq() as u64),
-        4 * g.state_len() * g.channels(),
-        g.aux_blob_bytes()
+        "  carry per seq     {} on the device (conv state), {} of aux blobs over all sites",
+        bytes(ck.sites.iter().map(|s| s.spec.carry_bytes() as u64).sum()),
+        bytes(ck.sites.iter().map(|s| s.spec.aux_blob_len() as u64).sum())
     );
     println!("files");
     for f in &ck.files {
