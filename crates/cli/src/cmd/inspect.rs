@@ -126,10 +126,10 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
         let row_bytes = t.dtype.row_bytes(t.head_dim) as u64 + if t.dtype.has_row_scale() { 4 } else { 0 };
         gathered_per_token += row_bytes * s.spec.dims.ngram_heads() as u64;
         println!(
-            "  site {} (block {}, {})",
+            "  site {} ({}) at block {}",
             s.index,
-            s.layer,
-            layout.site_prefix(&ck.spec, s.index)
+            layout.site_prefix(&ck.spec, s.index),
+            s.layer
         );
         if !s.spec.dims.multipliers.is_empty() {
             println!("    multipliers     {:?}", s.spec.dims.multipliers);
@@ -215,10 +215,13 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
         "  rows per token    {heads} ({} gathered bytes)",
         gathered_per_token
     );
+    // Every site of a model has the same carry shape.
+    let first = &ck.sites[0].spec;
     println!(
-        "  carry per seq     {} on the device (conv state), {} of aux blobs over all sites",
+        "  carry per seq     {} on the device ({} B conv state per site), aux blob {} B per site",
         bytes(ck.sites.iter().map(|s| s.spec.carry_bytes() as u64).sum()),
-        bytes(ck.sites.iter().map(|s| s.spec.aux_blob_len() as u64).sum())
+        first.conv_bytes(),
+        first.aux_blob_len()
     );
     println!("files");
     for f in &ck.files {
