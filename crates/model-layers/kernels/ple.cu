@@ -4,14 +4,20 @@
 // gate, conv, conv_batch) have the same names and the same argument lists
 // here, so a layer launches the same kernels on either backend:
 //
-// | name       | args                                                       |
-// |------------|------------------------------------------------------------|
-// | gather     | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3), out         |
-// | project    | x, w (packed), y, T, E, O                                  |
-// | gate       | highway, kv, norm_q, norm_k, norm_conv, gated, xn,         |
-// |            | T, H, hc, eps                                              |
-// | conv       | xn, gated, state, w, highway, T, C, K, D                   |
-// | conv_batch | xn, gated, states, w, highway, B, C, K, D                  |
+// | name        | args                                                      |
+// |-------------|-----------------------------------------------------------|
+// | gather      | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3, 2 FP8 E4M3  |
+// |             | with a UE8M0 scale per 32 values after the row), out      |
+// | project     | x, w (packed), y, T, E, O                                 |
+// | gate        | highway, kv, norm_q, norm_k, norm_conv, gated, xn,        |
+// |             | T, H, hc, eps                                             |
+// | gate_norms  | highway, kv, norm_q, norm_k, norm_conv, gated, xn,        |
+// |             | T, H, hc, eps_q, eps_k, eps_conv, form (0 1+w, 1 w), conv |
+// | conv        | xn, gated, state, w, highway, T, C, K, D                  |
+// | conv_batch  | xn, gated, states, w, highway, B, C, K, D                 |
+// | bias_add    | y, bias, T, O                                             |
+// | highway_add | highway, out, n                                           |
+// | mean_add    | highway, value, n, divisor                                |
 //
 // and kernels with no host counterpart, for a path that stays on the device:
 //
@@ -19,7 +25,6 @@
 // |             | N, K, eos, out                                            |
 // | gather_ids  | ids, n, head_dim, dtype, table, scales, rows, out         |
 // | rms_norm    | x, w, y, T, H, hc, eps                                    |
-// | highway_add | highway, out, n                                           |
 //
 // Pointers are `u64` parameters, `U32` arguments `unsigned int`, `F32`
 // arguments `float`.
@@ -94,6 +99,33 @@ __device__ __forceinline__ float fp8_e4m3_to_f32(u8 b) {
         return __uint_as_float(sign | (exp << 23) | mant);
     }
     return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// A UE8M0 scale byte: 2^(e - 127), exactly; 255 is NaN.
+__device__ __forceinline__ float ue8m0_to_f32(u8 e) {
+    if (e == 255u) {
+        return __uint_as_float(0x7FC00000u);
+    }
+    if (e == 0u) {
+        return __uint_as_float(1u << 22);
+    }
+    return __uint_as_float(((u32)e) << 23);
+}
+
+// Bytes of one table row of `head_dim` values of type `dtype`.
+__device__ __forceinline__ u64 row_bytes_of(u32 dtype, u32 head_dim) {
+    if (dtype == 0u) {
+        return (u64)head_dim * 2u;
+    }
+    if (dtype == 2u) {
+        return (u64)head_dim + (head_dim + 31u) / 32u;
+    }
+    return head_dim;
+}
+
+// Value j of a block-scaled FP8 row (values, then a scale per 32 values).
+__device__ __forceinline__ float fp8_block_value(const u8* row, u32 head_dim, u32 j) {
+    return bf16_round(fp8_e4m3_to_f32(row[j]) * ue8m0_to_f32(row[head_dim + j / 32u]));
 }
 
 // ------------------------------------------------------------------- math
@@ -225,7 +257,8 @@ __device__ __forceinline__ u64 rounds_end(u64 items, u64 count) {
 // ------------------------------------------------------------------ gather
 
 // out[i, :] = row i of the references, as f32: BF16 values exactly; FP8
-// values times the row's scale, rounded to BF16.
+// values times the row's scale (dtype 1) or their block's UE8M0 scale
+// (dtype 2), rounded to BF16.
 extern "C" __global__ void gather(const RowRef* refs, u32 n, u32 head_dim, u32 dtype, float* out) {
     u64 total = (u64)n * head_dim;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
@@ -236,6 +269,8 @@ extern "C" __global__ void gather(const RowRef* refs, u32 n, u32 head_dim, u32 d
         float v;
         if (dtype == 0u) {
             v = bf16_to_f32(((const u16*)r.data)[j]);
+        } else if (dtype == 2u) {
+            v = fp8_block_value((const u8*)r.data, head_dim, j);
         } else {
             float scale = *(const float*)r.scale;
             v = bf16_round(fp8_e4m3_to_f32(((const u8*)r.data)[j]) * scale);
@@ -252,7 +287,7 @@ extern "C" __global__ void gather_ids(const u64* ids, u32 n, u32 head_dim, u32 d
                                       const u8* table, const float* scales, u64 rows,
                                       float* out) {
     u64 total = (u64)n * head_dim;
-    u64 row_bytes = (u64)head_dim * (dtype == 0u ? 2u : 1u);
+    u64 row_bytes = row_bytes_of(dtype, head_dim);
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
         u64 k = i / head_dim;
@@ -263,6 +298,8 @@ extern "C" __global__ void gather_ids(const u64* ids, u32 n, u32 head_dim, u32 d
             v = __uint_as_float(0x7FC00000u);
         } else if (dtype == 0u) {
             v = bf16_to_f32(((const u16*)(table + id * row_bytes))[j]);
+        } else if (dtype == 2u) {
+            v = fp8_block_value(table + id * row_bytes, head_dim, j);
         } else {
             v = bf16_round(fp8_e4m3_to_f32(table[id * row_bytes + j]) * scales[id]);
         }
@@ -385,11 +422,15 @@ extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T
 
 // Per token t and stream s (H values each): q = highway slice, k = key
 // slice of kv (kv rows are [key (C) | value (H)]); g = dot(norm_q(q),
-// norm_k(k)) / sqrt(H); gated = sigma(g) * value; xn = norm_conv(gated).
-// Rows are split as `rows_split` says.
-extern "C" __global__ void gate(const float* highway, const float* kv, const float* norm_q,
-                                const float* norm_k, const float* norm_conv, float* gated,
-                                float* xn, u32 T, u32 H, u32 hc, float eps) {
+// norm_k(k)) / sqrt(H); gated = sigma(g) * value; xn = norm_conv(gated)
+// when `conv`. A norm is x * rsqrt(mean(x^2) + eps) * (off + w): off 1 is
+// the (1 + w) form, 0 the w form (0 + w is w exactly). Rows are split as
+// `rows_split` says.
+__device__ __forceinline__ void gate_rows(const float* highway, const float* kv,
+                                          const float* norm_q, const float* norm_k,
+                                          const float* norm_conv, float* gated, float* xn, u32 T,
+                                          u32 H, u32 hc, float eps_q, float eps_k, float eps_c,
+                                          float off, bool conv) {
     u32 C = H * hc;
     Rows rs = rows_split();
     u64 pairs = (u64)T * hc;
@@ -403,25 +444,46 @@ extern "C" __global__ void gate(const float* highway, const float* kv, const flo
         const float* value = kv + t * (u64)(C + H) + C;
         const float* wq = norm_q + (u64)s * H;
         const float* wk = norm_k + (u64)s * H;
-        const float* wc = norm_conv + (u64)s * H;
         float* gs = gated + t * C + (u64)s * H;
-        float* xs = xn + t * C + (u64)s * H;
         u32 n = live ? H : 0u;
-        float rq = rms_factor(q, n, eps, rs.lane, rs.coop);
-        float rk = rms_factor(k, n, eps, rs.lane, rs.coop);
+        float rq = rms_factor(q, n, eps_q, rs.lane, rs.coop);
+        float rk = rms_factor(k, n, eps_k, rs.lane, rs.coop);
         float dot = lane_sum(
-            [&](u32 i) { return (q[i] * rq * (1.0f + wq[i])) * (k[i] * rk * (1.0f + wk[i])); }, n,
+            [&](u32 i) { return (q[i] * rq * (off + wq[i])) * (k[i] * rk * (off + wk[i])); }, n,
             rs.lane, rs.coop);
         float sigma = gate_sigma(dot * inv_sqrt_h);
         for (u32 i = rs.lane; i < n; i += rs.step) {
             gs[i] = sigma * value[i];
         }
+        if (!conv) {
+            continue;
+        }
+        const float* wc = norm_conv + (u64)s * H;
+        float* xs = xn + t * C + (u64)s * H;
         // A lane reads back only what it wrote itself.
-        float rc = rms_factor(gs, n, eps, rs.lane, rs.coop);
+        float rc = rms_factor(gs, n, eps_c, rs.lane, rs.coop);
         for (u32 i = rs.lane; i < n; i += rs.step) {
-            xs[i] = gs[i] * rc * (1.0f + wc[i]);
+            xs[i] = gs[i] * rc * (off + wc[i]);
         }
     }
+}
+
+// The Qwen4Exp gate: (1 + w) norms, one eps, with xn.
+extern "C" __global__ void gate(const float* highway, const float* kv, const float* norm_q,
+                                const float* norm_k, const float* norm_conv, float* gated,
+                                float* xn, u32 T, u32 H, u32 hc, float eps) {
+    gate_rows(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps, eps, eps, 1.0f,
+              true);
+}
+
+// The gate with a norm form (0: 1 + w, 1: w) and an eps per norm; without
+// `conv` neither norm_conv nor xn is touched.
+extern "C" __global__ void gate_norms(const float* highway, const float* kv, const float* norm_q,
+                                      const float* norm_k, const float* norm_conv, float* gated,
+                                      float* xn, u32 T, u32 H, u32 hc, float eps_q, float eps_k,
+                                      float eps_conv, u32 form, u32 conv) {
+    gate_rows(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps_q, eps_k,
+              eps_conv, form == 0u ? 1.0f : 0.0f, conv != 0u);
 }
 
 // Grouped RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w) over each
@@ -500,6 +562,25 @@ extern "C" __global__ void conv_batch(const float* xn, const float* gated, const
         u32 c = (u32)(i - b * C);
         u64 row = b * C;
         conv_channel(xn + row, gated + row, (float*)states[b], w, highway + row, 1u, C, K, D, c);
+    }
+}
+
+// ------------------------------------------------------------- element-wise
+
+// y[t, o] += bias[o] over y [T, O].
+extern "C" __global__ void bias_add(float* y, const float* bias, u32 T, u32 O) {
+    u64 total = (u64)T * O;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        y[i] += bias[i % O];
+    }
+}
+
+// highway[i] = (highway[i] + value[i]) / divisor for i < n: the mean of the
+// word embedding and the projected rows (LongCat).
+extern "C" __global__ void mean_add(float* highway, const float* value, u32 n, float divisor) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        highway[i] = (highway[i] + value[i]) / divisor;
     }
 }
 

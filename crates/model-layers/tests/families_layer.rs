@@ -34,7 +34,11 @@ fn load(name: &str) -> Value {
 }
 
 fn u64s(v: &Value) -> Vec<u64> {
-    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
 }
 
 fn f32s(v: &Value) -> Vec<f32> {
@@ -238,7 +242,9 @@ fn run_prestaged(layer: &PleLayer, site: &Site, g: &dyn GpuBackend) -> Vec<f32> 
     // The first token resets the carry; the rest are prestaged.
     got.extend(run_chunks(layer, site, g, &mut st, 0, &[1]));
     for t in 1..site.t() {
-        layer.prestage(&mut st, &site.tokens[t..t + 1], g, 0).unwrap();
+        layer
+            .prestage(&mut st, &site.tokens[t..t + 1], g, 0)
+            .unwrap();
         let hw = upload(g, &site.hw_in[t * c..(t + 1) * c], "test.highway");
         layer
             .forward(&mut st, hw, 1, false, &ForwardContext::new(g), 0)
@@ -253,12 +259,10 @@ fn run_prestaged(layer: &PleLayer, site: &Site, g: &dyn GpuBackend) -> Vec<f32> 
 /// (max abs, max abs relative to max(|want|, 1)).
 fn errors(got: &[f32], want: &[f32]) -> (f64, f64) {
     assert_eq!(got.len(), want.len());
-    got.iter()
-        .zip(want)
-        .fold((0f64, 0f64), |(a, r), (&g, &w)| {
-            let d = (g as f64 - w as f64).abs();
-            (a.max(d), r.max(d / (w.abs() as f64).max(1.0)))
-        })
+    got.iter().zip(want).fold((0f64, 0f64), |(a, r), (&g, &w)| {
+        let d = (g as f64 - w as f64).abs();
+        (a.max(d), r.max(d / (w.abs() as f64).max(1.0)))
+    })
 }
 
 fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
@@ -308,7 +312,11 @@ fn check_site(name: &str) {
         .collect();
     assert_eq!(st.history(), &hist[..], "{name}: history");
     let blob = layer.snapshot_aux(&st, g, 0).unwrap();
-    assert_eq!(blob.len(), site.spec.aux_blob_len(), "{name}: aux blob size");
+    assert_eq!(
+        blob.len(),
+        site.spec.aux_blob_len(),
+        "{name}: aux blob size"
+    );
     let conv: Vec<f32> = blob[4 + 4 * hist.len()..]
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))

@@ -210,7 +210,7 @@ pub fn ue8m0_block_scale(block: &[f32]) -> u8 {
 /// If `src.len()` is not a multiple of [`FP8_BLOCK`] (a caller bug).
 pub fn quantize_fp8_block_row(src: &[f32], dst: &mut Vec<u8>) {
     assert!(
-        src.len() % FP8_BLOCK == 0,
+        src.len().is_multiple_of(FP8_BLOCK),
         "block-scaled fp8 row of {} values is not a multiple of {FP8_BLOCK}",
         src.len()
     );
@@ -405,7 +405,13 @@ mod tests {
     #[test]
     fn block_fp8_rows_round_trip() {
         let row: Vec<f32> = (0..64)
-            .map(|i| if i < 32 { i as f32 * 0.25 - 3.0 } else { (i as f32 - 40.0) * 1e-3 })
+            .map(|i| {
+                if i < 32 {
+                    i as f32 * 0.25 - 3.0
+                } else {
+                    (i as f32 - 40.0) * 1e-3
+                }
+            })
             .collect();
         let mut bytes = Vec::new();
         quantize_fp8_block_row(&row, &mut bytes);

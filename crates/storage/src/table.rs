@@ -60,7 +60,9 @@ impl RowDType {
     /// [`RowDType::Fp8E4M3Block32`].
     pub fn fits_head_dim(self, head_dim: usize) -> bool {
         match self {
-            RowDType::Fp8E4M3Block32 => head_dim > 0 && head_dim % crate::dtype::FP8_BLOCK == 0,
+            RowDType::Fp8E4M3Block32 => {
+                head_dim > 0 && head_dim.is_multiple_of(crate::dtype::FP8_BLOCK)
+            }
             _ => head_dim > 0,
         }
     }

@@ -25,7 +25,17 @@ pub const PLE_CU: &str = include_str!("../../../kernels/ple.cu");
 pub const MODULE: &str = "ple";
 
 /// The kernels the layer launches, which every module `"ple"` must hold.
-pub const LAYER_KERNELS: [&str; 5] = ["gather", "project", "gate", "conv", "conv_batch"];
+pub const LAYER_KERNELS: [&str; 9] = [
+    "gather",
+    "project",
+    "gate",
+    "gate_norms",
+    "conv",
+    "conv_batch",
+    "bias_add",
+    "highway_add",
+    "mean_add",
+];
 
 /// Compile and load `kernels/ple.cu` as module `"ple"`, unless every kernel
 /// the layer launches already resolves (a second layer on the same backend

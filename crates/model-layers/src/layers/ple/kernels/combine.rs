@@ -53,7 +53,13 @@ pub fn mean_add(highway: &mut [f32], value: &[f32], divisor: f32) -> Result<(), 
         });
     }
     let n = highway.len();
-    KernelError::check_len(NAME, || "value".into(), value.len(), n, || format!("n = {n}"))?;
+    KernelError::check_len(
+        NAME,
+        || "value".into(),
+        value.len(),
+        n,
+        || format!("n = {n}"),
+    )?;
     for (h, &v) in highway.iter_mut().zip(value) {
         *h = (*h + v) / divisor;
     }

@@ -148,10 +148,12 @@ pub fn gather_rows(
         want,
         || format!("{} rows of {head_dim}", rows.len()),
     )?;
-    if dtype == GatherDType::Fp8E4M3Block32 && head_dim % FP8_BLOCK != 0 {
+    if dtype == GatherDType::Fp8E4M3Block32 && !head_dim.is_multiple_of(FP8_BLOCK) {
         return Err(KernelError::Layout {
             kernel: NAME,
-            problem: format!("head_dim = {head_dim} is not a multiple of the FP8 block {FP8_BLOCK}"),
+            problem: format!(
+                "head_dim = {head_dim} is not a multiple of the FP8 block {FP8_BLOCK}"
+            ),
         });
     }
     let row_bytes = dtype.row_bytes(head_dim);

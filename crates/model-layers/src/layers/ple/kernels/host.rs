@@ -11,8 +11,8 @@ use std::fmt::Display;
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuError, HostMemory, KernelArg, LaunchConfig};
 
-use super::conv::{ConvDims, conv, conv_batch};
 use super::combine::{bias_add, highway_add, mean_add};
+use super::conv::{ConvDims, conv, conv_batch};
 use super::gate::{GateDims, GateInputs, GateNorms, gate, gate_norms};
 use super::gather::{GatherDType, RowSrc, gather_rows};
 use super::gemm::{packed_len, project};
@@ -205,7 +205,8 @@ pub(super) fn gather_kernel(
         return Ok(());
     }
     ensure!(
-        dtype != GatherDType::Fp8E4M3Block32 || head_dim % metrale_storage::dtype::FP8_BLOCK == 0,
+        dtype != GatherDType::Fp8E4M3Block32
+            || head_dim.is_multiple_of(metrale_storage::dtype::FP8_BLOCK),
         "{K}: head_dim {head_dim} is not a multiple of the FP8 block of 32 values"
     );
     let row_bytes = dtype.row_bytes(head_dim);

@@ -79,7 +79,10 @@ fn check_weights(spec: &SiteSpec, w: &PleWeights) -> Result<(), LayerError> {
             Ok(())
         } else {
             let shape = if expected == 0 {
-                format!("empty: the site's combination ({:?}) has no {tensor}", spec.combine)
+                format!(
+                    "empty: the site's combination ({:?}) has no {tensor}",
+                    spec.combine
+                )
             } else {
                 shape
             };
@@ -127,8 +130,18 @@ fn check_weights(spec: &SiteSpec, w: &PleWeights) -> Result<(), LayerError> {
     )?;
     finite("conv1d", &w.conv1d)?;
     for (name, v, used, n) in [
-        ("key_bias", &w.key_bias, gated.is_some_and(|g| g.key_bias), c),
-        ("value_bias", &w.value_bias, gated.is_some_and(|g| g.value_bias), hidden),
+        (
+            "key_bias",
+            &w.key_bias,
+            gated.is_some_and(|g| g.key_bias),
+            c,
+        ),
+        (
+            "value_bias",
+            &w.value_bias,
+            gated.is_some_and(|g| g.value_bias),
+            hidden,
+        ),
     ] {
         shape(name, v.len(), pick(used, n), format!("[{n}]"))?;
         finite(name, v)?;
@@ -192,7 +205,11 @@ impl PleLayer {
         let w = &weights;
         // The projection's outputs: the keys of every stream (gated sites)
         // and the value.
-        let o = if spec.combine.has_key() { c + hidden } else { hidden };
+        let o = if spec.combine.has_key() {
+            c + hidden
+        } else {
+            hidden
+        };
         let tokens_heads = max_tokens.checked_mul(heads).ok_or(LayerError::KernelArg {
             what: "tokens*ngram_heads",
             value: usize::MAX,

@@ -336,7 +336,10 @@ impl PleLayer {
         }
         let Combine::Gated(g) = self.spec.combine else {
             let divisor = (1 + self.dims.ngram_heads()) as f32;
-            let k = self.kernels.mean_add.expect("resolved at build for a mean site");
+            let k = self
+                .kernels
+                .mean_add
+                .expect("resolved at build for a mean site");
             return gpu
                 .launch(k, shapes.elementwise(t * c))
                 .ptr(highway)
@@ -384,14 +387,19 @@ impl PleLayer {
         }
         .device(|| format!("launching PLE gate over {t} rows of highway {highway}"))?;
         if !g.conv {
-            let k = self.kernels.highway_add.expect("resolved at build for a conv-less site");
+            let k = self
+                .kernels
+                .highway_add
+                .expect("resolved at build for a conv-less site");
             return gpu
                 .launch(k, shapes.elementwise(t * c))
                 .ptr(highway)
                 .ptr(self.bufs.gated)
                 .u32((t * c) as u32)
                 .run(stream)
-                .device(|| format!("launching PLE highway add over {t} rows of highway {highway}"));
+                .device(|| {
+                    format!("launching PLE highway add over {t} rows of highway {highway}")
+                });
         }
         let (kernel, state, cfg) = match conv {
             ConvTarget::Single(p) => (self.kernels.conv, p, shapes.conv(1, c)),

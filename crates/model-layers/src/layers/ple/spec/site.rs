@@ -191,7 +191,12 @@ impl SiteSpec {
             .ngram_heads()
             .checked_mul(self.head_dim)
             .and(self.hc_mult.checked_mul(self.hidden))
-            .and_then(|c| self.kernel.saturating_sub(1).checked_mul(self.dilation)?.checked_mul(c))
+            .and_then(|c| {
+                self.kernel
+                    .saturating_sub(1)
+                    .checked_mul(self.dilation)?
+                    .checked_mul(c)
+            })
             .and_then(|v| v.checked_mul(4))
             .and_then(|conv| carry_blob::checked_blob_len(self.context_len(), conv))
             .filter(|&v| v <= LIMIT);

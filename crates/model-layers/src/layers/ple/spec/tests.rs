@@ -143,3 +143,70 @@ fn errors_name_field_and_file() {
     assert!(matches!(e, SpecError::Read { .. }), "{e}");
     assert!(e.to_string().contains("/nonexistent/c.json"), "{e}");
 }
+
+/// The config of a fixture of `fixtures/families/`.
+fn family_config(name: &str) -> ModelSpec {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures/families")
+        .join(name);
+    let doc: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    ModelSpec::from_json_str(&doc["config"].to_string(), name).unwrap()
+}
+
+#[test]
+fn each_family_derives_its_combination() {
+    let q = ModelSpec::from_json_str(FLAGSHIP, "config.json").unwrap();
+    assert_eq!(q.combine(), Combine::qwen4exp());
+    assert_eq!(q.site(0).unwrap().combine, Combine::qwen4exp());
+
+    // The demo's short conv (kernel 4, dilation max_ngram_size).
+    let demo = family_config("engram_demo.json");
+    let s = demo.site(0).unwrap();
+    assert_eq!(s.combine, Combine::Gated(GatedSpec::engram(true)));
+    assert_eq!((s.kernel, s.dilation), (4, 3));
+    assert_eq!(s.state_len(), 9);
+    s.validate().unwrap();
+
+    // DeepSeek-V4.1: no conv, so no conv state and a history-only blob.
+    let v41 = family_config("deepseek_v41.json");
+    let s = v41.site(1).unwrap();
+    assert_eq!(s.combine, Combine::Gated(GatedSpec::engram(false)));
+    assert_eq!((s.state_len(), s.conv_bytes(), s.carry_bytes()), (0, 0, 0));
+    assert_eq!(s.aux_blob_len(), 4 + 4 * 3);
+    assert_eq!(v41.aux_blob_bytes(), s.aux_blob_len());
+    s.validate().unwrap();
+
+    // LongCat: the mean with the word embedding, one stream.
+    let lc = family_config("longcat_flash_lite.json");
+    let s = lc.site(0).unwrap();
+    assert_eq!(s.combine, Combine::Mean);
+    assert_eq!(s.emb_dim(), s.hidden);
+    assert_eq!((s.state_len(), s.aux_blob_len()), (0, 4 + 4 * 3));
+    s.validate().unwrap();
+    let mut bad = s.clone();
+    bad.combine = Combine::qwen4exp();
+    let e = bad.validate().unwrap_err().to_string();
+    assert!(e.contains("combine"), "{e}");
+    let mut bad = s.clone();
+    bad.hc_mult = 2;
+    assert!(bad.validate().unwrap_err().to_string().contains("hc_mult"));
+    let mut bad = s;
+    bad.family = HashFamily::Qwen4Exp;
+    assert!(bad.validate().unwrap_err().to_string().contains("family"));
+}
+
+#[test]
+fn a_site_fingerprint_names_its_combination() {
+    let demo = family_config("engram_demo.json");
+    let s = demo.site(0).unwrap();
+    let mut a = Vec::new();
+    s.encode_canonical(&mut a);
+    let mut other = s.clone();
+    other.combine = Combine::Gated(GatedSpec {
+        key_bias: false,
+        ..GatedSpec::engram(true)
+    });
+    let mut b = Vec::new();
+    other.encode_canonical(&mut b);
+    assert_ne!(a, b);
+}
