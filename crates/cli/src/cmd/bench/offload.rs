@@ -7,17 +7,20 @@
 //! prefetch off and on, and each without and with the compute backbone
 //! ([`metrale_engine::backbone`]: GEMM blocks for every model layer around
 //! the sites, widths divided by `--backbone-scale`). For each, a fresh
-//! engine prefills a set of
-//! sequences and decodes them together, one Zipf-distributed token each per
-//! step, window after window until the row cache is warm (its hit rate moved
-//! less than half a point between two consecutive windows), and then the
-//! same workload is measured: decode tokens/s, the overhead against the
-//! resident table with the same prefetch and backbone settings, the hit
-//! rate, bytes read per token, the share of wall time the steps were
+//! engine prefills a set of sequences and decodes them together, one
+//! Zipf-distributed token each per step, window after window until the row
+//! cache is warm (its hit rate moved less than half a point between two
+//! consecutive windows). The three tables of one prefetch and backbone
+//! setting are open together and measured in turns (one repetition of each,
+//! table after table, then the next round), so that a shared machine's
+//! drifting speed slows them alike: decode tokens/s (the median
+//! repetition), the overhead against the resident table (the median over
+//! rounds of the ratio to the resident repetition of the same round), the
+//! hit rate, bytes read per token, the share of wall time the steps were
 //! blocked waiting for rows, and (cached tables) the share spent in read
-//! calls at all, foreground or prefetch. The disk's
-//! random 4 KiB read ceiling ([`RandomReads`], the miss path's reader) is
-//! measured in the same run, on the checkpoint's own shard file.
+//! calls at all, foreground or prefetch. The disk's random 4 KiB read
+//! ceiling ([`RandomReads`], the miss path's reader) is measured in the
+//! same run, on the checkpoint's own shard file.
 //!
 //! Invariants: every configuration sees the same prompts and the same
 //! decode tokens (one seeded stream), so the figures differ only by how
@@ -350,6 +353,8 @@ fn disk_ceiling(path: &Path, window: Duration) -> Result<(f64, String, bool)> {
 /// Figures of one configuration before the resident comparison.
 struct Measured {
     tokens_per_s: f64,
+    /// Tokens/s of each repetition, in order.
+    rates: Vec<f64>,
     hit_rate: Option<f64>,
     bytes_per_token: Option<f64>,
     io_wait_share: Option<f64>,
@@ -400,22 +405,15 @@ fn measure_all(
     for &backbone in backbones {
         let bb = backbone.then(|| BackboneConfig::for_model(&ck.spec, scale));
         for prefetch in [false, true] {
-            let mut resident_tps = None;
-            for (name, mode) in tables {
-                let m = measure(ck, sizes, mode, slots, prefetch, bb.as_ref(), tuning)
-                    .with_context(|| {
-                        format!("{name} table, prefetch {prefetch}, backbone {backbone}")
-                    })?;
-                if mode == TableMode::Resident {
-                    resident_tps = Some(m.tokens_per_s);
-                }
+            let group = measure_group(ck, sizes, &tables, slots, prefetch, bb.as_ref(), tuning)
+                .with_context(|| format!("prefetch {prefetch}, backbone {backbone}"))?;
+            for (name, m, overhead) in group {
                 rows.push(OffloadRow {
                     table: name,
                     prefetch,
                     backbone,
                     decode_tokens_per_s: m.tokens_per_s,
-                    overhead_vs_resident_pct: resident_tps
-                        .map(|r| (r / m.tokens_per_s - 1.0) * 100.0),
+                    overhead_vs_resident_pct: overhead,
                     hit_rate: m.hit_rate,
                     bytes_read_per_token: m.bytes_per_token,
                     io_wait_share: m.io_wait_share,
@@ -536,135 +534,241 @@ fn process_read_bytes() -> Option<u64> {
 }
 
 /// Warm one configuration up and measure it.
-fn measure(
+/// One configuration under measurement: its engine, workload and counters.
+struct Config {
+    label: String,
+    cached: bool,
+    engine: Served,
+    w: Workload,
+    timed: Option<Arc<TimedReader>>,
+    /// Row lookups of one step (every site, every sequence).
+    per_step: u64,
+    /// Tokens/s of each repetition.
+    rates: Vec<f64>,
+    wall: f64,
+    stats: TableStats,
+    read: Duration,
+    io_bytes: Option<u64>,
+}
+
+impl Config {
+    /// A fresh engine over `mode`, its sequences prefilled and the row
+    /// cache warmed up: windows until the hit rate settles (one window for
+    /// tables without a cache, which only fault pages in).
+    #[allow(clippy::too_many_arguments)]
+    fn open(
+        ck: &Checkpoint,
+        sizes: &Sizes,
+        mode: TableMode,
+        slots: usize,
+        prefetch: bool,
+        backbone: Option<&BackboneConfig>,
+        tuning: &CacheOptions,
+    ) -> Result<Config> {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let setup = EngineSetup {
+            mode,
+            slots,
+            faults: None,
+            engine: EngineConfig {
+                prefill_chunk: sizes.prompt,
+                prefix_cache_bytes: 0,
+                ..Default::default()
+            },
+            resident_carries: 0,
+        };
+        let t_open = Instant::now();
+        let rows = sizes.sequences.max(sizes.prompt);
+        let cached = mode == TableMode::Cached;
+        let timed = if cached {
+            Some(Arc::new(TimedReader::new(default_reader(32)?)))
+        } else {
+            None
+        };
+        let cache = CacheOptions {
+            reader: timed.clone().map(|t| t as Arc<dyn PageReader>),
+            ..tuning.clone()
+        };
+        let sites = build_sites(ck, &gpu, &setup, rows, &cache)?;
+        let cfg = engine_config(&setup, &sites);
+        let sites = layered(gpu.as_ref(), sites, backbone, rows)?;
+        let mut e = Engine::new(gpu.clone(), sites, cfg)?;
+        let opened = t_open.elapsed();
+        let mut w = Workload::new(&mut e, ck.spec.vocab_size as usize, sizes, prefetch)?;
+        // Every decode token looks up `ngram_heads` rows at every site.
+        let per_token: usize = e.geometries().iter().map(|g| g.dims.ngram_heads()).sum();
+        let per_step = (per_token * sizes.sequences) as u64;
+        let label = format!(
+            "{} table, prefetch {}, backbone {}",
+            match mode {
+                TableMode::Resident => "resident",
+                TableMode::Mapped => "mapped",
+                _ => "cached",
+            },
+            if prefetch { "on" } else { "off" },
+            if backbone.is_some() { "on" } else { "off" }
+        );
+        let mut trace = Vec::new();
+        let mut settled = false;
+        for _ in 0..sizes.max_windows {
+            let before = e.table_stats();
+            for _ in 0..sizes.window {
+                w.step(&mut e)?;
+            }
+            if !cached {
+                settled = true;
+                break;
+            }
+            let s = e.table_stats().since(&before);
+            let hr = hit_rate(&s, per_step * sizes.window as u64).unwrap_or(0.0);
+            let prev = trace.last().copied();
+            trace.push(hr);
+            if prev.is_some_and(|p: f64| (hr - p).abs() < SETTLED) {
+                settled = true;
+                break;
+            }
+        }
+        let trace_text: Vec<String> = trace.iter().map(|h| format!("{:.1}%", h * 100.0)).collect();
+        eprintln!(
+            "bench offload: {label}: opened in {:.2} s; warm-up hit rates [{}]{}",
+            opened.as_secs_f64(),
+            trace_text.join(", "),
+            if settled {
+                ""
+            } else {
+                " (not settled; measured anyway)"
+            }
+        );
+        Ok(Config {
+            label,
+            cached,
+            engine: e,
+            w,
+            timed,
+            per_step,
+            rates: Vec::new(),
+            wall: 0.0,
+            stats: TableStats::default(),
+            read: Duration::ZERO,
+            io_bytes: Some(0),
+        })
+    }
+
+    /// One measured repetition: `sizes.measure` steps, their counters added
+    /// to the configuration's.
+    fn rep(&mut self, sizes: &Sizes) -> Result<()> {
+        let stats0 = self.engine.table_stats();
+        let read0 = self.timed.as_ref().map(|t| t.elapsed());
+        let io0 = process_read_bytes();
+        let t0 = Instant::now();
+        for _ in 0..sizes.measure {
+            self.w.step(&mut self.engine)?;
+        }
+        let dt = t0.elapsed().as_secs_f64().max(1e-9);
+        let io1 = process_read_bytes();
+        self.wall += dt;
+        self.rates
+            .push((sizes.measure * sizes.sequences) as f64 / dt);
+        self.stats = self.stats + self.engine.table_stats().since(&stats0);
+        if let (Some(a), Some(b)) = (read0, self.timed.as_ref().map(|t| t.elapsed())) {
+            self.read += b.saturating_sub(a);
+        }
+        self.io_bytes = match (self.io_bytes, io0.zip(io1)) {
+            (Some(acc), Some((a, b))) => Some(acc + b.saturating_sub(a)),
+            _ => None,
+        };
+        Ok(())
+    }
+
+    /// The figures over every repetition; closes the engine.
+    fn finish(self, sizes: &Sizes) -> Result<Measured> {
+        let steps = (sizes.measure * self.rates.len()) as u64;
+        let tokens = (steps * sizes.sequences as u64) as f64;
+        let s = self.stats;
+        let bytes_read = if self.cached {
+            Some(s.bytes_read)
+        } else {
+            self.io_bytes
+        };
+        let m = Measured {
+            tokens_per_s: median(self.rates.clone()),
+            rates: self.rates,
+            hit_rate: if self.cached {
+                hit_rate(&s, self.per_step * steps)
+            } else {
+                None
+            },
+            bytes_per_token: bytes_read.map(|b| b as f64 / tokens),
+            io_wait_share: self.cached.then(|| s.io_wait_ns as f64 / 1e9 / self.wall),
+            read_share: self
+                .timed
+                .is_some()
+                .then(|| self.read.as_secs_f64() / self.wall),
+        };
+        eprintln!(
+            "bench offload: {}: {:.1} tokens/s (median of {} x {} steps; {:.2} s in all)",
+            self.label,
+            m.tokens_per_s,
+            m.rates.len(),
+            sizes.measure,
+            self.wall
+        );
+        self.engine.close()?;
+        Ok(m)
+    }
+}
+
+/// The median of `v` (the upper one of an even count); 0 when empty.
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Measure the three tables with one prefetch and backbone setting: each
+/// opened and warmed up, then measured in turns (a repetition of each, in
+/// table order, `reps` times), so that a machine whose speed drifts slows
+/// every table alike; the overhead is the median over repetitions of the
+/// ratio to the resident table's repetition next to it.
+#[allow(clippy::too_many_arguments)]
+fn measure_group(
     ck: &Checkpoint,
     sizes: &Sizes,
-    mode: TableMode,
+    tables: &[(&'static str, TableMode)],
     slots: usize,
     prefetch: bool,
     backbone: Option<&BackboneConfig>,
     tuning: &CacheOptions,
-) -> Result<Measured> {
-    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let setup = EngineSetup {
-        mode,
-        slots,
-        faults: None,
-        engine: EngineConfig {
-            prefill_chunk: sizes.prompt,
-            prefix_cache_bytes: 0,
-            ..Default::default()
-        },
-        resident_carries: 0,
-    };
-    let t_open = Instant::now();
-    let rows = sizes.sequences.max(sizes.prompt);
-    let cached = mode == TableMode::Cached;
-    let timed = if cached {
-        Some(Arc::new(TimedReader::new(default_reader(32)?)))
-    } else {
-        None
-    };
-    let cache = CacheOptions {
-        reader: timed.clone().map(|t| t as Arc<dyn PageReader>),
-        ..tuning.clone()
-    };
-    let sites = build_sites(ck, &gpu, &setup, rows, &cache)?;
-    let cfg = engine_config(&setup, &sites);
-    let sites = layered(gpu.as_ref(), sites, backbone, rows)?;
-    let mut e = Engine::new(gpu.clone(), sites, cfg)?;
-    let opened = t_open.elapsed();
-    let mut w = Workload::new(&mut e, ck.spec.vocab_size as usize, sizes, prefetch)?;
-    // Every decode token looks up `ngram_heads` rows at every site.
-    let per_token: usize = e.geometries().iter().map(|g| g.dims.ngram_heads()).sum();
-    let per_step = (per_token * sizes.sequences) as u64;
-    let label = format!(
-        "{} table, prefetch {}, backbone {}",
-        match mode {
-            TableMode::Resident => "resident",
-            TableMode::Mapped => "mapped",
-            _ => "cached",
-        },
-        if prefetch { "on" } else { "off" },
-        if backbone.is_some() { "on" } else { "off" }
-    );
-    // Warm up: windows until the hit rate settles (one window for tables
-    // without a cache, which only fault pages in).
-    let mut trace = Vec::new();
-    let mut settled = false;
-    for _ in 0..sizes.max_windows {
-        let before = e.table_stats();
-        for _ in 0..sizes.window {
-            w.step(&mut e)?;
-        }
-        if !cached {
-            settled = true;
-            break;
-        }
-        let s = e.table_stats().since(&before);
-        let hr = hit_rate(&s, per_step * sizes.window as u64).unwrap_or(0.0);
-        let prev = trace.last().copied();
-        trace.push(hr);
-        if prev.is_some_and(|p: f64| (hr - p).abs() < SETTLED) {
-            settled = true;
-            break;
-        }
+) -> Result<Vec<(&'static str, Measured, Option<f64>)>> {
+    let mut configs = Vec::with_capacity(tables.len());
+    for &(name, mode) in tables {
+        let c = Config::open(ck, sizes, mode, slots, prefetch, backbone, tuning)
+            .with_context(|| format!("opening the {name} table"))?;
+        configs.push((name, c));
     }
-    let trace_text: Vec<String> = trace.iter().map(|h| format!("{:.1}%", h * 100.0)).collect();
-    eprintln!(
-        "bench offload: {label}: opened in {:.2} s; warm-up hit rates [{}]{}",
-        opened.as_secs_f64(),
-        trace_text.join(", "),
-        if settled {
-            ""
-        } else {
-            " (not settled; measured anyway)"
-        }
-    );
-    let stats0 = e.table_stats();
-    let read0 = timed.as_ref().map(|t| t.elapsed());
-    let io0 = process_read_bytes();
-    let mut rates = Vec::with_capacity(sizes.reps);
-    let mut wall = 0.0;
     for _ in 0..sizes.reps.max(1) {
-        let t0 = Instant::now();
-        for _ in 0..sizes.measure {
-            w.step(&mut e)?;
+        for (name, c) in &mut configs {
+            c.rep(sizes)
+                .with_context(|| format!("measuring the {name} table"))?;
         }
-        let dt = t0.elapsed().as_secs_f64().max(1e-9);
-        wall += dt;
-        rates.push((sizes.measure * sizes.sequences) as f64 / dt);
     }
-    let io1 = process_read_bytes();
-    let read1 = timed.as_ref().map(|t| t.elapsed());
-    let s = e.table_stats().since(&stats0);
-    e.close()?;
-    let steps = (sizes.measure * sizes.reps.max(1)) as u64;
-    let tokens = (steps * sizes.sequences as u64) as f64;
-    let bytes_read = if cached {
-        Some(s.bytes_read)
-    } else {
-        io0.zip(io1).map(|(a, b)| b.saturating_sub(a))
-    };
-    rates.sort_by(f64::total_cmp);
-    let m = Measured {
-        tokens_per_s: rates[rates.len() / 2],
-        hit_rate: if cached {
-            hit_rate(&s, per_step * steps)
-        } else {
-            None
-        },
-        bytes_per_token: bytes_read.map(|b| b as f64 / tokens),
-        io_wait_share: cached.then(|| s.io_wait_ns as f64 / 1e9 / wall),
-        read_share: read0
-            .zip(read1)
-            .map(|(a, b)| b.saturating_sub(a).as_secs_f64() / wall),
-    };
-    eprintln!(
-        "bench offload: {label}: {:.1} tokens/s (median of {} x {} steps; {:.2} s in all)",
-        m.tokens_per_s, sizes.reps, sizes.measure, wall
-    );
-    Ok(m)
+    let mut out = Vec::with_capacity(configs.len());
+    let mut resident: Option<Vec<f64>> = None;
+    for (name, c) in configs {
+        let m = c.finish(sizes)?;
+        if name == "resident" {
+            resident = Some(m.rates.clone());
+        }
+        let overhead = resident.as_ref().map(|r| {
+            median(
+                r.iter()
+                    .zip(&m.rates)
+                    .map(|(r, t)| (r / t - 1.0) * 100.0)
+                    .collect(),
+            )
+        });
+        out.push((name, m, overhead));
+    }
+    Ok(out)
 }
 
 fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
