@@ -422,7 +422,11 @@ def main():
     fixtures.append(boundaries_fixture("engram_boundaries_v41", fixtures[2]))
 
     for f in fixtures:
-        path = os.path.join(out_dir, f["name"] + ".json")
+        # The boundary cases have their own format: a directory of their own.
+        sub = "boundaries" if f["name"].startswith("engram_boundaries_") else ""
+        os.makedirs(os.path.join(out_dir, sub), exist_ok=True)
+        path = os.path.join(out_dir, sub, f["name"][len("engram_boundaries_"):] if sub
+                            else f["name"]) + ".json"
         with open(path, "w") as fh:
             json.dump(f, fh, separators=(",", ":"))
             fh.write("\n")

@@ -136,7 +136,7 @@ fn ids_with_a_tokenizer_equals_ids_with_its_map() {
 /// (cases whose flags are all on the tokens, with the history given).
 #[test]
 fn ids_with_boundaries_match_the_reference() {
-    let doc = read(&fixtures("families").join("engram_boundaries_small.json"));
+    let doc = read(&fixtures("families/boundaries").join("small.json"));
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("config.json");
     std::fs::write(&cfg, doc["config"].to_string()).unwrap();

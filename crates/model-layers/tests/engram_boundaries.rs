@@ -1,5 +1,5 @@
 //! DeepSeek-V4.1's Engram look-back boundaries (document starts, masked
-//! tokens) must reproduce `fixtures/families/engram_boundaries_*.json`,
+//! tokens) must reproduce `fixtures/families/boundaries/*.json`,
 //! written by `reference/families_reference.py` from the description in
 //! docs/SPEC.md §11: whole, and chunk by chunk with the history and its
 //! flags carried; without flags they equal the plain Engram hash; bad
@@ -34,7 +34,7 @@ fn positions(v: &Value, count: usize) -> Vec<bool> {
 }
 
 fn run(name: &str) -> usize {
-    let doc = read_json("families", name);
+    let doc = read_json("families/boundaries", name);
     let spec = spec_of(&doc);
     let family = spec.hash_family();
     let mut checked = 0;
@@ -118,17 +118,17 @@ fn run(name: &str) -> usize {
 
 #[test]
 fn small_engram_with_a_token_map() {
-    assert_eq!(run("engram_boundaries_small.json"), 18);
+    assert_eq!(run("small.json"), 18);
 }
 
 #[test]
 fn deepseek_v41_constants() {
-    assert_eq!(run("engram_boundaries_v41.json"), 18);
+    assert_eq!(run("v41.json"), 18);
 }
 
 #[test]
 fn refusals_write_nothing() {
-    let doc = read_json("families", "engram_boundaries_small.json");
+    let doc = read_json("families/boundaries", "small.json");
     let spec = spec_of(&doc);
     let d = spec.derive(0).unwrap();
     let family = spec.hash_family();
@@ -208,7 +208,7 @@ fn refusals_write_nothing() {
 /// and the next `context_len` positions' (the transformers port's test).
 #[test]
 fn a_masked_token_reaches_context_len_positions() {
-    let doc = read_json("families", "engram_boundaries_v41.json");
+    let doc = read_json("families/boundaries", "v41.json");
     let spec = spec_of(&doc);
     let d = spec.derive(1).unwrap();
     let family = spec.hash_family();
