@@ -156,8 +156,10 @@ impl Boundaries<'_> {
     }
 }
 
-/// Engram ids of `tokens` after `history` with look-back boundaries
-/// (`%` form, any Engram pair that passes [`validate_family`]): writes
+/// Engram ids of `tokens` after `history` with look-back boundaries, with
+/// the constants of `dims` and the family `family` (which takes the place
+/// of `dims.family`, as in `family_ids_into_plain`; `%` form, any Engram
+/// pair that passes [`validate_family`]): writes
 /// `tokens.len() * ngram_heads` ids, row-major, to `out`. Refuses, before
 /// writing anything, a family other than Engram, flag slices of the wrong
 /// length, an `out` of the wrong length and out-of-vocabulary tokens.
