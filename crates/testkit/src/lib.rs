@@ -6,6 +6,8 @@
 //! - [`rows`]: highway rows that are a function of the token prefix;
 //! - [`tiny`]: tiny real PLE models with random weights over a small
 //!   device-resident table, and engines over them;
+//! - [`families`]: tiny real models of the Engram and LongCat families and
+//!   engines over them;
 //! - [`toy`]: a toy engine site with the PLE carry's shape and simple math;
 //! - [`shards`]: BF16 table shard files in the checkpoint's naming;
 //! - [`fixtures`]: the golden fixtures the numpy references write;
@@ -15,6 +17,7 @@
 //!   engine driver that checks every output row against it.
 
 pub mod drive;
+pub mod families;
 pub mod files;
 pub mod fixtures;
 pub mod rng;

@@ -47,16 +47,38 @@ impl TinyTable {
             bits.len()
         );
         let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        Self::from_rows(gpu, &bytes, head_dim, RowDType::Bf16)
+    }
+
+    /// A table of whole rows of `head_dim` values in `dtype` (as the table
+    /// stores them: BF16 bytes, or FP8 values with their inline block
+    /// scales; not [`RowDType::Fp8E4M3`], whose scales live apart).
+    pub fn from_rows(
+        gpu: Arc<dyn GpuBackend>,
+        bytes: &[u8],
+        head_dim: usize,
+        dtype: RowDType,
+    ) -> Result<Arc<Self>> {
+        ensure!(
+            !dtype.has_row_scale() && dtype.fits_head_dim(head_dim),
+            "tiny table: rows of {head_dim} {dtype:?} values are not supported"
+        );
+        let rb = dtype.row_bytes(head_dim);
+        ensure!(
+            !bytes.is_empty() && bytes.len().is_multiple_of(rb),
+            "tiny table: {} bytes do not make whole rows of {rb}",
+            bytes.len()
+        );
         let base = gpu.alloc(bytes.len(), "tiny table rows")?;
-        if let Err(e) = gpu.copy_h2d(&bytes, base) {
+        if let Err(e) = gpu.copy_h2d(bytes, base) {
             let _ = gpu.free(base);
             return Err(e.into());
         }
         Ok(Arc::new(TinyTable {
             info: TableInfo {
-                rows: (bits.len() / head_dim) as u64,
+                rows: (bytes.len() / rb) as u64,
                 head_dim,
-                dtype: RowDType::Bf16,
+                dtype,
             },
             gpu,
             base,

@@ -1,0 +1,207 @@
+//! The engine over the Engram and LongCat layers (tiny configs, random
+//! weights): every path a server drives (chunked prefill, batched decode
+//! eager and from captured graphs, the prefix cache, swap to host and file,
+//! speculative verify and commit of every length, release) gives the plain
+//! sequential run's rows bit for bit, and each family carries what it
+//! should: its history, and conv state only where it has a conv.
+
+use std::sync::Arc;
+
+use metrale_engine::{EngineConfig, SwapTarget};
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::carry_blob;
+use metrale_testkit::drive::{drive, reference_run};
+use metrale_testkit::families::{TinyFamily, family_engine};
+use metrale_testkit::rows::rows_for;
+
+const MAX_TOKENS: usize = 16;
+
+fn drive_case(family: TinyFamily, graphs: bool) {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let base = gpu.live_alloc_count();
+    let dir = tempfile::tempdir().unwrap();
+    let probe_cfg = EngineConfig {
+        prefill_chunk: 5,
+        ..Default::default()
+    };
+    let probe = family_engine(&gpu, family, 3, MAX_TOKENS, probe_cfg).unwrap();
+    let carry = probe.carry_bytes();
+    let snap_bytes = 48
+        + 16
+        + probe
+            .geometries()
+            .iter()
+            .map(|g| g.aux_blob_len())
+            .sum::<usize>()
+        + 4;
+    probe.close().unwrap();
+    let cfg = EngineConfig {
+        prefill_chunk: 5,
+        block_size: 4,
+        prefix_cache_bytes: 12 * snap_bytes,
+        // Six resident carries when there is conv state to hold; a family
+        // without it holds nothing on the device and is never preempted.
+        device_budget_bytes: if carry > 0 { 6 * carry } else { usize::MAX },
+        preempt_to: SwapTarget::File,
+        swap_dir: Some(dir.path().to_path_buf()),
+    };
+    let mut e = family_engine(&gpu, family, 3, MAX_TOKENS, cfg).unwrap();
+    if graphs {
+        e.enable_decode_graphs().unwrap();
+    }
+    let ex = drive(&mut e, 17, 1500, 12, 6);
+    let s = e.stats();
+    if graphs {
+        assert!(s.graph_replays > 50, "{family:?}: {} replays", s.graph_replays);
+    } else {
+        assert_eq!(s.graph_replays, 0);
+    }
+    assert!(ex.added >= 100, "{family:?}: only {} sequences", ex.added);
+    assert!(
+        ex.accept_lengths[..5].iter().all(|&n| n > 0),
+        "{family:?}: {:?}",
+        ex.accept_lengths
+    );
+    assert!(s.prefix_hits > 0 && s.swap_ins > 0, "{family:?}: {s:#?}");
+    if carry > 0 {
+        assert!(s.preemptions > 0, "{family:?}: {s:#?}");
+    }
+    assert_eq!((s.sequences, s.budget.used_bytes), (0, 0));
+    e.close().unwrap();
+    assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "swap files left"
+    );
+}
+
+#[test]
+fn engram_with_conv_drives_like_the_sequential_run() {
+    drive_case(TinyFamily::EngramConv, false);
+}
+
+#[test]
+fn engram_with_conv_decode_graphs_drive_like_the_sequential_run() {
+    drive_case(TinyFamily::EngramConv, true);
+}
+
+#[test]
+fn engram_v41_drives_like_the_sequential_run() {
+    drive_case(TinyFamily::EngramV41, false);
+}
+
+#[test]
+fn engram_v41_decode_graphs_drive_like_the_sequential_run() {
+    drive_case(TinyFamily::EngramV41, true);
+}
+
+#[test]
+fn longcat_drives_like_the_sequential_run() {
+    drive_case(TinyFamily::LongCat, false);
+}
+
+#[test]
+fn longcat_decode_graphs_drive_like_the_sequential_run() {
+    drive_case(TinyFamily::LongCat, true);
+}
+
+/// Each family's carry: its `N - 1` history tokens in every aux blob, and
+/// conv state (on the device, freed by a swap-out) only with a conv.
+#[test]
+fn each_family_carries_its_history_and_only_its_own_conv_state() {
+    for family in TinyFamily::ALL {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let base = gpu.live_alloc_count();
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = EngineConfig {
+            prefill_chunk: 8,
+            swap_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        };
+        let mut e = family_engine(&gpu, family, 9, MAX_TOKENS, cfg).unwrap();
+        let g = family.spec();
+        let conv = family == TinyFamily::EngramConv;
+        for geo in e.geometries() {
+            assert_eq!(geo.context_len(), g.ngram_size - 1, "{family:?}");
+            let state = if conv { geo.conv_bytes() } else { 0 };
+            assert_eq!(geo.conv_bytes(), state, "{family:?}");
+            assert_eq!(
+                geo.aux_blob_len(),
+                carry_blob::blob_len(g.ngram_size - 1, state),
+                "{family:?}"
+            );
+        }
+        assert_eq!(e.carry_bytes() > 0, conv, "{family:?}");
+        let w = e.width();
+        let toks: Vec<u32> = (1..30).collect();
+        for target in [SwapTarget::Host, SwapTarget::File] {
+            let id = e.add_sequence(&toks[..20]).unwrap().id;
+            let mut r = rows_for(&toks, 0, 20, w);
+            e.prefill(id, &toks[..20], &mut r).unwrap();
+            let live = gpu.live_bytes();
+            e.swap_out(id, target).unwrap();
+            assert_eq!(
+                gpu.live_bytes(),
+                live - e.carry_bytes(),
+                "{family:?}: swap-out frees exactly the conv state"
+            );
+            e.swap_in(id).unwrap();
+            let mut r = rows_for(&toks, 20, 29, w);
+            e.prefill(id, &toks[20..29], &mut r).unwrap();
+            let want = reference_run(e.sites(), gpu.as_ref(), &toks[..29]);
+            assert!(r == want[20 * w..], "{family:?} {target:?}");
+            e.release(id).unwrap();
+        }
+        assert_eq!(e.stats().budget.used_bytes, 0);
+        e.close().unwrap();
+        assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+    }
+}
+
+/// A verify of twelve drafts, then a commit of every length, then a dozen
+/// decoded tokens: the rows stay the sequential run's, so nothing of a
+/// rejected draft survives in the history (or the conv state).
+#[test]
+fn every_acceptance_length_keeps_only_the_accepted_tokens() {
+    for family in TinyFamily::ALL {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let base = gpu.live_alloc_count();
+        let cfg = EngineConfig {
+            prefill_chunk: 8,
+            prefix_cache_bytes: 0,
+            ..Default::default()
+        };
+        let mut e = family_engine(&gpu, family, 5, MAX_TOKENS, cfg).unwrap();
+        let w = e.width();
+        let prompt = [7u32, 8, 9, 0, 10, 11, 12, 13, 14, 15, 16];
+        let draft = [21u32, 22, 0, 23, 24, 25, 26, 27, 28, 29, 30, 31];
+        for accepted in [0, 1, 2, 5, draft.len()] {
+            let id = e.add_sequence(&prompt).unwrap().id;
+            let mut rows = rows_for(&prompt, 0, prompt.len(), w);
+            e.prefill(id, &prompt, &mut rows).unwrap();
+            let mut ctx = prompt.to_vec();
+            ctx.extend_from_slice(&draft);
+            let mut d = rows_for(&ctx, prompt.len(), ctx.len(), w);
+            e.verify(id, &draft, &mut d).unwrap();
+            let full = reference_run(e.sites(), gpu.as_ref(), &ctx);
+            assert!(d == full[prompt.len() * w..], "{family:?}: verify outputs");
+            e.commit(id, accepted).unwrap();
+            let mut all = ctx[..prompt.len() + accepted].to_vec();
+            for t in 0..12u32 {
+                all.push(33 + t % 7);
+                let mut r = rows_for(&all, all.len() - 1, all.len(), w);
+                e.decode(&[(id, 33 + t % 7)], &mut r).unwrap();
+                let want = reference_run(e.sites(), gpu.as_ref(), &all);
+                assert!(
+                    r == want[(all.len() - 1) * w..],
+                    "{family:?}: accepted {accepted}, step {t}"
+                );
+            }
+            e.release(id).unwrap();
+        }
+        e.close().unwrap();
+        assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+    }
+}
