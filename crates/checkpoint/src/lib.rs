@@ -9,7 +9,8 @@
 //! names are spelled in [`names`] alone. [`synth`] writes deterministic
 //! synthetic checkpoints; [`load`] refuses anything a layer could trip on,
 //! with a [`CheckpointError`] naming the file and tensor; [`fold`] serves a
-//! table cut to fewer rows than the hash addresses.
+//! table cut to fewer rows than the hash addresses; [`remap`] serves a
+//! table whose hot rows were relaid together.
 //!
 //! Invariant: a [`load::Checkpoint`] exists only for a directory that
 //! passed every check in [`load`].
@@ -21,6 +22,7 @@ pub mod fold;
 pub mod load;
 pub mod names;
 pub mod preset;
+pub mod remap;
 pub mod runtime;
 pub mod synth;
 

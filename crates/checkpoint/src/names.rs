@@ -20,6 +20,12 @@ pub fn row_remap_file(layer: usize) -> String {
     format!("model.layers.{layer}.ple.row_remap.bin")
 }
 
+/// The row remap of the table of the site at model layer `layer` (0-based),
+/// written by `table pack --hot-rows` (format: [`crate::remap`]).
+pub fn row_remap_file(layer: usize) -> String {
+    format!("model.layers.{layer}.ple.row_remap.bin")
+}
+
 /// The safetensors file `k` (1-based) of `n`, Hugging Face style.
 pub fn shard_file(k: usize, n: usize) -> String {
     format!("model-{k:05}-of-{n:05}.safetensors")

@@ -168,6 +168,8 @@ impl Checkpoint {
 
     /// Present a cut table at the full padded size.
     fn fold(&self, site: usize, inner: Arc<dyn RowTable>) -> Result<Arc<dyn RowTable>> {
+        // Relaid rows are found through the remap before any folding.
+        let inner = crate::remap::remap_site(self, site, inner)?;
         let s = &self.sites[site];
         Ok(match s.table.fold_rows {
             Some(_) => Arc::new(FoldedTable::new(inner, s.padded_rows).map_err(|e| {

@@ -13,7 +13,8 @@
 //! shared-memory segments every process maps).
 //! [`open_table`] opens any of them, as a [`TableMode`] says. Every
 //! fallible call returns [`StorageError`]. [`parts`] splits batches larger than a
-//! table's `max_resolve`; [`pack`] aligns a shard's data section to 4 KiB.
+//! table's `max_resolve`; [`pack`] aligns a shard's data section to 4 KiB;
+//! [`relay`] rewrites a table's rows in a new order (hot rows together).
 
 #[cfg(feature = "bench")]
 pub mod bench;
@@ -26,6 +27,7 @@ pub mod mapped;
 mod mode;
 pub mod pack;
 pub mod parts;
+pub mod relay;
 pub mod resident;
 pub mod safetensors;
 pub mod shared;

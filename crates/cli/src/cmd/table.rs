@@ -3,17 +3,28 @@
 //!
 //! SRC may be one safetensors file (DST is then a file) or a checkpoint
 //! directory (DST is then a new directory holding every file packed, the
-//! config and weight map copied, and is validated before the command
-//! reports success). Tensor data is copied byte for byte; only header
-//! padding changes.
+//! config, weight map and any row remaps copied, and is validated before
+//! the command reports success). Tensor data is copied byte for byte; only
+//! header padding changes.
+//!
+//! `--hot-rows TRACE` (checkpoint directories only) also relays each
+//! site's table so the rows TRACE hits most come first, sharing pages and
+//! direct-I/O granules, and writes the row remap
+//! (`model.layers.{L}.ple.row_remap.bin`) the loader applies after hashing,
+//! so ids and outputs stay the same. TRACE is text: one `SITE ROW_ID` pair
+//! per line, the row ids a site's table is asked for (format:
+//! `metrale_checkpoint::remap`). The source must not have remaps already.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use metrale_checkpoint::Checkpoint;
-use metrale_checkpoint::names::{CONFIG_FILE, INDEX_FILE};
+use metrale_checkpoint::names::{CONFIG_FILE, INDEX_FILE, row_remap_file};
+use metrale_checkpoint::remap::{RowRemap, hot_order, parse_trace};
+use metrale_storage::layout::TableFiles;
 use metrale_storage::pack::pack;
+use metrale_storage::relay::relay_rows;
 use metrale_storage::safetensors::Header;
 
 use super::common::{byte_bar, bytes};
@@ -30,7 +41,7 @@ pub struct TableArgs {
 enum TableCmd {
     /// Rewrite a shard file, or every file of a checkpoint, 4 KiB-aligned.
     #[command(
-        after_help = "Examples:\n  metrale-ple table pack ckpt/model-00002-of-00005.safetensors /fast/shard.safetensors\n  metrale-ple table pack ~/.cache/metrale-ple/tiny /tmp/tiny-packed"
+        after_help = "Examples:\n  metrale-ple table pack ckpt/model-00002-of-00005.safetensors /fast/shard.safetensors\n  metrale-ple table pack ~/.cache/metrale-ple/tiny /tmp/tiny-packed\n  metrale-ple table pack --hot-rows trace.txt ~/.cache/metrale-ple/tiny /tmp/tiny-hot"
     )]
     Pack(PackArgs),
 }
@@ -42,6 +53,10 @@ pub struct PackArgs {
     pub src: PathBuf,
     /// The file or directory to write (must not exist for a directory).
     pub dst: PathBuf,
+    /// Relay each site's table rows hottest first, by the `SITE ROW_ID`
+    /// lines of this trace, and store the row remap (directories only).
+    #[arg(long, value_name = "TRACE")]
+    pub hot_rows: Option<PathBuf>,
 }
 
 /// Run `table`.
@@ -83,6 +98,12 @@ fn pack_files(files: &[(PathBuf, PathBuf)]) -> Result<u64, CmdError> {
 }
 
 fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
+    if a.src.is_file() && a.hot_rows.is_some() {
+        return Err(input(anyhow::anyhow!(
+            "--hot-rows relays a checkpoint's tables: SRC must be a checkpoint directory, not {}",
+            a.src.display()
+        )));
+    }
     if a.src.is_file() {
         let total = pack_files(&[(a.src.clone(), a.dst.clone())])?;
         let h = Header::read(&a.dst).map_err(failure)?;
@@ -101,8 +122,29 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
             a.src.display()
         )));
     }
-    // Refuse a bad source before writing anything.
+    // Refuse a bad source or trace before writing anything.
     let ck = Checkpoint::open(&a.src).map_err(input)?;
+    let remaps: Vec<String> = ck
+        .sites
+        .iter()
+        .map(|s| row_remap_file(s.layer))
+        .filter(|n| a.src.join(n).exists())
+        .collect();
+    let trace = match &a.hot_rows {
+        None => None,
+        Some(t) => {
+            if let Some(n) = remaps.first() {
+                return Err(input(anyhow::anyhow!(
+                    "{} already has a row remap ({n}); pack hot rows from the original checkpoint",
+                    a.src.display()
+                )));
+            }
+            let text = std::fs::read_to_string(t)
+                .with_context(|| format!("reading the trace {}", t.display()))
+                .map_err(input)?;
+            Some(parse_trace(&text, ck.sites.len(), t).map_err(input)?)
+        }
+    };
     if a.dst.exists() {
         return Err(input(anyhow::anyhow!(
             "{} already exists; pack writes a new directory",
@@ -119,7 +161,10 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
             .map(|f| (a.src.join(&f.name), a.dst.join(&f.name)))
             .collect();
         let total = pack_files(&files)?;
-        for name in [CONFIG_FILE, INDEX_FILE] {
+        for name in [CONFIG_FILE, INDEX_FILE]
+            .into_iter()
+            .chain(remaps.iter().map(String::as_str))
+        {
             copy(&a.src.join(name), &a.dst.join(name))?;
         }
         let packed = Checkpoint::open(&a.dst).map_err(failure)?;
@@ -129,6 +174,13 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
                 f.name,
                 f.data_start
             )));
+        }
+        if let Some(counts) = &trace {
+            for (i, c) in counts.iter().enumerate() {
+                if !c.is_empty() {
+                    relay_site(&ck, &packed, i, c)?;
+                }
+            }
         }
         Ok(total)
     })();
@@ -148,6 +200,82 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
             Err(e)
         }
     }
+}
+
+/// Relay site `site`'s rows from `src` into the packed copy `dst` hottest
+/// first by `counts`, write the remap, and check a sample of rows reads
+/// back the same through it.
+fn relay_site(
+    src: &Checkpoint,
+    dst: &Checkpoint,
+    site: usize,
+    counts: &std::collections::HashMap<u64, u64>,
+) -> Result<(), CmdError> {
+    let s = &src.sites[site];
+    let rows = s.table.stored_rows;
+    let open = |ck: &Checkpoint| {
+        TableFiles::open(&ck.sites[site].table.shards, Some(rows))
+            .with_context(|| format!("opening the table of site {site}"))
+            .map_err(failure)
+    };
+    let (from, to) = (open(src)?, open(dst)?);
+    let order = hot_order(rows, counts);
+    let path = dst.dir.join(row_remap_file(s.layer));
+    let remap = RowRemap::from_order(&order, &path).map_err(failure)?;
+    let rb = from.info.row_bytes() as u64;
+    let pb = byte_bar(rows * rb, "relay");
+    let r = relay_rows(&from, &to, &order, &mut |done, _| pb.set_position(done * rb));
+    pb.finish_and_clear();
+    r.map_err(failure)?;
+    remap.write(&path).map_err(failure)?;
+    // Spot check: the hottest rows and an even spread of the rest.
+    let hot = counts.len().min(rows as usize);
+    let step = (rows / 512).max(1);
+    let sample = order[..hot.min(512)]
+        .iter()
+        .map(|&o| o as u64)
+        .chain((0..rows).step_by(step as usize));
+    for id in sample {
+        let want = read_row(&from, id)?;
+        let got = read_row(&to, remap.physical(id))?;
+        if want != got {
+            return Err(failure(anyhow::anyhow!(
+                "site {site}: row {id} reads back different through the remap (physical row {})",
+                remap.physical(id)
+            )));
+        }
+    }
+    let hits: u64 = counts.values().sum();
+    println!(
+        "site {site} (layer {}): {hits} trace hits on {} distinct rows; those rows now fill the first {} of the table; remap {}",
+        s.layer,
+        counts.len(),
+        bytes(hot as u64 * rb),
+        path.display()
+    );
+    Ok(())
+}
+
+/// Row `id`'s bytes (and FP8 scale) as stored in `t`'s files.
+fn read_row(t: &TableFiles, id: u64) -> Result<Vec<u8>, CmdError> {
+    use std::os::unix::fs::FileExt;
+    let l = t.locate(id).map_err(failure)?;
+    let path = &t.shards[l.shard].path;
+    let f = std::fs::File::open(path)
+        .with_context(|| format!("opening {}", path.display()))
+        .map_err(failure)?;
+    let mut b = vec![0u8; t.info.row_bytes()];
+    f.read_exact_at(&mut b, l.offset)
+        .with_context(|| format!("{}: reading row {id}", path.display()))
+        .map_err(failure)?;
+    if let Some(so) = l.scale_offset {
+        let mut sc = [0u8; 4];
+        f.read_exact_at(&mut sc, so)
+            .with_context(|| format!("{}: reading the scale of row {id}", path.display()))
+            .map_err(failure)?;
+        b.extend_from_slice(&sc);
+    }
+    Ok(b)
 }
 
 fn copy(src: &Path, dst: &Path) -> Result<(), CmdError> {

@@ -1,0 +1,241 @@
+//! `table pack --hot-rows` end to end: the packed checkpoint's tables are
+//! really relaid (hot rows first), its layers give the original's highway
+//! bit for bit in every table mode, and a damaged row remap is refused
+//! naming the file.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Arc;
+
+use metrale_checkpoint::Checkpoint;
+use metrale_checkpoint::names::row_remap_file;
+use metrale_checkpoint::remap::{HEADER_BYTES, RowRemap};
+use metrale_checkpoint::runtime::TableMode;
+use metrale_engine::ple_site::PleSite;
+use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_storage::cached::CacheConfig;
+use metrale_storage::layout::TableFiles;
+
+fn run(args: &[&str]) -> (Output, String, String) {
+    let o = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+        .env_remove("RUST_LOG")
+        .args(args)
+        .output()
+        .expect("the binary runs");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    (o, out, err)
+}
+
+fn init(dir: &Path, dtype: &str, rows: Option<&str>) -> PathBuf {
+    let p = dir.join(format!("ck-{dtype}"));
+    let mut args = vec![
+        "init",
+        p.to_str().unwrap(),
+        "--preset",
+        "tiny",
+        "--dtype",
+        dtype,
+        "--seed",
+        "7",
+    ];
+    if let Some(r) = rows {
+        args.extend(["--table-rows", r]);
+    }
+    let (o, out, err) = run(&args);
+    assert!(o.status.success(), "init failed: {out} {err}");
+    p
+}
+
+/// Every site of `ck` over `tokens` from a fresh carry, tables in `mode`.
+fn highway(ck: &Checkpoint, mode: TableMode, tokens: &[u32]) -> Vec<f32> {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let sites: Vec<PleSite> = (0..ck.sites.len())
+        .map(|s| {
+            let t = match mode {
+                // A small cache, so rows are evicted and read again.
+                TableMode::Cached => ck.open_cached_table(s, CacheConfig::new(64), gpu.clone()),
+                m => ck.open_table(s, m, gpu.clone()),
+            }
+            .unwrap();
+            PleSite::new(ck.build_layer(s, t, 16, gpu.as_ref()).unwrap())
+        })
+        .collect();
+    metrale_testkit::drive::reference_run(&sites, gpu.as_ref(), tokens)
+}
+
+/// A trace: for each site, row ids with a skewed count (id `k` of the list
+/// appears `1 + 8 / (k + 1)` times), spread over the padded id range so a
+/// cut table folds some of them.
+fn write_trace(dir: &Path, ck: &Checkpoint) -> PathBuf {
+    let mut t = String::from("# SITE ROW_ID\n");
+    for (i, s) in ck.sites.iter().enumerate() {
+        for k in 0..300u64 {
+            let id = (k * 7919 + 13) % s.padded_rows;
+            for _ in 0..1 + 8 / (k + 1) {
+                t.push_str(&format!("{i} {id}\n"));
+            }
+        }
+    }
+    let p = dir.join("trace.txt");
+    std::fs::write(&p, t).unwrap();
+    p
+}
+
+#[test]
+fn packed_hot_rows_give_the_same_highway_and_come_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..48u32).map(|i| (i * 37 + 5) % 4096).collect();
+    for (dtype, rows) in [("bf16", Some("1024")), ("fp8", None)] {
+        let src = init(tmp.path(), dtype, rows);
+        let ck = Checkpoint::open(&src).unwrap();
+        let trace = write_trace(tmp.path(), &ck);
+        let dst = tmp.path().join(format!("hot-{dtype}"));
+        let (o, out, err) = run(&[
+            "table",
+            "pack",
+            "--hot-rows",
+            trace.to_str().unwrap(),
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{out} {err}");
+        assert!(out.contains("validation OK"), "{out}");
+        assert_eq!(out.matches("trace hits on 300 distinct rows").count(), ck.sites.len(), "{out}");
+        let packed = Checkpoint::open(&dst).unwrap();
+        // The relay happened: the hottest row (k = 0) is now physical row 0,
+        // and the table bytes differ from the source's.
+        for s in &packed.sites {
+            let path = dst.join(row_remap_file(s.layer));
+            let remap = RowRemap::load(&path, s.table.stored_rows).unwrap();
+            assert_eq!(remap.physical(13 % s.table.stored_rows), 0);
+            let a = TableFiles::open(&ck.sites[s.index].table.shards, None).unwrap();
+            let b = TableFiles::open(&s.table.shards, None).unwrap();
+            let read = |t: &TableFiles| {
+                let sh = &t.shards[0];
+                let f = std::fs::read(&sh.path).unwrap();
+                f[sh.data_offset as usize..sh.data_offset as usize + 4096].to_vec()
+            };
+            assert_ne!(read(&a), read(&b), "site {} was not relaid", s.index);
+        }
+        let want = highway(&ck, TableMode::Resident, &tokens);
+        for mode in [TableMode::Resident, TableMode::Mapped, TableMode::Cached] {
+            let got = highway(&packed, mode, &tokens);
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{dtype} {mode:?}: the packed checkpoint's highway differs");
+        }
+        // A plain pack of the packed checkpoint keeps its remaps.
+        let again = tmp.path().join(format!("again-{dtype}"));
+        let (o, out, err) = run(&["table", "pack", dst.to_str().unwrap(), again.to_str().unwrap()]);
+        assert!(o.status.success(), "{out} {err}");
+        let again = Checkpoint::open(&again).unwrap();
+        let got = highway(&again, TableMode::Resident, &tokens);
+        assert!(got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()));
+        // --hot-rows refuses a source that already has remaps.
+        let (o, _, err) = run(&[
+            "table",
+            "pack",
+            "--hot-rows",
+            trace.to_str().unwrap(),
+            dst.to_str().unwrap(),
+            tmp.path().join("x").to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains("already has a row remap"), "{err}");
+    }
+}
+
+#[test]
+fn malformed_remaps_and_traces_are_refused_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = init(tmp.path(), "bf16", Some("1024"));
+    let ck = Checkpoint::open(&src).unwrap();
+    let trace = write_trace(tmp.path(), &ck);
+    let dst = tmp.path().join("hot");
+    let (o, out, err) = run(&[
+        "table",
+        "pack",
+        "--hot-rows",
+        trace.to_str().unwrap(),
+        src.to_str().unwrap(),
+        dst.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{out} {err}");
+    let layer = ck.sites[0].layer;
+    let path = dst.join(row_remap_file(layer));
+    let good = std::fs::read(&path).unwrap();
+    let reseal = |mut b: Vec<u8>| {
+        let crc = crc32(&b[HEADER_BYTES..]);
+        b[24..28].copy_from_slice(&crc.to_le_bytes());
+        b
+    };
+    let entry = |b: &mut Vec<u8>, i: usize, v: u32| {
+        b[HEADER_BYTES + 4 * i..HEADER_BYTES + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+    };
+    let mut short = good[..good.len() - 4].to_vec();
+    short[16..24].copy_from_slice(&1023u64.to_le_bytes());
+    let mut out_of_range = good.clone();
+    entry(&mut out_of_range, 5, 5000);
+    let mut dup = good.clone();
+    let first = u32::from_le_bytes(good[HEADER_BYTES..HEADER_BYTES + 4].try_into().unwrap());
+    entry(&mut dup, 1, first);
+    for (bytes, want) in [
+        (reseal(short), "a remap of 1023 rows, but the table has 1024"),
+        (reseal(out_of_range), "entry 5 sends row 5 to row 5000"),
+        (reseal(dup), "entries 0 and 1 both send their rows"),
+    ] {
+        std::fs::write(&path, bytes).unwrap();
+        let ck = Checkpoint::open(&dst).unwrap();
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        for mode in [TableMode::Resident, TableMode::Cached] {
+            let e = match ck.open_table(0, mode, gpu.clone()) {
+                Ok(_) => panic!("a damaged remap was accepted ({want})"),
+                Err(e) => chain(&e),
+            };
+            assert!(e.contains(want), "{e}");
+            assert!(e.contains(&row_remap_file(layer)), "{e}");
+        }
+    }
+    // A bad trace line is refused before anything is written.
+    std::fs::write(&trace, "0 1\n0 x\n").unwrap();
+    let out_dir = tmp.path().join("never");
+    let (o, _, err) = run(&[
+        "table",
+        "pack",
+        "--hot-rows",
+        trace.to_str().unwrap(),
+        src.to_str().unwrap(),
+        out_dir.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("trace.txt") && err.contains("line 2"), "{err}");
+    assert!(!out_dir.exists());
+}
+
+/// An error and its sources, one after another.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// CRC-32 (IEEE), bitwise: the remap's checksum, computed independently.
+fn crc32(b: &[u8]) -> u32 {
+    let mut c = !0u32;
+    for &x in b {
+        c ^= x as u32;
+        for _ in 0..8 {
+            c = if c & 1 != 0 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
+        }
+    }
+    !c
+}
