@@ -18,24 +18,33 @@ use crate::layer::Layer;
 /// the real hash constants) into `path`, which must not exist or be empty,
 /// and open it.
 ///
-/// `preset` is `"tiny"`, `"small"` or `"flagship"`; `table_rows` cuts the
-/// stored table (ids fold into it); `dtype` is `"bf16"` or `"fp8"`. Raises
-/// `ValueError` for bad options or a directory that already holds a
-/// checkpoint, `OSError` when writing fails.
+/// `preset` is `"tiny"`, `"small"`, `"flagship"` or a family preset
+/// (`"engram-demo"`, `"deepseek-v4.1"`, `"longcat-flash-lite"`);
+/// `table_rows` cuts the stored table (ids fold into it); `dtype` is
+/// `"bf16"`, `"fp8"` or `"fp8-block"` (default: the family's, `"fp8-block"`
+/// for DeepSeek-V4.1, else `"bf16"`). Raises `ValueError` for bad options
+/// or a directory that already holds a checkpoint, `OSError` when writing
+/// fails.
 #[pyfunction]
-#[pyo3(signature = (path, preset = "tiny", table_rows = None, dtype = "bf16", seed = 0))]
+#[pyo3(signature = (path, preset = "tiny", table_rows = None, dtype = None, seed = 0))]
 pub(crate) fn init_checkpoint(
     py: Python<'_>,
     path: PathBuf,
     preset: &str,
     table_rows: Option<u64>,
-    dtype: &str,
+    dtype: Option<&str>,
     seed: u64,
 ) -> PyResult<Checkpoint> {
     let preset =
         Preset::parse(preset).ok_or_else(|| value_error(format!("unknown preset {preset:?}")))?;
-    let dtype = TableDType::parse(dtype)
-        .ok_or_else(|| value_error(format!("dtype must be \"bf16\" or \"fp8\", got {dtype:?}")))?;
+    let dtype = match dtype {
+        None => preset.default_dtype(),
+        Some(d) => TableDType::parse(d).ok_or_else(|| {
+            value_error(format!(
+                "dtype must be \"bf16\", \"fp8\" or \"fp8-block\", got {d:?}"
+            ))
+        })?,
+    };
     let opts = InitOptions {
         preset,
         table_rows,

@@ -48,7 +48,7 @@ def init_checkpoint(
     path: str | os.PathLike[str],
     preset: str = "tiny",
     table_rows: int | None = None,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     seed: int = 0,
 ) -> Checkpoint: ...
 
