@@ -48,6 +48,7 @@ from families_reference import longcat_layout, offsets_of
 from ple_layer import bf16_bits, from_bf16_bits
 
 F32_EPS = 2.0 ** -23
+F32_MAX = float(np.finfo(np.float32).max)
 FP8_BLOCK = 32
 
 # ------------------------------------------------------------------- FP8
@@ -97,7 +98,15 @@ def ue8m0_scale(block):
 def quantize_block_row(values):
     """values (float32) -> the row's bytes: FP8 values, then block scales."""
     scales = [ue8m0_scale(values[i:i + FP8_BLOCK]) for i in range(0, len(values), FP8_BLOCK)]
-    out = [fp8_encode(float(v) / ue8m0_value(scales[i // FP8_BLOCK])) for i, v in enumerate(values)]
+    out = []
+    for i, v in enumerate(values):
+        scale = ue8m0_value(scales[i // FP8_BLOCK])
+        b = fp8_encode(float(v) / scale)
+        # A code whose value times the scale is past the f32 range (values
+        # next to f32's largest) gives way to the next code toward zero.
+        if abs(FP8_VALUES[b]) * scale > F32_MAX:
+            b -= 1
+        out.append(b)
     return out + scales
 
 
@@ -255,6 +264,8 @@ def fp8_block_cases(rng):
         v = rng.standard_normal(64) * np.exp(rng.uniform(-spread, spread, 64))
         v[5] = 0.0
         v[40:44] = [448.0, -1e-3, 2.0 ** -10, 7.0]
+        if spread == 9.0:
+            v[60] = -F32_MAX
         v = v.astype(np.float32)
         row = quantize_block_row(v)
         cases.append({"values": f32_list(v), "bytes": row,

@@ -203,8 +203,10 @@ pub fn ue8m0_block_scale(block: &[f32]) -> u8 {
 }
 
 /// Quantise a row to block-scaled FP8 E4M3: appends the `src.len()` value
-/// bytes (each `v / scale` of its block, rounded to nearest even), then one
-/// [`ue8m0_block_scale`] byte per block, to `dst`.
+/// bytes (each `v / scale` of its block, rounded to nearest even, except
+/// that a code whose decoded value would overflow f32 (only for values
+/// within 2^-4 of `f32::MAX`) is replaced by the next code toward zero),
+/// then one [`ue8m0_block_scale`] byte per block, to `dst`.
 ///
 /// # Panics
 /// If `src.len()` is not a multiple of [`FP8_BLOCK`] (a caller bug).
@@ -218,7 +220,16 @@ pub fn quantize_fp8_block_row(src: &[f32], dst: &mut Vec<u8>) {
     let scales: Vec<u8> = src.chunks_exact(FP8_BLOCK).map(ue8m0_block_scale).collect();
     for (block, &e) in src.chunks_exact(FP8_BLOCK).zip(&scales) {
         let scale = ue8m0_to_f32(e);
-        dst.extend(block.iter().map(|&v| f32_to_fp8_e4m3(v / scale)));
+        dst.extend(block.iter().map(|&v| {
+            let b = f32_to_fp8_e4m3(v / scale);
+            // Near f32::MAX the nearest code times the scale can overflow:
+            // take the next code toward zero, whose product is finite.
+            if (fp8_e4m3_to_f32(b) * scale).is_infinite() {
+                b - 1
+            } else {
+                b
+            }
+        }));
     }
     dst.extend_from_slice(&scales);
 }
@@ -429,6 +440,15 @@ mod tests {
         // Values that are exact in FP8 at their block's scale come back bit
         // for bit: 1.5 * 2^-6 is FP8 0x3C at scale 2^-6.
         assert_eq!(back[18], -3.0 + 18.0 * 0.25);
+        // -f32::MAX / 2^120 rounds to -256, whose decode -2^128 is no f32:
+        // the next code toward zero (-240 * 2^120) is stored instead.
+        let mut bytes = Vec::new();
+        let mut big = vec![0f32; 32];
+        big[1] = -f32::MAX;
+        quantize_fp8_block_row(&big, &mut bytes);
+        let mut back = vec![0f32; 32];
+        fp8_block_bytes_to_f32(&bytes, &mut back);
+        assert_eq!(back[1], -240.0 * 2f32.powi(120));
     }
 
     #[test]
