@@ -86,7 +86,9 @@ pub enum RemapError {
         rows: u64,
     },
     /// Two entries naming the same row (not a permutation).
-    #[error("{path}: entries {first} and {second} both send their rows to row {value}; a remap must be a permutation")]
+    #[error(
+        "{path}: entries {first} and {second} both send their rows to row {value}; a remap must be a permutation"
+    )]
     Duplicate {
         /// The file.
         path: PathBuf,
@@ -123,12 +125,14 @@ impl RowRemap {
         let rows = order.len() as u64;
         let mut map = vec![u32::MAX; order.len()];
         for (p, &o) in order.iter().enumerate() {
-            let slot = map.get_mut(o as usize).ok_or_else(|| RemapError::OutOfRange {
-                path: path.to_path_buf(),
-                index: o as u64,
-                value: p as u64,
-                rows,
-            })?;
+            let slot = map
+                .get_mut(o as usize)
+                .ok_or_else(|| RemapError::OutOfRange {
+                    path: path.to_path_buf(),
+                    index: o as u64,
+                    value: p as u64,
+                    rows,
+                })?;
             if *slot != u32::MAX {
                 return Err(RemapError::Duplicate {
                     path: path.to_path_buf(),
@@ -209,7 +213,9 @@ impl RowRemap {
             });
         }
         if rows > u32::MAX as u64 + 1 {
-            return Err(bad(format!("{rows} rows, more than 4-byte entries address")));
+            return Err(bad(format!(
+                "{rows} rows, more than 4-byte entries address"
+            )));
         }
         let body = &bytes[HEADER_BYTES..];
         if body.len() as u64 != rows * 4 {
@@ -493,17 +499,33 @@ mod tests {
         let mut b = good.clone();
         b[12] = 8;
         cases.push((b, None, "entry width 8"));
-        cases.push((good.clone(), Some(5), "a remap of 4 rows, but the table has 5"));
-        cases.push((good[..good.len() - 4].to_vec(), None, "12 bytes of entries, but 4 rows need 16"));
+        cases.push((
+            good.clone(),
+            Some(5),
+            "a remap of 4 rows, but the table has 5",
+        ));
+        cases.push((
+            good[..good.len() - 4].to_vec(),
+            None,
+            "12 bytes of entries, but 4 rows need 16",
+        ));
         let mut b = good.clone();
         b[HEADER_BYTES] ^= 1;
         cases.push((b, None, "checksum"));
         let mut b = good.clone();
         b[HEADER_BYTES + 4..HEADER_BYTES + 8].copy_from_slice(&9u32.to_le_bytes());
-        cases.push((reseal(b), None, "entry 1 sends row 1 to row 9, past the table's 4 rows"));
+        cases.push((
+            reseal(b),
+            None,
+            "entry 1 sends row 1 to row 9, past the table's 4 rows",
+        ));
         let mut b = good.clone();
         b[HEADER_BYTES + 12..HEADER_BYTES + 16].copy_from_slice(&2u32.to_le_bytes());
-        cases.push((reseal(b), None, "entries 0 and 3 both send their rows to row 2"));
+        cases.push((
+            reseal(b),
+            None,
+            "entries 0 and 3 both send their rows to row 2",
+        ));
         for (bytes, rows, want) in cases {
             let e = RowRemap::parse(&bytes, rows, &p()).unwrap_err();
             let m = e.to_string();

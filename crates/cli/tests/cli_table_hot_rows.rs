@@ -102,7 +102,11 @@ fn packed_hot_rows_give_the_same_highway_and_come_first() {
         ]);
         assert!(o.status.success(), "{out} {err}");
         assert!(out.contains("validation OK"), "{out}");
-        assert_eq!(out.matches("trace hits on 300 distinct rows").count(), ck.sites.len(), "{out}");
+        assert_eq!(
+            out.matches("trace hits on 300 distinct rows").count(),
+            ck.sites.len(),
+            "{out}"
+        );
         let packed = Checkpoint::open(&dst).unwrap();
         // The relay happened: the hottest row (k = 0) is now physical row 0,
         // and the table bytes differ from the source's.
@@ -126,15 +130,27 @@ fn packed_hot_rows_give_the_same_highway_and_come_first() {
                 .iter()
                 .zip(&want)
                 .all(|(x, y)| x.to_bits() == y.to_bits());
-            assert!(same, "{dtype} {mode:?}: the packed checkpoint's highway differs");
+            assert!(
+                same,
+                "{dtype} {mode:?}: the packed checkpoint's highway differs"
+            );
         }
         // A plain pack of the packed checkpoint keeps its remaps.
         let again = tmp.path().join(format!("again-{dtype}"));
-        let (o, out, err) = run(&["table", "pack", dst.to_str().unwrap(), again.to_str().unwrap()]);
+        let (o, out, err) = run(&[
+            "table",
+            "pack",
+            dst.to_str().unwrap(),
+            again.to_str().unwrap(),
+        ]);
         assert!(o.status.success(), "{out} {err}");
         let again = Checkpoint::open(&again).unwrap();
         let got = highway(&again, TableMode::Resident, &tokens);
-        assert!(got.iter().zip(&want).all(|(x, y)| x.to_bits() == y.to_bits()));
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(x, y)| x.to_bits() == y.to_bits())
+        );
         // --hot-rows refuses a source that already has remaps.
         let (o, _, err) = run(&[
             "table",
@@ -184,7 +200,10 @@ fn malformed_remaps_and_traces_are_refused_naming_the_file() {
     let first = u32::from_le_bytes(good[HEADER_BYTES..HEADER_BYTES + 4].try_into().unwrap());
     entry(&mut dup, 1, first);
     for (bytes, want) in [
-        (reseal(short), "a remap of 1023 rows, but the table has 1024"),
+        (
+            reseal(short),
+            "a remap of 1023 rows, but the table has 1024",
+        ),
         (reseal(out_of_range), "entry 5 sends row 5 to row 5000"),
         (reseal(dup), "entries 0 and 1 both send their rows"),
     ] {
@@ -234,7 +253,11 @@ fn crc32(b: &[u8]) -> u32 {
     for &x in b {
         c ^= x as u32;
         for _ in 0..8 {
-            c = if c & 1 != 0 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
+            c = if c & 1 != 0 {
+                (c >> 1) ^ 0xEDB8_8320
+            } else {
+                c >> 1
+            };
         }
     }
     !c

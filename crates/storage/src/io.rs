@@ -731,7 +731,10 @@ mod tests {
         } else {
             assert_eq!(a, DioAlign::BUFFERED);
         }
-        assert_eq!(ShardFile::open(&p, false).unwrap().align, DioAlign::BUFFERED);
+        assert_eq!(
+            ShardFile::open(&p, false).unwrap().align,
+            DioAlign::BUFFERED
+        );
         assert!(!usable(0) && !usable(3) && !usable(8192) && usable(512));
     }
 

@@ -192,7 +192,9 @@ mod tests {
                 let l = t.locate(id).unwrap();
                 let f = std::fs::read(&t.shards[l.shard].path).unwrap();
                 let row = f[l.offset as usize..l.offset as usize + 4].to_vec();
-                let sc = l.scale_offset.map(|o| f[o as usize..o as usize + 4].to_vec());
+                let sc = l
+                    .scale_offset
+                    .map(|o| f[o as usize..o as usize + 4].to_vec());
                 (row, sc)
             };
             for (p, &o) in order.iter().enumerate() {

@@ -224,7 +224,9 @@ fn relay_site(
     let remap = RowRemap::from_order(&order, &path).map_err(failure)?;
     let rb = from.info.row_bytes() as u64;
     let pb = byte_bar(rows * rb, "relay");
-    let r = relay_rows(&from, &to, &order, &mut |done, _| pb.set_position(done * rb));
+    let r = relay_rows(&from, &to, &order, &mut |done, _| {
+        pb.set_position(done * rb)
+    });
     pb.finish_and_clear();
     r.map_err(failure)?;
     remap.write(&path).map_err(failure)?;

@@ -120,7 +120,10 @@ mod tests {
         assert!(t.get(1, &mut row, &mut sc) && row == [1; 4] && sc == [101]);
         t.put(7, &[7; 4], &[107]);
         assert_eq!(t.len(), 3);
-        assert!(t.get(1, &mut row, &mut sc), "the referenced row was evicted");
+        assert!(
+            t.get(1, &mut row, &mut sc),
+            "the referenced row was evicted"
+        );
         assert!(t.get(7, &mut row, &mut sc) && row == [7; 4] && sc == [107]);
         assert!(!t.get(0, &mut row, &mut sc), "row 0 was the CLOCK victim");
         // Re-putting a held row overwrites it in place.

@@ -78,7 +78,6 @@ pub(super) enum Evictor {
     },
 }
 
-
 fn busy(sl: &Slot) -> bool {
     sl.pins > 0 || (sl.state != READY && sl.state != FREE)
 }

@@ -47,7 +47,10 @@ impl Inner {
             // arena (slot index < slots).
             let (row, scale) = unsafe {
                 (
-                    std::slice::from_raw_parts(self.arena.host.add(s * self.stride), self.row_bytes),
+                    std::slice::from_raw_parts(
+                        self.arena.host.add(s * self.stride),
+                        self.row_bytes,
+                    ),
                     if self.fp8 {
                         std::slice::from_raw_parts(self.arena.host.add(self.scale_base + s * 4), 4)
                     } else {
