@@ -20,8 +20,8 @@
 //! to several tables).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
 use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats, check_out_len};
@@ -104,11 +104,11 @@ impl ConcatTable {
     ) -> Result<()> {
         let pinned = held.iter().filter(|(_, l)| l.pinned > 0).count();
         let mut after = after;
-        if pinned > 1 {
-            if let Some(ev) = after.take() {
-                gpu.event_synchronize(ev)?;
-                gpu.destroy_event(ev)?;
-            }
+        if pinned > 1
+            && let Some(ev) = after.take()
+        {
+            gpu.event_synchronize(ev)?;
+            gpu.destroy_event(ev)?;
         }
         let mut first_err = None;
         for (p, lease) in held {
@@ -133,7 +133,11 @@ impl RowTable for ConcatTable {
 
     fn max_resolve(&self) -> usize {
         // Every id of a batch may fall in one part.
-        self.parts.iter().map(|p| p.max_resolve()).min().unwrap_or(0)
+        self.parts
+            .iter()
+            .map(|p| p.max_resolve())
+            .min()
+            .unwrap_or(0)
     }
 
     fn max_pinned(&self) -> usize {
@@ -189,12 +193,13 @@ impl RowTable for ConcatTable {
             }
             return Ok(());
         }
-        let held = self.held().remove(&lease.id).ok_or(
-            StorageError::UnknownLease {
+        let held = self
+            .held()
+            .remove(&lease.id)
+            .ok_or(StorageError::UnknownLease {
                 lease: lease.id,
                 why: "not a live lease of this concatenated table",
-            },
-        )?;
+            })?;
         self.release_parts(held, gpu, after)
     }
 
@@ -283,7 +288,12 @@ mod tests {
                 pinned: ids.len(),
             })
         }
-        fn release(&self, l: Lease, gpu: &dyn GpuBackend, after: Option<EventHandle>) -> Result<()> {
+        fn release(
+            &self,
+            l: Lease,
+            gpu: &dyn GpuBackend,
+            after: Option<EventHandle>,
+        ) -> Result<()> {
             if l.pinned > 0 {
                 *self.live.lock().unwrap() -= 1;
             }
@@ -316,14 +326,14 @@ mod tests {
         assert_eq!(t.stats().hits, 15);
         let mut out = [RowRef::default(); 6];
         let l = t.resolve(&[0, 2, 3, 7, 8, 14], &mut out).unwrap();
-        assert_eq!(
-            out.map(|r| r.data),
-            [1000, 1002, 2000, 2004, 3000, 3006]
-        );
+        assert_eq!(out.map(|r| r.data), [1000, 1002, 2000, 2004, 3000, 3006]);
         assert_eq!(l.pinned, 0);
         t.release(l, gpu.as_ref(), None).unwrap();
         let e = t.resolve(&[15], &mut out[..1]).unwrap_err();
-        assert!(matches!(e, StorageError::RowOutOfRange { id: 15, rows: 15 }), "{e}");
+        assert!(
+            matches!(e, StorageError::RowOutOfRange { id: 15, rows: 15 }),
+            "{e}"
+        );
     }
 
     #[test]

@@ -19,9 +19,7 @@
 //! Invariant: the writer and the loader take the table tensors of a site
 //! from [`Layout::table_tensors`] alone.
 
-use metrale_model_layers::layers::ple::spec::{
-    EngramKeys, LongCatKeys, ModelFamily, ModelSpec,
-};
+use metrale_model_layers::layers::ple::spec::{EngramKeys, LongCatKeys, ModelFamily, ModelSpec};
 
 use crate::names::{EngramDemoNames, LongCatNames, SiteNames, V41Names};
 
@@ -90,7 +88,9 @@ impl Layout {
         match self {
             Layout::Qwen4Exp => {
                 let n = SiteNames::new(layer);
-                (0..g.split_ngram_parts).map(|i| n.shard_weight(i)).collect()
+                (0..g.split_ngram_parts)
+                    .map(|i| n.shard_weight(i))
+                    .collect()
             }
             Layout::EngramDemo => vec![EngramDemoNames::new(layer).table()],
             Layout::EngramV41 => vec![V41Names::new(layer).table()],

@@ -29,9 +29,7 @@ use serde::Deserialize;
 
 use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
-use crate::names::{
-    CONFIG_FILE, EngramDemoNames, INDEX_FILE, SiteNames, TOKEN_MAP_FILE, V41Names,
-};
+use crate::names::{CONFIG_FILE, EngramDemoNames, INDEX_FILE, SiteNames, TOKEN_MAP_FILE, V41Names};
 
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]

@@ -20,12 +20,6 @@ pub fn row_remap_file(layer: usize) -> String {
     format!("model.layers.{layer}.ple.row_remap.bin")
 }
 
-/// The row remap of the table of the site at model layer `layer` (0-based),
-/// written by `table pack --hot-rows` (format: [`crate::remap`]).
-pub fn row_remap_file(layer: usize) -> String {
-    format!("model.layers.{layer}.ple.row_remap.bin")
-}
-
 /// The safetensors file `k` (1-based) of `n`, Hugging Face style.
 pub fn shard_file(k: usize, n: usize) -> String {
     format!("model-{k:05}-of-{n:05}.safetensors")
@@ -309,7 +303,10 @@ mod tests {
             "model.layers.15.engram.multi_head_embedding.embedding.weight"
         );
         assert_eq!(d.key_bias(3), "model.layers.15.engram.key_projs.3.bias");
-        assert_eq!(d.norm_conv(0), "model.layers.15.engram.short_conv.norms.0.weight");
+        assert_eq!(
+            d.norm_conv(0),
+            "model.layers.15.engram.short_conv.norms.0.weight"
+        );
         assert_eq!(d.conv(), "model.layers.15.engram.short_conv.conv.weight");
         let v = V41Names::new(14);
         assert_eq!(v.table(), "layers.14.engram.embed.weight");
@@ -317,7 +314,10 @@ mod tests {
         assert_eq!(v.wkv(), "layers.14.engram.wkv.weight");
         assert_eq!(v.q_weight(), "layers.14.engram.q_weight");
         let l = LongCatNames::flash();
-        assert_eq!(l.sub_table(11), "model.ngram_embeddings.embedders.11.weight");
+        assert_eq!(
+            l.sub_table(11),
+            "model.ngram_embeddings.embedders.11.weight"
+        );
         assert_eq!(l.post_proj(0), "model.ngram_embeddings.post_projs.0.weight");
         let o = LongCatNames::oe();
         assert_eq!(o.sub_table(2), "model.oe_embed_tokens2.weight");

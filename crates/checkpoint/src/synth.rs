@@ -166,12 +166,48 @@ fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
     match Layout::of(g) {
         Layout::Qwen4Exp => {
             let n = SiteNames::new(layer);
-            v.push(Dense::new(n.key_proj(), Dtype::BF16, &[c, e], 1, bf(0.0, amp)));
-            v.push(Dense::new(n.value_proj(), Dtype::BF16, &[h, e], 2, bf(0.0, amp)));
-            v.push(Dense::new(n.norm_key(), Dtype::F32, &[c], 3, f32f(0.0, 0.1)));
-            v.push(Dense::new(n.norm_query(), Dtype::F32, &[c], 4, f32f(0.0, 0.1)));
-            v.push(Dense::new(n.norm_conv(), Dtype::F32, &[c], 5, f32f(0.0, 0.1)));
-            v.push(Dense::new(n.conv1d(), Dtype::F32, &[c, 1, k], 6, f32f(0.0, 0.5)));
+            v.push(Dense::new(
+                n.key_proj(),
+                Dtype::BF16,
+                &[c, e],
+                1,
+                bf(0.0, amp),
+            ));
+            v.push(Dense::new(
+                n.value_proj(),
+                Dtype::BF16,
+                &[h, e],
+                2,
+                bf(0.0, amp),
+            ));
+            v.push(Dense::new(
+                n.norm_key(),
+                Dtype::F32,
+                &[c],
+                3,
+                f32f(0.0, 0.1),
+            ));
+            v.push(Dense::new(
+                n.norm_query(),
+                Dtype::F32,
+                &[c],
+                4,
+                f32f(0.0, 0.1),
+            ));
+            v.push(Dense::new(
+                n.norm_conv(),
+                Dtype::F32,
+                &[c],
+                5,
+                f32f(0.0, 0.1),
+            ));
+            v.push(Dense::new(
+                n.conv1d(),
+                Dtype::F32,
+                &[c, 1, k],
+                6,
+                f32f(0.0, 0.5),
+            ));
             v.push(Dense::new(
                 n.layer_multipliers(),
                 Dtype::I64,
@@ -199,15 +235,63 @@ fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
             let n = EngramDemoNames::new(layer);
             for b in 0..hc {
                 let t = 0x1000 + 16 * b as u64;
-                v.push(Dense::new(n.key_proj(b), Dtype::BF16, &[h, e], t, bf(0.0, amp)));
-                v.push(Dense::new(n.key_bias(b), Dtype::F32, &[h], t + 1, f32f(0.0, 0.05)));
-                v.push(Dense::new(n.norm_key(b), Dtype::F32, &[h], t + 2, f32f(1.0, 0.1)));
-                v.push(Dense::new(n.norm_query(b), Dtype::F32, &[h], t + 3, f32f(1.0, 0.1)));
-                v.push(Dense::new(n.norm_conv(b), Dtype::F32, &[h], t + 4, f32f(1.0, 0.1)));
+                v.push(Dense::new(
+                    n.key_proj(b),
+                    Dtype::BF16,
+                    &[h, e],
+                    t,
+                    bf(0.0, amp),
+                ));
+                v.push(Dense::new(
+                    n.key_bias(b),
+                    Dtype::F32,
+                    &[h],
+                    t + 1,
+                    f32f(0.0, 0.05),
+                ));
+                v.push(Dense::new(
+                    n.norm_key(b),
+                    Dtype::F32,
+                    &[h],
+                    t + 2,
+                    f32f(1.0, 0.1),
+                ));
+                v.push(Dense::new(
+                    n.norm_query(b),
+                    Dtype::F32,
+                    &[h],
+                    t + 3,
+                    f32f(1.0, 0.1),
+                ));
+                v.push(Dense::new(
+                    n.norm_conv(b),
+                    Dtype::F32,
+                    &[h],
+                    t + 4,
+                    f32f(1.0, 0.1),
+                ));
             }
-            v.push(Dense::new(n.value_proj(), Dtype::BF16, &[h, e], 0x2000, bf(0.0, amp)));
-            v.push(Dense::new(n.value_bias(), Dtype::F32, &[h], 0x2001, f32f(0.0, 0.05)));
-            v.push(Dense::new(n.conv(), Dtype::F32, &[c, 1, k], 0x2002, f32f(0.0, 0.5)));
+            v.push(Dense::new(
+                n.value_proj(),
+                Dtype::BF16,
+                &[h, e],
+                0x2000,
+                bf(0.0, amp),
+            ));
+            v.push(Dense::new(
+                n.value_bias(),
+                Dtype::F32,
+                &[h],
+                0x2001,
+                f32f(0.0, 0.05),
+            ));
+            v.push(Dense::new(
+                n.conv(),
+                Dtype::F32,
+                &[c, 1, k],
+                0x2002,
+                f32f(0.0, 0.5),
+            ));
             v.push(Dense::new(
                 n.offsets(),
                 Dtype::I64,
@@ -220,7 +304,13 @@ fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
             let n = V41Names::new(layer);
             let rows = c + h;
             let blk = FP8_BLOCK as u64;
-            v.push(Dense::new(n.wkv(), Dtype::F8E4M3, &[rows, e], 0x3000, Fill::Fp8Blocks { amp }));
+            v.push(Dense::new(
+                n.wkv(),
+                Dtype::F8E4M3,
+                &[rows, e],
+                0x3000,
+                Fill::Fp8Blocks { amp },
+            ));
             v.push(Dense::new(
                 n.wkv_scale(),
                 SCALE_DTYPE,
@@ -228,11 +318,27 @@ fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
                 0,
                 Fill::BlockScales,
             ));
-            v.push(Dense::new(n.q_weight(), Dtype::BF16, &[hc as u64, h], 0x3001, bf(1.0, 0.1)));
-            v.push(Dense::new(n.k_weight(), Dtype::BF16, &[hc as u64, h], 0x3002, bf(1.0, 0.1)));
+            v.push(Dense::new(
+                n.q_weight(),
+                Dtype::BF16,
+                &[hc as u64, h],
+                0x3001,
+                bf(1.0, 0.1),
+            ));
+            v.push(Dense::new(
+                n.k_weight(),
+                Dtype::BF16,
+                &[hc as u64, h],
+                0x3002,
+                bf(1.0, 0.1),
+            ));
         }
         Layout::LongCat { oe } => {
-            let n = if oe { LongCatNames::oe() } else { LongCatNames::flash() };
+            let n = if oe {
+                LongCatNames::oe()
+            } else {
+                LongCatNames::flash()
+            };
             let dd = g.head_dim as u64;
             for i in 0..g.ngram_heads() {
                 v.push(Dense::new(
@@ -311,9 +417,12 @@ pub fn planned_bytes(opts: &InitOptions) -> Result<u64> {
     let mut total = 0;
     for s in 0..g.sites() {
         let d = derive_site(&g, s)?;
-        total += dense_tensors(&g, s, &d).iter().map(Dense::bytes).sum::<u64>();
-        total += part_rows(&g, &d, stored).iter().sum::<u64>()
-            * opts.dtype.row_bytes(g.head_dim as u64);
+        total += dense_tensors(&g, s, &d)
+            .iter()
+            .map(Dense::bytes)
+            .sum::<u64>();
+        total +=
+            part_rows(&g, &d, stored).iter().sum::<u64>() * opts.dtype.row_bytes(g.head_dim as u64);
     }
     Ok(total)
 }

@@ -46,7 +46,7 @@ fn refusal(ck: &Path) -> String {
 fn file_of(ck: &Path, tensor: &str) -> PathBuf {
     let c = Checkpoint::open(ck).unwrap();
     for f in &c.files {
-        let h = Header::read(&ck.join(&f.name)).unwrap();
+        let h = Header::read(ck.join(&f.name)).unwrap();
         if h.get(tensor).is_ok() {
             return ck.join(&f.name);
         }
@@ -92,7 +92,10 @@ fn the_engram_demo_checkpoint_has_the_demo_names_and_keys() {
             "site {}",
             s.index
         );
-        assert_eq!(s.padded_rows, s.spec.dims.head_vocab_sizes.iter().sum::<u64>());
+        assert_eq!(
+            s.padded_rows,
+            s.spec.dims.head_vocab_sizes.iter().sum::<u64>()
+        );
     }
     // The token map went into the sites' hash family.
     assert!(c.sites[0].spec.family.token_limit() == Some(129_280));
@@ -122,7 +125,10 @@ fn the_longcat_checkpoint_has_twelve_sub_tables() {
     // Row r of the value projection holds sub-table i's projection row r
     // at columns i*256..(i+1)*256.
     let p3 = file_of(&ck, &n.post_proj(3));
-    let raw = Header::read(&p3).unwrap().read_tensor(&n.post_proj(3)).unwrap();
+    let raw = Header::read(&p3)
+        .unwrap()
+        .read_tensor(&n.post_proj(3))
+        .unwrap();
     let want = u16::from_le_bytes([raw[2 * (5 * 256 + 7)], raw[2 * (5 * 256 + 7) + 1]]);
     assert_eq!(s.weights.value_proj[5 * 3072 + 3 * 256 + 7], want);
 }
@@ -135,12 +141,18 @@ fn longcat_refuses_a_sub_table_of_the_wrong_size() {
     let f = file_of(&ck, &n.sub_table(7));
     reshape_tensor(&f, &n.sub_table(7), &[99, 256]);
     let e = refusal(&ck);
-    assert!(e.contains(&n.sub_table(7)) && e.contains("[99, 256]"), "{e}");
+    assert!(
+        e.contains(&n.sub_table(7)) && e.contains("[99, 256]"),
+        "{e}"
+    );
     let ck = write(&tmp.path().join("b"), Preset::LongcatFlashLite, 1200);
     let f = file_of(&ck, &n.post_proj(0));
     reshape_tensor(&f, &n.post_proj(0), &[256, 3072]);
     let e = refusal(&ck);
-    assert!(e.contains(&n.post_proj(0)) && e.contains(&f.display().to_string()), "{e}");
+    assert!(
+        e.contains(&n.post_proj(0)) && e.contains(&f.display().to_string()),
+        "{e}"
+    );
 }
 
 #[test]
@@ -178,9 +190,16 @@ fn engram_refusals_name_the_file_and_tensor() {
     let ck = write(&tmp.path().join("c"), Preset::EngramDemo, 2048);
     std::fs::write(ck.join(TOKEN_MAP_FILE), "[0, 1, 2]").unwrap();
     let e = refusal(&ck);
-    assert!(e.contains(TOKEN_MAP_FILE) && e.contains("vocab_size"), "{e}");
+    assert!(
+        e.contains(TOKEN_MAP_FILE) && e.contains("vocab_size"),
+        "{e}"
+    );
     let map: Vec<u32> = (0..129_280u32).map(|t| t % 1000).collect();
-    std::fs::write(ck.join(TOKEN_MAP_FILE), serde_json::to_string(&map).unwrap()).unwrap();
+    std::fs::write(
+        ck.join(TOKEN_MAP_FILE),
+        serde_json::to_string(&map).unwrap(),
+    )
+    .unwrap();
     let e = refusal(&ck);
     assert!(e.contains("engram_compressed_vocab_size"), "{e}");
 }
@@ -235,7 +254,10 @@ fn deepseek_v41_has_its_fused_fp8_projection_and_block_rows() {
         sc,
     );
     let e = refusal(&ck);
-    assert!(e.contains(&n.wkv_scale()) && e.contains("block scale 3"), "{e}");
+    assert!(
+        e.contains(&n.wkv_scale()) && e.contains("block scale 3"),
+        "{e}"
+    );
 }
 
 /// Run `tokens` through every site of `ck` with the table in `mode` (a
@@ -288,7 +310,12 @@ fn forward_all(ck: &Checkpoint, mode: TableMode, tokens: &[u32], chunks: &[usize
         }
         gpu.free(hw).unwrap();
     }
-    assert_eq!(gpu.live_alloc_count(), start, "leaked:\n{}", gpu.live_report());
+    assert_eq!(
+        gpu.live_alloc_count(),
+        start,
+        "leaked:\n{}",
+        gpu.live_report()
+    );
     host
 }
 
@@ -297,7 +324,13 @@ fn check_modes(preset: Preset, rows: u64) {
     let ck = Checkpoint::open(&write(tmp.path(), preset, rows)).unwrap();
     // Tokens across the raw vocabulary, with EOS (2) in the middle.
     let tokens: Vec<u32> = (0..20u32)
-        .map(|i| if i == 9 { 2 } else { (i * 48_271 + 11) % 129_280 })
+        .map(|i| {
+            if i == 9 {
+                2
+            } else {
+                (i * 48_271 + 11) % 129_280
+            }
+        })
         .collect();
     let resident = forward_all(&ck, TableMode::Resident, &tokens, &[20]);
     assert!(resident.iter().all(|v| v.is_finite()));
@@ -308,7 +341,9 @@ fn check_modes(preset: Preset, rows: u64) {
     ] {
         let h = forward_all(&ck, mode, &tokens, chunks);
         assert!(
-            h.iter().zip(&resident).all(|(a, b)| a.to_bits() == b.to_bits()),
+            h.iter()
+                .zip(&resident)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
             "{}: {mode:?} with chunks {chunks:?} differs from resident",
             preset.name()
         );

@@ -18,7 +18,10 @@ const PROMPTS: &str = "[5, 17, 300, 2, 9, 41, 1000, 77]\n\
 fn init(tmp: &Path, preset: &str, rows: &str) -> String {
     let ck = tmp.join(preset);
     let ck = ck.to_str().unwrap().to_string();
-    let (o, out, err) = run(tmp, &["init", &ck, "--preset", preset, "--table-rows", rows]);
+    let (o, out, err) = run(
+        tmp,
+        &["init", &ck, "--preset", preset, "--table-rows", rows],
+    );
     assert!(o.status.success(), "{preset}: {out}\n{err}");
     assert!(out.contains(preset), "{out}");
     ck
@@ -82,7 +85,10 @@ fn longcat_runs_verified() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = init(tmp.path(), "longcat-flash-lite", "1200");
     let out = inspect(tmp.path(), &ck);
-    assert!(out.contains("family              LongCat n-gram embedding"), "{out}");
+    assert!(
+        out.contains("family              LongCat n-gram embedding"),
+        "{out}"
+    );
     assert!(out.contains("sub-table 11"), "{out}");
     assert!(out.contains("0 B conv state"), "{out}");
     verified_run(tmp.path(), &ck, &["--table", "mapped"]);
@@ -93,7 +99,10 @@ fn deepseek_v41_runs_verified() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = init(tmp.path(), "deepseek-v4.1", "256");
     let out = inspect(tmp.path(), &ck);
-    assert!(out.contains("family              Engram (DeepSeek-V4.1)"), "{out}");
+    assert!(
+        out.contains("family              Engram (DeepSeek-V4.1)"),
+        "{out}"
+    );
     assert!(out.contains("UE8M0 scale per 32 values"), "{out}");
     assert!(out.contains("264 B each"), "{out}");
     verified_run(tmp.path(), &ck, &[]);

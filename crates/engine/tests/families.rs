@@ -53,7 +53,11 @@ fn drive_case(family: TinyFamily, graphs: bool) {
     let ex = drive(&mut e, 17, 1500, 12, 6);
     let s = e.stats();
     if graphs {
-        assert!(s.graph_replays > 50, "{family:?}: {} replays", s.graph_replays);
+        assert!(
+            s.graph_replays > 50,
+            "{family:?}: {} replays",
+            s.graph_replays
+        );
     } else {
         assert_eq!(s.graph_replays, 0);
     }

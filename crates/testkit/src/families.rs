@@ -2,11 +2,11 @@
 //! small configs whose constants come from the production derivation,
 //! random weights shaped by the site's combination, and engines over them.
 //!
-//! - [`TinyFamily::EngramConv`]: the Engram demo's layer (`w` norms, key
+//! - [`TinyFamily::EngramConv`], the Engram demo's layer (`w` norms, key
 //!   and value biases, the dilated short conv) over BF16 rows;
-//! - [`TinyFamily::EngramV41`]: DeepSeek-V4.1's (no conv, orders 2..=4)
+//! - [`TinyFamily::EngramV41`], DeepSeek-V4.1's (no conv, orders 2..=4)
 //!   over FP8 rows with inline UE8M0 block scales;
-//! - [`TinyFamily::LongCat`]: the mean with the word embedding, one stream,
+//! - [`TinyFamily::LongCat`], the mean with the word embedding, one stream,
 //!   its sub-tables each a table of its own joined by a
 //!   [`ConcatTable`], as a checkpoint serves them.
 //!
@@ -193,7 +193,12 @@ pub fn family_site(
         let mut parts: Vec<Arc<dyn RowTable>> = Vec::new();
         for (i, &rows) in site.dims.head_vocab_sizes.iter().enumerate() {
             let bytes = random_rows(rows, site.head_dim, dtype, row_seed + i as u64);
-            parts.push(TinyTable::from_rows(gpu.clone(), &bytes, site.head_dim, dtype)?);
+            parts.push(TinyTable::from_rows(
+                gpu.clone(),
+                &bytes,
+                site.head_dim,
+                dtype,
+            )?);
         }
         Arc::new(ConcatTable::new(parts, gpu.clone())?)
     } else {

@@ -48,8 +48,9 @@ fn combination(c: &Combine) -> String {
                 ", no conv"
             }
         ),
-        Combine::Mean => "mean: (word embedding + projected sub-table rows) / (1 + sub-tables)"
-            .to_string(),
+        Combine::Mean => {
+            "mean: (word embedding + projected sub-table rows) / (1 + sub-tables)".to_string()
+        }
     }
 }
 
@@ -123,7 +124,8 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
     println!("sites");
     for s in &ck.sites {
         let t = &s.table;
-        let row_bytes = t.dtype.row_bytes(t.head_dim) as u64 + if t.dtype.has_row_scale() { 4 } else { 0 };
+        let row_bytes =
+            t.dtype.row_bytes(t.head_dim) as u64 + if t.dtype.has_row_scale() { 4 } else { 0 };
         gathered_per_token += row_bytes * s.spec.dims.ngram_heads() as u64;
         println!(
             "  site {} ({}) at block {}",
@@ -140,7 +142,11 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
             sizes.first().copied().unwrap_or(0),
             sizes.last().copied().unwrap_or(0),
             sizes.len(),
-            if layout.sub_tables() { "sub-tables" } else { "heads" }
+            if layout.sub_tables() {
+                "sub-tables"
+            } else {
+                "heads"
+            }
         );
         println!(
             "    table           {} rows addressed, {} stored{}, {}, {}",
