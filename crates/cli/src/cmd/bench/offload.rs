@@ -95,6 +95,10 @@ pub struct OffloadArgs {
     /// Rows per site of the row cache's host-memory tier (0: none).
     #[arg(long, default_value_t = 0, value_name = "ROWS")]
     host_rows: usize,
+    /// Measured repetitions of each configuration (default: the run's, 5
+    /// full, 3 quick); more steady the figures on a busy machine.
+    #[arg(long, value_name = "N")]
+    reps: Option<usize>,
 }
 
 /// A setting to keep.
@@ -264,11 +268,17 @@ impl Zipf {
 
 /// Run `metrale-ple bench offload`.
 pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
-    let sizes = match (args.smoke, args.quick) {
+    let mut sizes = match (args.smoke, args.quick) {
         (true, _) => SMOKE,
         (false, true) => QUICK,
         (false, false) => FULL,
     };
+    if let Some(n) = args.reps {
+        if n == 0 {
+            return Err(input(anyhow::anyhow!("--reps must be positive")));
+        }
+        sizes.reps = n;
+    }
     let t0 = Instant::now();
     let (dir, _scratch) = match &args.checkpoint {
         Some(d) => (d.clone(), None),
