@@ -416,5 +416,16 @@ fn weights_a_combination_does_not_use_are_refused() {
         .to_string();
     assert!(e.contains("value_bias"), "{e}");
     table.free(g);
+
+    // A block-scaled FP8 table needs rows of whole 32-value blocks.
+    let mut spec = site.spec.clone();
+    spec.head_dim = 16;
+    let rows = vec![0u8; usize_of(&site.meta, "table_rows") * 17];
+    let odd = TestTable::new_block_fp8(g, &rows, 16, 7).unwrap();
+    let e = PleLayer::new(&spec, site.weights(), Arc::clone(&odd) as _, 4, g)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("Fp8E4M3Block32") && e.contains("16"), "{e}");
+    odd.free(g);
     assert_no_leaks(g, start);
 }

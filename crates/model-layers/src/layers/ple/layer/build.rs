@@ -200,6 +200,12 @@ impl PleLayer {
                 layer: spec.head_dim,
             });
         }
+        if !info.dtype.fits_head_dim(info.head_dim) {
+            return Err(LayerError::TableRowType {
+                dtype: info.dtype,
+                head_dim: info.head_dim,
+            });
+        }
         dims.check_table_rows(info.rows)?;
         check_weights(spec, &weights)?;
         let w = &weights;
@@ -224,12 +230,6 @@ impl PleLayer {
             ("dilation", spec.dilation),
         ] {
             fits_u32(what, v)?;
-        }
-        if !info.dtype.fits_head_dim(info.head_dim) {
-            return Err(LayerError::TableHeadDim {
-                table: info.head_dim,
-                layer: spec.head_dim,
-            });
         }
         let dtype_code = kernels::gather::GatherDType::of(info.dtype).arg();
 

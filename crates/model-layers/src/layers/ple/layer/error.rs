@@ -62,6 +62,15 @@ pub enum LayerError {
         /// The spec's head_dim.
         layer: usize,
     },
+    /// The table's row type cannot hold rows of the layer's width (a
+    /// block-scaled FP8 row needs a multiple of its 32-value block).
+    #[error("PLE table rows of type {dtype:?} cannot be {head_dim} values wide")]
+    TableRowType {
+        /// The table's row type.
+        dtype: metrale_storage::table::RowDType,
+        /// The spec's head_dim.
+        head_dim: usize,
+    },
     /// `max_tokens` is 0.
     #[error("PLE max_tokens must be positive")]
     NoTokens,
