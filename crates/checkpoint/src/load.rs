@@ -262,18 +262,36 @@ impl Files {
                 msg: format!("block scale {i} is the UE8M0 NaN code 255"),
             });
         }
-        let mut out = Vec::with_capacity(rows * cols);
-        for (i, &b) in w.iter().enumerate() {
-            let (r, c) = (i / cols, i % cols);
-            let v = fp8_e4m3_to_f32(b) * ue8m0_to_f32(sc[(r / FP8_BLOCK) * cb + c / FP8_BLOCK]);
-            if !v.is_finite() {
-                return Err(CheckpointError::Value {
-                    file,
-                    tensor: tensor.to_string(),
-                    msg: format!("element {i} (byte {b:#04x}) is not a finite number"),
-                });
+        // Every E4M3 code decoded once; each block's scale once per row.
+        let lut: Vec<f32> = (0..=255u8).map(fp8_e4m3_to_f32).collect();
+        let mut out = vec![0u16; rows * cols];
+        for (r, (src, dst)) in w
+            .chunks_exact(cols)
+            .zip(out.chunks_exact_mut(cols))
+            .enumerate()
+        {
+            let srow = &sc[(r / FP8_BLOCK) * cb..(r / FP8_BLOCK + 1) * cb];
+            for (c0, (sb, db)) in src
+                .chunks(FP8_BLOCK)
+                .zip(dst.chunks_mut(FP8_BLOCK))
+                .enumerate()
+            {
+                let scale = ue8m0_to_f32(srow[c0]);
+                for (c, (&b, d)) in sb.iter().zip(db.iter_mut()).enumerate() {
+                    let v = lut[b as usize] * scale;
+                    if !v.is_finite() {
+                        return Err(CheckpointError::Value {
+                            file,
+                            tensor: tensor.to_string(),
+                            msg: format!(
+                                "element {} (byte {b:#04x}) is not a finite number",
+                                r * cols + c0 * FP8_BLOCK + c
+                            ),
+                        });
+                    }
+                    *d = f32_to_bf16(v);
+                }
             }
-            out.push(f32_to_bf16(v));
         }
         Ok(out)
     }

@@ -52,8 +52,6 @@ fn verified_run(tmp: &Path, ck: &str, extra: &[&str]) -> Value {
         "4",
         "--block-size",
         "4",
-        "--slots",
-        "2048",
         "--verify",
         "--json",
     ];
@@ -92,6 +90,11 @@ fn longcat_runs_verified() {
     assert!(out.contains("sub-table 11"), "{out}");
     assert!(out.contains("0 B conv state"), "{out}");
     verified_run(tmp.path(), &ck, &["--table", "mapped"]);
+    // Each sub-table behind its own small row cache (256 slots shared by
+    // 12), decode steps replayed from a captured graph.
+    let v = verified_run(tmp.path(), &ck, &["--decode-graphs", "--slots", "256"]);
+    assert!(count(&v, &["row_cache", "misses"]) > 0, "{v}");
+    assert!(count(&v, &["decode_graphs", "replays"]) > 0, "{v}");
 }
 
 #[test]
