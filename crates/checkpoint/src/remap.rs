@@ -2,8 +2,10 @@
 //! pages, and the row remap that keeps ids unchanged.
 //!
 //! `metrale-ple table pack --hot-rows TRACE` counts how often each row id
-//! of each site appears in TRACE, relays the table's rows hottest first
-//! ([`hot_order`], then [`metrale_storage::relay::relay_rows`]) and stores
+//! of each site appears in TRACE ([`parse_trace`], [`fold_counts`]),
+//! relays the table's rows hottest first, each hot row where it is read in
+//! the fewest direct-I/O granules ([`metrale_storage::relay::hot_order`],
+//! then [`metrale_storage::relay::relay_rows`]) and stores
 //! the permutation, logical row to physical row, in the file
 //! [`crate::names::row_remap_file`] beside the checkpoint's files.
 //! [`RemapTable`] applies it to every id after hashing (and after folding a
@@ -333,25 +335,15 @@ pub fn parse_trace(
     Ok(out)
 }
 
-/// The physical order of `rows` rows given hit counts of logical rows:
-/// hit rows first, most hit first (ties by row id), then every other row
-/// in id order. Counts of rows at or past `rows` are folded onto
-/// `id % rows`, as a cut table folds ids.
-pub fn hot_order(rows: u64, counts: &HashMap<u64, u64>) -> Vec<u32> {
+/// Hit counts of trace ids folded onto a table of `rows` stored rows
+/// (`id % rows`, as a cut table folds ids when serving), ready for
+/// [`metrale_storage::relay::hot_order`].
+pub fn fold_counts(rows: u64, counts: &HashMap<u64, u64>) -> HashMap<u64, u64> {
     let mut folded: HashMap<u64, u64> = HashMap::with_capacity(counts.len());
     for (&id, &c) in counts {
         *folded.entry(id % rows).or_insert(0) += c;
     }
-    let mut hot: Vec<(u64, u64)> = folded.into_iter().collect();
-    hot.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    let mut placed = vec![false; rows as usize];
-    let mut order = Vec::with_capacity(rows as usize);
-    for &(id, _) in &hot {
-        placed[id as usize] = true;
-        order.push(id as u32);
-    }
-    order.extend((0..rows as u32).filter(|&r| !placed[r as usize]));
-    order
+    folded
 }
 
 /// Wrap site `site`'s table `inner` (stored rows, before any folding) in a
@@ -565,12 +557,11 @@ mod tests {
     }
 
     #[test]
-    fn hot_rows_come_first_and_ids_fold() {
+    fn trace_ids_fold_onto_stored_rows() {
         let counts: HashMap<u64, u64> = [(4, 1), (2, 5), (7, 3), (12, 1)].into_iter().collect();
         // 12 folds onto 2 (10 rows): row 2 has 6 hits, 7 has 3, 4 has 1.
-        let o = hot_order(10, &counts);
-        assert_eq!(&o[..3], &[2, 7, 4]);
-        assert_eq!(&o[3..], &[0, 1, 3, 5, 6, 8, 9]);
-        RowRemap::from_order(&o, &p()).unwrap();
+        let f = fold_counts(10, &counts);
+        assert_eq!(f.len(), 3);
+        assert_eq!((f[&2], f[&7], f[&4]), (6, 3, 1));
     }
 }

@@ -103,7 +103,7 @@ fn packed_hot_rows_give_the_same_highway_and_come_first() {
         assert!(o.status.success(), "{out} {err}");
         assert!(out.contains("validation OK"), "{out}");
         assert_eq!(
-            out.matches("trace hits on 300 distinct rows").count(),
+            out.matches("trace hits on 300 distinct rows,").count(),
             ck.sites.len(),
             "{out}"
         );

@@ -21,10 +21,11 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use metrale_checkpoint::Checkpoint;
 use metrale_checkpoint::names::{CONFIG_FILE, INDEX_FILE, row_remap_file};
-use metrale_checkpoint::remap::{RowRemap, hot_order, parse_trace};
+use metrale_checkpoint::remap::{RowRemap, fold_counts, parse_trace};
+use metrale_storage::io::DioAlign;
 use metrale_storage::layout::TableFiles;
 use metrale_storage::pack::pack;
-use metrale_storage::relay::relay_rows;
+use metrale_storage::relay::{fits_granule, hot_order, relay_rows};
 use metrale_storage::safetensors::Header;
 
 use super::common::{byte_bar, bytes};
@@ -57,6 +58,10 @@ pub struct PackArgs {
     /// lines of this trace, and store the row remap (directories only).
     #[arg(long, value_name = "TRACE")]
     pub hot_rows: Option<PathBuf>,
+    /// With --hot-rows: place hot rows where a read of this many aligned
+    /// bytes holds them [default: the destination's direct-I/O alignment].
+    #[arg(long, value_name = "BYTES", requires = "hot_rows")]
+    pub granule: Option<u64>,
 }
 
 /// Run `table`.
@@ -178,7 +183,7 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
         if let Some(counts) = &trace {
             for (i, c) in counts.iter().enumerate() {
                 if !c.is_empty() {
-                    relay_site(&ck, &packed, i, c)?;
+                    relay_site(&ck, &packed, i, c, a.granule)?;
                 }
             }
         }
@@ -210,6 +215,7 @@ fn relay_site(
     dst: &Checkpoint,
     site: usize,
     counts: &std::collections::HashMap<u64, u64>,
+    granule: Option<u64>,
 ) -> Result<(), CmdError> {
     let s = &src.sites[site];
     let rows = s.table.stored_rows;
@@ -219,7 +225,19 @@ fn relay_site(
             .map_err(failure)
     };
     let (from, to) = (open(src)?, open(dst)?);
-    let order = hot_order(rows, counts);
+    let granule = match granule {
+        Some(g) if g > 0 => g,
+        Some(_) => return Err(input(anyhow::anyhow!("--granule must be positive"))),
+        None => {
+            let p = &to.shards[0].path;
+            let f = std::fs::File::open(p)
+                .with_context(|| format!("opening {}", p.display()))
+                .map_err(failure)?;
+            DioAlign::query(&f).offset as u64
+        }
+    };
+    let counts = fold_counts(rows, counts);
+    let order = hot_order(rows, &counts, fits_granule(&to, granule));
     let path = dst.dir.join(row_remap_file(s.layer));
     let remap = RowRemap::from_order(&order, &path).map_err(failure)?;
     let rb = from.info.row_bytes() as u64;
@@ -231,7 +249,7 @@ fn relay_site(
     r.map_err(failure)?;
     remap.write(&path).map_err(failure)?;
     // Spot check: the hottest rows and an even spread of the rest.
-    let hot = counts.len().min(rows as usize);
+    let hot = counts.len();
     let step = (rows / 512).max(1);
     let sample = order[..hot.min(512)]
         .iter()
@@ -248,11 +266,22 @@ fn relay_site(
         }
     }
     let hits: u64 = counts.values().sum();
+    let fits = fits_granule(&to, granule);
+    let fitting = order[..]
+        .iter()
+        .enumerate()
+        .filter(|&(p, &o)| counts.contains_key(&(o as u64)) && fits(p as u64))
+        .count();
+    let span = counts
+        .keys()
+        .map(|&id| remap.physical(id) + 1)
+        .max()
+        .unwrap_or(0);
     println!(
-        "site {site} (layer {}): {hits} trace hits on {} distinct rows; those rows now fill the first {} of the table; remap {}",
+        "site {site} (layer {}): {hits} trace hits on {} distinct rows, now within the first {} of the table, {fitting} of them where one read of the fewest {granule}-byte granules holds them; remap {}",
         s.layer,
         counts.len(),
-        bytes(hot as u64 * rb),
+        bytes(span * rb),
         path.display()
     );
     Ok(())
