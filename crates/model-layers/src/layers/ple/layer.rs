@@ -1,12 +1,18 @@
 //! The PLE layer: weights on the device, the forward over a sequence's new
 //! tokens, the batched decode step and the staging of table rows.
 //!
-//! One forward, the math of docs/SPEC.md §5 (Layer math), is four kernel
-//! launches on one stream:
+//! One Qwen4Exp forward, the math of docs/SPEC.md §5 (Layer math), is four
+//! kernel launches on one stream:
 //! `gather` (table rows to `emb [T, E]`), `project` (`[key | value] = emb @
 //! W^T`), `gate` (per-stream gate against the highway, then the grouped conv
 //! norm) and `conv` (the dilated causal conv over the carried state, then
 //! `highway += out`). A decode batch uses `conv_batch` instead of `conv`.
+//! The site's [`super::Combine`] changes only what follows the projection:
+//! Engram adds `bias_add`, gates with `gate_norms` and ends with `conv` or,
+//! without a conv, `highway_add`; LongCat ends with `mean_add`. A site
+//! without a conv still owns a (zero-byte) conv-state allocation, so a
+//! carry's life (new, reset, snapshot, restore, release) is the same for
+//! every site.
 //!
 //! Invariants:
 //! - every result row depends only on its own token, its sequence's carry and

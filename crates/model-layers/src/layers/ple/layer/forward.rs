@@ -1,7 +1,8 @@
 //! The eager forward of one sequence: token ids from the context, the
 //! n-gram hash against the carried history, row resolution through the
-//! staging area, and the four kernel launches (gather, project, gate,
-//! conv). Also the staging-ring upload the seed's `prestage` uses.
+//! staging area, and the kernel launches (gather, project, then those of
+//! the site's combination). Also the staging-ring upload the seed's
+//! `prestage` uses.
 //!
 //! Invariant: the history advances once per token, chunk by chunk, only
 //! after the chunk's kernels were queued, and never under capture (a
