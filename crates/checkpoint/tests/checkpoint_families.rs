@@ -359,3 +359,50 @@ fn every_table_mode_gives_the_same_highway_for_the_engram_demo() {
 fn every_table_mode_gives_the_same_highway_for_longcat() {
     check_modes(Preset::LongcatFlashLite, 1200);
 }
+
+/// LongCat-2.0 spells the config keys `oe_*` and the tensors
+/// `model.oe_embed_tokens{i}` / `model.oe_embed_proj{i}`: the same model
+/// under those names loads to the same weights and table.
+#[test]
+fn longcat_2_0_names_load_as_the_same_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = write(tmp.path(), Preset::LongcatFlashLite, 1200);
+    let flash = Checkpoint::open(&ck).unwrap();
+    let mut v = config(&ck);
+    for (old, new) in [
+        ("ngram_vocab_size_ratio", "oe_vocab_size_ratio"),
+        ("emb_neighbor_num", "oe_neighbor_num"),
+        ("emb_split_num", "oe_split_num"),
+    ] {
+        let x = v.as_object_mut().unwrap().remove(old).unwrap();
+        v[new] = x;
+    }
+    std::fs::write(ck.join(CONFIG_FILE), v.to_string()).unwrap();
+    let index_path = ck.join(metrale_checkpoint::names::INDEX_FILE);
+    let mut index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    let (f, o) = (LongCatNames::flash(), LongCatNames::oe());
+    for i in 0..12 {
+        for (old, new) in [
+            (f.sub_table(i), o.sub_table(i)),
+            (f.post_proj(i), o.post_proj(i)),
+        ] {
+            let map = index["weight_map"].as_object_mut().unwrap();
+            let file = map.remove(&old).unwrap();
+            let path = ck.join(file.as_str().unwrap());
+            let h = Header::read(&path).unwrap();
+            let t = h.get(&old).unwrap();
+            let spec = TensorSpec::new(new.clone(), t.dtype, &t.shape);
+            replace_tensor(&path, &old, spec, h.read_tensor(&old).unwrap());
+            map.insert(new, file);
+        }
+    }
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    let oe = Checkpoint::open(&ck).unwrap();
+    assert_eq!(Layout::of(&oe.spec), Layout::LongCat { oe: true });
+    let (a, b) = (&flash.sites[0], &oe.sites[0]);
+    assert_eq!(a.weights.value_proj, b.weights.value_proj);
+    assert_eq!(a.table.sub_tables, b.table.sub_tables);
+    assert_eq!(b.table.shards[4].1, "model.oe_embed_tokens4.weight");
+    assert_eq!(a.spec.dims, b.spec.dims);
+}
