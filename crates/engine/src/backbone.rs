@@ -675,3 +675,73 @@ impl<S: Site> Site for Layered<S> {
         self.inner.table_stats()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metrale_gpu_runtime::cpu::CpuBackend;
+
+    #[test]
+    fn the_device_source_has_the_kernel_and_widths_round_up() {
+        assert!(BACKBONE_CU.contains("__global__ void silu_mul("));
+        let s = BlockShape::new(10240, 8);
+        assert_eq!((s.model, s.intermediate), (1280, 3424));
+        assert_eq!(
+            s.macs_per_token(),
+            2560 * 10240 + 1280 * 2560 + 6848 * 1280 + 1280 * 3424
+        );
+        let tiny = BlockShape::new(40, 100);
+        assert_eq!((tiny.model, tiny.intermediate), (16, 48));
+    }
+
+    #[test]
+    fn silu_mul_gates_the_up_half_with_the_other() {
+        let cpu = CpuBackend::new();
+        let gpu: &dyn GpuBackend = &cpu;
+        let (_, silu) = load_kernels(gpu).unwrap();
+        let (t, i) = (2usize, 3usize);
+        let up: Vec<f32> = (0..t * 2 * i).map(|k| k as f32 * 0.5 - 2.0).collect();
+        let up_p = gpu.alloc(up.len() * 4, "up").unwrap();
+        let act_p = gpu.alloc(t * i * 4, "act").unwrap();
+        let bytes: Vec<u8> = up.iter().flat_map(|v| v.to_ne_bytes()).collect();
+        gpu.copy_h2d(&bytes, up_p).unwrap();
+        let s = gpu.default_stream();
+        gpu.launch(silu, LaunchConfig::linear(1, 1))
+            .ptr(up_p)
+            .ptr(act_p)
+            .u32(t as u32)
+            .u32(i as u32)
+            .run(s)
+            .unwrap();
+        gpu.synchronize(s).unwrap();
+        let mut out = vec![0u8; t * i * 4];
+        gpu.copy_d2h(act_p, &mut out).unwrap();
+        for (k, c) in out.chunks_exact(4).enumerate() {
+            let got = f32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+            let (row, col) = (k / i, k % i);
+            let g = up[row * 2 * i + col];
+            let u = up[row * 2 * i + i + col];
+            assert_eq!(got, g / (1.0 + (-g).exp()) * u, "output {k}");
+        }
+        gpu.dealloc(up_p).unwrap();
+        gpu.dealloc(act_p).unwrap();
+    }
+
+    #[test]
+    fn blocks_refuse_more_rows_than_the_scratch_and_run_after_free_is_refused() {
+        let cpu = CpuBackend::new();
+        let gpu: &dyn GpuBackend = &cpu;
+        let base = gpu.live_alloc_count();
+        let b = Backbone::new(gpu, 64, 2, 4).unwrap();
+        let hw = gpu.alloc(8 * 64 * 4, "highway").unwrap();
+        let s = gpu.default_stream();
+        b.run(2, hw, 4, gpu, s).unwrap();
+        gpu.synchronize(s).unwrap();
+        assert!(b.run(1, hw, 5, gpu, s).is_err());
+        b.free(gpu).unwrap();
+        b.free(gpu).unwrap();
+        assert!(b.run(1, hw, 1, gpu, s).is_err());
+        gpu.dealloc(hw).unwrap();
+        assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+    }
+}

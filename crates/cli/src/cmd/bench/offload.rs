@@ -99,6 +99,10 @@ pub struct OffloadArgs {
     /// full, 3 quick); more steady the figures on a busy machine.
     #[arg(long, value_name = "N")]
     reps: Option<usize>,
+    /// Decode steps per measured repetition (default: the run's, 32 full,
+    /// 16 quick); shorter repetitions pair the tables' turns more closely.
+    #[arg(long, value_name = "N")]
+    steps: Option<usize>,
 }
 
 /// A setting to keep.
@@ -278,6 +282,12 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
             return Err(input(anyhow::anyhow!("--reps must be positive")));
         }
         sizes.reps = n;
+    }
+    if let Some(n) = args.steps {
+        if n == 0 {
+            return Err(input(anyhow::anyhow!("--steps must be positive")));
+        }
+        sizes.measure = n;
     }
     let t0 = Instant::now();
     let (dir, _scratch) = match &args.checkpoint {
