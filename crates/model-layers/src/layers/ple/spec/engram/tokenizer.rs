@@ -26,7 +26,7 @@
 //! and the field, never a panic; the map has one entry per raw id and its
 //! entries are exactly `0..V'` (every compressed id is used).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::collections::hash_map::Entry;
 use std::path::{Path, PathBuf};
 
@@ -288,7 +288,7 @@ impl Tokenizer {
             .ok_or_else(|| cx.field("model", "is missing"))?;
         let model_o = cx.object(model_v, "model")?;
         let mut model = HashMap::new();
-        let mut strings: HashMap<&str, ()> = HashMap::new();
+        let mut strings: HashSet<&str> = HashSet::new();
         match model_o.get("vocab") {
             // BPE, WordPiece, WordLevel: token -> id.
             Some(Value::Object(vocab)) => {
@@ -300,7 +300,7 @@ impl Tokenizer {
                             cx.field(&field, format!("gives id {id}, which {prev:?} already has"))
                         );
                     }
-                    strings.insert(tok.as_str(), ());
+                    strings.insert(tok.as_str());
                 }
             }
             // Unigram: [[piece, score], ...], the id being the index.
@@ -316,7 +316,7 @@ impl Tokenizer {
                     let id = u32::try_from(i)
                         .map_err(|_| cx.field("model.vocab", "has more than 2^32 entries"))?;
                     model.insert(id, piece.clone());
-                    strings.insert(piece.as_str(), ());
+                    strings.insert(piece.as_str());
                 }
             }
             Some(v) => {
@@ -340,7 +340,7 @@ impl Tokenizer {
                     };
                     let content = cx.string(o.get("content"), &format!("{field}.content"))?;
                     added.insert(id, content.to_string());
-                    strings.insert(content, ());
+                    strings.insert(content);
                 }
             }
             Some(v) => {
