@@ -26,8 +26,8 @@
 //! and the field, never a panic; the map has one entry per raw id and its
 //! entries are exactly `0..V'` (every compressed id is used).
 
-use std::collections::{HashMap, HashSet};
 use std::collections::hash_map::Entry;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
