@@ -360,13 +360,22 @@ pub const SCALE_DTYPE: Dtype = Dtype::U8;
 
 /// The model spec `init` writes for `opts`, with the rows stored per site.
 pub fn init_spec(opts: &InitOptions) -> Result<(ModelSpec, u64)> {
-    let mut g = opts.preset.spec();
+    plan(
+        opts.preset.spec(),
+        opts.preset.name(),
+        opts.table_rows.or(opts.preset.default_table_rows()),
+    )
+}
+
+/// `g` with its table cut to `want` rows (rounded up to whole table parts;
+/// `None`: the whole table), and the rows stored per site; `name` names
+/// the geometry in errors.
+fn plan(mut g: ModelSpec, name: &str, want: Option<u64>) -> Result<(ModelSpec, u64)> {
     // Later sites take later primes, so the last site's table is the largest.
     let mut padded = 0;
     for s in 0..g.sites() {
         padded = padded.max(derive_site(&g, s)?.padded_rows);
     }
-    let want = opts.table_rows.or(opts.preset.default_table_rows());
     let parts = Layout::of(&g).table_parts(&g) as u64;
     let stored = match want {
         Some(0) => {
@@ -376,8 +385,7 @@ pub fn init_spec(opts: &InitOptions) -> Result<(ModelSpec, u64)> {
         }
         Some(r) if r > padded => {
             return Err(CheckpointError::Invalid(format!(
-                "--table-rows {r} is more than the {padded} rows the {} geometry addresses",
-                opts.preset.name()
+                "--table-rows {r} is more than the {padded} rows the {name} geometry addresses"
             )));
         }
         Some(r) => r.div_ceil(parts) * parts,
@@ -414,15 +422,18 @@ fn part_rows(g: &ModelSpec, d: &DerivedPleIds, stored: u64) -> Vec<u64> {
 /// Bytes `init` will write for `opts` (tensor data, not headers).
 pub fn planned_bytes(opts: &InitOptions) -> Result<u64> {
     let (g, stored) = init_spec(opts)?;
+    planned(&g, stored, opts.dtype)
+}
+
+fn planned(g: &ModelSpec, stored: u64, dtype: TableDType) -> Result<u64> {
     let mut total = 0;
     for s in 0..g.sites() {
-        let d = derive_site(&g, s)?;
-        total += dense_tensors(&g, s, &d)
+        let d = derive_site(g, s)?;
+        total += dense_tensors(g, s, &d)
             .iter()
             .map(Dense::bytes)
             .sum::<u64>();
-        total +=
-            part_rows(&g, &d, stored).iter().sum::<u64>() * opts.dtype.row_bytes(g.head_dim as u64);
+        total += part_rows(g, &d, stored).iter().sum::<u64>() * dtype.row_bytes(g.head_dim as u64);
     }
     Ok(total)
 }
@@ -435,6 +446,34 @@ pub fn write_synthetic(
     opts: &InitOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ModelSpec> {
+    let (g, stored) = init_spec(opts)?;
+    write_planned(dir, g, stored, opts.dtype, opts.seed, progress)
+}
+
+/// Write a synthetic checkpoint of any valid `spec` (tests build small
+/// models of every family this way) into `dir`, its table cut to
+/// `table_rows` rows per site (`None`: whole), as [`write_synthetic`] does
+/// for a preset.
+pub fn write_spec_synthetic(
+    dir: &Path,
+    spec: &ModelSpec,
+    table_rows: Option<u64>,
+    dtype: TableDType,
+    seed: u64,
+) -> Result<ModelSpec> {
+    spec.validate("the given spec")?;
+    let (g, stored) = plan(spec.clone(), "given", table_rows)?;
+    write_planned(dir, g, stored, dtype, seed, &mut |_, _| {})
+}
+
+fn write_planned(
+    dir: &Path,
+    g: ModelSpec,
+    stored: u64,
+    dtype: TableDType,
+    seed: u64,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<ModelSpec> {
     if dir.exists() {
         let mut entries = std::fs::read_dir(dir).map_err(|e| CheckpointError::io(dir, e))?;
         if entries.next().is_some() {
@@ -444,8 +483,7 @@ pub fn write_synthetic(
             )));
         }
     }
-    let (g, stored) = init_spec(opts)?;
-    let total = planned_bytes(opts)?;
+    let total = planned(&g, stored, dtype)?;
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -455,7 +493,7 @@ pub fn write_synthetic(
         std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
     }
     std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-    let r = write_into(&partial, &g, stored, opts, total, progress);
+    let r = write_into(&partial, &g, stored, (dtype, seed), total, progress);
     if let Err(e) = r {
         let _ = std::fs::remove_dir_all(&partial);
         return Err(e);
@@ -482,7 +520,7 @@ fn write_into(
     dir: &Path,
     g: &ModelSpec,
     stored: u64,
-    opts: &InitOptions,
+    (dtype, seed): (TableDType, u64),
     total: u64,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
@@ -515,7 +553,7 @@ fn write_into(
     let mut w = Writer::create(&path, &specs, &BTreeMap::new(), 8).map_err(|e| st_err(&path, e))?;
     let mut scales = Vec::new();
     for (s, t) in &dense {
-        let data = draw(t, *s, opts.seed, &mut scales);
+        let data = draw(t, *s, seed, &mut scales);
         w.write(&data).map_err(|e| st_err(&path, e))?;
         done += data.len() as u64;
         progress(done, total);
@@ -530,13 +568,13 @@ fn write_into(
         for (i, (name, &r)) in layout.table_tensors(g, s).iter().zip(&rows).enumerate() {
             let file = shard_file(2 + s * parts + i, nfiles);
             let path = dir.join(&file);
-            let mut rng = Stream::new(opts.seed, s, 0x100 + i as u64);
-            write_table_part(&path, name, r, hd, opts.dtype, &mut rng, &mut |n| {
+            let mut rng = Stream::new(seed, s, 0x100 + i as u64);
+            write_table_part(&path, name, r, hd, dtype, &mut rng, &mut |n| {
                 done += n;
                 progress(done, total);
             })?;
             weight_map.insert(name.clone(), file.clone());
-            if opts.dtype == TableDType::Fp8 {
+            if dtype == TableDType::Fp8 {
                 weight_map.insert(scale_name(name), file.clone());
             }
         }

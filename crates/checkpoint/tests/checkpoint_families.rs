@@ -11,14 +11,15 @@ use metrale_checkpoint::names::{
     CONFIG_FILE, EngramDemoNames, LongCatNames, TOKEN_MAP_FILE, V41Names, shard_file,
 };
 use metrale_checkpoint::runtime::TableMode;
-use metrale_checkpoint::synth::write_synthetic;
-use metrale_checkpoint::{Checkpoint, CheckpointError, InitOptions, Preset};
+use metrale_checkpoint::synth::{write_spec_synthetic, write_synthetic};
+use metrale_checkpoint::{Checkpoint, CheckpointError, InitOptions, Preset, TableDType};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ForwardContext;
 use metrale_storage::cached::CacheConfig;
 use metrale_storage::safetensors::{Dtype, Header, TensorSpec};
 use metrale_storage::table::RowDType;
+use metrale_testkit::families::TinyFamily;
 use metrale_testkit::files::{replace_tensor, reshape_tensor};
 
 fn write(dir: &Path, preset: Preset, rows: u64) -> PathBuf {
@@ -263,6 +264,17 @@ fn deepseek_v41_has_its_fused_fp8_projection_and_block_rows() {
 /// Run `tokens` through every site of `ck` with the table in `mode` (a
 /// small cache for [`TableMode::Cached`]), in `chunks`; the final highway.
 fn forward_all(ck: &Checkpoint, mode: TableMode, tokens: &[u32], chunks: &[usize]) -> Vec<f32> {
+    forward_cached(ck, mode, tokens, chunks, 768)
+}
+
+/// [`forward_all`] with a row cache of `slots` slots.
+fn forward_cached(
+    ck: &Checkpoint,
+    mode: TableMode,
+    tokens: &[u32],
+    chunks: &[usize],
+    slots: usize,
+) -> Vec<f32> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let start = gpu.live_alloc_count();
     let width = ck.sites[0].spec.channels();
@@ -273,7 +285,7 @@ fn forward_all(ck: &Checkpoint, mode: TableMode, tokens: &[u32], chunks: &[usize
         let mut layers = Vec::new();
         for s in 0..ck.sites.len() {
             let table = match mode {
-                TableMode::Cached => ck.open_cached_table(s, CacheConfig::new(768), gpu.clone()),
+                TableMode::Cached => ck.open_cached_table(s, CacheConfig::new(slots), gpu.clone()),
                 m => ck.open_table(s, m, gpu.clone()),
             }
             .unwrap();
@@ -405,4 +417,51 @@ fn longcat_2_0_names_load_as_the_same_model() {
     assert_eq!(a.table.sub_tables, b.table.sub_tables);
     assert_eq!(b.table.shards[4].1, "model.oe_embed_tokens4.weight");
     assert_eq!(a.spec.dims, b.spec.dims);
+}
+
+/// Small checkpoints of every family (the tiny configs of
+/// `testkit::families`, tables cut so ids fold): the highway is the same
+/// from every table mode and chunking, for BF16 rows, FP8 block rows and
+/// LongCat's folded sub-tables behind small per-sub-table caches.
+#[test]
+fn tiny_family_checkpoints_agree_across_table_modes() {
+    for (family, cut) in [
+        (TinyFamily::EngramConv, 100),
+        (TinyFamily::EngramV41, 120),
+        (TinyFamily::LongCat, 80),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("ck");
+        let dtype = match family.row_dtype() {
+            RowDType::Fp8E4M3Block32 => TableDType::Fp8Block,
+            _ => TableDType::Bf16,
+        };
+        write_spec_synthetic(&dir, &family.spec(), Some(cut), dtype, 4).unwrap();
+        let ck = Checkpoint::open(&dir).unwrap();
+        assert!(ck.sites.iter().all(|s| s.table.fold_rows.is_some()));
+        assert_eq!(ck.sites[0].table.dtype, family.row_dtype());
+        let tokens: Vec<u32> = (0..24u32)
+            .map(|i| if i == 9 { 0 } else { (i * 37 + 5) % 1000 })
+            .collect();
+        let resident = forward_cached(&ck, TableMode::Resident, &tokens, &[24], 64);
+        let width = ck.sites[0].spec.channels();
+        let input: Vec<f32> = (0..tokens.len() * width)
+            .map(|i| ((i % 89) as f32 - 44.0) / 50.0)
+            .collect();
+        assert!(resident.iter().all(|v| v.is_finite()), "{family:?}");
+        assert_ne!(resident, input, "{family:?}: the layers changed nothing");
+        for (mode, chunks) in [
+            (TableMode::Resident, &[1usize, 9, 14][..]),
+            (TableMode::Mapped, &[16, 8][..]),
+            (TableMode::Cached, &[5, 16, 3][..]),
+        ] {
+            let h = forward_cached(&ck, mode, &tokens, chunks, 64);
+            assert!(
+                h.iter()
+                    .zip(&resident)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{family:?}: {mode:?} with chunks {chunks:?} differs from resident"
+            );
+        }
+    }
 }
