@@ -294,7 +294,7 @@ fn the_backbone_changes_no_output_and_the_reads_are_reported() {
             .expect("a cached table's read time");
         let wait = v["io_wait_seconds"].as_f64().unwrap();
         assert!(read > 0.0, "{out}");
-        let hidden = v["read_hidden_share"].as_f64().unwrap();
+        let hidden = v["read_unwaited_share"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&hidden), "{out}");
         assert!(wait >= 0.0);
     }

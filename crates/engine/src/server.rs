@@ -132,9 +132,10 @@ pub struct ServerReport {
     /// The sites' row-table counters over this run (the difference between
     /// its end and its start).
     pub table: TableStats,
-    /// Time the run's calls were blocked waiting for rows (foreground
-    /// misses, and rows a prefetch was still reading): the I/O wait the
-    /// compute did not hide. `table.io_wait_ns` as a duration.
+    /// Time the run's calls were blocked on the host waiting for rows
+    /// (foreground misses, and rows a prefetch was still reading):
+    /// `table.io_wait_ns` as a duration. Launches are asynchronous, so the
+    /// backend may meanwhile still run work queued before the site.
     pub io_wait: Duration,
     /// Time spent in read calls over the run, foreground and prefetch
     /// alike (summed over concurrent readers), when the tables read

@@ -385,7 +385,7 @@ struct Summary {
     io_wait_seconds: f64,
     io_wait_share: f64,
     read_seconds: Option<f64>,
-    read_hidden_share: Option<f64>,
+    read_unwaited_share: Option<f64>,
     prefetch: bool,
     backbone: Option<BackboneSummary>,
     prefix_cache: PrefixSummary,
@@ -540,10 +540,10 @@ fn render(s: &Summary) -> String {
         s.io_wait_seconds,
         if s.prefetch { "on" } else { "off" }
     );
-    if let (Some(r), Some(h)) = (s.read_seconds, s.read_hidden_share) {
+    if let (Some(r), Some(h)) = (s.read_seconds, s.read_unwaited_share) {
         let _ = writeln!(
             o,
-            "  reads           {r:.3} s in read calls, {:.1}% of it hidden behind compute",
+            "  reads           {r:.3} s in read calls, {:.1}% of it never waited for",
             100.0 * h
         );
     }
@@ -832,7 +832,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         io_wait_seconds: io_wait,
         io_wait_share: io_wait / r.report.wall.as_secs_f64().max(1e-9),
         read_seconds: r.report.read_time.map(|d| d.as_secs_f64()),
-        read_hidden_share: r.report.read_time.map(|d| {
+        read_unwaited_share: r.report.read_time.map(|d| {
             let read = d.as_secs_f64();
             if read > 0.0 {
                 (1.0 - io_wait / read).clamp(0.0, 1.0)
