@@ -7,8 +7,8 @@
 //!   30 % stream, vs the same cache without one;
 //! - bytes read per row missed, for 32 B and 320 B rows on cold random ids,
 //!   vs the rows' own bytes (target: at most 2x);
-//! - bytes read per row missed on a Zipf stream of 320 B rows after hot-row
-//!   packing (rows relaid by the hit counts of the stream's first half,
+//! - bytes read per row missed on a Zipf stream of 32 B and 320 B rows after
+//!   hot-row packing (rows relaid by the hit counts of the stream's first half,
 //!   replayed on its second half), vs the same cache on the unpacked table.
 //!
 //! Files live in a temporary directory (`BENCH_DIR`, default the system
@@ -202,9 +202,16 @@ fn replay_mapped(
 }
 
 fn bench_packing(dir: &std::path::Path, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
-    let sub = dir.join("pack");
+    for head_dim in [16usize, 160] {
+        pack_one(dir, gpu, head_dim)?;
+    }
+    Ok(())
+}
+
+fn pack_one(dir: &std::path::Path, gpu: &Arc<dyn GpuBackend>, head_dim: usize) -> Result<()> {
+    let sub = dir.join(format!("pack-{head_dim}"));
     std::fs::create_dir_all(&sub)?;
-    let src = write_table(&sub, 1, 131_072, 160, 21)?;
+    let src = write_table(&sub, 1, 131_072, head_dim, 21)?;
     let rows = src.info.rows;
     let rb = src.info.row_bytes() as f64;
     let slots = rows as usize / 20;
