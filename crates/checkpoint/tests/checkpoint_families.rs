@@ -465,3 +465,58 @@ fn tiny_family_checkpoints_agree_across_table_modes() {
         }
     }
 }
+
+/// Random damage to any file of a small checkpoint of each family is
+/// refused with an error or leaves a checkpoint with finite weights: the
+/// loader never panics (what the `family_checkpoint` fuzz target checks
+/// at length).
+#[test]
+fn random_damage_never_panics_the_loader() {
+    let mut rng = metrale_testkit::Rng(0xDA3A6E);
+    for family in TinyFamily::ALL {
+        let tmp = tempfile::tempdir().unwrap();
+        let seed = tmp.path().join("seed");
+        let dtype = match family.row_dtype() {
+            RowDType::Fp8E4M3Block32 => TableDType::Fp8Block,
+            _ => TableDType::Bf16,
+        };
+        write_spec_synthetic(&seed, &family.spec(), Some(48), dtype, 1).unwrap();
+        let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(&seed)
+            .unwrap()
+            .map(|e| {
+                let p = e.unwrap().path();
+                let name = p.file_name().unwrap().to_string_lossy().into_owned();
+                (name, std::fs::read(&p).unwrap())
+            })
+            .collect();
+        files.sort();
+        let mut refused = 0;
+        for round in 0..60 {
+            let dir = tmp.path().join(format!("r{round}"));
+            std::fs::create_dir(&dir).unwrap();
+            let target = rng.below(files.len());
+            for (i, (name, bytes)) in files.iter().enumerate() {
+                let mut b = bytes.clone();
+                if i == target {
+                    let at = rng.below(b.len());
+                    for x in b.iter_mut().skip(at).take(1 + rng.below(8)) {
+                        *x = rng.below(256) as u8;
+                    }
+                }
+                std::fs::write(dir.join(name), b).unwrap();
+            }
+            match Checkpoint::open(&dir) {
+                Err(_) => refused += 1,
+                Ok(ck) => {
+                    for s in &ck.sites {
+                        let w = &s.weights;
+                        for v in [&w.norm_key, &w.norm_query, &w.key_bias, &w.value_bias] {
+                            assert!(v.iter().all(|x| x.is_finite()), "{family:?} round {round}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(refused > 0, "{family:?}: no damage was refused");
+    }
+}
