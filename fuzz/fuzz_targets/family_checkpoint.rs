@@ -15,8 +15,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use metrale_checkpoint::synth::{TableDType, write_spec_synthetic};
 use metrale_checkpoint::Checkpoint;
+use metrale_checkpoint::synth::{TableDType, write_spec_synthetic};
 use metrale_storage::table::RowDType;
 use metrale_testkit::families::TinyFamily;
 
@@ -26,7 +26,8 @@ type Files = Vec<(String, Vec<u8>)>;
 fn seeds() -> &'static Vec<Files> {
     static SEEDS: OnceLock<Vec<Files>> = OnceLock::new();
     SEEDS.get_or_init(|| {
-        let root = std::env::temp_dir().join(format!("metrale-fuzz-families-{}", std::process::id()));
+        let root =
+            std::env::temp_dir().join(format!("metrale-fuzz-families-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         TinyFamily::ALL
             .iter()
@@ -55,7 +56,9 @@ fn seeds() -> &'static Vec<Files> {
 
 fn work_dir() -> &'static PathBuf {
     static WORK: OnceLock<PathBuf> = OnceLock::new();
-    WORK.get_or_init(|| std::env::temp_dir().join(format!("metrale-fuzz-family-ck-{}", std::process::id())))
+    WORK.get_or_init(|| {
+        std::env::temp_dir().join(format!("metrale-fuzz-family-ck-{}", std::process::id()))
+    })
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -79,8 +82,18 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(ck) = Checkpoint::open(dir) {
         for s in &ck.sites {
             let w = &s.weights;
-            for v in [&w.norm_key, &w.norm_query, &w.norm_conv, &w.conv1d, &w.key_bias, &w.value_bias] {
-                assert!(v.iter().all(|x| x.is_finite()), "accepted a non-finite weight");
+            for v in [
+                &w.norm_key,
+                &w.norm_query,
+                &w.norm_conv,
+                &w.conv1d,
+                &w.key_bias,
+                &w.value_bias,
+            ] {
+                assert!(
+                    v.iter().all(|x| x.is_finite()),
+                    "accepted a non-finite weight"
+                );
             }
         }
     }
