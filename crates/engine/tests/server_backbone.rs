@@ -276,3 +276,67 @@ fn a_malformed_backbone_is_refused_and_frees_the_sites() {
         .unwrap();
     assert!(matches!(err, ServerError::Config(_)), "{err}");
 }
+
+/// The ids a step's prefetch reads are the ids its forwards resolve: once
+/// the prefetch has landed, the decode step and prefill chunk it covered
+/// miss no row.
+#[test]
+fn a_step_prefetch_reads_exactly_the_rows_the_step_resolves() {
+    let dir = tempfile::tempdir().unwrap();
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let mut caches = Vec::new();
+    let s: Vec<PleSite> = (0..2)
+        .map(|i| {
+            let (ss, files, weights) = tiny_site_files(dir.path(), &spec(), i, 0xBB).unwrap();
+            let t =
+                Arc::new(CachedTable::open(files, gpu.clone(), CacheConfig::new(4096)).unwrap());
+            caches.push(t.clone());
+            let layer = PleLayer::new(
+                &ss,
+                weights,
+                t as Arc<dyn RowTable>,
+                spec().max_tokens,
+                gpu.as_ref(),
+            )
+            .unwrap();
+            PleSite::new(layer)
+        })
+        .collect();
+    let mut e = metrale_engine::Engine::new(gpu.clone(), s, engine_cfg()).unwrap();
+    let w = e.width();
+    let rows = |toks: &[u32]| {
+        let mut r = vec![0f32; toks.len() * w];
+        for (k, &t) in toks.iter().enumerate() {
+            embed(t, &mut r[k * w..(k + 1) * w]);
+        }
+        r
+    };
+    let a = e.add_sequence(&[5, 6, 7]).unwrap().id;
+    e.prefill(a, &[5, 6, 7], &mut rows(&[5, 6, 7])).unwrap();
+    let b = e.add_sequence(&[8, 9]).unwrap().id;
+    // The step: one decode token of `a`, a prefill chunk of `b`.
+    let (ta, chunk) = (311u32, [412u32, 513, 614]);
+    let history_a = e.tokens(a).unwrap().to_vec();
+    e.prefill(b, &[8, 9], &mut rows(&[8, 9])).unwrap();
+    let history_b = e.tokens(b).unwrap().to_vec();
+    let one = [ta];
+    let work: Vec<(&[u32], &[u32])> = vec![(&history_a, &one), (&history_b, &chunk)];
+    for site in e.sites() {
+        site.prefetch_step(&work).unwrap();
+    }
+    for c in &caches {
+        c.wait_prefetched();
+    }
+    let before = e.table_stats();
+    e.decode(&[(a, ta)], &mut rows(&[ta])).unwrap();
+    e.prefill(b, &chunk, &mut rows(&chunk)).unwrap();
+    let d = e.table_stats().since(&before);
+    let heads: u64 = e
+        .geometries()
+        .iter()
+        .map(|g| g.dims.ngram_heads() as u64)
+        .sum();
+    assert_eq!(d.misses, 0, "{d:?}");
+    assert_eq!(d.hits, heads * 4, "{d:?}");
+    e.close().unwrap();
+}
