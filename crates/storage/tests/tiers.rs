@@ -54,6 +54,24 @@ fn evicted_rows_come_back_from_the_host_tier_without_disk_reads() {
 }
 
 #[test]
+fn a_host_tier_too_large_to_index_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let files = make_table(d.path(), 1, 8, 16, false, 4096);
+    let (gpu, _) = backend();
+    for rows in [u32::MAX as usize, usize::MAX / 8] {
+        let e = match CachedTable::open(files.clone(), gpu.clone(), cfg(4, 4, Policy::Clock, rows))
+        {
+            Ok(_) => panic!("host_rows {rows} was accepted"),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            e.contains("host_rows") && e.contains(&rows.to_string()),
+            "{e}"
+        );
+    }
+}
+
+#[test]
 fn without_a_host_tier_every_miss_reads_the_disk() {
     let d = tempfile::tempdir().unwrap();
     let files = make_table(d.path(), 1, 64, 16, false, 4096);

@@ -278,6 +278,13 @@ impl CachedTable {
         let info = files.info;
         let row_bytes = info.row_bytes();
         let fp8 = info.dtype == RowDType::Fp8E4M3;
+        let host_entry = row_bytes + if fp8 { 4 } else { 0 };
+        if cfg.host_rows >= u32::MAX as usize || cfg.host_rows.checked_mul(host_entry).is_none() {
+            return Err(StorageError::invalid(format!(
+                "host_rows {} is more than a host tier can index",
+                cfg.host_rows
+            )));
+        }
         let stride = row_bytes.next_multiple_of(16);
         let scale_base = cfg.slots * stride;
         let arena_bytes = scale_base + if fp8 { cfg.slots * 4 } else { 0 };
@@ -321,8 +328,7 @@ impl CachedTable {
             fp8,
             max_resolve,
             prefetch_cap: cfg.slots - max_resolve,
-            host: (cfg.host_rows > 0)
-                .then(|| HostTier::new(cfg.host_rows, row_bytes + if fp8 { 4 } else { 0 })),
+            host: (cfg.host_rows > 0).then(|| HostTier::new(cfg.host_rows, host_entry)),
             slot_count: cfg.slots,
             pin_wait: cfg.pin_wait,
             st: Mutex::new(State {
