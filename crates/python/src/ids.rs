@@ -1,6 +1,8 @@
 //! `metrale_ple.ids`: derive a site's hash constants and hash tokens into
 //! row ids, as `metrale-ple ids` does (docs/SPEC.md, "Id hash" and
-//! "Constant derivation").
+//! "Constant derivation"); `metrale_ple.token_map`: Engram's
+//! compressed-token map built from a tokenizer.json, as `metrale-ple
+//! token-map` does (docs/SPEC.md §11).
 
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -8,6 +10,7 @@ use pyo3::prelude::*;
 use metrale_model_layers::layers::ple::ids::{
     DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, PleHashParams, PleIdDims, PleIdHasher,
 };
+use metrale_model_layers::layers::ple::spec::engram::token_map_from_tokenizer_json;
 
 use crate::args;
 use crate::error::{py_err, value_error};
@@ -135,4 +138,18 @@ pub(crate) fn ids(
         })
         .map_err(py_err)?;
     hash(py, &hasher, vocab_size, padded, tokens, history)
+}
+
+/// Engram's compressed-token map of the tokenizer in `tokenizer` (a
+/// tokenizer.json path), built as the Engram demo does: entry `t` is the
+/// compressed id of raw token `t`; the compressed vocabulary is
+/// `max(map) + 1`. Raises `OSError` when the file cannot be read and
+/// `ValueError` (naming the field) when it is malformed or uses a decoder
+/// that is not supported.
+#[pyfunction]
+pub(crate) fn token_map(py: Python<'_>, tokenizer: std::path::PathBuf) -> PyResult<Vec<u32>> {
+    let built = py
+        .detach(|| token_map_from_tokenizer_json(&tokenizer))
+        .map_err(py_err)?;
+    Ok(built.map.to_vec())
 }

@@ -37,6 +37,7 @@ mod timing;
 fn metrale_ple_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(ids::ids, m)?)?;
+    m.add_function(wrap_pyfunction!(ids::token_map, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint::init_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(server::serve, m)?)?;
     m.add_function(wrap_pyfunction!(timing::_rust_decode_timing, m)?)?;

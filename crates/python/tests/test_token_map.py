@@ -1,11 +1,12 @@
-"""Engram's compressed-token map: the Rust CLI (`metrale-ple token-map`)
-against the Python reference (reference/token_map_reference.py) on
-tokenizers trained here with the installed `tokenizers` package, so the
+"""Engram's compressed-token map: `metrale_ple.token_map` against the
+committed fixtures of fixtures/token_map/, and the Rust CLI (`metrale-ple
+token-map`) against the Python reference (reference/token_map_reference.py)
+on tokenizers trained here with the installed `tokenizers` package, so the
 check follows whatever version of the library is installed rather than the
 committed fixtures alone.
 
-Skips, saying why, when `tokenizers` is not installed or the CLI binary
-cannot be found or built."""
+The second part skips, saying why, when `tokenizers` is not installed or
+the CLI binary cannot be found or built."""
 
 import json
 import os
@@ -15,9 +16,35 @@ import sys
 
 import pytest
 
-tokenizers = pytest.importorskip(
-    "tokenizers", reason="the Python `tokenizers` package is not installed (pip install tokenizers)"
-)
+import metrale_ple
+
+NAMES = ["byte_level_bpe", "llama_style_bpe", "unigram_metaspace"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    return pytest.importorskip(
+        "tokenizers",
+        reason="the Python `tokenizers` package is not installed (pip install tokenizers)",
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_binding_matches_the_committed_fixtures(root, name):
+    d = root / "fixtures" / "token_map"
+    doc = json.loads((d / f"{name}.expected.json").read_text(encoding="utf-8"))
+    got = metrale_ple.token_map(d / doc["tokenizer"])
+    assert got == doc["map"]
+    assert max(got) + 1 == doc["compressed_vocab_size"]
+
+
+def test_binding_errors(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        metrale_ple.token_map(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": {"vocab": {"a": 0}}, "decoder": {"type": "CTC"}}')
+    with pytest.raises(ValueError, match="decoder.type"):
+        metrale_ple.token_map(bad)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +73,8 @@ def ref(root):
     return token_map_reference
 
 
-@pytest.mark.parametrize("name", ["byte_level_bpe", "llama_style_bpe", "unigram_metaspace"])
-def test_cli_map_equals_the_reference(cli, ref, tmp_path, name):
+@pytest.mark.parametrize("name", NAMES)
+def test_cli_map_equals_the_reference(tokenizers, cli, ref, tmp_path, name):
     tok = ref.TOKENIZERS[name]()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
@@ -68,7 +95,7 @@ def test_cli_map_equals_the_reference(cli, ref, tmp_path, name):
     )
 
 
-def test_committed_fixtures_still_hold(ref, root):
+def test_committed_fixtures_still_hold(tokenizers, ref, root):
     """The committed tokenizers give the committed maps with this version
     of `tokenizers` too."""
     d = root / "fixtures" / "token_map"

@@ -7,6 +7,8 @@ package exposes the Rust runtime on the CPU backend:
 
 - ``ids(tokens, *, vocab_size, eos, ngram_size, heads_per_ngram, vocab_base,
   ...)``: the id hash with derived constants (as ``metrale-ple ids``);
+- ``token_map(tokenizer_json)``: Engram's compressed-token map built from a
+  tokenizer.json (as ``metrale-ple token-map``);
 - ``init_checkpoint(path, ...)`` and ``Checkpoint.open(path)``: synthetic
   and real checkpoints, their geometry and sites (``Site.ids``);
 - ``Layer`` and ``Carry``: one site's forward over a numpy float32 highway
@@ -36,6 +38,7 @@ from ._metrale_ple import (
     ids,
     init_checkpoint,
     serve,
+    token_map,
 )
 
 __all__ = [
@@ -50,4 +53,5 @@ __all__ = [
     "ids",
     "init_checkpoint",
     "serve",
+    "token_map",
 ]

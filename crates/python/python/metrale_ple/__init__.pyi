@@ -13,6 +13,7 @@ from ._metrale_ple import (
     ids as ids,
     init_checkpoint as init_checkpoint,
     serve as serve,
+    token_map as token_map,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "ids",
     "init_checkpoint",
     "serve",
+    "token_map",
 ]

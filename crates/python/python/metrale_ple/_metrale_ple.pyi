@@ -44,6 +44,7 @@ def ids(
     site: int = 0,
     history: Tokens | None = None,
 ) -> Ids: ...
+def token_map(tokenizer: str | os.PathLike[str]) -> list[int]: ...
 def init_checkpoint(
     path: str | os.PathLike[str],
     preset: str = "tiny",
