@@ -235,27 +235,31 @@ impl RowRemap {
             )));
         }
         let mut map = Vec::with_capacity(rows as usize);
-        // First holder of each physical row, to name both on a duplicate.
-        let mut seen = vec![u32::MAX; rows as usize];
+        // One bit per physical row (an eighth of the entries' size, which
+        // matters at hundreds of millions of rows); the first holder of a
+        // repeated row is looked up only when there is one.
+        let mut seen = vec![0u64; (rows as usize).div_ceil(64)];
         for (i, c) in body.chunks_exact(4).enumerate() {
             let v = u32::from_le_bytes(c.try_into().expect("4 bytes"));
-            let Some(first) = seen.get_mut(v as usize) else {
+            if v as u64 >= rows {
                 return Err(RemapError::OutOfRange {
                     path: path.to_path_buf(),
                     index: i as u64,
                     value: v as u64,
                     rows,
                 });
-            };
-            if *first != u32::MAX {
+            }
+            let (w, b) = (v as usize / 64, v % 64);
+            if seen[w] & (1 << b) != 0 {
+                let first = map.iter().position(|&m| m == v).expect("seen before");
                 return Err(RemapError::Duplicate {
                     path: path.to_path_buf(),
-                    first: *first as u64,
+                    first: first as u64,
                     second: i as u64,
                     value: v as u64,
                 });
             }
-            *first = i as u32;
+            seen[w] |= 1 << b;
             map.push(v);
         }
         Ok(RowRemap { map })

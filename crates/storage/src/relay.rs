@@ -8,8 +8,9 @@
 //! the table and applies it to every id before the table sees it, so the
 //! layer reads the same values as before.
 //!
-//! Invariants: `order` must be a permutation of `0..rows` (checked before
-//! anything is written); `src` is only read; `dst`'s headers and every byte
+//! Invariants: `order` must be a permutation of `0..rows`, and no file may
+//! be both source and destination (both checked before anything is
+//! written); `src` is only read; `dst`'s headers and every byte
 //! outside its row and scale tensors are left as they are; `dst` is synced
 //! before returning.
 
@@ -40,6 +41,17 @@ pub fn relay_rows(
         )));
     }
     check_permutation(order, rows)?;
+    for d in &dst.shards {
+        let same = src.shards.iter().any(
+            |s| matches!((s.path.canonicalize(), d.path.canonicalize()), (Ok(a), Ok(b)) if a == b),
+        );
+        if same {
+            return Err(StorageError::invalid(format!(
+                "relay: {} is both source and destination; relay into a copy",
+                d.path.display()
+            )));
+        }
+    }
     let maps = src
         .shards
         .iter()
@@ -320,5 +332,10 @@ mod tests {
         for (s, b) in dst.shards.iter().zip(before) {
             assert_eq!(std::fs::read(&s.path).unwrap(), b);
         }
+        let order: Vec<u32> = (0..10).rev().collect();
+        let e = relay_rows(&src, &src, &order, &mut |_, _| {})
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("both source and destination"), "{e}");
     }
 }
