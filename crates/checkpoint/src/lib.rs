@@ -2,11 +2,13 @@
 //! its validating loader.
 //!
 //! A checkpoint is a Hugging Face-style directory: `config.json` (the
-//! Qwen4Exp fields, parsed into a
+//! Qwen4Exp, Engram or LongCat fields, parsed into a
 //! [`metrale_model_layers::layers::ple::ModelSpec`]; [`preset`] holds the
 //! synthetic ones), safetensors files, and
 //! `model.safetensors.index.json` mapping every tensor to its file. Tensor
-//! names are spelled in [`names`] alone. [`synth`] writes deterministic
+//! names are spelled in [`names`] alone; [`family`] says which tensors make
+//! each family's table, and [`mod@concat`] serves LongCat's sub-tables as
+//! one. [`synth`] writes deterministic
 //! synthetic checkpoints; [`load`] refuses anything a layer could trip on,
 //! with a [`CheckpointError`] naming the file and tensor; [`fold`] serves a
 //! table cut to fewer rows than the hash addresses; [`remap`] serves a

@@ -5,13 +5,21 @@
 //! weight map names only plain files inside the directory; every safetensors
 //! header parses and every extent lies inside its file; every tensor the
 //! format requires is present with the right dtype and shape; the stored
-//! hash buffers equal their derivation (odd multipliers first); norm and
-//! conv weights are finite; the table shards are contiguous, equal in shape
-//! and cover the table. A refusal is a [`CheckpointError`] naming the file
-//! and tensor.
+//! hash buffers equal their derivation (odd multipliers first); norm,
+//! conv, bias and projection weights are finite; the table shards are
+//! contiguous, equal in shape and cover the table. A refusal is a
+//! [`CheckpointError`] naming the file and tensor.
 //!
-//! Only the dense weights are read (tens of MB at the flagship geometry);
-//! table shards are checked from their headers alone.
+//! Each family's tensors (docs/SPEC.md §10 (Checkpoint layout)) become the
+//! one [`PleWeights`] the layer takes: the Engram demo's per-branch tensors
+//! stacked branch by branch, DeepSeek-V4.1's fused FP8 projection
+//! dequantised (exactly) and split keys first, LongCat's sub-table
+//! projections side by side. An Engram checkpoint's token map
+//! ([`TOKEN_MAP_FILE`]) goes into the spec before any site is built.
+//!
+//! Only the dense weights are read (tens of MB at the flagship geometry,
+//! 315 MB for DeepSeek-V4.1's projections); table shards are checked from
+//! their headers alone.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
