@@ -95,12 +95,12 @@ pub struct OffloadArgs {
     /// Rows per site of the row cache's host-memory tier (0: none).
     #[arg(long, default_value_t = 0, value_name = "ROWS")]
     host_rows: usize,
-    /// Measured repetitions of each configuration (default: the run's, 5
-    /// full, 3 quick); more steady the figures on a busy machine.
+    /// Measured repetitions of each configuration (default: the run's, 20
+    /// full, 12 quick); more give steadier figures on a busy machine.
     #[arg(long, value_name = "N")]
     reps: Option<usize>,
-    /// Decode steps per measured repetition (default: the run's, 32 full,
-    /// 16 quick); shorter repetitions pair the tables' turns more closely.
+    /// Decode steps per measured repetition (default: the run's, 8 full, 4
+    /// quick); shorter repetitions pair the tables' turns more closely.
     #[arg(long, value_name = "N")]
     steps: Option<usize>,
 }
@@ -130,7 +130,8 @@ struct Sizes {
     window: usize,
     /// Most warm-up windows before measuring anyway.
     max_windows: usize,
-    /// Decode steps per measured repetition.
+    /// Decode steps per measured repetition: short, so that the tables'
+    /// turns sit close together in time.
     measure: usize,
     /// Measured repetitions (tokens/s is their median).
     reps: usize,
@@ -147,8 +148,8 @@ const FULL: Sizes = Sizes {
     prompt: 32,
     window: 8,
     max_windows: 40,
-    measure: 32,
-    reps: 5,
+    measure: 8,
+    reps: 20,
     ceiling: Duration::from_secs(2),
 };
 
@@ -161,8 +162,8 @@ const QUICK: Sizes = Sizes {
     prompt: 16,
     window: 4,
     max_windows: 16,
-    measure: 16,
-    reps: 3,
+    measure: 4,
+    reps: 12,
     ceiling: Duration::from_millis(500),
 };
 
