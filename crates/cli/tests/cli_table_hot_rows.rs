@@ -235,6 +235,38 @@ fn malformed_remaps_and_traces_are_refused_naming_the_file() {
     assert!(!out_dir.exists());
 }
 
+#[test]
+fn sites_split_into_sub_tables_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("lc");
+    let (o, out, err) = run(&[
+        "init",
+        src.to_str().unwrap(),
+        "--preset",
+        "longcat-flash-lite",
+        "--table-rows",
+        "4096",
+    ]);
+    assert!(o.status.success(), "{out} {err}");
+    let trace = tmp.path().join("trace.txt");
+    std::fs::write(&trace, "0 1\n0 2\n").unwrap();
+    let dst = tmp.path().join("hot");
+    let (o, _, err) = run(&[
+        "table",
+        "pack",
+        "--hot-rows",
+        trace.to_str().unwrap(),
+        src.to_str().unwrap(),
+        dst.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("sub-tables") && err.contains("trace.txt"),
+        "{err}"
+    );
+    assert!(!dst.exists());
+}
+
 /// An error and its sources, one after another.
 fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();

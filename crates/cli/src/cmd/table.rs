@@ -13,7 +13,9 @@
 //! (`model.layers.{L}.ple.row_remap.bin`) the loader applies after hashing,
 //! so ids and outputs stay the same. TRACE is text: one `SITE ROW_ID` pair
 //! per line, the row ids a site's table is asked for (format:
-//! `metrale_checkpoint::remap`). The source must not have remaps already.
+//! `metrale_checkpoint::remap`). The source must not have remaps already,
+//! and the trace may name only sites whose table is one table (not split
+//! into sub-tables).
 
 use std::path::{Path, PathBuf};
 
@@ -147,7 +149,19 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
             let text = std::fs::read_to_string(t)
                 .with_context(|| format!("reading the trace {}", t.display()))
                 .map_err(input)?;
-            Some(parse_trace(&text, ck.sites.len(), t).map_err(input)?)
+            let counts = parse_trace(&text, ck.sites.len(), t).map_err(input)?;
+            // A remap covers one whole table; sub-tables are served apart.
+            if let Some((i, _)) = counts
+                .iter()
+                .enumerate()
+                .find(|(i, c)| !c.is_empty() && !ck.sites[*i].table.sub_tables.is_empty())
+            {
+                return Err(input(anyhow::anyhow!(
+                    "{}: site {i}'s table is split into sub-tables, which hot-row packing does not relay",
+                    t.display()
+                )));
+            }
+            Some(counts)
         }
     };
     if a.dst.exists() {
