@@ -7,17 +7,16 @@
 //! and otherwise read from the shard files in one batch (each row's
 //! smallest span of direct-I/O granules, rows sharing or touching a span
 //! read together, O_DIRECT through a [`PageReader`]) and copied into their
-//! slots. The pins of a
-//! resolve form a [`Lease`]; released with an event, they are kept until
-//! the event has completed, i.e. until the gather that reads the slots has
-//! run.
+//! slots. The pins of a resolve form a [`Lease`]; released with an event,
+//! they are kept until the event has completed, i.e. until the gather that
+//! reads the slots has run.
 //!
 //! Invariants (all under the one state mutex):
 //! - `map[id] == s` iff `slots[s].id == id` and `slots[s].state != FREE`;
 //! - `slots[s].pins` equals the number of live leases and pending
 //!   (event-guarded) releases naming `s`, plus resolves currently waiting on
-//!   `s`; a slot with pins, or one being loaded, is never chosen as a victim,
-//!   so a slot a queued gather will read is never overwritten;
+//!   `s`; a slot with pins, or one being loaded or queued, is never chosen
+//!   as a victim, so a slot a queued gather will read is never overwritten;
 //! - slot bytes are written only while the slot is `LOADING`, by the one
 //!   thread that loads it, outside the mutex; no lease hands out a
 //!   `LOADING` slot, and a resolve that finds one waits until it is `READY`
@@ -29,8 +28,12 @@
 //!   the prefetch thread has already started; prefetches hold at most
 //!   `slots - max_resolve` slots queued or loading, so a resolve always
 //!   finds room that leases do not hold;
-//! - a failed resolve holds no pins, and the slots of its failed reads are
-//!   unmapped (`FREE`), so a retry reads them again;
+//! - a failed resolve holds no pins, and the slots of its failed reads
+//!   (rows copied from the host tier included) are unmapped (`FREE`), so a
+//!   retry reads them again;
+//! - a row leaves the arena only as a policy victim, and is then copied to
+//!   the host tier (when there is one) before its slot is claimed, under
+//!   the mutex, so the copy is of a ready, unpinned row;
 //! - each resolve pins at most `max_resolve` distinct slots; a batch with
 //!   more distinct ids is refused with an error naming both numbers (see
 //!   [`crate::parts::resolve_in_parts`] for the split protocol); leases
@@ -47,8 +50,8 @@
 //!
 //! Statistics: `hits` counts ids found mapped (including repeats within a
 //! batch and rows a prefetch brought in), `misses` rows read (by resolves or
-//! prefetches), `pages_coalesced` rows that shared a page with an earlier
-//! row of the same read, and `io_wait_ns` the time resolves spent blocked on
+//! prefetches), `pages_coalesced` rows whose span overlapped an earlier
+//! row's in the same read, and `io_wait_ns` the time resolves spent blocked on
 //! reads (their own, or a concurrent resolve's or prefetch's); reads done by
 //! the prefetch thread alone do not count as waiting. `host_hits` counts
 //! misses served from the host tier (no disk read); `bytes_read` counts the
