@@ -124,12 +124,14 @@ impl Checkpoint {
         self.sites.iter().map(|s| s.clone_ref(py)).collect()
     }
 
-    /// The model geometry (the PLE fields of config.json) and the sizes
-    /// derived from it, as a dict.
+    /// The model geometry (the family, `"qwen4exp"`, `"engram"` or
+    /// `"longcat"`, and the PLE fields of config.json) and the sizes derived
+    /// from it, as a dict.
     #[getter]
     fn geometry<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let g = &self.inner.spec;
         let d = PyDict::new(py);
+        d.set_item("family", g.family.name())?;
         d.set_item("vocab_size", g.vocab_size)?;
         d.set_item("hidden_size", g.hidden_size)?;
         d.set_item("hc_mult", g.hc_mult)?;
