@@ -2,14 +2,14 @@
 //! files round-trip through the writer, pack and the header reader, and the
 //! row cache keeps its invariants and serves file bytes under random
 //! sequences of resolves, releases (immediate and event-guarded) and
-//! prefetches.
+//! prefetches, under either policy, with or without a host tier.
 
 mod common;
 
 use std::collections::BTreeMap;
 
 use common::*;
-use metrale_storage::cached::{CacheConfig, CachedTable};
+use metrale_storage::cached::{CacheConfig, CachedTable, Policy};
 use metrale_storage::dtype::*;
 use metrale_storage::pack::pack;
 use metrale_storage::safetensors::{Dtype, Header, TensorSpec, Writer};
@@ -119,7 +119,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 
     #[test]
-    fn cache_serves_file_bytes_under_random_ops(ops in proptest::collection::vec(op(), 1..40)) {
+    fn cache_serves_file_bytes_under_random_ops(
+        ops in proptest::collection::vec(op(), 1..40),
+        s3fifo in any::<bool>(),
+        host_rows in prop_oneof![Just(0usize), 1usize..30],
+    ) {
         let d = tempfile::tempdir().unwrap();
         let files = make_table(d.path(), 3, 20, 24, false, 8);
         let rb = 48;
@@ -127,6 +131,8 @@ proptest! {
         let mut c = CacheConfig::new(12);
         c.max_resolve = 6;
         c.pin_wait = std::time::Duration::from_millis(5);
+        c.policy = if s3fifo { Policy::S3Fifo } else { Policy::Clock };
+        c.host_rows = host_rows;
         let t = CachedTable::open(files, gpu.clone(), c).unwrap();
         let s = gpu.create_stream().unwrap();
         let mut live: Vec<(metrale_storage::table::Lease, Vec<u64>, Vec<RowRef>)> = Vec::new();
