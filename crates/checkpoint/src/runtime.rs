@@ -168,7 +168,7 @@ impl Checkpoint {
 
     /// Present a cut table at the full padded size.
     fn fold(&self, site: usize, inner: Arc<dyn RowTable>) -> Result<Arc<dyn RowTable>> {
-        // Relaid rows are found through the remap before any folding.
+        // The remap sits beneath any folding: ids are folded, then remapped.
         let inner = crate::remap::remap_site(self, site, inner)?;
         let s = &self.sites[site];
         Ok(match s.table.fold_rows {
