@@ -391,6 +391,24 @@ fn plan(mut g: ModelSpec, name: &str, want: Option<u64>) -> Result<(ModelSpec, u
         Some(r) => r.div_ceil(parts) * parts,
         None => padded.div_ceil(parts) * parts,
     };
+    // A LongCat sub-table cannot store more rows than it has: a cut that
+    // would is no cut.
+    let smallest = if Layout::of(&g).sub_tables() {
+        derive_site(&g, 0)?
+            .dims
+            .head_vocab_sizes
+            .iter()
+            .copied()
+            .min()
+            .unwrap_or(0)
+    } else {
+        u64::MAX
+    };
+    let stored = if stored / parts > smallest {
+        padded
+    } else {
+        stored
+    };
     // A table cut below the padded size folds ids; the config records the
     // fold modulus, which is the number of rows stored.
     g.table_rows = (stored < padded).then_some(stored);
@@ -482,6 +500,13 @@ fn write_planned(
                 dir.display()
             )));
         }
+    }
+    if dtype == TableDType::Fp8Block && !g.head_dim.is_multiple_of(FP8_BLOCK) {
+        return Err(CheckpointError::Invalid(format!(
+            "--dtype fp8-block needs rows of a multiple of {FP8_BLOCK} values; this geometry's \
+             have {}",
+            g.head_dim
+        )));
     }
     let total = planned(&g, stored, dtype)?;
     let name = dir

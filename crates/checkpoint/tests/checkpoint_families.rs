@@ -520,3 +520,32 @@ fn random_damage_never_panics_the_loader() {
         assert!(refused > 0, "{family:?}: no damage was refused");
     }
 }
+
+#[test]
+fn init_refuses_block_rows_that_do_not_split_into_blocks_and_keeps_sub_tables_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let o = InitOptions {
+        preset: Preset::Tiny,
+        table_rows: None,
+        dtype: TableDType::Fp8Block,
+        seed: 0,
+    };
+    let e = write_synthetic(&tmp.path().join("t"), &o, &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("multiple of 32"), "{e}");
+    assert!(!tmp.path().join("t").exists());
+    // A LongCat cut that would give a sub-table more rows than it has
+    // stores the sub-tables whole.
+    let g = TinyFamily::LongCat.spec();
+    let padded = g.derive(0).unwrap().padded_rows;
+    let dir = tmp.path().join("l");
+    let w = write_spec_synthetic(&dir, &g, Some(padded - 8), TableDType::Bf16, 0).unwrap();
+    assert_eq!(w.table_rows, None);
+    let c = Checkpoint::open(&dir).unwrap();
+    assert!(
+        c.sites[0]
+            .table
+            .sub_tables
+            .iter()
+            .all(|s| s.stored_rows == s.logical_rows)
+    );
+}
