@@ -681,15 +681,28 @@ impl Checkpoint {
                 names[i], part_rows[i], logical[i]
             )));
         }
-        // The storage layer's own opener must agree (equal shapes, scales).
-        if layout.sub_tables() {
-            for (shard, &r) in shards.iter().zip(&part_rows) {
-                metrale_storage::layout::TableFiles::open(std::slice::from_ref(shard), Some(r))
-                    .map_err(|e| shards_err(format!("{e:#}")))?;
-            }
+        // The storage layer's own opener must agree (equal shapes, scales,
+        // and the same row format), or the runtime would read other rows.
+        let opened: Vec<metrale_storage::layout::TableFiles> = if layout.sub_tables() {
+            shards
+                .iter()
+                .zip(&part_rows)
+                .map(|(shard, &r)| {
+                    metrale_storage::layout::TableFiles::open(std::slice::from_ref(shard), Some(r))
+                })
+                .collect::<Result<_, _>>()
         } else {
-            metrale_storage::layout::TableFiles::open(&shards, Some(stored_rows))
-                .map_err(|e| shards_err(format!("{e:#}")))?;
+            metrale_storage::layout::TableFiles::open(&shards, Some(stored_rows)).map(|t| vec![t])
+        }
+        .map_err(|e| shards_err(format!("{e:#}")))?;
+        for t in &opened {
+            if t.info.dtype != dtype || t.info.head_dim != g.head_dim {
+                return Err(shards_err(format!(
+                    "{}: the table reads as {} values of {:?} a row, but the layer needs {} of \
+                     {dtype:?}",
+                    t.shards[0].tensor, t.info.head_dim, t.info.dtype, g.head_dim
+                )));
+            }
         }
         Ok(SiteTable {
             shards,
