@@ -173,7 +173,9 @@ impl RowTable for ConcatTable {
             }
         }
         let pinned: usize = held.iter().map(|(_, l)| l.pinned).sum();
-        if pinned == 0 {
+        // Only leases that are nothing at all may be dropped; any other is
+        // the part's to take back.
+        if held.iter().all(|(_, l)| l.pinned == 0 && l.id == 0) {
             return Ok(Lease::empty());
         }
         let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
