@@ -93,10 +93,10 @@ fn print_spec(g: &ModelSpec) {
         g.sites(),
         g.ple_layer_ids,
         layout.table_parts(g),
-        if layout.sub_tables() {
-            "sub-tables"
-        } else {
-            "table tensors"
+        match layout {
+            Layout::LongCat { .. } => "sub-tables",
+            Layout::Qwen4Exp => "shards",
+            Layout::EngramDemo | Layout::EngramV41 => "table tensor",
         }
     );
 }
