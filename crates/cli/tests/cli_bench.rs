@@ -131,7 +131,12 @@ fn offload_smoke_run_prints_every_table_as_json() {
         );
         assert!(row["overhead_vs_resident_pct"].is_number(), "{row:#}");
         let cached = table == "cached";
-        for key in ["hit_rate", "io_wait_share", "read_share"] {
+        for key in [
+            "hit_rate",
+            "io_wait_share",
+            "read_share",
+            "exposed_wait_share",
+        ] {
             assert_eq!(row[key].is_number(), cached, "{key} in {row:#}");
         }
         assert!(row["bytes_read_per_token"].as_f64().is_some() || !cached);

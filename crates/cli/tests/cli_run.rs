@@ -293,6 +293,10 @@ fn the_backbone_changes_no_output_and_the_reads_are_reported() {
             .as_f64()
             .expect("a cached table's read time");
         let wait = v["io_wait_seconds"].as_f64().unwrap();
+        let covered = v["io_wait_covered_seconds"]
+            .as_f64()
+            .expect("with the backbone");
+        assert!(covered <= wait, "{out}");
         assert!(read > 0.0, "{out}");
         let hidden = v["read_unwaited_share"].as_f64().unwrap();
         assert!((0.0..=1.0).contains(&hidden), "{out}");

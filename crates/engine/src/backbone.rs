@@ -30,10 +30,15 @@
 //!   first site), and the last site's wrapper runs the blocks of layers
 //!   `l_last..=layers` after it;
 //! - the weights and scratch are freed when the last [`Layered`] site over
-//!   them is freed.
+//!   them is freed;
+//! - each wait of a site's forward for table rows is filed once, as
+//!   covered (an event recorded after the blocks before the site was still
+//!   pending when the site's host work ended: the backend never idled for
+//!   it) or exposed ([`Layered::wait_split`]).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use metrale_gpu_runtime::compile_source;
 use metrale_gpu_runtime::gpu::{
@@ -431,6 +436,23 @@ pub struct Layered<S> {
     after: usize,
     backbone: Option<Arc<Backbone>>,
     freed: bool,
+    /// Row waits of this site's forwards while the backend was still
+    /// running the blocks queued before the site, in nanoseconds.
+    wait_covered_ns: AtomicU64,
+    /// The other row waits: the backend may have run dry during them.
+    wait_exposed_ns: AtomicU64,
+}
+
+/// How a site's waits for table rows fell against the backend's work.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WaitSplit {
+    /// Waits during which the backend was still running the blocks queued
+    /// before the site (its event was still pending when the site's host
+    /// work ended): the device never idled for them.
+    pub covered: Duration,
+    /// The rest (every wait without blocks before the site): at most this
+    /// much of the wait left the backend idle.
+    pub exposed: Duration,
 }
 
 impl<S> Layered<S> {
@@ -449,6 +471,16 @@ impl<S> Layered<S> {
         self.backbone.as_ref()
     }
 
+    /// The site's waits for rows so far, split by whether the blocks before
+    /// it covered them (see [`WaitSplit`]). Forwards replayed from a graph
+    /// resolve nothing and are not counted.
+    pub fn wait_split(&self) -> WaitSplit {
+        WaitSplit {
+            covered: Duration::from_nanos(self.wait_covered_ns.load(Ordering::Relaxed)),
+            exposed: Duration::from_nanos(self.wait_exposed_ns.load(Ordering::Relaxed)),
+        }
+    }
+
     fn blocks_around(
         &self,
         n: usize,
@@ -461,6 +493,58 @@ impl<S> Layered<S> {
             b.run(n, highway, rows, gpu, stream)?;
         }
         Ok(())
+    }
+}
+
+impl<S: Site> Layered<S> {
+    /// Queue the blocks before the site, run `site` (the wrapped site's
+    /// host work: hashing, resolving rows, queueing its kernels), file the
+    /// time it waited for rows as covered when the blocks were still
+    /// running when it returned, else as exposed, and queue the blocks
+    /// after the site.
+    fn measured(
+        &self,
+        highway: DevicePtr,
+        rows: usize,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+        site: impl FnOnce() -> SiteResult<()>,
+    ) -> SiteResult<()> {
+        self.blocks_around(self.before, highway, rows, gpu, stream)?;
+        // An event after the blocks tells whether they were still running;
+        // without one (no blocks, or the backend refused it) every wait
+        // counts as exposed.
+        let ev = if self.before > 0 && self.backbone.is_some() {
+            gpu.create_event().ok().and_then(|e| {
+                if gpu.record_event(e, stream).is_ok() {
+                    Some(e)
+                } else {
+                    let _ = gpu.destroy_event(e);
+                    None
+                }
+            })
+        } else {
+            None
+        };
+        let w0 = self.inner.table_stats().io_wait_ns;
+        let r = site();
+        let waited = self.inner.table_stats().io_wait_ns.saturating_sub(w0);
+        let covered = match ev {
+            Some(e) => {
+                let done = gpu.event_query(e).unwrap_or(true);
+                let _ = gpu.destroy_event(e);
+                !done
+            }
+            None => false,
+        };
+        let counter = if covered {
+            &self.wait_covered_ns
+        } else {
+            &self.wait_exposed_ns
+        };
+        counter.fetch_add(waited, Ordering::Relaxed);
+        r?;
+        self.blocks_around(self.after, highway, rows, gpu, stream)
     }
 }
 
@@ -496,6 +580,8 @@ pub fn layered<S: Site>(
                 after: 0,
                 backbone: None,
                 freed: false,
+                wait_covered_ns: AtomicU64::new(0),
+                wait_exposed_ns: AtomicU64::new(0),
             },
             Some((bb, cuts, layers)) => {
                 bb.users.fetch_add(1, Ordering::AcqRel);
@@ -506,6 +592,8 @@ pub fn layered<S: Site>(
                     after: if k + 1 == n { layers + 1 - cuts[k] } else { 0 },
                     backbone: Some(bb.clone()),
                     freed: false,
+                    wait_covered_ns: AtomicU64::new(0),
+                    wait_exposed_ns: AtomicU64::new(0),
                 }
             }
         })
@@ -575,10 +663,9 @@ impl<S: Site> Site for Layered<S> {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<()> {
-        self.blocks_around(self.before, highway, tokens.len(), gpu, stream)?;
-        self.inner
-            .forward(st, tokens, highway, fresh, gpu, stream)?;
-        self.blocks_around(self.after, highway, tokens.len(), gpu, stream)
+        self.measured(highway, tokens.len(), gpu, stream, || {
+            self.inner.forward(st, tokens, highway, fresh, gpu, stream)
+        })
     }
     fn forward_batch(
         &self,
@@ -588,10 +675,10 @@ impl<S: Site> Site for Layered<S> {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<()> {
-        self.blocks_around(self.before, highway, tokens.len(), gpu, stream)?;
-        self.inner
-            .forward_batch(states, tokens, highway, gpu, stream)?;
-        self.blocks_around(self.after, highway, tokens.len(), gpu, stream)
+        self.measured(highway, tokens.len(), gpu, stream, || {
+            self.inner
+                .forward_batch(states, tokens, highway, gpu, stream)
+        })
     }
     fn snapshot(
         &self,

@@ -131,7 +131,8 @@ fn run(
         Tables::InMemory => None,
     };
     let s = sites(&gpu, dir, tables, &reader);
-    let mut server = Server::build(gpu.clone(), s, engine_cfg(), cfg(prefetch, bb)).unwrap();
+    let mut server =
+        Server::build(gpu.clone(), s, engine_cfg(), cfg(prefetch, bb.clone())).unwrap();
     if let Some(r) = reader {
         server.time_reads(r);
     }
@@ -142,6 +143,20 @@ fn run(
     };
     let report = server.run(w, &mut |i| done[i] += 1).unwrap();
     assert!(done.iter().all(|&d| d == 1), "each request done once");
+    // Every wait for rows happens in a site's forward, and is filed as
+    // covered by the blocks before the site or exposed, never both.
+    let (covered, exposed) = server
+        .engine()
+        .sites()
+        .iter()
+        .map(|s| s.wait_split())
+        .fold((0, 0), |(c, e), w| {
+            (c + w.covered.as_nanos(), e + w.exposed.as_nanos())
+        });
+    assert_eq!(covered + exposed, report.io_wait.as_nanos());
+    if bb.is_none() {
+        assert_eq!(covered, 0, "no blocks, nothing covered");
+    }
     server.into_engine().close().unwrap();
     assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
     report

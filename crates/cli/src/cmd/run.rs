@@ -40,7 +40,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
-use metrale_engine::backbone::{BackboneConfig, BlockShape};
+use metrale_engine::backbone::{BackboneConfig, BlockShape, Layered, WaitSplit};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Request, Server, ServerConfig, ServerReport, TimedReader, Workload};
 use metrale_engine::{Engine, EngineConfig, Site, SwapTarget};
@@ -234,6 +234,9 @@ struct PassConfig {
 struct PassResult {
     /// The server's figures and row fingerprints.
     report: ServerReport,
+    /// The sites' row waits, split by whether the backbone's blocks before
+    /// each site were still running.
+    waits: WaitSplit,
     carry_bytes: usize,
     leaked: usize,
 }
@@ -359,10 +362,20 @@ fn pass(
         rows: &embed,
     };
     let report = server.run(workload, &mut |_| bar.inc(1))?;
+    let waits = server
+        .engine()
+        .sites()
+        .iter()
+        .map(Layered::wait_split)
+        .fold(WaitSplit::default(), |a, b| WaitSplit {
+            covered: a.covered + b.covered,
+            exposed: a.exposed + b.exposed,
+        });
     let engine = server.into_engine();
     engine.close()?;
     Ok(PassResult {
         report,
+        waits,
         carry_bytes,
         leaked: gpu.live_alloc_count(),
     })
@@ -384,6 +397,7 @@ struct Summary {
     read_calls: u64,
     io_wait_seconds: f64,
     io_wait_share: f64,
+    io_wait_covered_seconds: Option<f64>,
     read_seconds: Option<f64>,
     read_unwaited_share: Option<f64>,
     prefetch: bool,
@@ -535,9 +549,13 @@ fn render(s: &Summary) -> String {
     }
     let _ = writeln!(
         o,
-        "  I/O wait        {:.1}% of wall time ({:.3} s blocked on rows; prefetch {})",
+        "  I/O wait        {:.1}% of wall time ({:.3} s blocked on rows{}; prefetch {})",
         100.0 * s.io_wait_share,
         s.io_wait_seconds,
+        match s.io_wait_covered_seconds {
+            Some(c) => format!(", {c:.3} s of it while the blocks before the site still ran"),
+            None => String::new(),
+        },
         if s.prefetch { "on" } else { "off" }
     );
     if let (Some(r), Some(h)) = (s.read_seconds, s.read_unwaited_share) {
@@ -831,6 +849,10 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         read_calls: r.report.table.read_calls,
         io_wait_seconds: io_wait,
         io_wait_share: io_wait / r.report.wall.as_secs_f64().max(1e-9),
+        io_wait_covered_seconds: main
+            .backbone
+            .is_some()
+            .then_some(r.waits.covered.as_secs_f64()),
         read_seconds: r.report.read_time.map(|d| d.as_secs_f64()),
         read_unwaited_share: r.report.read_time.map(|d| {
             let read = d.as_secs_f64();

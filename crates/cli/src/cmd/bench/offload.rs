@@ -17,10 +17,12 @@
 //! repetition), the overhead against the resident table (the median over
 //! rounds of the ratio to the resident repetition of the same round), the
 //! hit rate, bytes read per token, the share of wall time the steps were
-//! blocked waiting for rows, and (cached tables) the share spent in read
-//! calls at all, foreground or prefetch. The disk's random 4 KiB read
-//! ceiling ([`RandomReads`], the miss path's reader) is measured in the
-//! same run, on the checkpoint's own shard file.
+//! blocked waiting for rows, the share of it not covered by the backbone
+//! blocks queued before the site (still running when the site's host work
+//! ended), and (cached tables) the share spent in read calls at all,
+//! foreground or prefetch. The disk's random 4 KiB read ceiling
+//! ([`RandomReads`], the miss path's reader) is measured in the same run,
+//! on the checkpoint's own shard file.
 //!
 //! Invariants: every configuration sees the same prompts and the same
 //! decode tokens (one seeded stream), so the figures differ only by how
@@ -203,6 +205,11 @@ struct OffloadRow {
     /// The share of wall time spent in read calls (foreground and
     /// prefetch, summed over concurrent readers); cached tables only.
     read_share: Option<f64>,
+    /// The share of wall time blocked on rows while the backend was not
+    /// still running the blocks before the site (all of the wait without
+    /// the backbone): at most this much left the backend idle; cached
+    /// tables only.
+    exposed_wait_share: Option<f64>,
 }
 
 /// The whole report.
@@ -380,6 +387,12 @@ struct Measured {
     bytes_per_token: Option<f64>,
     io_wait_share: Option<f64>,
     read_share: Option<f64>,
+    exposed_wait_share: Option<f64>,
+}
+
+/// The sites' waits for rows not covered by the blocks before them.
+fn exposed(e: &Served) -> Duration {
+    e.sites().iter().map(|s| s.wait_split().exposed).sum()
 }
 
 fn measure_all(
@@ -439,6 +452,7 @@ fn measure_all(
                     bytes_read_per_token: m.bytes_per_token,
                     io_wait_share: m.io_wait_share,
                     read_share: m.read_share,
+                    exposed_wait_share: m.exposed_wait_share,
                 });
             }
         }
@@ -569,6 +583,7 @@ struct Config {
     wall: f64,
     stats: TableStats,
     read: Duration,
+    exposed: Duration,
     io_bytes: Option<u64>,
 }
 
@@ -671,6 +686,7 @@ impl Config {
             wall: 0.0,
             stats: TableStats::default(),
             read: Duration::ZERO,
+            exposed: Duration::ZERO,
             io_bytes: Some(0),
         })
     }
@@ -680,6 +696,7 @@ impl Config {
     fn rep(&mut self, sizes: &Sizes) -> Result<()> {
         let stats0 = self.engine.table_stats();
         let read0 = self.timed.as_ref().map(|t| t.elapsed());
+        let exposed0 = exposed(&self.engine);
         let io0 = process_read_bytes();
         let t0 = Instant::now();
         for _ in 0..sizes.measure {
@@ -691,6 +708,7 @@ impl Config {
         self.rates
             .push((sizes.measure * sizes.sequences) as f64 / dt);
         self.stats = self.stats + self.engine.table_stats().since(&stats0);
+        self.exposed += exposed(&self.engine).saturating_sub(exposed0);
         if let (Some(a), Some(b)) = (read0, self.timed.as_ref().map(|t| t.elapsed())) {
             self.read += b.saturating_sub(a);
         }
@@ -725,6 +743,7 @@ impl Config {
                 .timed
                 .is_some()
                 .then(|| self.read.as_secs_f64() / self.wall),
+            exposed_wait_share: self.cached.then(|| self.exposed.as_secs_f64() / self.wall),
         };
         eprintln!(
             "bench offload: {}: {:.1} tokens/s (median of {} x {} steps; {:.2} s in all)",
@@ -837,7 +856,7 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>9} {:>12} {:>9} {:>9}",
+        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>9} {:>12} {:>9} {:>9} {:>9}",
         "table",
         "prefetch",
         "backbone",
@@ -846,12 +865,13 @@ fn print(r: &Report, json: bool) -> Result<()> {
         "hit rate",
         "bytes/token",
         "I/O wait",
+        "exposed",
         "reads"
     )?;
     for row in &r.rows {
         writeln!(
             out,
-            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>9} {:>12} {:>9} {:>9}",
+            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>9} {:>12} {:>9} {:>9} {:>9}",
             row.table,
             if row.prefetch { "on" } else { "off" },
             if row.backbone { "on" } else { "off" },
@@ -860,6 +880,7 @@ fn print(r: &Report, json: bool) -> Result<()> {
             opt(row.hit_rate, |v| format!("{:.1}%", v * 100.0)),
             opt(row.bytes_read_per_token, |v| format!("{v:.0}")),
             opt(row.io_wait_share, |v| format!("{:.1}%", v * 100.0)),
+            opt(row.exposed_wait_share, |v| format!("{:.1}%", v * 100.0)),
             opt(row.read_share, |v| format!("{:.1}%", v * 100.0)),
         )?;
     }
