@@ -14,16 +14,18 @@
 //! the same row width and dtype; an id at or past the end is refused as a
 //! plain table refuses it; a failed resolve holds no pins (the parts
 //! resolved before the failure are released at once, no gather having read
-//! them). A lease that pins rows in one part is released with the caller's
-//! event; when rows of several parts are pinned, the release waits for that
-//! event on the host before unpinning them all (one event cannot be handed
-//! to several tables).
+//! them). A lease's pins in every part are released with the caller's
+//! event: one pinning part takes that event itself; when several do, the
+//! others get events recorded on a side stream that first waits for it, so
+//! no part unpins before the gather has run and nothing blocks the host
+//! (should the side stream fail, the release waits for the event on the
+//! host instead).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
+use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend, StreamId};
 use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats, check_out_len};
 use metrale_storage::{Result, StorageError};
 
@@ -38,6 +40,9 @@ pub struct ConcatTable {
     /// Leases that pin rows, by this table's lease id.
     leases: Mutex<HashMap<u64, Vec<(usize, Lease)>>>,
     next_lease: AtomicU64,
+    /// The stream that turns one release event into one per part, made on
+    /// first need.
+    side: Mutex<Option<StreamId>>,
 }
 
 impl ConcatTable {
@@ -70,6 +75,7 @@ impl ConcatTable {
             info: TableInfo { rows, ..first },
             leases: Mutex::new(HashMap::new()),
             next_lease: AtomicU64::new(1),
+            side: Mutex::new(None),
         })
     }
 
@@ -96,6 +102,34 @@ impl ConcatTable {
         Ok((p, id - self.starts[p]))
     }
 
+    /// `ev` and `n - 1` events that complete after it: recorded on the side
+    /// stream once it has waited for `ev`.
+    fn fan_out(&self, gpu: &dyn GpuBackend, ev: EventHandle, n: usize) -> Result<Vec<EventHandle>> {
+        let mut side = self.side.lock().unwrap_or_else(|e| e.into_inner());
+        let stream = match *side {
+            Some(s) => s,
+            None => {
+                let s = self.gpu.create_stream()?;
+                *side = Some(s);
+                s
+            }
+        };
+        gpu.stream_wait_event(stream, ev)?;
+        let mut out = vec![ev];
+        for _ in 1..n {
+            let e = gpu.create_event()?;
+            let recorded = gpu.record_event(e, stream);
+            out.push(e);
+            if let Err(err) = recorded {
+                for &e in &out[1..] {
+                    let _ = gpu.destroy_event(e);
+                }
+                return Err(err.into());
+            }
+        }
+        Ok(out)
+    }
+
     fn release_parts(
         &self,
         held: Vec<(usize, Lease)>,
@@ -103,26 +137,42 @@ impl ConcatTable {
         after: Option<EventHandle>,
     ) -> Result<()> {
         let pinned = held.iter().filter(|(_, l)| l.pinned > 0).count();
-        let mut after = after;
-        if pinned > 1
-            && let Some(ev) = after.take()
-        {
-            gpu.event_synchronize(ev)?;
-            gpu.destroy_event(ev)?;
-        }
+        // One event for each pinning part (nothing waits for the others).
+        let mut events: Vec<EventHandle> = match after {
+            Some(ev) if pinned > 1 => match self.fan_out(gpu, ev, pinned) {
+                Ok(v) => v,
+                Err(_) => {
+                    // No side stream: unpin once the gather has run, waiting
+                    // for it here.
+                    gpu.event_synchronize(ev)?;
+                    gpu.destroy_event(ev)?;
+                    Vec::new()
+                }
+            },
+            Some(ev) if pinned == 1 => vec![ev],
+            Some(ev) => {
+                gpu.destroy_event(ev)?;
+                Vec::new()
+            }
+            None => Vec::new(),
+        };
         let mut first_err = None;
         for (p, lease) in held {
-            // The one pinning part (if any) takes the event; the rest have
-            // nothing that waits on it.
-            let ev = if lease.pinned > 0 { after.take() } else { None };
+            let ev = if lease.pinned > 0 { events.pop() } else { None };
             if let Err(e) = self.parts[p].release(lease, gpu, ev) {
                 first_err.get_or_insert(e);
             }
         }
-        if let Some(ev) = after {
-            gpu.destroy_event(ev)?;
-        }
         first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for ConcatTable {
+    fn drop(&mut self) {
+        let side = self.side.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = side.take() {
+            let _ = self.gpu.destroy_stream(s);
+        }
     }
 }
 
@@ -356,6 +406,8 @@ mod tests {
         };
         t.release(l, gpu.as_ref(), Some(ev)).unwrap();
         assert_eq!((a.live(), b.live()), (0, 0));
+        // The two parts got an event each, the second from the side stream.
+        assert!(t.side.lock().unwrap().is_some());
         assert!(matches!(
             t.release(again, gpu.as_ref(), None),
             Err(StorageError::UnknownLease { .. })
