@@ -65,36 +65,112 @@ pub fn write_table(
     Ok(TableFiles::open(&list, None)?)
 }
 
-/// Hint the cache lines of one row of `rb` bytes at `p`.
+/// Hint the cache lines of one row of `rb` bytes at `p`: one hint a line
+/// the row touches (a row that starts mid-line touches one more).
 #[inline(always)]
 fn prefetch_row(p: *const u8, rb: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        let mut k = 0;
-        while k < rb {
+        let first = p as usize & !63;
+        let mut line = first;
+        while line < p as usize + rb {
             // SAFETY: prefetch never faults, whatever the address.
             unsafe {
                 std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    p.wrapping_add(k).cast(),
+                    p.wrapping_add(line - p as usize).cast(),
                 )
             };
-            k += 64;
+            line += 64;
         }
-        // SAFETY: as above.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(rb.saturating_sub(1)).cast(),
-            )
-        };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, rb);
 }
 
-/// The copy loop of the gather kernel; `rb` is a constant at the hot call
-/// sites so the row copy is inlined.
+/// How one row is copied: a plain `copy_from_slice`, or, for rows a whole
+/// number of vector registers long, that many unaligned register loads
+/// then stores (no call, no size dispatch: the row size is a constant).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RowCopy {
+    Plain,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl RowCopy {
+    /// The fastest copy of `rb`-byte rows on this CPU.
+    fn pick(rb: usize) -> RowCopy {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if rb.is_multiple_of(64) && std::arch::is_x86_feature_detected!("avx512f") {
+                return RowCopy::Avx512;
+            }
+            if rb.is_multiple_of(32) && std::arch::is_x86_feature_detected!("avx2") {
+                return RowCopy::Avx2;
+            }
+        }
+        let _ = rb;
+        RowCopy::Plain
+    }
+}
+
+/// Copy `RB` bytes from `src` to `dst` in 64-byte registers.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `src` readable and `dst` writable at
+/// `RB` bytes, `RB` a multiple of 64; the ranges do not overlap.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn copy_row_512<const RB: usize>(src: *const u8, dst: *mut u8) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller guarantees both ranges; all loads come before the
+    // stores so they issue back to back.
+    unsafe {
+        let v: [__m512i; 8] = std::array::from_fn(|k| {
+            if k < RB / 64 {
+                _mm512_loadu_si512(src.add(64 * k).cast())
+            } else {
+                _mm512_setzero_si512()
+            }
+        });
+        for (k, vk) in v.iter().enumerate().take(RB / 64) {
+            _mm512_storeu_si512(dst.add(64 * k).cast(), *vk);
+        }
+    }
+}
+
+/// Copy `RB` bytes from `src` to `dst` in 32-byte registers.
+///
+/// # Safety
+/// As [`copy_row_512`], with AVX2 and `RB` a multiple of 32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_row_256<const RB: usize>(src: *const u8, dst: *mut u8) {
+    use std::arch::x86_64::*;
+    // SAFETY: as in `copy_row_512`.
+    unsafe {
+        let v: [__m256i; 16] = std::array::from_fn(|k| {
+            if k < RB / 32 {
+                _mm256_loadu_si256(src.add(32 * k).cast())
+            } else {
+                _mm256_setzero_si256()
+            }
+        });
+        for (k, vk) in v.iter().enumerate().take(RB / 32) {
+            _mm256_storeu_si256(dst.add(32 * k).cast(), *vk);
+        }
+    }
+}
+
+/// The copy loop of the gather kernel; `RB` is the row size (0: `rb`, not
+/// known at compile time), so the hot sizes get a straight-line row copy.
+/// Rows are random reads: the lines of the row `dist` ahead are hinted
+/// while this one is copied, so the misses overlap.
 #[inline(always)]
-fn gather_loop(
+#[allow(clippy::too_many_arguments)]
+fn gather_loop<const RB: usize>(
     refs: &[u64],
     out: &mut [u8],
     tbl: *const u8,
@@ -102,8 +178,13 @@ fn gather_loop(
     len: usize,
     rb: usize,
     dist: usize,
+    how: RowCopy,
 ) -> Result<(), GpuError> {
+    let rb = if RB > 0 { RB } else { rb };
     let n = refs.len() / 2;
+    if out.len() < n * rb {
+        return Err(GpuError::kernel("bench gather: output too short"));
+    }
     for i in 0..n {
         if dist > 0 && i + dist < n {
             let pf = refs[2 * (i + dist)].wrapping_sub(base) as usize;
@@ -116,9 +197,22 @@ fn gather_loop(
             )));
         }
         // SAFETY: `off + rb <= len` (checked above) and `tbl` spans `len`
-        // bytes (checked by host_ptr); the table is only read.
-        let src = unsafe { std::slice::from_raw_parts(tbl.add(off), rb) };
-        out[i * rb..(i + 1) * rb].copy_from_slice(src);
+        // bytes (checked by host_ptr); the table is only read; `out` holds
+        // `n * rb` bytes (checked above) and is a distinct allocation.
+        unsafe {
+            let (src, dst) = (tbl.add(off), out.as_mut_ptr().add(i * rb));
+            match how {
+                #[cfg(target_arch = "x86_64")]
+                RowCopy::Avx512 if RB > 0 && RB.is_multiple_of(64) && RB <= 512 => {
+                    copy_row_512::<RB>(src, dst)
+                }
+                #[cfg(target_arch = "x86_64")]
+                RowCopy::Avx2 if RB > 0 && RB.is_multiple_of(32) && RB <= 512 => {
+                    copy_row_256::<RB>(src, dst)
+                }
+                _ => std::ptr::copy_nonoverlapping(src, dst, rb),
+            }
+        }
     }
     Ok(())
 }
@@ -152,11 +246,14 @@ fn gather_kernel(mem: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]) -> Re
         )
     };
     let b = base.addr();
+    let how = RowCopy::pick(rb);
     match rb {
-        320 => gather_loop(r, o, tbl, b, len, 320, dist),
-        64 => gather_loop(r, o, tbl, b, len, 64, dist),
-        32 => gather_loop(r, o, tbl, b, len, 32, dist),
-        _ => gather_loop(r, o, tbl, b, len, rb, dist),
+        320 => gather_loop::<320>(r, o, tbl, b, len, rb, dist, how),
+        256 => gather_loop::<256>(r, o, tbl, b, len, rb, dist, how),
+        128 => gather_loop::<128>(r, o, tbl, b, len, rb, dist, how),
+        64 => gather_loop::<64>(r, o, tbl, b, len, rb, dist, how),
+        32 => gather_loop::<32>(r, o, tbl, b, len, rb, dist, how),
+        _ => gather_loop::<0>(r, o, tbl, b, len, rb, dist, how),
     }
 }
 
@@ -243,7 +340,7 @@ impl ResidentGather {
             n,
             row_bytes,
             total,
-            dist: 16,
+            dist: 8,
             dev: Some((refs_dev, out_dev, stream)),
             refs: vec![RowRef::default(); n],
             lease: None,
@@ -270,7 +367,7 @@ impl ResidentGather {
         self.n * self.row_bytes
     }
 
-    /// Prefetch distance of the kernel in rows (default 16; 0 disables it).
+    /// Prefetch distance of the kernel in rows (default 8; 0 disables it).
     pub fn set_prefetch(&mut self, rows: u32) {
         self.dist = rows;
     }
@@ -326,6 +423,26 @@ impl ResidentGather {
             .u32(self.dist)
             .run(stream)?;
         Ok(self.gpu.synchronize(stream)?)
+    }
+
+    /// Untimed: check that the last [`run`](Self::run) wrote every
+    /// prepared row, in order, as the table holds it.
+    pub fn check(&self) -> Result<()> {
+        let (_, out_dev, _) = self.dev()?;
+        let rb = self.row_bytes;
+        let mut out = vec![0u8; self.n * rb];
+        self.gpu.copy_d2h(out_dev, &mut out)?;
+        let base = self.table.base();
+        let mut row = vec![0u8; rb];
+        for (i, r) in self.refs.iter().enumerate() {
+            let off = r.data.checked_sub(base.addr()).context("bench gather: ref below the table")?;
+            self.gpu.copy_d2h(base.offset(off as usize), &mut row)?;
+            ensure!(
+                out[i * rb..(i + 1) * rb] == row[..],
+                "bench gather: row {i} (table offset {off}) differs"
+            );
+        }
+        Ok(())
     }
 
     /// The baseline: a contiguous `memcpy` of the same bytes, from an offset
@@ -598,8 +715,12 @@ mod tests {
         assert_eq!(files.info.rows, 512);
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
         let mut g = ResidentGather::new(&files, gpu.clone(), 64, 1).unwrap();
-        g.prepare().unwrap();
-        g.run().unwrap();
+        for pf in [0, 3, 8] {
+            g.set_prefetch(pf);
+            g.prepare().unwrap();
+            g.run().unwrap();
+            g.check().unwrap();
+        }
         g.baseline();
         assert_eq!(g.bytes(), 64 * 320);
         g.close().unwrap();
