@@ -29,12 +29,12 @@ use std::time::{Duration, Instant};
 use metrale_model_layers::bench::{Rng, naive_project};
 use metrale_model_layers::layers::ple::PleWeights;
 use metrale_model_layers::layers::ple::kernels::conv::{ConvDims, conv, conv_batch};
-use metrale_model_layers::layers::ple::kernels::gate::{GateDims, GateInputs, gate};
-use metrale_model_layers::layers::ple::kernels::gather::{GatherDType, RowSrc, gather_rows};
-use metrale_model_layers::layers::ple::kernels::gemm::{packed_as_bf16, project};
 use metrale_model_layers::layers::ple::kernels::cpu::{
     Avx512Projection, CpuPath, MulAddLoop, avx512_projection, mul_add_rate,
 };
+use metrale_model_layers::layers::ple::kernels::gate::{GateDims, GateInputs, gate};
+use metrale_model_layers::layers::ple::kernels::gather::{GatherDType, RowSrc, gather_rows};
+use metrale_model_layers::layers::ple::kernels::gemm::{packed_as_bf16, project};
 use metrale_model_layers::layers::ple::kernels::{cpu, pack_projection};
 use metrale_storage::dtype::bf16_to_f32;
 
@@ -429,7 +429,10 @@ fn main() {
         let (med, best, share) = summarize(&runs);
         ours.push((format!("decode batch {b}"), b as f64 / med));
         let pm = proj_med(&runs);
-        gflops.push((format!("decode batch {b}"), flop_token * b as f64 / pm / 1e9));
+        gflops.push((
+            format!("decode batch {b}"),
+            flop_token * b as f64 / pm / 1e9,
+        ));
         if b == 1 {
             decode1_proj = Some(pm);
         }
@@ -474,10 +477,10 @@ fn machine_figures(packed: &[f32], gflops: &[(String, f64)], decode1_proj: Optio
                  (two FLOPs a product, {} products an instruction)",
                 l.products()
             );
-            if l != MulAddLoop::Dot512 && MulAddLoop::Dot512.available() {
-                if let Some(dot) = peak_gflops(MulAddLoop::Dot512) {
-                    println!("  (the BF16 dot product, Dot512, measures {dot:.1} GFLOP/s)");
-                }
+            if l != MulAddLoop::Dot512
+                && let Some(dot) = peak_gflops(MulAddLoop::Dot512)
+            {
+                println!("  (the BF16 dot product, Dot512, measures {dot:.1} GFLOP/s)");
             }
             for (label, g) in gflops {
                 println!(

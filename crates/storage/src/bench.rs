@@ -71,16 +71,18 @@ pub fn write_table(
 fn prefetch_row(p: *const u8, rb: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        let first = p as usize & !63;
-        let mut line = first;
-        while line < p as usize + rb {
+        // The row's first line starts `lead` bytes before it.
+        let lead = p as usize & 63;
+        let first = p.wrapping_sub(lead);
+        let mut k = 0;
+        while k < lead + rb {
             // SAFETY: prefetch never faults, whatever the address.
             unsafe {
                 std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    p.wrapping_add(line - p as usize).cast(),
+                    first.wrapping_add(k).cast(),
                 )
             };
-            line += 64;
+            k += 64;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -435,7 +437,10 @@ impl ResidentGather {
         let base = self.table.base();
         let mut row = vec![0u8; rb];
         for (i, r) in self.refs.iter().enumerate() {
-            let off = r.data.checked_sub(base.addr()).context("bench gather: ref below the table")?;
+            let off = r
+                .data
+                .checked_sub(base.addr())
+                .context("bench gather: ref below the table")?;
             self.gpu.copy_d2h(base.offset(off as usize), &mut row)?;
             ensure!(
                 out[i * rb..(i + 1) * rb] == row[..],

@@ -492,6 +492,7 @@ fn bench_storage(ctx: &mut Ctx) -> Result<Vec<Row>> {
         &|w| w.prepare(),
         &[&|w| w.run(), &infallible(ResidentGather::baseline)],
     )?;
+    w.check()?;
     let (n, gb) = (w.rows(), w.bytes() as f64 / 1e9);
     w.close()?;
     let mut rows = vec![Row::rate(

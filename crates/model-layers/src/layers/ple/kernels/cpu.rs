@@ -261,8 +261,12 @@ mod peak {
         // SAFETY: 512 bits are valid BF16 pairs whatever the pattern.
         let (a, b): (__m512bh, __m512bh) = unsafe {
             (
-                std::mem::transmute(_mm512_set1_epi32(std::hint::black_box(0x3F81_3F93))),
-                std::mem::transmute(_mm512_set1_epi32(std::hint::black_box(0x3001_B073))),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(std::hint::black_box(
+                    0x3F81_3F93,
+                ))),
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(std::hint::black_box(
+                    0x3001_B073,
+                ))),
             )
         };
         let mut c = [_mm512_setzero_ps(); CHAINS];

@@ -521,7 +521,8 @@ fn panels_fma512(
             // SAFETY: AVX-512F as above; the assert and the slice lengths
             // bound every access (`a1` only when n == 2).
             unsafe {
-                let (xp, bp, p0, p1) = (xs.as_ptr(), buf.as_ptr(), a0.as_mut_ptr(), a1.as_mut_ptr());
+                let (xp, bp, p0, p1) =
+                    (xs.as_ptr(), buf.as_ptr(), a0.as_mut_ptr(), a1.as_mut_ptr());
                 macro_rules! tile {
                     ($($m:literal)*) => {
                         match (mr, n) {
@@ -832,6 +833,8 @@ mod avx512 {
     /// for `i < M`, `k < kc`; `b` at `kc * 2 * NR` values; each `acc[p]`
     /// readable and writable at `M * NR` values.
     #[target_feature(enable = "avx512f")]
+    // Register tiles read clearest indexed by row and panel.
+    #[allow(clippy::needless_range_loop)]
     pub(super) unsafe fn micro_fma<const M: usize, const P: usize>(
         x: *const f32,
         xs: usize,
@@ -876,6 +879,7 @@ mod avx512 {
     /// The CPU must support AVX-512F; `x` readable at `e` values, `w` at `P`
     /// packed panels of depth `e`, `out` writable at `P * NR` values.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)]
     pub(super) unsafe fn row_direct<const P: usize>(
         x: *const f32,
         w: *const u16,
