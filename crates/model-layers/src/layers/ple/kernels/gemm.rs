@@ -58,6 +58,10 @@ const TILE_ROWS: usize = 96;
 /// Panels one single-row task reads side by side.
 #[cfg(target_arch = "x86_64")]
 const GROUP: usize = 4;
+/// Depth of a weight block the AVX-512 FMA kernel widens at once (two
+/// panels: 16 KiB of f32, a third of L1, so the activation rows of a tile
+/// stay cached beside it).
+const KC_512: usize = 128;
 /// Rows of the AVX-512 FMA register tile (of 32 registers: 2 x 12
 /// accumulators, the two weight vectors, the broadcast).
 const MR_512: usize = 12;
@@ -470,20 +474,20 @@ fn panels_fma512(
     let pl = panel_len(e);
     assert!((1..=2).contains(&n) && wp.len() == n * pl && acc.len() == n * rows * NR);
     assert!(xt.len() == rows * e);
-    let mut buf = [0.0f32; KC * 2 * NR];
+    let mut buf = [0.0f32; KC_512 * 2 * NR];
     let (acc0, acc1) = acc.split_at_mut(rows * NR);
-    for kb in (0..e).step_by(KC) {
-        let kc = KC.min(e - kb);
+    for kb in (0..e).step_by(KC_512) {
+        let kc = KC_512.min(e - kb);
         // The block to prefetch: panels `q` at `base + q * pl`, `len` halves
         // each (a 64-byte line holds one pair of 16 columns: 32 halves).
-        let (pf, pf_panels, pf_steps) = if kb + KC < e {
-            (&wp[(kb + KC) * NR..], n, KC.min(e - kb - KC))
+        let (pf, pf_panels, pf_steps) = if kb + KC_512 < e {
+            (&wp[(kb + KC_512) * NR..], n, KC_512.min(e - kb - KC_512))
         } else {
-            (next, (next.len() / pl).min(2), KC.min(e))
+            (next, (next.len() / pl).min(2), KC_512.min(e))
         };
         let pf_lines = pf_steps.div_ceil(2);
         for q in 0..n {
-            // KC is even, so block `kb` starts at half `kb * NR` of a panel.
+            // KC_512 is even, so block `kb` starts at half `kb * NR` of a panel.
             let src = &wp[q * pl + kb * NR..q * pl + kb * NR + kc.div_ceil(2) * 2 * NR];
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `project_checked` picks this kernel only where the CPU
