@@ -303,7 +303,7 @@ fn project_checked(
         return Ok(());
     }
     let e2 = e.div_ceil(2);
-    let mut pairs = Vec::new();
+    let (mut pairs, mut packed) = (Vec::new(), Vec::new());
     for t0 in (0..t).step_by(TILE_ROWS) {
         let rows = TILE_ROWS.min(t - t0);
         let xt = &x[t0 * e..(t0 + rows) * e];
@@ -317,7 +317,10 @@ fn project_checked(
                 })
             }));
         }
-        let xpairs = &pairs[..];
+        if kernel == Kernel::Avx512Fma {
+            pack_tiles(xt, rows, e, &mut packed);
+        }
+        let (xpairs, xpacked) = (&pairs[..], &packed[..]);
         if matches!(kernel, Kernel::Avx512Fma | Kernel::Avx512Dot) {
             // Two panels a task share every activation broadcast.
             let groups = np.div_ceil(2);
@@ -335,7 +338,7 @@ fn project_checked(
                         panels_bf16(xpairs, wg, n, acc_n, rows, e);
                     } else {
                         let next = &w[((p0 + n) * panel_len(e)).min(w.len())..];
-                        panels_fma512(xt, wg, next, n, acc_n, rows, e);
+                        panels_fma512(xpacked, wg, next, n, acc_n, rows, e);
                     }
                     for q in 0..n {
                         let p = p0 + q;
@@ -452,8 +455,37 @@ fn panels_bf16(xpairs: &[u32], wp: &[u16], n: usize, acc: &mut [f32], rows: usiz
     }
 }
 
+/// The register-tile heights `rows` rows split into: near-equal, at most
+/// `MR_512` (32 rows become 11 + 11 + 10: short tiles leave FMA latency
+/// exposed). Heights change nothing in the results.
+fn tiles_512(rows: usize) -> impl Iterator<Item = usize> {
+    let tiles = rows.div_ceil(MR_512);
+    let (base, extra) = (rows / tiles.max(1), rows % tiles.max(1));
+    (0..tiles).map(move |tile| base + usize::from(tile < extra))
+}
+
+/// `xt [rows, e]` into `out` tile by tile (heights from [`tiles_512`]): a
+/// tile of height `m` starting at row `r0` is `[e, m]` at `out[r0 * e..]`,
+/// so a register tile's activations of one step lie side by side and its
+/// broadcasts walk one pointer.
+fn pack_tiles(xt: &[f32], rows: usize, e: usize, out: &mut Vec<f32>) {
+    out.clear();
+    out.resize(rows * e, 0.0);
+    let mut r0 = 0;
+    for m in tiles_512(rows) {
+        let dst = &mut out[r0 * e..(r0 + m) * e];
+        for i in 0..m {
+            let row = &xt[(r0 + i) * e..(r0 + i + 1) * e];
+            for (k, &v) in row.iter().enumerate() {
+                dst[k * m + i] = v;
+            }
+        }
+        r0 += m;
+    }
+}
+
 /// `n` (1 or 2) consecutive panels with the AVX-512 FMA kernel for `rows`
-/// token rows of `xt` (`[rows, e]` f32): `acc [n, rows, NR]` gets their
+/// token rows, `xp` the rows packed by [`pack_tiles`]: `acc [n, rows, NR]` gets their
 /// outputs. Each `KC` block of the weights is widened to f32 once, `[kc,
 /// 2 * NR]` (both panels of a step side by side), and shared by every
 /// register tile of the rows.
@@ -463,7 +495,7 @@ fn panels_bf16(xpairs: &[u32], wp: &[u16], n: usize, acc: &mut [f32], rows: usiz
 /// the first block of `next`, the panels the task likely runs next), so the
 /// widening finds its block in cache.
 fn panels_fma512(
-    xt: &[f32],
+    xp: &[f32],
     wp: &[u16],
     next: &[u16],
     n: usize,
@@ -473,7 +505,7 @@ fn panels_fma512(
 ) {
     let pl = panel_len(e);
     assert!((1..=2).contains(&n) && wp.len() == n * pl && acc.len() == n * rows * NR);
-    assert!(xt.len() == rows * e);
+    assert!(xp.len() == rows * e);
     let mut buf = [0.0f32; KC_512 * 2 * NR];
     let (acc0, acc1) = acc.split_at_mut(rows * NR);
     for kb in (0..e).step_by(KC_512) {
@@ -499,9 +531,8 @@ fn panels_fma512(
             unreachable!("AVX-512 is never available off x86-64: {src:?}");
         }
         let tiles = rows.div_ceil(MR_512);
-        let (base, extra) = (rows / tiles, rows % tiles);
         let mut r0 = 0;
-        for tile in 0..tiles {
+        for (tile, mr) in tiles_512(rows).enumerate() {
             // This tile's share of the next block's lines.
             for q in 0..pf_panels {
                 let (l0, l1) = (tile * pf_lines / tiles, (tile + 1) * pf_lines / tiles);
@@ -511,10 +542,8 @@ fn panels_fma512(
                     }
                 }
             }
-            let mr = base + usize::from(tile < extra);
-            let xs = &xt[r0 * e + kb..];
-            // The last x element read is (mr - 1) * e + kc - 1.
-            assert!(xs.len() >= (mr - 1) * e + kc);
+            // Steps `kb .. kb + kc` of this tile, `[kc, mr]`.
+            let xs = &xp[r0 * e + kb * mr..r0 * e + (kb + kc) * mr];
             let a0 = &mut acc0[r0 * NR..(r0 + mr) * NR];
             let a1: &mut [f32] = if n == 2 {
                 &mut acc1[r0 * NR..(r0 + mr) * NR]
@@ -522,16 +551,16 @@ fn panels_fma512(
                 &mut []
             };
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX-512F as above; the assert and the slice lengths
-            // bound every access (`a1` only when n == 2).
+            // SAFETY: AVX-512F as above; the slice lengths bound every
+            // access (`a1` only when n == 2).
             unsafe {
-                let (xp, bp, p0, p1) =
+                let (xs, bp, p0, p1) =
                     (xs.as_ptr(), buf.as_ptr(), a0.as_mut_ptr(), a1.as_mut_ptr());
                 macro_rules! tile {
                     ($($m:literal)*) => {
                         match (mr, n) {
-                            $(($m, 2) => avx512::micro_fma::<$m, 2>(xp, e, bp, kc, [p0, p1]),
-                              ($m, _) => avx512::micro_fma::<$m, 1>(xp, e, bp, kc, [p0]),)*
+                            $(($m, 2) => avx512::micro_fma::<$m, 2>(xs, bp, kc, [p0, p1]),
+                              ($m, _) => avx512::micro_fma::<$m, 1>(xs, bp, kc, [p0]),)*
                             _ => unreachable!("tile heights are at most MR_512"),
                         }
                     };
@@ -833,15 +862,14 @@ mod avx512 {
     /// feeds every panel.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F; `x` must be readable at `i * xs + k`
-    /// for `i < M`, `k < kc`; `b` at `kc * 2 * NR` values; each `acc[p]`
-    /// readable and writable at `M * NR` values.
+    /// The CPU must support AVX-512F; `x` (`[kc, M]`) must be readable at
+    /// `k * M + i` for `i < M`, `k < kc`; `b` at `kc * 2 * NR` values; each
+    /// `acc[p]` readable and writable at `M * NR` values.
     #[target_feature(enable = "avx512f")]
     // Register tiles read clearest indexed by row and panel.
     #[allow(clippy::needless_range_loop)]
     pub(super) unsafe fn micro_fma<const M: usize, const P: usize>(
         x: *const f32,
-        xs: usize,
         b: *const f32,
         kc: usize,
         acc: [*mut f32; P],
@@ -861,7 +889,7 @@ mod avx512 {
                     *bp = _mm512_loadu_ps(b.add(k * 2 * NR + p * NR));
                 }
                 for i in 0..M {
-                    let a = _mm512_set1_ps(*x.add(i * xs + k));
+                    let a = _mm512_set1_ps(*x.add(k * M + i));
                     for p in 0..P {
                         c[p][i] = _mm512_fmadd_ps(a, bk[p], c[p][i]);
                     }
