@@ -4,7 +4,8 @@ The same math as the Rust layer, docs/SPEC.md §5 (Layer math): row gather
 from a resident BF16 table, BF16 projections (key and value), then FP32 grouped
 RMS norms, gate, dilated causal conv with a carried state, and the highway
 add. Prints tokens/s for one 512-token prefill chunk and for decode steps of
-batch 1, 32 and 64, for side-by-side comparison with
+batch 1, 32 and 64 (with the projection's GFLOP/s), for side-by-side
+comparison with
 `cargo bench -p metrale-model-layers --bench ple_forward`.
 
 Not part of CI: it needs `pip install torch`. Usage:
@@ -93,6 +94,11 @@ def summary(steps):
     return s[len(s) // 2], s[0]
 
 
+def proj_gflops(times, tokens):
+    """The projection's GFLOP/s over `tokens` rows (two FLOPs a weight)."""
+    return 2.0 * E * (C + H) * tokens / times[1] / 1e9
+
+
 def shares(times):
     tot = sum(times)
     names = ["gather", "project", "gate", "conv"]
@@ -133,7 +139,8 @@ def main():
         med, best = summary(steps)
         print(f"prefill chunk {t}: median {t / med:8.1f} tokens/s, best {t / best:8.1f} tokens/s, "
               f"{t * a.reps / cpu:.1f} tokens/CPU-s  "
-              f"({med * 1e3:.1f} ms/chunk median; {shares(times)})")
+              f"({med * 1e3:.1f} ms/chunk median; {shares(times)}; "
+              f"projection {proj_gflops(times, t * a.reps):.1f} GFLOP/s)")
         for b in (1, 32, 64):
             highway = torch.rand(b, C, generator=gen) * 2 - 1
             states = torch.rand(b, S, C, generator=gen) * 2 - 1
@@ -150,7 +157,8 @@ def main():
             med, best = summary(per_step)
             print(f"decode batch {b:3d}: median {b / med:8.1f} tokens/s, best {b / best:8.1f} tokens/s, "
                   f"{b * steps / cpu:.1f} tokens/CPU-s  "
-                  f"({med * 1e3:.2f} ms/step median; {shares(times)})")
+                  f"({med * 1e3:.2f} ms/step median; {shares(times)}; "
+                  f"projection {proj_gflops(times, b * steps):.1f} GFLOP/s)")
 
 
 if __name__ == "__main__":
