@@ -23,8 +23,10 @@
 //!
 //! On the AVX-512 BF16 path the projection runs one of two kernels, the
 //! faster on this CPU ([`super::cpu::avx512_projection`]): 16-lane f32 FMAs
-//! over weights widened to f32 one `KC` block at a time (the AVX2 scheme on
-//! 512-bit registers), or `vdpbf16ps`. Both keep the chain's order.
+//! over weights widened to f32 one `KC_512` block at a time (the AVX2 scheme
+//! on 512-bit registers, with each token tile's activations packed register
+//! tile by register tile and the next weight block prefetched), or
+//! `vdpbf16ps`. Both keep the chain's order.
 //!
 //! The `vdpbf16ps` kernel keeps that order: it feeds `vdpbf16ps` pairs
 //! `(x[e], x[e+1])`, `(w[e], w[e+1])` with `e` in the half the instruction
