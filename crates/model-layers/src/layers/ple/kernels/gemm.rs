@@ -35,7 +35,7 @@
 //! to be exact BF16 values (rows gathered from a BF16 table are); a call
 //! with any other `x` runs the FMA kernel.
 //!
-//! Work split: token tiles of [`TILE_ROWS`] rows, sequentially; within a tile,
+//! Work split: token tiles of `TILE_ROWS` rows, sequentially; within a tile,
 //! rayon over weight panels. Each panel's weights are read once per tile and
 //! shared by every row of the tile, so a decode batch of up to `TILE_ROWS`
 //! rows streams the weights from memory once.
