@@ -20,9 +20,9 @@
 //! Tiny test models and the other shared test helpers live in the
 //! `metrale-testkit` crate, a dev-dependency only.
 
+pub mod backbone;
 #[cfg(feature = "bench")]
 pub mod bench;
-pub mod backbone;
 pub mod budget;
 pub mod engine;
 pub mod ple_site;

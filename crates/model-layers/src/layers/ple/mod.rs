@@ -28,4 +28,6 @@ pub mod spec;
 mod staging;
 
 pub use layer::{ForwardContext, LayerError, PleLayer, PleSeqState, PleWeights};
-pub use spec::{Combine, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError};
+pub use spec::{
+    Combine, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
+};
