@@ -150,3 +150,35 @@ fn offload_smoke_run_prints_every_table_as_json() {
     // The checkpoint written for the run stays for the next one.
     assert!(ck.join("config.json").is_file());
 }
+
+/// `--preset` with `--only`: a family's hash and layer figures, the layer
+/// rows naming the family. DeepSeek-V4.1 is left out: its [25600, 6144]
+/// projection makes the naive baseline minutes long in a debug build.
+#[test]
+fn family_presets_print_their_hash_and_layer_figures() {
+    for (preset, family) in [("engram-demo", "engram"), ("longcat-flash-lite", "longcat")] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+            .args(["bench", "--json", "--smoke", "--only", "ids,layer"])
+            .args(["--preset", preset, "--dir"])
+            .arg(dir.path())
+            .output()
+            .expect("run metrale-ple");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{preset}: {stderr}");
+        let rows: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        let rows = rows.as_array().expect("a JSON array");
+        let areas: Vec<&str> = rows.iter().map(|r| r["area"].as_str().unwrap()).collect();
+        assert_eq!(
+            areas,
+            ["ids", "ids", "layer", "layer"],
+            "{preset}: {rows:#?}"
+        );
+        let prefill = rows[2]["figure"].as_str().unwrap();
+        assert!(prefill.contains(family), "{preset}: {prefill}");
+        for row in rows {
+            let v = row["value"].as_f64().unwrap_or(f64::NAN);
+            assert!(v.is_finite() && v > 0.0, "{preset}: {row:#}");
+        }
+    }
+}

@@ -120,6 +120,17 @@ fn site_dims(spec: &ModelSpec, site: usize) -> Result<PleIdDims> {
         .dims)
 }
 
+/// Tokens of site `site` must be below this: the family's bound on the
+/// ids it hashes (Engram's compressed vocabulary when there is no token
+/// map), else the vocabulary.
+pub fn token_bound(spec: &ModelSpec, site: usize) -> Result<u64> {
+    let dims = site_dims(spec, site)?;
+    Ok(dims
+        .family
+        .token_limit()
+        .map_or(spec.vocab_size, |l| l.min(spec.vocab_size)))
+}
+
 /// Prefill hashing: the ids of `tokens` new tokens after an EOS history,
 /// through the fast hasher, against the plain `%` form.
 pub struct IdsPrefill {
@@ -143,7 +154,7 @@ impl IdsPrefill {
         let out = tokens * dims.ngram_heads();
         Ok(IdsPrefill {
             history: vec![dims.eos_token_id; dims.context_len()],
-            tokens: self::tokens(tokens, spec.vocab_size, dims.eos_token_id, 42),
+            tokens: self::tokens(tokens, token_bound(spec, site)?, dims.eos_token_id, 42),
             hasher,
             portable,
             dims,
@@ -236,7 +247,12 @@ impl IdsDecode {
         let dims = site_dims(spec, site)?;
         let hasher = PleIdHasher::new(&dims)?;
         let c = dims.context_len();
-        let all = tokens(batch * (c + 1), spec.vocab_size, dims.eos_token_id, 42);
+        let all = tokens(
+            batch * (c + 1),
+            token_bound(spec, site)?,
+            dims.eos_token_id,
+            42,
+        );
         let (histories, new) = all.split_at(batch * c);
         let out = batch * dims.ngram_heads();
         Ok(IdsDecode {
@@ -379,7 +395,9 @@ impl<'a> LayerForward<'a> {
             if t == 0 || b == 0 {
                 return Err(BenchError::Setup("sizes must be positive"));
             }
-            if weights.key_proj.len() != c * e || weights.value_proj.len() != h * e {
+            // A site without a gate (LongCat's mean) has no key projection.
+            let keys = weights.key_proj.len();
+            if (keys != c * e && keys != 0) || weights.value_proj.len() != h * e {
                 return Err(BenchError::Setup("the weights do not match the layer"));
             }
             let stream = gpu.create_stream()?;
@@ -409,7 +427,7 @@ impl<'a> LayerForward<'a> {
             x: (0..e)
                 .map(|i| bf16_to_f32((i as u16).wrapping_mul(7919)))
                 .collect(),
-            y: vec![0.0; c + h],
+            y: vec![0.0; (weights.key_proj.len() + weights.value_proj.len()) / e.max(1)],
             e,
         };
         let init: Vec<u8> = (0..t.max(b) * c)

@@ -46,18 +46,19 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
-use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
+use metrale_checkpoint::{Checkpoint, InitOptions, Preset};
 use metrale_engine::bench::{PrefixRestore, SwapCarry};
 use metrale_engine::{Engine, EngineConfig, Site};
 use metrale_gpu_runtime::bench::CopyD2d;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::bench::{IdsDecode, IdsPrefill, LayerForward, LayerSizes};
+use metrale_model_layers::bench::{IdsDecode, IdsPrefill, LayerForward, LayerSizes, token_bound};
 use metrale_model_layers::layers::ple::ModelSpec;
 use metrale_storage::bench::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 
 use self::report::{Row, print_rows};
 use super::common::{Device, bytes, open_backend};
+use super::init::PresetArg;
 use super::run::{EngineSetup, build_engine};
 use super::{CmdError, failure, input};
 
@@ -92,6 +93,30 @@ pub struct BenchArgs {
     /// runtime figures measure host work and run on the CPU backend.
     #[arg(long, default_value = "cpu", value_name = "cpu|cuda[:N]")]
     device: Device,
+    /// The geometry and hash family of every workload: flagship (the
+    /// default), or a family preset (engram-demo, deepseek-v4.1,
+    /// longcat-flash-lite) for its hash and layer figures.
+    #[arg(long, value_enum, value_name = "PRESET")]
+    preset: Option<PresetArg>,
+    /// Only these sections, comma-separated (ids, storage, layer, engine,
+    /// runtime); default all.
+    #[arg(long, value_delimiter = ',', value_name = "SECTION")]
+    only: Vec<SectionArg>,
+}
+
+/// A section of the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum SectionArg {
+    /// The hash: prefill and batched decode ids.
+    Ids,
+    /// Resident gather, the cached table's hits and the miss path's reads.
+    Storage,
+    /// One layer's forward, prefill and batched decode.
+    Layer,
+    /// Prefix restore and carry swap.
+    Engine,
+    /// The runtime's device copy.
+    Runtime,
 }
 
 /// The benchmarks `bench` runs apart from its table.
@@ -301,13 +326,16 @@ pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
     if let Some(BenchCommand::Offload(a)) = &args.command {
         return offload::run(a);
     }
-    let sizes = if args.smoke {
+    let mut sizes = if args.smoke {
         SMOKE
     } else if args.quick {
         QUICK
     } else {
         FULL
     };
+    if let Some(p) = args.preset {
+        sizes.model = p.preset();
+    }
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     if !parent.is_dir() {
         return Err(input(anyhow::anyhow!(
@@ -342,7 +370,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
         dir: scratch.0.clone(),
         checkpoint: None,
     };
-    let rows = bench_all(&mut ctx).map_err(failure)?;
+    let rows = bench_all(&mut ctx, &args.only).map_err(failure)?;
     drop(ctx);
     drop(scratch);
     eprintln!("bench: done in {:.1} s", t0.elapsed().as_secs_f64());
@@ -375,7 +403,7 @@ impl Ctx {
             let opts = InitOptions {
                 preset: self.sizes.model,
                 table_rows: Some(self.sizes.table_rows),
-                dtype: TableDType::Bf16,
+                dtype: self.sizes.model.default_dtype(),
                 seed: 1,
             };
             write_synthetic(&dir, &opts, &mut |_, _| {})?;
@@ -392,10 +420,11 @@ impl Ctx {
     }
 }
 
-/// "H 2560, hc 4, 16x160 heads".
+/// "qwen4exp, H 2560, hc 4, 16x160 heads".
 fn describe(g: &ModelSpec) -> String {
     format!(
-        "H {}, hc {}, {}x{} heads",
+        "{}, H {}, hc {}, {}x{} heads",
+        g.family.name(),
         g.hidden_size,
         g.hc_mult,
         g.ngram_heads(),
@@ -406,16 +435,19 @@ fn describe(g: &ModelSpec) -> String {
 /// One area's benchmarks.
 type Section = fn(&mut Ctx) -> Result<Vec<Row>>;
 
-fn bench_all(ctx: &mut Ctx) -> Result<Vec<Row>> {
+fn bench_all(ctx: &mut Ctx, only: &[SectionArg]) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
-    let sections: [(&str, Section); 5] = [
-        ("ids", bench_ids),
-        ("storage", bench_storage),
-        ("layer", bench_layer),
-        ("engine", bench_engine),
-        ("runtime", bench_runtime),
+    let sections: [(SectionArg, &str, Section); 5] = [
+        (SectionArg::Ids, "ids", bench_ids),
+        (SectionArg::Storage, "storage", bench_storage),
+        (SectionArg::Layer, "layer", bench_layer),
+        (SectionArg::Engine, "engine", bench_engine),
+        (SectionArg::Runtime, "runtime", bench_runtime),
     ];
-    for (name, f) in sections {
+    for (which, name, f) in sections {
+        if !only.is_empty() && !only.contains(&which) {
+            continue;
+        }
         let t0 = Instant::now();
         eprintln!("bench: {name} ...");
         rows.extend(f(ctx).with_context(|| format!("{name} benchmark"))?);
@@ -586,7 +618,7 @@ fn bench_layer(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let sizes = LayerSizes {
         prefill_tokens: s.prefill_tokens,
         decode_batch: s.decode_batch,
-        vocab: ck.spec.vocab_size,
+        vocab: token_bound(&ck.spec, 0)?,
     };
     let w = LayerForward::new(layer, &site.weights, gpu.as_ref(), sizes, 0x5EED)?;
     layer_rows(&s, &ck.spec, w)
