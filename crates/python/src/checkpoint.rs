@@ -11,7 +11,7 @@ use metrale_checkpoint::{InitOptions, Preset, TableDType};
 use metrale_model_layers::layers::ple::ids::PleIdHasher;
 
 use crate::error::{py_err, value_error};
-use crate::ids::{Ids, hash};
+use crate::ids::{Bounds, Ids, hash};
 use crate::layer::Layer;
 
 /// Write a deterministic synthetic checkpoint (random weights from `seed`,
@@ -254,12 +254,17 @@ impl Site {
 
     /// Hash `tokens` after `history` (default: a fresh sequence) into this
     /// site's row ids, as `metrale_ple.ids` with the site's constants.
-    #[pyo3(signature = (tokens, history = None))]
+    /// Engram sites also take DeepSeek-V4.1's document starts and masked
+    /// positions (positions in `tokens`), as `metrale-ple ids
+    /// --doc-starts/--masked` does.
+    #[pyo3(signature = (tokens, history = None, *, doc_starts = None, masked = None))]
     fn ids(
         &self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         history: Option<&Bound<'_, PyAny>>,
+        doc_starts: Option<Vec<usize>>,
+        masked: Option<Vec<usize>>,
     ) -> PyResult<Ids> {
         hash(
             py,
@@ -268,6 +273,7 @@ impl Site {
             self.site().padded_rows,
             tokens,
             history,
+            &Bounds { doc_starts, masked },
         )
     }
 

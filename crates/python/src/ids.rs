@@ -8,7 +8,8 @@ use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use metrale_model_layers::layers::ple::ids::{
-    DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, PleHashParams, PleIdDims, PleIdHasher,
+    Boundaries, DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, HashFamily, PleHashParams, PleIdDims,
+    PleIdHasher,
 };
 use metrale_model_layers::layers::ple::spec::engram::token_map_from_tokenizer_json;
 
@@ -50,7 +51,46 @@ impl Ids {
     }
 }
 
-/// Hash `tokens` after `history` (default: a fresh sequence) with `hasher`.
+/// Engram's document starts and masked positions, each a list of
+/// positions in `tokens` (`None`: no flags).
+#[derive(Default)]
+pub(crate) struct Bounds {
+    pub doc_starts: Option<Vec<usize>>,
+    pub masked: Option<Vec<usize>>,
+}
+
+impl Bounds {
+    fn any(&self) -> bool {
+        self.doc_starts.is_some() || self.masked.is_some()
+    }
+}
+
+/// One flag per position of `history ++ tokens` from positions in
+/// `tokens`, or an empty slice for `None`.
+fn position_flags(
+    what: &str,
+    list: Option<&[usize]>,
+    history: usize,
+    tokens: usize,
+) -> PyResult<Vec<bool>> {
+    let Some(list) = list else {
+        return Ok(Vec::new());
+    };
+    let mut flags = vec![false; history + tokens];
+    for &p in list {
+        if p >= tokens {
+            return Err(value_error(format!(
+                "{what}: position {p} is past the {tokens} tokens given"
+            )));
+        }
+        flags[history + p] = true;
+    }
+    Ok(flags)
+}
+
+/// Hash `tokens` after `history` (default: a fresh sequence) with `hasher`,
+/// with Engram's document starts and masked positions when `bounds` has
+/// any.
 pub(crate) fn hash(
     py: Python<'_>,
     hasher: &PleIdHasher,
@@ -58,6 +98,7 @@ pub(crate) fn hash(
     padded_rows: u64,
     tokens: &Bound<'_, PyAny>,
     history: Option<&Bound<'_, PyAny>>,
+    bounds: &Bounds,
 ) -> PyResult<Ids> {
     let dims: &PleIdDims = hasher.dims();
     let ctx = dims.context_len();
@@ -77,9 +118,25 @@ pub(crate) fn hash(
     };
     let heads = dims.ngram_heads();
     let n = tokens.len();
+    if bounds.any() && !matches!(hasher.family(), HashFamily::Engram { .. }) {
+        return Err(value_error(format!(
+            "doc_starts and masked are defined for the Engram family; this site is {}",
+            hasher.family().name()
+        )));
+    }
+    let doc_start = position_flags("doc_starts", bounds.doc_starts.as_deref(), ctx, n)?;
+    let masked = position_flags("masked", bounds.masked.as_deref(), ctx, n)?;
     let flat = py.detach(|| -> anyhow::Result<Vec<u64>> {
         let mut ids = vec![0u64; n * heads];
-        hasher.ids_with_history_into(&hist, &tokens, &mut ids)?;
+        if bounds.any() {
+            let b = Boundaries {
+                doc_start: &doc_start,
+                masked: &masked,
+            };
+            hasher.engram_ids_bounded_into(&hist, &tokens, b, &mut ids)?;
+        } else {
+            hasher.ids_with_history_into(&hist, &tokens, &mut ids)?;
+        }
         dims.advance_history(&mut hist, &tokens);
         Ok(ids)
     });
@@ -137,7 +194,15 @@ pub(crate) fn ids(
             Ok((PleIdHasher::new(&derived.dims)?, derived.padded_rows))
         })
         .map_err(py_err)?;
-    hash(py, &hasher, vocab_size, padded, tokens, history)
+    hash(
+        py,
+        &hasher,
+        vocab_size,
+        padded,
+        tokens,
+        history,
+        &Bounds::default(),
+    )
 }
 
 /// Engram's compressed-token map of the tokenizer in `tokenizer` (a

@@ -72,7 +72,14 @@ class Site:
     def head_offsets(self) -> list[int]: ...
     @property
     def ngram_heads(self) -> int: ...
-    def ids(self, tokens: Tokens, history: Tokens | None = None) -> Ids: ...
+    def ids(
+        self,
+        tokens: Tokens,
+        history: Tokens | None = None,
+        *,
+        doc_starts: Sequence[int] | None = None,
+        masked: Sequence[int] | None = None,
+    ) -> Ids: ...
 
 class Checkpoint:
     """A validated checkpoint directory."""
