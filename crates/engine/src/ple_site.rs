@@ -7,12 +7,24 @@
 //! batch), and the seed's `snapshot_aux` / `restore_aux` /
 //! `release_seq_state`.
 //!
-//! Invariant: the wrapper adds no state of its own, so a carry's meaning is
-//! exactly the layer's.
+//! A step's prefetch ([`Site::prefetch_step`]) hashes the step's tokens
+//! once ([`PleLayer::hash_ahead`]) and keeps the ids, and the step's
+//! forwards (eager batched, prestaged for a graph, or one sequence's
+//! chunk) take them from there instead of hashing again.
+//!
+//! Invariant: the wrapper adds no state of a carry's, so a carry's meaning
+//! is exactly the layer's; the ids it keeps are a pure function of a
+//! carried history and tokens, which the layer matches before using them,
+//! so they never change an output.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
-use metrale_model_layers::layers::ple::ids::PleIdHasher;
-use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, SiteSpec};
+use metrale_model_layers::layers::ple::{
+    ForwardContext, HashedIds, PleLayer, PleSeqState, SiteSpec,
+};
 use metrale_storage::table::TableStats;
 
 use crate::engine::{Site, SiteResult};
@@ -20,13 +32,48 @@ use crate::engine::{Site, SiteResult};
 /// A PLE layer driven by the engine.
 pub struct PleSite {
     layer: PleLayer,
+    /// The ids of the last step prefetch, for that step's forwards.
+    hashed: Mutex<Option<Arc<HashedIds>>>,
+    /// Host time of step prefetches: hashing, then queueing the reads.
+    hash_ns: AtomicU64,
+    prefetch_ns: AtomicU64,
+}
+
+/// Host time a site spent starting its step prefetches.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefetchTime {
+    /// Hashing the step's ids.
+    pub hash: Duration,
+    /// Handing them to the table (claiming slots, queueing the reads).
+    pub queue: Duration,
 }
 
 impl PleSite {
     /// Wrap `layer`; the site's conv kernel size, dilation and every other
     /// dimension are those of the layer's spec.
     pub fn new(layer: PleLayer) -> Self {
-        PleSite { layer }
+        PleSite {
+            layer,
+            hashed: Mutex::new(None),
+            hash_ns: AtomicU64::new(0),
+            prefetch_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Host time of the step prefetches so far.
+    pub fn prefetch_time(&self) -> PrefetchTime {
+        PrefetchTime {
+            hash: Duration::from_nanos(self.hash_ns.load(Ordering::Relaxed)),
+            queue: Duration::from_nanos(self.prefetch_ns.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// The ids the last step prefetch hashed, if any.
+    fn hashed(&self) -> Option<Arc<HashedIds>> {
+        self.hashed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// The wrapped layer.
@@ -43,21 +90,21 @@ impl Site for PleSite {
     }
 
     fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        // One batch of ids for the whole step, so the table reads them together.
-        let spec = self.layer.spec();
-        let heads = spec.dims.ngram_heads();
-        let hasher = PleIdHasher::with_family(&spec.family, &spec.dims)?;
-        let mut ids = vec![0u64; work.iter().map(|(_, t)| t.len()).sum::<usize>() * heads];
-        let mut at = 0;
-        for (history, tokens) in work {
-            let n = tokens.len() * heads;
-            hasher.ids_with_history_into(history, tokens, &mut ids[at..at + n])?;
-            at += n;
-        }
-        if ids.is_empty() {
+        // One batch of ids for the whole step, so the table reads them
+        // together, kept for the step's forwards.
+        let t0 = Instant::now();
+        let hashed = self.layer.hash_ahead(work)?;
+        let t1 = Instant::now();
+        self.hash_ns
+            .fetch_add((t1 - t0).as_nanos() as u64, Ordering::Relaxed);
+        if hashed.is_empty() {
             return Ok(());
         }
-        Ok(self.layer.table().prefetch(&ids)?)
+        let r = self.layer.table().prefetch(hashed.ids());
+        *self.hashed.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(hashed));
+        self.prefetch_ns
+            .fetch_add(t1.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(r?)
     }
 
     fn table_stats(&self) -> TableStats {
@@ -80,9 +127,15 @@ impl Site for PleSite {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<()> {
-        Ok(self
-            .layer
-            .prestage_batch(states, tokens, rows, gpu, stream)?)
+        let hashed = self.hashed();
+        Ok(self.layer.prestage_batch_hashed(
+            states,
+            tokens,
+            rows,
+            hashed.as_deref(),
+            gpu,
+            stream,
+        )?)
     }
 
     fn forward_prestaged(
@@ -139,9 +192,16 @@ impl Site for PleSite {
         stream: StreamId,
     ) -> SiteResult<()> {
         let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
-        Ok(self
-            .layer
-            .forward(st, highway, tokens.len(), fresh, &ctx, stream)?)
+        let hashed = self.hashed();
+        Ok(self.layer.forward_hashed(
+            st,
+            highway,
+            tokens.len(),
+            fresh,
+            &ctx,
+            hashed.as_deref(),
+            stream,
+        )?)
     }
 
     fn forward_batch(
@@ -161,9 +221,15 @@ impl Site for PleSite {
             .into());
         }
         let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
-        Ok(self
-            .layer
-            .forward_batch(states, highway, states.len(), &ctx, stream)?)
+        let hashed = self.hashed();
+        Ok(self.layer.forward_batch_hashed(
+            states,
+            highway,
+            states.len(),
+            &ctx,
+            hashed.as_deref(),
+            stream,
+        )?)
     }
 
     fn snapshot(
@@ -190,6 +256,10 @@ impl Site for PleSite {
     }
 
     fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
+        *self
+            .hashed
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = None;
         Ok(self.layer.free(gpu)?)
     }
 }

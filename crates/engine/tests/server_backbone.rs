@@ -355,3 +355,104 @@ fn a_step_prefetch_reads_exactly_the_rows_the_step_resolves() {
     assert_eq!(d.hits, heads * 4, "{d:?}");
     e.close().unwrap();
 }
+
+/// What a step prefetch is told before each call in
+/// [`hashed_ids_run`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Ahead {
+    /// No prefetch: every forward hashes its own ids.
+    None,
+    /// The call's own tokens: its forwards take the prefetch's ids.
+    Same,
+    /// Other tokens: nothing matches, so its forwards hash.
+    Other,
+}
+
+/// Three sequences prefilled (in two chunks each) then decoded six steps
+/// together, eagerly or through decode graphs, with a step prefetch before
+/// every call as `ahead` says; every output row's bits, in order.
+fn hashed_ids_run(graphs: bool, ahead: Ahead) -> Vec<u32> {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let s: Vec<PleSite> = (0..2)
+        .map(|i| tiny_site(&gpu, &spec(), i, 0xBB).unwrap())
+        .collect();
+    let mut e = metrale_engine::Engine::new(gpu.clone(), s, engine_cfg()).unwrap();
+    if graphs {
+        e.enable_decode_graphs().unwrap();
+    }
+    let w = e.width();
+    let rows = |toks: &[u32]| {
+        let mut r = vec![0f32; toks.len() * w];
+        for (k, &t) in toks.iter().enumerate() {
+            embed(t, &mut r[k * w..(k + 1) * w]);
+        }
+        r
+    };
+    let prefetch = |e: &metrale_engine::Engine<PleSite>, work: &[(Vec<u32>, Vec<u32>)]| {
+        let shift = match ahead {
+            Ahead::None => return,
+            Ahead::Same => 0,
+            Ahead::Other => 1,
+        };
+        let shifted: Vec<Vec<u32>> = work
+            .iter()
+            .map(|(_, t)| t.iter().map(|v| v + shift).collect())
+            .collect();
+        let refs: Vec<(&[u32], &[u32])> = work
+            .iter()
+            .zip(&shifted)
+            .map(|((h, _), t)| (h.as_slice(), t.as_slice()))
+            .collect();
+        for site in e.sites() {
+            site.prefetch_step(&refs).unwrap();
+        }
+    };
+    let mut rng = Rng(0xA11);
+    let mut out = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let prompt: Vec<u32> = (0..7).map(|_| 1 + rng.below(900) as u32).collect();
+        let id = e.add_sequence(&prompt).unwrap().id;
+        for chunk in prompt.chunks(4) {
+            prefetch(&e, &[(e.tokens(id).unwrap().to_vec(), chunk.to_vec())]);
+            let mut r = rows(chunk);
+            e.prefill(id, chunk, &mut r).unwrap();
+            out.extend(r.iter().map(|v| v.to_bits()));
+        }
+        ids.push(id);
+    }
+    for _ in 0..6 {
+        let toks: Vec<u32> = ids.iter().map(|_| 1 + rng.below(900) as u32).collect();
+        let work: Vec<(Vec<u32>, Vec<u32>)> = ids
+            .iter()
+            .zip(&toks)
+            .map(|(&id, &t)| (e.tokens(id).unwrap().to_vec(), vec![t]))
+            .collect();
+        prefetch(&e, &work);
+        let batch: Vec<_> = ids.iter().copied().zip(toks.iter().copied()).collect();
+        let mut r = rows(&toks);
+        e.decode(&batch, &mut r).unwrap();
+        out.extend(r.iter().map(|v| v.to_bits()));
+    }
+    for site in e.sites() {
+        let t = site.prefetch_time();
+        assert_eq!(t.hash.is_zero(), ahead == Ahead::None, "{t:?}");
+    }
+    e.close().unwrap();
+    out
+}
+
+/// A step prefetch hands its ids to the step's forwards (eager batched,
+/// prestaged for a graph, a prefill chunk); they give the rows of forwards
+/// that hash their own, and a prefetch of other tokens is not used.
+#[test]
+fn ids_hashed_by_a_step_prefetch_give_the_same_rows_on_every_path() {
+    for graphs in [false, true] {
+        let want = hashed_ids_run(graphs, Ahead::None);
+        for ahead in [Ahead::Same, Ahead::Other] {
+            let got = hashed_ids_run(graphs, ahead);
+            assert!(got == want, "graphs {graphs}, prefetch {ahead:?}");
+        }
+    }
+    assert!(hashed_ids_run(false, Ahead::None) == hashed_ids_run(true, Ahead::None));
+}

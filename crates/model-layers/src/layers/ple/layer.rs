@@ -54,9 +54,11 @@ mod batch;
 mod build;
 mod error;
 mod forward;
+mod hashed;
 
 pub use error::LayerError;
 pub(crate) use error::{DeviceContext, layer_ensure, table_err};
+pub use hashed::HashedIds;
 
 /// Results of the layer.
 type Result<T, E = LayerError> = std::result::Result<T, E>;

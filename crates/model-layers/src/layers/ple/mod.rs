@@ -27,7 +27,7 @@ mod layer;
 pub mod spec;
 mod staging;
 
-pub use layer::{ForwardContext, LayerError, PleLayer, PleSeqState, PleWeights};
+pub use layer::{ForwardContext, HashedIds, LayerError, PleLayer, PleSeqState, PleWeights};
 pub use spec::{
     Combine, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
 };

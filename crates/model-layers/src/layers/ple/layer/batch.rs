@@ -20,7 +20,7 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
-use super::{ConvTarget, DeviceBufs, ForwardContext, PleLayer, PleSeqState, Result};
+use super::{ConvTarget, DeviceBufs, ForwardContext, HashedIds, PleLayer, PleSeqState, Result};
 use crate::layers::ple::staging::{self, StagedAt, Staging};
 
 /// What [`PleLayer::stage_batch`] does with the rows it resolves.
@@ -71,7 +71,22 @@ impl PleLayer {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> Result<()> {
-        self.stage_batch(states, tokens, rows, gpu, stream, Stage::Hold)
+        self.stage_batch(states, tokens, rows, gpu, stream, Stage::Hold, None)
+    }
+
+    /// [`Self::prestage_batch`], taking each sequence's ids from `hashed`
+    /// (see [`Self::hash_ahead`]) when it holds every one of them, else
+    /// hashing them as `prestage_batch` does. The same outputs either way.
+    pub fn prestage_batch_hashed(
+        &self,
+        states: &mut [&mut PleSeqState],
+        tokens: &[u32],
+        rows: usize,
+        hashed: Option<&HashedIds>,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        self.stage_batch(states, tokens, rows, gpu, stream, Stage::Hold, hashed)
     }
 
     /// Hash, resolve and stage one token per sequence at the batch slots
@@ -79,7 +94,9 @@ impl PleLayer {
     /// pinned for a later gather; with [`Stage::Gather`] they are gathered
     /// into `emb` part by part, each part's lease released with an event
     /// recorded right after its gather, so a batch may need more rows than
-    /// the table can pin at once.
+    /// the table can pin at once. Ids come from `hashed` when it holds
+    /// every sequence's, else from the hash.
+    #[allow(clippy::too_many_arguments)]
     fn stage_batch(
         &self,
         states: &mut [&mut PleSeqState],
@@ -88,6 +105,7 @@ impl PleLayer {
         gpu: &dyn GpuBackend,
         stream: StreamId,
         stage: Stage,
+        hashed: Option<&HashedIds>,
     ) -> Result<()> {
         self.check_live()?;
         let b = states.len();
@@ -135,8 +153,10 @@ impl PleLayer {
             .collect();
         let heads = self.dims.ngram_heads();
         let mut ids = vec![0u64; b * heads];
-        self.hasher
-            .decode_batch_into(&histories, tokens, &mut ids)?;
+        if !hashed.is_some_and(|h| h.fill_batch(&histories, tokens, &mut ids)) {
+            self.hasher
+                .decode_batch_into(&histories, tokens, &mut ids)?;
+        }
         let table = self.table.as_ref();
         if stage == Stage::Hold {
             let distinct = ids.iter().collect::<std::collections::HashSet<_>>().len();
@@ -306,6 +326,21 @@ impl PleLayer {
         ctx: &ForwardContext<'_>,
         stream: StreamId,
     ) -> Result<()> {
+        self.forward_batch_hashed(states, highway, rows, ctx, None, stream)
+    }
+
+    /// [`Self::forward_batch`], taking the ids of a step it stages itself
+    /// from `hashed` (see [`Self::hash_ahead`]) when it holds every
+    /// sequence's, else hashing them. The same outputs either way.
+    pub fn forward_batch_hashed(
+        &self,
+        states: &mut [&mut PleSeqState],
+        highway: DevicePtr,
+        rows: usize,
+        ctx: &ForwardContext<'_>,
+        hashed: Option<&HashedIds>,
+        stream: StreamId,
+    ) -> Result<()> {
         self.check_live()?;
         let gpu = ctx.gpu;
         let b = states.len();
@@ -330,7 +365,7 @@ impl PleLayer {
             Self::refuse_unstaged(ctx, stream)?;
         }
         let tokens = self.tokens_from(ctx, 0, b, capturing, stream)?;
-        self.stage_batch(states, &tokens, rows, gpu, stream, Stage::Gather)?;
+        self.stage_batch(states, &tokens, rows, gpu, stream, Stage::Gather, hashed)?;
         let table_ptr = self.staging.lock().conv_table();
         self.launch_rest(gpu, highway, rows, ConvTarget::Table(table_ptr), stream)
     }

@@ -12,7 +12,7 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
-use super::{ConvTarget, ForwardContext, PleLayer, PleSeqState, Result};
+use super::{ConvTarget, ForwardContext, HashedIds, PleLayer, PleSeqState, Result};
 use crate::layers::ple::spec::Combine;
 use crate::layers::ple::staging::{self, StagedAt};
 
@@ -140,6 +140,23 @@ impl PleLayer {
         ctx: &ForwardContext<'_>,
         stream: StreamId,
     ) -> Result<()> {
+        self.forward_hashed(st, highway, num_tokens, fresh, ctx, None, stream)
+    }
+
+    /// [`Self::forward`], taking the ids of tokens it hashes itself from
+    /// `hashed` (see [`Self::hash_ahead`]) when it holds them for this
+    /// carry's history, else hashing them. The same outputs either way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_hashed(
+        &self,
+        st: &mut PleSeqState,
+        highway: DevicePtr,
+        num_tokens: usize,
+        fresh: bool,
+        ctx: &ForwardContext<'_>,
+        hashed: Option<&HashedIds>,
+        stream: StreamId,
+    ) -> Result<()> {
         self.check_live()?;
         let gpu = ctx.gpu;
         layer_ensure!(
@@ -189,7 +206,7 @@ impl PleLayer {
             Self::refuse_unstaged(ctx, stream)?;
         }
         let tokens = self.tokens_from(ctx, 0, num_tokens, capturing, stream)?;
-        self.forward_eager(gpu, st, highway, &tokens, stream)
+        self.forward_eager(gpu, st, highway, &tokens, hashed, stream)
     }
 
     pub(super) fn refuse_unstaged(ctx: &ForwardContext<'_>, stream: StreamId) -> Result<()> {
@@ -216,12 +233,19 @@ impl PleLayer {
         st: &mut PleSeqState,
         highway: DevicePtr,
         tokens: &[u32],
+        hashed: Option<&HashedIds>,
         stream: StreamId,
     ) -> Result<()> {
         let heads = self.dims.ngram_heads();
-        let mut all = vec![0u64; tokens.len() * heads];
-        self.hasher
-            .ids_with_history_into(&st.history, tokens, &mut all)?;
+        let all = match hashed.and_then(|h| h.lookup(&st.history, tokens)) {
+            Some(ids) => ids.to_vec(),
+            None => {
+                let mut all = vec![0u64; tokens.len() * heads];
+                self.hasher
+                    .ids_with_history_into(&st.history, tokens, &mut all)?;
+                all
+            }
+        };
         let c = self.channels();
         let mut t0 = 0;
         while t0 < tokens.len() {
