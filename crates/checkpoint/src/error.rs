@@ -103,6 +103,22 @@ pub enum CheckpointError {
         /// What is wrong.
         msg: String,
     },
+    /// A DeepSeek-V4.1 table stored as released (F8_E4M3 values, their
+    /// F8_E8M0 block scales in a tensor of their own): the runtime reads a
+    /// row in one read, from the inline layout `table pack` converts to.
+    #[error(
+        "{file}: tensor {tensor} is stored as released, its block scales apart in {scale}; the \
+         runtime reads each row with its scales in one read: convert the checkpoint once with \
+         `metrale-ple table pack SRC DST` (SRC this checkpoint's directory)"
+    )]
+    ReleasedTable {
+        /// The safetensors file holding the values.
+        file: PathBuf,
+        /// The values' tensor.
+        tensor: String,
+        /// The scales' tensor.
+        scale: String,
+    },
     /// A site's table could not be opened or served.
     #[error("{what} of layer {layer}")]
     Table {

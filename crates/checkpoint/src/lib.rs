@@ -12,7 +12,8 @@
 //! synthetic checkpoints; [`load`] refuses anything a layer could trip on,
 //! with a [`CheckpointError`] naming the file and tensor; [`fold`] serves a
 //! table cut to fewer rows than the hash addresses; [`remap`] serves a
-//! table whose hot rows were relaid together.
+//! table whose hot rows were relaid together; [`release`] converts
+//! DeepSeek-V4.1's table as released to the rows the runtime reads.
 //!
 //! Invariant: a [`load::Checkpoint`] exists only for a directory that
 //! passed every check in [`load`].
@@ -24,6 +25,7 @@ pub mod fold;
 pub mod load;
 pub mod names;
 pub mod preset;
+pub mod release;
 pub mod remap;
 pub mod runtime;
 pub mod synth;
@@ -31,4 +33,4 @@ pub mod synth;
 pub use error::CheckpointError;
 pub use load::Checkpoint;
 pub use preset::Preset;
-pub use synth::{InitOptions, TableDType};
+pub use synth::{InitOptions, TableDType, TableLayout};

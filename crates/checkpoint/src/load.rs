@@ -20,6 +20,13 @@
 //! Only the dense weights are read (tens of MB at the flagship geometry,
 //! 315 MB for DeepSeek-V4.1's projections); table shards are checked from
 //! their headers alone.
+//!
+//! A DeepSeek-V4.1 table stored as released (values and block scales in
+//! two tensors, [`crate::release`]) is refused by [`Checkpoint::open`]
+//! with an error that says to convert it (`metrale-ple table pack`);
+//! [`Checkpoint::open_with`] and [`OpenOptions::release_tables`] accept it
+//! for that conversion only, as a site whose [`SiteTable::release`] names
+//! the pair.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -38,6 +45,7 @@ use serde::Deserialize;
 use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
 use crate::names::{CONFIG_FILE, EngramDemoNames, INDEX_FILE, SiteNames, TOKEN_MAP_FILE, V41Names};
+use crate::release::{SplitTable, check_split, is_block_scale};
 
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,6 +68,20 @@ pub struct SiteTable {
     /// own size (the table is their concatenation, each folded on its own
     /// when cut); empty when the shards are equal parts of one table.
     pub sub_tables: Vec<SubTable>,
+    /// DeepSeek-V4.1 opened with [`OpenOptions::release_tables`]: the
+    /// table's values and block scales are stored apart, as released, and
+    /// the table cannot be served until converted; `dtype` and `bytes` are
+    /// those of the converted table.
+    pub release: Option<SplitTable>,
+}
+
+/// How [`Checkpoint::open_with`] opens a checkpoint.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OpenOptions {
+    /// Accept DeepSeek-V4.1 tables stored as released (F8_E4M3 values and
+    /// F8_E8M0 scales in two tensors), checked from their headers, for
+    /// `table pack` to convert; [`Checkpoint::open`] refuses them.
+    pub release_tables: bool,
 }
 
 /// One LongCat sub-table.
@@ -250,8 +272,8 @@ impl Files {
     }
 
     /// A `[rows, cols]` FP8 E4M3 tensor with one UE8M0 scale per 32 x 32
-    /// block (tensor `scale`, `[ceil(rows/32), ceil(cols/32)]`, stored as
-    /// bytes), dequantised to BF16 bit patterns. The product of an E4M3
+    /// block (tensor `scale`, `[ceil(rows/32), ceil(cols/32)]`, F8_E8M0 or
+    /// U8), dequantised to BF16 bit patterns. The product of an E4M3
     /// value and a power of two is exact in BF16, so nothing is rounded.
     fn read_fp8_blocks(
         &self,
@@ -262,7 +284,13 @@ impl Files {
     ) -> Result<Vec<u16>> {
         let (file, w) = self.read(tensor, Dtype::F8E4M3, &[rows as u64, cols as u64])?;
         let (rb, cb) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
-        let (sfile, sc) = self.read(scale, crate::synth::SCALE_DTYPE, &[rb as u64, cb as u64])?;
+        // The release stores the scales as F8_E8M0; this project's inline
+        // checkpoints as their raw U8 bytes. Same bytes either way.
+        let sdtype = match self.find(scale)?.1.dtype {
+            Dtype::F8E8M0 => Dtype::F8E8M0,
+            _ => Dtype::U8,
+        };
+        let (sfile, sc) = self.read(scale, sdtype, &[rb as u64, cb as u64])?;
         if let Some(i) = sc.iter().position(|&b| b == 255) {
             return Err(CheckpointError::Value {
                 file: sfile,
@@ -331,11 +359,16 @@ fn check_buffer(file: &Path, tensor: &str, stored: &[i64], derived: &[u64]) -> R
 impl Checkpoint {
     /// Open and fully validate the checkpoint in `dir`.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
+        Self::open_with(dir, OpenOptions::default())
+    }
+
+    /// [`Checkpoint::open`] with `opts`.
+    pub fn open_with(dir: &Path, opts: OpenOptions) -> Result<Checkpoint> {
         let spec = with_token_map(read_spec(dir)?, dir)?;
         let files = Self::open_files(dir)?;
         let mut sites = Vec::with_capacity(spec.sites());
         for s in 0..spec.sites() {
-            sites.push(Self::open_site(&spec, &files, s)?);
+            sites.push(Self::open_site(&spec, &files, s, opts)?);
         }
         let mut summaries: Vec<FileSummary> = files
             .headers
@@ -401,7 +434,16 @@ impl Checkpoint {
         })
     }
 
-    fn open_site(g: &ModelSpec, files: &Files, s: usize) -> Result<Site> {
+    /// The tables of this checkpoint stored as released (opened with
+    /// [`OpenOptions::release_tables`]), in site order.
+    pub fn release_tables(&self) -> Vec<SplitTable> {
+        self.sites
+            .iter()
+            .filter_map(|s| s.table.release.clone())
+            .collect()
+    }
+
+    fn open_site(g: &ModelSpec, files: &Files, s: usize, opts: OpenOptions) -> Result<Site> {
         let layer = g.site_layer(s);
         let derived = g.derive(s).map_err(|source| CheckpointError::Config {
             file: files.dir.join(CONFIG_FILE),
@@ -416,7 +458,7 @@ impl Checkpoint {
             Layout::EngramV41 => Self::v41_weights(g, files, &spec)?,
             Layout::LongCat { .. } => Self::longcat_weights(g, files, layout)?,
         };
-        let table = Self::check_table(g, files, layout, s, &spec, derived.padded_rows)?;
+        let table = Self::check_table(g, files, layout, (s, &spec), derived.padded_rows, opts)?;
         Ok(Site {
             index: s,
             layer,
@@ -558,9 +600,9 @@ impl Checkpoint {
         g: &ModelSpec,
         files: &Files,
         layout: Layout,
-        s: usize,
-        spec: &SiteSpec,
+        (s, spec): (usize, &SiteSpec),
         padded_rows: u64,
+        opts: OpenOptions,
     ) -> Result<SiteTable> {
         let layer = spec.layer;
         let shards_err = |msg: String| CheckpointError::Shards {
@@ -594,9 +636,21 @@ impl Checkpoint {
             }
         }
         let (h0, t0) = files.find(&names[0])?;
+        let split = Self::split_table(g, files, layout, layer, (h0, t0))?;
+        if let Some(sp) = &split
+            && !opts.release_tables
+        {
+            return Err(CheckpointError::ReleasedTable {
+                file: h0.path.clone(),
+                tensor: sp.weight.clone(),
+                scale: sp.scale.clone(),
+            });
+        }
         let hd = g.head_dim as u64;
         let block_width = fp8_block_row_bytes(g.head_dim) as u64;
         let (dtype, st_dtype, width) = match t0.dtype {
+            // The release's pair converts to inline block rows.
+            Dtype::F8E4M3 if split.is_some() => (RowDType::Fp8E4M3Block32, Dtype::F8E4M3, hd),
             Dtype::BF16 => (RowDType::Bf16, Dtype::BF16, hd),
             Dtype::F8E4M3 => (RowDType::Fp8E4M3, Dtype::F8E4M3, hd),
             Dtype::U8 if t0.shape.get(1) == Some(&block_width) && block_width != hd => {
@@ -640,6 +694,13 @@ impl Checkpoint {
         let mut bytes = 0u64;
         for (i, name) in names.iter().enumerate() {
             let r = expect_rows(i);
+            if let Some(sp) = &split {
+                // One tensor (Engram), its pair checked by `split_table`.
+                bytes += sp.rows * sp.row_bytes();
+                shards.push((sp.weight_file.clone(), name.clone()));
+                part_rows.push(r);
+                continue;
+            }
             let (h, t) = files.checked(name, st_dtype, &[r, width])?;
             bytes += t.len;
             if dtype.has_row_scale() {
@@ -683,7 +744,10 @@ impl Checkpoint {
         }
         // The storage layer's own opener must agree (equal shapes, scales,
         // and the same row format), or the runtime would read other rows.
-        let opened: Vec<metrale_storage::layout::TableFiles> = if layout.sub_tables() {
+        // A released table is not served: only its conversion reads it.
+        let opened: Vec<metrale_storage::layout::TableFiles> = if split.is_some() {
+            Ok(Vec::new())
+        } else if layout.sub_tables() {
             shards
                 .iter()
                 .zip(&part_rows)
@@ -720,7 +784,32 @@ impl Checkpoint {
                     stored_rows,
                 })
                 .collect(),
+            release: split,
         })
+    }
+
+    /// A DeepSeek-V4.1 table `(h0, t0)` stored as released: F8_E4M3 values
+    /// with block scales (F8_E8M0 or two-dimensional) under the scale name.
+    /// A per-row F32 scale there is this project's `fp8` rows, not this.
+    fn split_table(
+        g: &ModelSpec,
+        files: &Files,
+        layout: Layout,
+        layer: usize,
+        (h0, t0): (&Header, &TensorInfo),
+    ) -> Result<Option<SplitTable>> {
+        if layout != Layout::EngramV41 || t0.dtype != Dtype::F8E4M3 {
+            return Ok(None);
+        }
+        let sn = V41Names::new(layer).table_scale();
+        if !files.weight_map.contains_key(&sn) {
+            return Ok(None);
+        }
+        let (sh, st) = files.find(&sn)?;
+        if !is_block_scale(st) {
+            return Ok(None);
+        }
+        check_split(layer, g.head_dim, (h0, t0), (sh, st)).map(Some)
     }
 
     /// Bytes of table data over all sites.

@@ -197,12 +197,15 @@ impl V41Names {
     pub fn prefix(&self) -> &str {
         self.prefix.trim_end_matches('.')
     }
-    /// `embed.weight`, `[rows, head_dim]` F8_E4M3: the table.
+    /// `embed.weight`, the table: U8 `[rows, head_dim + head_dim / 32]`,
+    /// each row's FP8 E4M3 values then its UE8M0 scales (what the runtime
+    /// serves), or as released F8_E4M3 `[rows, head_dim]` with
+    /// [`V41Names::table_scale`] (converted by `table pack`).
     pub fn table(&self) -> String {
         self.name("embed.weight")
     }
     /// `embed.scale`, `[rows, head_dim / 32]` F8_E8M0: one power-of-two
-    /// scale per 32 values of a row.
+    /// scale per 32 values of a row (the released layout only).
     pub fn table_scale(&self) -> String {
         self.name("embed.scale")
     }

@@ -12,6 +12,12 @@
 //! can realign one at a time. An Engram checkpoint also gets a synthetic
 //! compressed-token map of the size its config states.
 //!
+//! [`TableLayout::Release`] stores DeepSeek-V4.1's block-scaled rows as
+//! the release does (values and F8_E8M0 scales in two tensors, the fused
+//! projection's scales F8_E8M0 too), the same bytes as the inline layout
+//! for the same seed: what `table pack` converts, testable without a
+//! download.
+//!
 //! Invariant: a checkpoint appears at its destination complete or not at
 //! all. Everything is written into a sibling `*.partial-{pid}` directory
 //! that is renamed into place only after the last file is synced.
@@ -66,6 +72,30 @@ impl TableDType {
             TableDType::Bf16 => 2 * d,
             TableDType::Fp8 => d + 4,
             TableDType::Fp8Block => fp8_block_row_bytes(d as usize) as u64,
+        }
+    }
+}
+
+/// How block-scaled FP8 tables ([`TableDType::Fp8Block`]) are stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TableLayout {
+    /// What the runtime serves: each row's values then its scales, one U8
+    /// tensor `[rows, d + d / 32]`; the fused projection's block scales U8.
+    #[default]
+    Inline,
+    /// DeepSeek-V4.1 as released: `embed.weight` F8_E4M3 `[rows, d]` and
+    /// `embed.scale` F8_E8M0 `[rows, d / 32]`; the projection's block
+    /// scales F8_E8M0. The loader refuses it until `table pack` converts it.
+    Release,
+}
+
+impl TableLayout {
+    /// Parse `inline` or `release`.
+    pub fn parse(s: &str) -> Option<TableLayout> {
+        match s {
+            "inline" => Some(TableLayout::Inline),
+            "release" => Some(TableLayout::Release),
+            _ => None,
         }
     }
 }
@@ -354,8 +384,9 @@ fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
     v
 }
 
-/// The dtype the UE8M0 block scales are stored as: raw bytes, since the
-/// safetensors reader knows no `F8_E8M0`.
+/// The dtype the inline layout stores UE8M0 block scales as: raw bytes,
+/// as checkpoints written before `F8_E8M0` was read have them (the loader
+/// takes either; [`TableLayout::Release`] writes `F8_E8M0`).
 pub const SCALE_DTYPE: Dtype = Dtype::U8;
 
 /// The model spec `init` writes for `opts`, with the rows stored per site.
@@ -464,8 +495,18 @@ pub fn write_synthetic(
     opts: &InitOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ModelSpec> {
+    write_synthetic_as(dir, opts, TableLayout::Inline, progress)
+}
+
+/// [`write_synthetic`] with the block-scaled table stored in `layout`.
+pub fn write_synthetic_as(
+    dir: &Path,
+    opts: &InitOptions,
+    layout: TableLayout,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<ModelSpec> {
     let (g, stored) = init_spec(opts)?;
-    write_planned(dir, g, stored, opts.dtype, opts.seed, progress)
+    write_planned(dir, g, stored, (opts.dtype, layout), opts.seed, progress)
 }
 
 /// Write a synthetic checkpoint of any valid `spec` (tests build small
@@ -479,16 +520,28 @@ pub fn write_spec_synthetic(
     dtype: TableDType,
     seed: u64,
 ) -> Result<ModelSpec> {
+    write_spec_synthetic_as(dir, spec, table_rows, dtype, seed, TableLayout::Inline)
+}
+
+/// [`write_spec_synthetic`] with the block-scaled table stored in `layout`.
+pub fn write_spec_synthetic_as(
+    dir: &Path,
+    spec: &ModelSpec,
+    table_rows: Option<u64>,
+    dtype: TableDType,
+    seed: u64,
+    layout: TableLayout,
+) -> Result<ModelSpec> {
     spec.validate("the given spec")?;
     let (g, stored) = plan(spec.clone(), "given", table_rows)?;
-    write_planned(dir, g, stored, dtype, seed, &mut |_, _| {})
+    write_planned(dir, g, stored, (dtype, layout), seed, &mut |_, _| {})
 }
 
 fn write_planned(
     dir: &Path,
     g: ModelSpec,
     stored: u64,
-    dtype: TableDType,
+    (dtype, table_layout): (TableDType, TableLayout),
     seed: u64,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ModelSpec> {
@@ -500,6 +553,15 @@ fn write_planned(
                 dir.display()
             )));
         }
+    }
+    if table_layout == TableLayout::Release
+        && (dtype != TableDType::Fp8Block || Layout::of(&g) != Layout::EngramV41)
+    {
+        return Err(CheckpointError::Invalid(format!(
+            "the release layout is DeepSeek-V4.1's FP8 block table (--preset deepseek-v4.1 \
+             --dtype fp8-block); this is a {} table of {dtype:?} rows",
+            Layout::of(&g).name()
+        )));
     }
     if dtype == TableDType::Fp8Block && !g.head_dim.is_multiple_of(FP8_BLOCK) {
         return Err(CheckpointError::Invalid(format!(
@@ -518,7 +580,14 @@ fn write_planned(
         std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
     }
     std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-    let r = write_into(&partial, &g, stored, (dtype, seed), total, progress);
+    let r = write_into(
+        &partial,
+        &g,
+        stored,
+        (dtype, table_layout, seed),
+        total,
+        progress,
+    );
     if let Err(e) = r {
         let _ = std::fs::remove_dir_all(&partial);
         return Err(e);
@@ -545,10 +614,11 @@ fn write_into(
     dir: &Path,
     g: &ModelSpec,
     stored: u64,
-    (dtype, seed): (TableDType, u64),
+    (dtype, table_layout, seed): (TableDType, TableLayout, u64),
     total: u64,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
+    let release = table_layout == TableLayout::Release;
     let layout = Layout::of(g);
     let parts = layout.table_parts(g);
     let nfiles = 1 + g.sites() * parts;
@@ -563,7 +633,10 @@ fn write_into(
     let mut dense = Vec::new();
     for s in 0..g.sites() {
         let d = derive_site(g, s)?;
-        for t in dense_tensors(g, s, &d) {
+        for mut t in dense_tensors(g, s, &d) {
+            if release && matches!(t.fill, Fill::BlockScales) {
+                t.dtype = Dtype::F8E8M0;
+            }
             dense.push((s, t));
         }
     }
@@ -594,12 +667,19 @@ fn write_into(
             let file = shard_file(2 + s * parts + i, nfiles);
             let path = dir.join(&file);
             let mut rng = Stream::new(seed, s, 0x100 + i as u64);
-            write_table_part(&path, name, r, hd, dtype, &mut rng, &mut |n| {
+            let part = TablePart {
+                name,
+                rows: r,
+                hd,
+                dtype,
+                release,
+            };
+            write_table_part(&path, &part, &mut rng, &mut |n| {
                 done += n;
                 progress(done, total);
             })?;
             weight_map.insert(name.clone(), file.clone());
-            if dtype == TableDType::Fp8 {
+            if dtype == TableDType::Fp8 || release {
                 weight_map.insert(scale_name(name), file.clone());
             }
         }
@@ -681,20 +761,37 @@ fn draw(t: &Dense, s: usize, seed: u64, scales: &mut Vec<u8>) -> Vec<u8> {
     }
 }
 
-/// Write one table tensor `name` of `rows` rows of `hd` values into its
-/// own file `path`, in `dtype`; `wrote(bytes)` after each chunk.
-fn write_table_part(
-    path: &Path,
-    name: &str,
+/// One table tensor to write: `rows` rows of `hd` values in `dtype`;
+/// `release`: block-scaled rows split as released.
+struct TablePart<'a> {
+    name: &'a str,
     rows: u64,
     hd: usize,
     dtype: TableDType,
+    release: bool,
+}
+
+/// Write one table tensor into its own file `path`; `wrote(bytes)` after
+/// each chunk.
+fn write_table_part(
+    path: &Path,
+    part: &TablePart<'_>,
     rng: &mut Stream,
     wrote: &mut dyn FnMut(u64),
 ) -> Result<()> {
+    let TablePart {
+        name,
+        rows,
+        hd,
+        dtype,
+        release,
+    } = *part;
     let mut specs = vec![match dtype {
         TableDType::Bf16 => TensorSpec::new(name.to_string(), Dtype::BF16, &[rows, hd as u64]),
         TableDType::Fp8 => TensorSpec::new(name.to_string(), Dtype::F8E4M3, &[rows, hd as u64]),
+        TableDType::Fp8Block if release => {
+            TensorSpec::new(name.to_string(), Dtype::F8E4M3, &[rows, hd as u64])
+        }
         TableDType::Fp8Block => TensorSpec::new(
             name.to_string(),
             Dtype::U8,
@@ -704,6 +801,14 @@ fn write_table_part(
     if dtype == TableDType::Fp8 {
         specs.push(TensorSpec::new(scale_name(name), Dtype::F32, &[rows]));
     }
+    if release {
+        specs.push(TensorSpec::new(
+            scale_name(name),
+            Dtype::F8E8M0,
+            &[rows, (hd / FP8_BLOCK) as u64],
+        ));
+    }
+    let mut inline = Vec::with_capacity(fp8_block_row_bytes(hd));
     let mut w = Writer::create(path, &specs, &BTreeMap::new(), 8).map_err(|e| st_err(path, e))?;
     let mut scales = Vec::new();
     let chunk_rows = (1 << 20) / hd.max(1) + 1;
@@ -732,6 +837,14 @@ fn write_table_part(
                         buf.push(f32_to_fp8_e4m3(v / scale));
                     }
                     scales.extend_from_slice(&scale.to_le_bytes());
+                }
+                // The same bytes either way: the release splits each row
+                // into its values (here) and its scales (after them all).
+                TableDType::Fp8Block if release => {
+                    inline.clear();
+                    quantize_fp8_block_row(&row, &mut inline);
+                    buf.extend_from_slice(&inline[..hd]);
+                    scales.extend_from_slice(&inline[hd..]);
                 }
                 TableDType::Fp8Block => quantize_fp8_block_row(&row, &mut buf),
             }

@@ -52,6 +52,11 @@ pub enum Dtype {
     I8,
     F8E4M3,
     F8E5M2,
+    /// `F8_E8M0`: an unsigned power-of-two exponent (UE8M0), the value
+    /// `2^(e - 127)`; 255 is NaN. One byte; what DeepSeek's releases store
+    /// FP8 block scales as. The reader checks sizes only: a caller that
+    /// decodes scales refuses the NaN code itself, naming tensor and index.
+    F8E8M0,
     I16,
     U16,
     F16,
@@ -68,7 +73,9 @@ impl Dtype {
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
-            Dtype::Bool | Dtype::U8 | Dtype::I8 | Dtype::F8E4M3 | Dtype::F8E5M2 => 1,
+            Dtype::Bool | Dtype::U8 | Dtype::I8 | Dtype::F8E4M3 | Dtype::F8E5M2 | Dtype::F8E8M0 => {
+                1
+            }
             Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 2,
             Dtype::I32 | Dtype::U32 | Dtype::F32 => 4,
             Dtype::F64 | Dtype::I64 | Dtype::U64 => 8,
@@ -83,6 +90,7 @@ impl Dtype {
             Dtype::I8 => "I8",
             Dtype::F8E4M3 => "F8_E4M3",
             Dtype::F8E5M2 => "F8_E5M2",
+            Dtype::F8E8M0 => "F8_E8M0",
             Dtype::I16 => "I16",
             Dtype::U16 => "U16",
             Dtype::F16 => "F16",
@@ -104,6 +112,7 @@ impl Dtype {
             "I8" => Dtype::I8,
             "F8_E4M3" => Dtype::F8E4M3,
             "F8_E5M2" => Dtype::F8E5M2,
+            "F8_E8M0" => Dtype::F8E8M0,
             "I16" => Dtype::I16,
             "U16" => Dtype::U16,
             "F16" => Dtype::F16,
@@ -736,6 +745,43 @@ mod tests {
             TensorSpec::new("t", Dtype::U8, &[1]),
         ];
         assert!(Writer::create(&p, &dup, &BTreeMap::new(), 8).is_err());
+    }
+
+    #[test]
+    fn f8_e8m0_is_one_byte_and_round_trips() {
+        let d = tmp();
+        let p = d.path().join("s.safetensors");
+        assert_eq!(Dtype::parse("F8_E8M0"), Some(Dtype::F8E8M0));
+        assert_eq!(Dtype::F8E8M0.name(), "F8_E8M0");
+        assert_eq!(Dtype::F8E8M0.size(), 1);
+        let scales: Vec<u8> = vec![127, 126, 0, 254, 255, 130];
+        write_file(
+            &p,
+            &[(
+                TensorSpec::new("embed.scale", Dtype::F8E8M0, &[3, 2]),
+                &scales,
+            )],
+            8,
+        )
+        .unwrap();
+        let h = Header::read(&p).unwrap();
+        let t = h.get("embed.scale").unwrap();
+        assert_eq!(
+            (t.dtype, t.shape.as_slice(), t.len),
+            (Dtype::F8E8M0, &[3u64, 2][..], 6)
+        );
+        // The reader moves bytes; the NaN code is the decoder's to refuse.
+        assert_eq!(h.read_tensor("embed.scale").unwrap(), scales);
+        write_raw(
+            &p,
+            r#"{"s":{"dtype":"F8_E8M0","shape":[2,8],"data_offsets":[0,15]}}"#,
+            15,
+        );
+        let e = format!("{:#}", Header::read(&p).unwrap_err());
+        assert!(
+            e.contains("tensor 's'") && e.contains("needs 16 bytes"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -4,13 +4,16 @@
 //! `flagship` and the family presets (`engram-demo`, `deepseek-v4.1`,
 //! `longcat-flash-lite`) the real geometry, config keys and tensor names
 //! with the table cut to `--table-rows` rows per site (ids folded into
-//! them as `id % rows`, see README.md).
+//! them as `id % rows`, see README.md). `--layout release` writes
+//! DeepSeek-V4.1's table as the release stores it (values and F8_E8M0
+//! block scales apart), which `table pack` converts to the inline rows the
+//! runtime serves.
 
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use metrale_checkpoint::synth::{planned_bytes, write_synthetic};
-use metrale_checkpoint::{InitOptions, Preset, TableDType};
+use metrale_checkpoint::synth::{planned_bytes, write_synthetic_as};
+use metrale_checkpoint::{InitOptions, Preset, TableDType, TableLayout};
 
 use super::common::{byte_bar, bytes, cache_root};
 use super::{CmdError, failure, input};
@@ -62,10 +65,23 @@ pub enum DTypeArg {
     Fp8Block,
 }
 
+/// How a block-scaled FP8 table is stored.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum LayoutArg {
+    /// Each row's values then its scales, in one tensor: what the runtime
+    /// reads.
+    #[default]
+    Inline,
+    /// As DeepSeek-V4.1 is released: `embed.weight` F8_E4M3 and
+    /// `embed.scale` F8_E8M0 apart (deepseek-v4.1 only); convert with
+    /// `table pack` before serving.
+    Release,
+}
+
 /// Arguments of `init`.
 #[derive(Args, Debug)]
 #[command(
-    after_help = "Example:\n  metrale-ple init /tmp/flagship --preset flagship --table-rows 1000000 --dtype fp8"
+    after_help = "Examples:\n  metrale-ple init /tmp/flagship --preset flagship --table-rows 1000000 --dtype fp8\n  metrale-ple init /tmp/v41-release --preset deepseek-v4.1 --layout release\n  metrale-ple table pack /tmp/v41-release /tmp/v41"
 )]
 pub struct InitArgs {
     /// Where to write the checkpoint (must not exist, or be empty).
@@ -86,6 +102,11 @@ pub struct InitArgs {
     /// Seed of the random weights (the hash constants are the real ones).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Storage of a block-scaled FP8 table: inline (served as written) or
+    /// release (DeepSeek-V4.1's two tensors; the same values for the same
+    /// seed).
+    #[arg(long, value_enum, default_value = "inline")]
+    pub layout: LayoutArg,
 }
 
 /// The default checkpoint directory of a preset.
@@ -111,7 +132,11 @@ pub fn run(a: InitArgs) -> Result<(), CmdError> {
         },
         seed: a.seed,
     };
-    let g = write_with_progress(&dir, &opts)?;
+    let layout = match a.layout {
+        LayoutArg::Inline => TableLayout::Inline,
+        LayoutArg::Release => TableLayout::Release,
+    };
+    let g = write_with_progress(&dir, &opts, layout)?;
     println!(
         "wrote {} checkpoint to {} ({} sites, {} of tensors{})",
         preset.name(),
@@ -123,13 +148,21 @@ pub fn run(a: InitArgs) -> Result<(), CmdError> {
             None => String::new(),
         }
     );
+    if layout == TableLayout::Release {
+        println!(
+            "the tables are stored as released; convert before serving: metrale-ple table pack {} DST",
+            dir.display()
+        );
+    }
     Ok(())
 }
 
-/// Write `opts` into `dir` behind a progress bar.
+/// Write `opts` into `dir` behind a progress bar, a block-scaled table
+/// stored in `layout`.
 pub fn write_with_progress(
     dir: &std::path::Path,
     opts: &InitOptions,
+    layout: TableLayout,
 ) -> Result<metrale_model_layers::layers::ple::ModelSpec, CmdError> {
     use metrale_checkpoint::CheckpointError;
     let total = planned_bytes(opts).map_err(input)?;
@@ -139,7 +172,7 @@ pub fn write_with_progress(
     }
     let pb = byte_bar(total, "init");
     tracing::info!(dir = %dir.display(), preset = opts.preset.name(), total, "writing checkpoint");
-    let r = write_synthetic(dir, opts, &mut |done, _| pb.set_position(done));
+    let r = write_synthetic_as(dir, opts, layout, &mut |done, _| pb.set_position(done));
     pb.finish_and_clear();
     r.map_err(|e| match e {
         CheckpointError::Io { .. } => failure(e),

@@ -3,9 +3,20 @@
 //!
 //! SRC may be one safetensors file (DST is then a file) or a checkpoint
 //! directory (DST is then a new directory holding every file packed, the
-//! config, weight map and any row remaps copied, and is validated before
-//! the command reports success). Tensor data is copied byte for byte; only
-//! header padding changes.
+//! config, weight map, token map and any row remaps copied, and is
+//! validated before the command reports success). Tensor data is copied
+//! byte for byte; only header padding changes. The directory is written
+//! beside DST under a temporary name and renamed into place once
+//! validated, so DST appears complete or not at all.
+//!
+//! A DeepSeek-V4.1 checkpoint whose Engram tables are stored as released
+//! (`embed.weight` F8_E4M3 plus `embed.scale` F8_E8M0, which the loader
+//! refuses) is converted on the way: each table becomes the inline
+//! `[rows, d + d/32]` U8 tensor the runtime reads in one read a row (row
+//! `r` = values of row `r`, then its scales, byte for byte), the scale
+//! tensors leave the files and the weight map
+//! (`metrale_checkpoint::release`). A NaN scale or value is refused naming
+//! the file, tensor and row.
 //!
 //! `--hot-rows TRACE` (checkpoint directories only) also relays each
 //! site's table so the rows TRACE hits most come first, sharing pages and
@@ -21,9 +32,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use metrale_checkpoint::Checkpoint;
-use metrale_checkpoint::names::{CONFIG_FILE, INDEX_FILE, row_remap_file};
+use metrale_checkpoint::load::OpenOptions;
+use metrale_checkpoint::names::{CONFIG_FILE, INDEX_FILE, TOKEN_MAP_FILE, row_remap_file};
+use metrale_checkpoint::release::{SplitTable, convert_file, convert_index};
 use metrale_checkpoint::remap::{RowRemap, fold_counts, parse_trace};
+use metrale_checkpoint::{Checkpoint, CheckpointError};
 use metrale_storage::io::DioAlign;
 use metrale_storage::layout::TableFiles;
 use metrale_storage::pack::pack;
@@ -73,7 +86,9 @@ pub fn run(a: TableArgs) -> Result<(), CmdError> {
     }
 }
 
-fn pack_files(files: &[(PathBuf, PathBuf)]) -> Result<u64, CmdError> {
+/// Pack `files` (source, destination); a file holding a table of `release`
+/// (its values or its scales) is converted instead.
+fn pack_files(files: &[(PathBuf, PathBuf)], release: &[SplitTable]) -> Result<u64, CmdError> {
     let mut total = 0;
     for (src, _) in files {
         let h = Header::read(src).map_err(input)?;
@@ -82,6 +97,22 @@ fn pack_files(files: &[(PathBuf, PathBuf)]) -> Result<u64, CmdError> {
     let pb = byte_bar(total, "pack");
     let mut base = 0;
     for (src, dst) in files {
+        if release
+            .iter()
+            .any(|t| &t.weight_file == src || &t.scale_file == src)
+        {
+            tracing::info!(src = %src.display(), dst = %dst.display(), "converting released tables");
+            match convert_file(src, dst, release, &mut |done, _| {
+                pb.set_position(base + done)
+            }) {
+                Ok(n) => base += n,
+                Err(e) => {
+                    pb.finish_and_clear();
+                    return Err(refusal(e));
+                }
+            }
+            continue;
+        }
         tracing::info!(src = %src.display(), dst = %dst.display(), "packing");
         let r = pack(src, dst, &mut |done, _| pb.set_position(base + done));
         match r {
@@ -112,7 +143,7 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
         )));
     }
     if a.src.is_file() {
-        let total = pack_files(&[(a.src.clone(), a.dst.clone())])?;
+        let total = pack_files(&[(a.src.clone(), a.dst.clone())], &[])?;
         let h = Header::read(&a.dst).map_err(failure)?;
         println!(
             "packed {} -> {} ({} of data at offset {})",
@@ -129,8 +160,24 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
             a.src.display()
         )));
     }
-    // Refuse a bad source or trace before writing anything.
-    let ck = Checkpoint::open(&a.src).map_err(input)?;
+    // Refuse a bad source or trace before writing anything. Tables stored
+    // as released are accepted here to be converted.
+    let ck = Checkpoint::open_with(
+        &a.src,
+        OpenOptions {
+            release_tables: true,
+        },
+    )
+    .map_err(input)?;
+    let release = ck.release_tables();
+    if let (Some(t), Some(_)) = (release.first(), &a.hot_rows) {
+        return Err(input(anyhow::anyhow!(
+            "{}: {} is stored as released; convert it first (`metrale-ple table pack SRC MID`), \
+             then relay the converted copy (`metrale-ple table pack --hot-rows TRACE MID DST`)",
+            t.weight_file.display(),
+            t.weight
+        )));
+    }
     let remaps: Vec<String> = ck
         .sites
         .iter()
@@ -170,23 +217,62 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
             a.dst.display()
         )));
     }
-    std::fs::create_dir_all(&a.dst)
-        .with_context(|| format!("creating {}", a.dst.display()))
+    // Written beside DST and renamed into place once validated.
+    let stage = staging_dir(&a.dst)?;
+    if stage.exists() {
+        std::fs::remove_dir_all(&stage)
+            .with_context(|| format!("removing the stale {}", stage.display()))
+            .map_err(failure)?;
+    }
+    std::fs::create_dir_all(&stage)
+        .with_context(|| format!("creating {}", stage.display()))
         .map_err(failure)?;
     let r = (|| {
-        let files: Vec<(PathBuf, PathBuf)> = ck
-            .files
-            .iter()
-            .map(|f| (a.src.join(&f.name), a.dst.join(&f.name)))
-            .collect();
-        let total = pack_files(&files)?;
-        for name in [CONFIG_FILE, INDEX_FILE]
+        let index_path = a.src.join(INDEX_FILE);
+        let index = if release.is_empty() {
+            None
+        } else {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("reading {}", index_path.display()))
+                .map_err(failure)?;
+            Some(convert_index(&text, &index_path, &release).map_err(refusal)?)
+        };
+        // A file left holding only scale tensors is not written.
+        let emptied = |name: &str| -> Result<bool, CmdError> {
+            if release.is_empty() {
+                return Ok(false);
+            }
+            let h = Header::read(a.src.join(name)).map_err(input)?;
+            Ok(h.tensors
+                .iter()
+                .all(|t| release.iter().any(|s| s.scale == t.name)))
+        };
+        let mut files: Vec<(PathBuf, PathBuf)> = Vec::with_capacity(ck.files.len());
+        for f in &ck.files {
+            if !emptied(&f.name)? {
+                files.push((a.src.join(&f.name), stage.join(&f.name)));
+            }
+        }
+        let total = pack_files(&files, &release)?;
+        let token_map = a
+            .src
+            .join(TOKEN_MAP_FILE)
+            .exists()
+            .then_some(TOKEN_MAP_FILE);
+        for name in [CONFIG_FILE]
             .into_iter()
+            .chain(token_map)
             .chain(remaps.iter().map(String::as_str))
         {
-            copy(&a.src.join(name), &a.dst.join(name))?;
+            copy(&a.src.join(name), &stage.join(name))?;
         }
-        let packed = Checkpoint::open(&a.dst).map_err(failure)?;
+        match &index {
+            Some(text) => std::fs::write(stage.join(INDEX_FILE), text)
+                .with_context(|| format!("writing {}", stage.join(INDEX_FILE).display()))
+                .map_err(failure)?,
+            None => copy(&index_path, &stage.join(INDEX_FILE))?,
+        }
+        let packed = Checkpoint::open(&stage).map_err(failure)?;
         if let Some(f) = packed.files.iter().find(|f| f.data_start % 4096 != 0) {
             return Err(failure(anyhow::anyhow!(
                 "{}: data still at offset {}",
@@ -197,17 +283,28 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
         if let Some(counts) = &trace {
             for (i, c) in counts.iter().enumerate() {
                 if !c.is_empty() {
-                    relay_site(&ck, &packed, i, c, a.granule)?;
+                    relay_site(&ck, &packed, i, c, a.granule, &a.dst)?;
                 }
             }
         }
-        Ok(total)
+        std::fs::rename(&stage, &a.dst)
+            .with_context(|| format!("renaming {} to {}", stage.display(), a.dst.display()))
+            .map_err(failure)?;
+        Ok((total, files.len()))
     })();
     match r {
-        Ok(total) => {
+        Ok((total, n)) => {
+            for t in &release {
+                println!(
+                    "converted {} ({} rows as released, F8_E4M3 values + F8_E8M0 scales) into \
+                     inline rows of {} bytes",
+                    t.weight,
+                    t.rows,
+                    t.row_bytes()
+                );
+            }
             println!(
-                "packed {} files ({} of data) from {} into {}; validation OK",
-                ck.files.len(),
+                "packed {n} files ({} of data) from {} into {}; validation OK",
                 bytes(total),
                 a.src.display(),
                 a.dst.display()
@@ -215,9 +312,33 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
             Ok(())
         }
         Err(e) => {
-            let _ = std::fs::remove_dir_all(&a.dst);
+            let _ = std::fs::remove_dir_all(&stage);
             Err(e)
         }
+    }
+}
+
+/// The sibling directory `.{name}.packing-{pid}` a pack of `dst` is
+/// written into.
+fn staging_dir(dst: &Path) -> Result<PathBuf, CmdError> {
+    let name = dst.file_name().ok_or_else(|| {
+        input(anyhow::anyhow!(
+            "{}: the destination needs a directory name",
+            dst.display()
+        ))
+    })?;
+    Ok(dst.with_file_name(format!(
+        ".{}.packing-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    )))
+}
+
+/// A conversion error: the input's fault unless the operating system's.
+fn refusal(e: CheckpointError) -> CmdError {
+    match e {
+        CheckpointError::Io { .. } => failure(e),
+        e => input(e),
     }
 }
 
@@ -230,6 +351,7 @@ fn relay_site(
     site: usize,
     counts: &std::collections::HashMap<u64, u64>,
     granule: Option<u64>,
+    shown: &Path,
 ) -> Result<(), CmdError> {
     let s = &src.sites[site];
     let rows = s.table.stored_rows;
@@ -296,7 +418,7 @@ fn relay_site(
         s.layer,
         counts.len(),
         bytes(span * rb),
-        path.display()
+        shown.join(row_remap_file(s.layer)).display()
     );
     Ok(())
 }
