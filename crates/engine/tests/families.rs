@@ -209,3 +209,53 @@ fn every_acceptance_length_keeps_only_the_accepted_tokens() {
         assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
     }
 }
+
+/// A token at or above the family's vocabulary, at every entry point that
+/// takes tokens (add, prefill, decode, verify), is refused with an error
+/// naming the token and the bound, and the sequence it was meant for (and
+/// every other) runs on as if the call had not been made.
+#[test]
+fn out_of_vocabulary_tokens_are_refused_at_every_entry_point() {
+    for family in TinyFamily::ALL {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let base = gpu.live_alloc_count();
+        let cfg = EngineConfig {
+            prefill_chunk: 8,
+            prefix_cache_bytes: 0,
+            ..Default::default()
+        };
+        let mut e = family_engine(&gpu, family, 5, MAX_TOKENS, cfg).unwrap();
+        let w = e.width();
+        let bad = family.spec().vocab_size as u32;
+        let expect_refusal = |what: &str, r: Result<(), metrale_engine::EngineError>| {
+            let msg = format!("{:#}", r.expect_err(what));
+            assert!(
+                msg.contains(&bad.to_string()) && msg.contains("not below"),
+                "{family:?} {what}: {msg}"
+            );
+        };
+        let refused_add = e.add_sequence(&[1, bad]).map(|_| ());
+        expect_refusal("add_sequence", refused_add);
+        let prompt = [7u32, 8, 9, 10];
+        let id = e.add_sequence(&prompt).unwrap().id;
+        let mut rows = rows_for(&prompt, 0, prompt.len(), w);
+        e.prefill(id, &prompt, &mut rows).unwrap();
+        let mut scratch = vec![0.5f32; 2 * w];
+        expect_refusal("prefill", e.prefill(id, &[11, bad], &mut scratch));
+        expect_refusal("decode", e.decode(&[(id, bad)], &mut scratch[..w]));
+        expect_refusal("verify", e.verify(id, &[12, bad], &mut scratch));
+        // Nothing of the refused calls is left: the next tokens give the
+        // sequential run's rows.
+        let mut all = prompt.to_vec();
+        for t in [13u32, 14, 15] {
+            all.push(t);
+            let mut r = rows_for(&all, all.len() - 1, all.len(), w);
+            e.decode(&[(id, t)], &mut r).unwrap();
+            let want = reference_run(e.sites(), gpu.as_ref(), &all);
+            assert!(r == want[(all.len() - 1) * w..], "{family:?}: token {t}");
+        }
+        e.release(id).unwrap();
+        e.close().unwrap();
+        assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
+    }
+}

@@ -52,6 +52,7 @@ impl<S: Site> Engine<S> {
     /// the split); if a later part fails, the earlier parts have run.
     pub fn decode(&mut self, batch: &[(SeqId, u32)], highway: &mut [f32]) -> Result<()> {
         self.check_rows("decode", batch.len(), highway)?;
+        self.check_tokens("decode", batch.iter().map(|&(_, t)| t))?;
         let mut seen = HashSet::with_capacity(batch.len());
         for &(id, _) in batch {
             if !seen.insert(id) {

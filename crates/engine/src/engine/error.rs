@@ -88,6 +88,23 @@ pub enum EngineError {
     /// A sequence appears twice in one batch.
     #[error("decode: sequence {0} appears twice in one batch")]
     DuplicateInBatch(SeqId),
+    /// A token the sites' hash family cannot take (at or above its
+    /// vocabulary); nothing of the call ran.
+    #[error(
+        "{op}: token {token} at position {position} is not below the {family} vocabulary of {limit} ids"
+    )]
+    TokenOutOfRange {
+        /// The operation.
+        op: &'static str,
+        /// The token's index in the tokens of the call.
+        position: usize,
+        /// The token.
+        token: u32,
+        /// Tokens must be below this.
+        limit: u64,
+        /// The hash family that sets the limit.
+        family: &'static str,
+    },
     /// Decode of a sequence that has run no token.
     #[error("decode: sequence {0} has run no token; prefill it first")]
     NotStarted(SeqId),

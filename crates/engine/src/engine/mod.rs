@@ -590,6 +590,34 @@ impl<S: Site> Engine<S> {
         Ok(())
     }
 
+    /// Refuse a call whose tokens some site's hash family cannot take,
+    /// before anything of the call runs (a chunked prefill would otherwise
+    /// leave the chunks before the bad token applied).
+    fn check_tokens(&self, op: &'static str, tokens: impl IntoIterator<Item = u32>) -> Result<()> {
+        let Some((limit, family)) = self
+            .geoms
+            .iter()
+            .filter_map(|g| Some((g.dims.family.token_limit()?, g.dims.family.name())))
+            .min_by_key(|&(l, _)| l)
+        else {
+            return Ok(());
+        };
+        match tokens
+            .into_iter()
+            .enumerate()
+            .find(|&(_, t)| u64::from(t) >= limit)
+        {
+            Some((position, token)) => Err(EngineError::TokenOutOfRange {
+                op,
+                position,
+                token,
+                limit,
+                family,
+            }),
+            None => Ok(()),
+        }
+    }
+
     fn check_rows(&self, op: &'static str, tokens: usize, rows: &[f32]) -> Result<()> {
         if rows.len() != tokens * self.width {
             return Err(EngineError::HighwaySize {

@@ -120,6 +120,7 @@ impl<S: Site> Engine<S> {
     /// compute, so the last prompt token gets its output) is restored; the
     /// caller prefills `prompt[added.cached..]`.
     pub fn add_sequence(&mut self, prompt: &[u32]) -> Result<Added> {
+        self.check_tokens("add_sequence", prompt.iter().copied())?;
         let id = self.next_id;
         let (cached, states) = self.restore_prefix(id, prompt)?;
         self.next_id += 1;
@@ -145,6 +146,7 @@ impl<S: Site> Engine<S> {
     pub fn prefill(&mut self, id: SeqId, tokens: &[u32], highway: &mut [f32]) -> Result<()> {
         self.check_usable(id, "prefill", false)?;
         self.check_rows("prefill", tokens.len(), highway)?;
+        self.check_tokens("prefill", tokens.iter().copied())?;
         if tokens.is_empty() {
             return Ok(());
         }

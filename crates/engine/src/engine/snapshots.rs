@@ -31,6 +31,7 @@ impl<S: Site> Engine<S> {
     /// after `tokens`. Refused, with nothing changed, when the snapshot does
     /// not decode, belongs to another geometry or another token count.
     pub fn add_from_snapshot(&mut self, bytes: &[u8], tokens: &[u32]) -> Result<SeqId> {
+        self.check_tokens("add_from_snapshot", tokens.iter().copied())?;
         let snap = Snapshot::decode_for(bytes, &self.geoms)?;
         if snap.token_count != tokens.len() as u64 {
             return Err(EngineError::TokenCount {

@@ -15,6 +15,7 @@ impl<S: Site> Engine<S> {
     pub fn verify(&mut self, id: SeqId, draft: &[u32], highway: &mut [f32]) -> Result<()> {
         self.check_usable(id, "verify", false)?;
         self.check_rows("verify", draft.len(), highway)?;
+        self.check_tokens("verify", draft.iter().copied())?;
         self.ensure_resident(id, &[id])?;
         let before = {
             let s = self.seq(id)?;
