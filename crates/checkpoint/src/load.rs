@@ -286,16 +286,28 @@ impl Files {
         let (rb, cb) = (rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK));
         // The release stores the scales as F8_E8M0; this project's inline
         // checkpoints as their raw U8 bytes. Same bytes either way.
-        let sdtype = match self.find(scale)?.1.dtype {
-            Dtype::F8E8M0 => Dtype::F8E8M0,
-            _ => Dtype::U8,
+        let (sh, st) = self.find(scale)?;
+        let sdtype = match st.dtype {
+            d @ (Dtype::F8E8M0 | Dtype::U8) => d,
+            other => {
+                return Err(CheckpointError::DType {
+                    file: sh.path.clone(),
+                    tensor: scale.to_string(),
+                    expected: "F8_E8M0 (or U8)".into(),
+                    found: other.name().into(),
+                });
+            }
         };
         let (sfile, sc) = self.read(scale, sdtype, &[rb as u64, cb as u64])?;
         if let Some(i) = sc.iter().position(|&b| b == 255) {
             return Err(CheckpointError::Value {
                 file: sfile,
                 tensor: scale.to_string(),
-                msg: format!("block scale {i} is the UE8M0 NaN code 255"),
+                msg: format!(
+                    "block scale {i} (block [{}, {}]) is the UE8M0 NaN code 255",
+                    i / cb,
+                    i % cb
+                ),
             });
         }
         // Every E4M3 code decoded once; each block's scale once per row.
