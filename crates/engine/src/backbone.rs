@@ -441,6 +441,9 @@ pub struct Layered<S> {
     wait_covered_ns: AtomicU64,
     /// The other row waits: the backend may have run dry during them.
     wait_exposed_ns: AtomicU64,
+    /// Host time of the wrapped site's eager forwards (hashing, resolving
+    /// rows and waiting for them, queueing kernels), in nanoseconds.
+    host_ns: AtomicU64,
 }
 
 /// How a site's waits for table rows fell against the backend's work.
@@ -479,6 +482,13 @@ impl<S> Layered<S> {
             covered: Duration::from_nanos(self.wait_covered_ns.load(Ordering::Relaxed)),
             exposed: Duration::from_nanos(self.wait_exposed_ns.load(Ordering::Relaxed)),
         }
+    }
+
+    /// Host time of the site's eager forwards so far (hashing, resolving
+    /// rows, waiting for them and queueing the kernels; without the blocks).
+    /// Forwards replayed from a graph are not counted.
+    pub fn host_time(&self) -> Duration {
+        Duration::from_nanos(self.host_ns.load(Ordering::Relaxed))
     }
 
     fn blocks_around(
@@ -527,7 +537,10 @@ impl<S: Site> Layered<S> {
             None
         };
         let w0 = self.inner.table_stats().io_wait_ns;
+        let t0 = std::time::Instant::now();
         let r = site();
+        self.host_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let waited = self.inner.table_stats().io_wait_ns.saturating_sub(w0);
         let covered = match ev {
             Some(e) => {
@@ -582,6 +595,7 @@ pub fn layered<S: Site>(
                 freed: false,
                 wait_covered_ns: AtomicU64::new(0),
                 wait_exposed_ns: AtomicU64::new(0),
+                host_ns: AtomicU64::new(0),
             },
             Some((bb, cuts, layers)) => {
                 bb.users.fetch_add(1, Ordering::AcqRel);
@@ -594,6 +608,7 @@ pub fn layered<S: Site>(
                     freed: false,
                     wait_covered_ns: AtomicU64::new(0),
                     wait_exposed_ns: AtomicU64::new(0),
+                    host_ns: AtomicU64::new(0),
                 }
             }
         })

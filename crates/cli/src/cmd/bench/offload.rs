@@ -51,6 +51,7 @@ use metrale_engine::{Engine, EngineConfig, EngineError, SeqId, Site};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::bench::Rng;
+use metrale_model_layers::layers::ple::ids::PleIdHasher;
 use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
@@ -105,6 +106,12 @@ pub struct OffloadArgs {
     /// quick); shorter repetitions pair the tables' turns more closely.
     #[arg(long, value_name = "N")]
     steps: Option<usize>,
+    /// Also serve the checkpoint relaid by `table pack --hot-rows` through
+    /// the row cache (the `packed` rows), its hot rows taken from a trace
+    /// of the same workload drawn with another seed. Needs as much disk
+    /// again as the checkpoint.
+    #[arg(long)]
+    packed: bool,
 }
 
 /// A setting to keep.
@@ -210,6 +217,34 @@ struct OffloadRow {
     /// the backbone): at most this much left the backend idle; cached
     /// tables only.
     exposed_wait_share: Option<f64>,
+    /// Bytes read per byte of the rows read from disk (misses less the
+    /// host tier's): what the direct-I/O spans add to each miss; cached
+    /// tables only.
+    read_bytes_per_missed_row_byte: Option<f64>,
+    /// Where a decode token's host time went, in microseconds per token.
+    phases: Phases,
+}
+
+/// Microseconds per decode token of the steps' host work, over the
+/// measured repetitions: each row of a step's sites added up.
+#[derive(Serialize, Debug, Clone, Copy, Default)]
+struct Phases {
+    /// The step prefetch call (hashing plus queueing; 0 without prefetch).
+    prefetch: f64,
+    /// Of it, hashing the step's ids.
+    prefetch_hash: f64,
+    /// The decode call: the sites' forwards and the kernels they wait for.
+    decode: f64,
+    /// Of it, the sites' own host work (hashing what the prefetch did not,
+    /// resolving rows, queueing kernels), waits for rows excluded.
+    site_host: f64,
+    /// Of it, waits for rows.
+    io_wait: f64,
+    /// CPU time of the row cache's prefetch thread (its reads and copies
+    /// into slots); `null` where the kernel does not report it.
+    prefetch_thread_cpu: Option<f64>,
+    /// CPU time of the whole process, every thread.
+    process_cpu: Option<f64>,
 }
 
 /// The whole report.
@@ -320,8 +355,23 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         policy: args.cache_policy,
         host_rows: args.host_rows,
     };
-    let report =
-        measure_all(&ck, &sizes, args.backbone_scale, backbones, &tuning).map_err(failure)?;
+    let (packed, _packed_scratch) = if args.packed {
+        let d =
+            std::env::temp_dir().join(format!("metrale-ple-offload-packed-{}", std::process::id()));
+        let scratch = Scratch(d.clone());
+        (Some(pack_hot(&ck, &sizes, &d)?), Some(scratch))
+    } else {
+        (None, None)
+    };
+    let report = measure_all(
+        &ck,
+        packed.as_ref(),
+        &sizes,
+        args.backbone_scale,
+        backbones,
+        &tuning,
+    )
+    .map_err(failure)?;
     eprintln!("bench offload: done in {:.1} s", t0.elapsed().as_secs_f64());
     print(&report, args.json).map_err(failure)
 }
@@ -365,6 +415,83 @@ fn checkpoint(dir: &Path, sizes: &Sizes) -> Result<Checkpoint, CmdError> {
     Ok(ck)
 }
 
+/// Seed of the token stream the hot-row trace is drawn from (the measured
+/// stream uses another).
+const TRACE_SEED: u64 = 0x7ACE_0FF1;
+
+/// `ck` relaid by `table pack --hot-rows` into `dst` (run as a child
+/// process, so its report stays off this command's output), the hot rows
+/// counted from a trace of the decode workload of `sizes` drawn from
+/// [`TRACE_SEED`]: every id each site hashes for the prompts and for as
+/// many decode steps as a run takes at most.
+fn pack_hot(ck: &Checkpoint, sizes: &Sizes, dst: &Path) -> Result<Checkpoint, CmdError> {
+    let t0 = Instant::now();
+    let steps = sizes.max_windows * sizes.window + sizes.reps * sizes.measure;
+    let zipf = Zipf::new(ck.spec.vocab_size as usize, ZIPF);
+    let mut rng = Rng::new(TRACE_SEED);
+    let mut seqs: Vec<Vec<u32>> = (0..sizes.sequences)
+        .map(|_| (0..sizes.prompt).map(|_| zipf.sample(&mut rng)).collect())
+        .collect();
+    for _ in 0..steps {
+        for s in &mut seqs {
+            s.push(zipf.sample(&mut rng));
+        }
+    }
+    let mut trace = String::new();
+    for site in 0..ck.sites.len() {
+        let spec = ck.spec.site(site).map_err(failure)?;
+        let hasher = PleIdHasher::with_family(&spec.family, &spec.dims).map_err(failure)?;
+        let mut ids = vec![0u64; sizes.prompt.max(1) * spec.dims.ngram_heads()];
+        for s in &seqs {
+            let n = s.len() * spec.dims.ngram_heads();
+            ids.resize(n, 0);
+            hasher
+                .ids_with_history_into(&[], s, &mut ids)
+                .map_err(failure)?;
+            for id in &ids {
+                trace.push_str(&format!("{site} {id}\n"));
+            }
+        }
+    }
+    let trace_path = dst.with_extension("trace");
+    std::fs::write(&trace_path, &trace)
+        .with_context(|| format!("writing {}", trace_path.display()))
+        .map_err(failure)?;
+    eprintln!(
+        "bench offload: relaying the table's hot rows ({} trace lines) into {}",
+        trace.lines().count(),
+        dst.display()
+    );
+    let exe = std::env::current_exe()
+        .context("locating this program to run `table pack`")
+        .map_err(failure)?;
+    let out = std::process::Command::new(exe)
+        .arg("table")
+        .arg("pack")
+        .arg("--hot-rows")
+        .arg(&trace_path)
+        .arg(&ck.dir)
+        .arg(dst)
+        .stdin(std::process::Stdio::null())
+        .output();
+    let _ = std::fs::remove_file(&trace_path);
+    let out = out.context("running `table pack`").map_err(failure)?;
+    if !out.status.success() {
+        return Err(failure(anyhow::anyhow!(
+            "`table pack --hot-rows` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    let packed = Checkpoint::open(dst)
+        .with_context(|| format!("opening the packed checkpoint in {}", dst.display()))
+        .map_err(failure)?;
+    eprintln!(
+        "bench offload: packed in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(packed)
+}
+
 /// The disk's random 4 KiB read rate on `path` through the miss path's
 /// reader: reads per second, the reader's name and whether it is O_DIRECT.
 fn disk_ceiling(path: &Path, window: Duration) -> Result<(f64, String, bool)> {
@@ -388,6 +515,8 @@ struct Measured {
     io_wait_share: Option<f64>,
     read_share: Option<f64>,
     exposed_wait_share: Option<f64>,
+    read_per_missed: Option<f64>,
+    phases: Phases,
 }
 
 /// The sites' waits for rows not covered by the blocks before them.
@@ -397,6 +526,7 @@ fn exposed(e: &Served) -> Duration {
 
 fn measure_all(
     ck: &Checkpoint,
+    packed: Option<&Checkpoint>,
     sizes: &Sizes,
     scale: usize,
     backbones: &[bool],
@@ -430,16 +560,19 @@ fn measure_all(
         bytes((reads_per_s * 4096.0) as u64),
         if direct { ", O_DIRECT" } else { ", buffered" }
     );
-    let tables = [
-        ("resident", TableMode::Resident),
-        ("mapped", TableMode::Mapped),
-        ("cached", TableMode::Cached),
+    let mut tables = vec![
+        ("resident", TableMode::Resident, ck),
+        ("mapped", TableMode::Mapped, ck),
+        ("cached", TableMode::Cached, ck),
     ];
+    if let Some(p) = packed {
+        tables.push(("packed", TableMode::Cached, p));
+    }
     let mut rows = Vec::new();
     for &backbone in backbones {
         let bb = backbone.then(|| BackboneConfig::for_model(&ck.spec, scale));
         for prefetch in [false, true] {
-            let group = measure_group(ck, sizes, &tables, slots, prefetch, bb.as_ref(), tuning)
+            let group = measure_group(sizes, &tables, slots, prefetch, bb.as_ref(), tuning)
                 .with_context(|| format!("prefetch {prefetch}, backbone {backbone}"))?;
             for (name, m, overhead) in group {
                 rows.push(OffloadRow {
@@ -453,6 +586,8 @@ fn measure_all(
                     io_wait_share: m.io_wait_share,
                     read_share: m.read_share,
                     exposed_wait_share: m.exposed_wait_share,
+                    read_bytes_per_missed_row_byte: m.read_per_missed,
+                    phases: m.phases,
                 });
             }
         }
@@ -494,6 +629,9 @@ struct Workload {
     template: Vec<f32>,
     highway: Vec<f32>,
     prefetch: bool,
+    /// Time in step prefetch calls and in decode calls.
+    prefetch_wall: Duration,
+    decode_wall: Duration,
 }
 
 impl Workload {
@@ -522,12 +660,15 @@ impl Workload {
             highway: Vec::with_capacity(sizes.sequences * w),
             template,
             prefetch,
+            prefetch_wall: Duration::ZERO,
+            decode_wall: Duration::ZERO,
         })
     }
 
     /// One decode step of every sequence; with prefetch, every site's
     /// reads of the step start first, in one call per site.
     fn step(&mut self, e: &mut Served) -> Result<()> {
+        let t0 = Instant::now();
         if self.prefetch {
             let mut work = Vec::with_capacity(self.ids.len());
             for (i, &id) in self.ids.iter().enumerate() {
@@ -538,11 +679,14 @@ impl Workload {
                     .map_err(|err| EngineError::site(k, format!("site {k} step prefetch"), err))?;
             }
         }
+        self.prefetch_wall += t0.elapsed();
         let batch: Vec<(SeqId, u32)> = self.ids.iter().copied().zip(self.cur.clone()).collect();
         self.highway.clear();
         self.highway
             .extend_from_slice(&self.template[..batch.len() * e.width()]);
+        let t1 = Instant::now();
         e.decode(&batch, &mut self.highway)?;
+        self.decode_wall += t1.elapsed();
         for t in &mut self.cur {
             *t = self.zipf.sample(&mut self.rng);
         }
@@ -568,7 +712,73 @@ fn process_read_bytes() -> Option<u64> {
         .and_then(|v| v.trim().parse().ok())
 }
 
-/// Warm one configuration up and measure it.
+/// CPU time so far, in nanoseconds, of this process's threads named
+/// `table-prefetch` (the row caches' prefetch threads) and of all its
+/// threads (`/proc/self/task/*/schedstat`), when the kernel reports it.
+/// Threads that have exited are not counted, so only differences over a
+/// span in which none exits mean anything.
+fn thread_cpu_ns() -> Option<(u64, u64)> {
+    let mut prefetch = 0u64;
+    let mut total = 0u64;
+    for t in std::fs::read_dir("/proc/self/task").ok()? {
+        let dir = t.ok()?.path();
+        // A thread may exit between the listing and the reads.
+        let Ok(stat) = std::fs::read_to_string(dir.join("schedstat")) else {
+            continue;
+        };
+        let ns: u64 = stat.split_whitespace().next()?.parse().ok()?;
+        total += ns;
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if comm.trim_end() == "table-prefetch" {
+            prefetch += ns;
+        }
+    }
+    Some((prefetch, total))
+}
+
+/// The running totals the phases are differences of.
+#[derive(Clone, Copy, Default)]
+struct Counters {
+    prefetch: Duration,
+    hash: Duration,
+    decode: Duration,
+    site_host: Duration,
+    io_wait: Duration,
+    cpu: Option<(u64, u64)>,
+}
+
+impl Counters {
+    fn now(e: &Served, w: &Workload) -> Counters {
+        let mut c = Counters {
+            prefetch: w.prefetch_wall,
+            decode: w.decode_wall,
+            io_wait: Duration::from_nanos(e.table_stats().io_wait_ns),
+            cpu: thread_cpu_ns(),
+            ..Counters::default()
+        };
+        for s in e.sites() {
+            c.hash += s.inner().prefetch_time().hash;
+            c.site_host += s.host_time();
+        }
+        c
+    }
+
+    /// `self - before`, added to `acc`.
+    fn add_since(&self, before: &Counters, acc: &mut Counters) {
+        acc.prefetch += self.prefetch.saturating_sub(before.prefetch);
+        acc.hash += self.hash.saturating_sub(before.hash);
+        acc.decode += self.decode.saturating_sub(before.decode);
+        acc.site_host += self.site_host.saturating_sub(before.site_host);
+        acc.io_wait += self.io_wait.saturating_sub(before.io_wait);
+        acc.cpu = match (acc.cpu, self.cpu.zip(before.cpu)) {
+            (Some((ap, at)), Some(((p1, t1), (p0, t0)))) => {
+                Some((ap + p1.saturating_sub(p0), at + t1.saturating_sub(t0)))
+            }
+            _ => None,
+        };
+    }
+}
+
 /// One configuration under measurement: its engine, workload and counters.
 struct Config {
     label: String,
@@ -585,6 +795,10 @@ struct Config {
     read: Duration,
     exposed: Duration,
     io_bytes: Option<u64>,
+    /// The phases' totals over the measured repetitions.
+    spent: Counters,
+    /// Bytes of one row.
+    row_bytes: u64,
 }
 
 impl Config {
@@ -593,6 +807,7 @@ impl Config {
     /// tables without a cache, which only fault pages in).
     #[allow(clippy::too_many_arguments)]
     fn open(
+        name: &str,
         ck: &Checkpoint,
         sizes: &Sizes,
         mode: TableMode,
@@ -635,12 +850,7 @@ impl Config {
         let per_token: usize = e.geometries().iter().map(|g| g.dims.ngram_heads()).sum();
         let per_step = (per_token * sizes.sequences) as u64;
         let label = format!(
-            "{} table, prefetch {}, backbone {}",
-            match mode {
-                TableMode::Resident => "resident",
-                TableMode::Mapped => "mapped",
-                _ => "cached",
-            },
+            "{name} table, prefetch {}, backbone {}",
             if prefetch { "on" } else { "off" },
             if backbone.is_some() { "on" } else { "off" }
         );
@@ -688,6 +898,11 @@ impl Config {
             read: Duration::ZERO,
             exposed: Duration::ZERO,
             io_bytes: Some(0),
+            spent: Counters {
+                cpu: Some((0, 0)),
+                ..Counters::default()
+            },
+            row_bytes: ck.sites[0].table.head_dim as u64 * 2,
         })
     }
 
@@ -698,11 +913,13 @@ impl Config {
         let read0 = self.timed.as_ref().map(|t| t.elapsed());
         let exposed0 = exposed(&self.engine);
         let io0 = process_read_bytes();
+        let c0 = Counters::now(&self.engine, &self.w);
         let t0 = Instant::now();
         for _ in 0..sizes.measure {
             self.w.step(&mut self.engine)?;
         }
         let dt = t0.elapsed().as_secs_f64().max(1e-9);
+        Counters::now(&self.engine, &self.w).add_since(&c0, &mut self.spent);
         let io1 = process_read_bytes();
         self.wall += dt;
         self.rates
@@ -744,6 +961,22 @@ impl Config {
                 .is_some()
                 .then(|| self.read.as_secs_f64() / self.wall),
             exposed_wait_share: self.cached.then(|| self.exposed.as_secs_f64() / self.wall),
+            read_per_missed: (self.cached && s.misses > s.host_hits)
+                .then(|| s.bytes_read as f64 / ((s.misses - s.host_hits) * self.row_bytes) as f64),
+            phases: {
+                let c = &self.spent;
+                let us = |d: Duration| d.as_secs_f64() * 1e6 / tokens.max(1.0);
+                let us_ns = |ns: u64| ns as f64 / 1e3 / tokens.max(1.0);
+                Phases {
+                    prefetch: us(c.prefetch),
+                    prefetch_hash: us(c.hash),
+                    decode: us(c.decode),
+                    site_host: us(c.site_host.saturating_sub(c.io_wait)),
+                    io_wait: us(c.io_wait),
+                    prefetch_thread_cpu: c.cpu.filter(|_| self.cached).map(|(p, _)| us_ns(p)),
+                    process_cpu: c.cpu.map(|(_, t)| us_ns(t)),
+                }
+            },
         };
         eprintln!(
             "bench offload: {}: {:.1} tokens/s (median of {} x {} steps; {:.2} s in all)",
@@ -771,17 +1004,16 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// ratio to the resident table's repetition next to it.
 #[allow(clippy::too_many_arguments)]
 fn measure_group(
-    ck: &Checkpoint,
     sizes: &Sizes,
-    tables: &[(&'static str, TableMode)],
+    tables: &[(&'static str, TableMode, &Checkpoint)],
     slots: usize,
     prefetch: bool,
     backbone: Option<&BackboneConfig>,
     tuning: &CacheOptions,
 ) -> Result<Vec<(&'static str, Measured, Option<f64>)>> {
     let mut configs = Vec::with_capacity(tables.len());
-    for &(name, mode) in tables {
-        let c = Config::open(ck, sizes, mode, slots, prefetch, backbone, tuning)
+    for &(name, mode, ck) in tables {
+        let c = Config::open(name, ck, sizes, mode, slots, prefetch, backbone, tuning)
             .with_context(|| format!("opening the {name} table"))?;
         configs.push((name, c));
     }
@@ -856,7 +1088,7 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>9} {:>12} {:>9} {:>9} {:>9}",
+        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
         "table",
         "prefetch",
         "backbone",
@@ -866,12 +1098,13 @@ fn print(r: &Report, json: bool) -> Result<()> {
         "bytes/token",
         "I/O wait",
         "exposed",
-        "reads"
+        "reads",
+        "read/miss"
     )?;
     for row in &r.rows {
         writeln!(
             out,
-            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>9} {:>12} {:>9} {:>9} {:>9}",
+            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
             row.table,
             if row.prefetch { "on" } else { "off" },
             if row.backbone { "on" } else { "off" },
@@ -882,6 +1115,44 @@ fn print(r: &Report, json: bool) -> Result<()> {
             opt(row.io_wait_share, |v| format!("{:.1}%", v * 100.0)),
             opt(row.exposed_wait_share, |v| format!("{:.1}%", v * 100.0)),
             opt(row.read_share, |v| format!("{:.1}%", v * 100.0)),
+            opt(row.read_bytes_per_missed_row_byte, |v| format!("{v:.2}x")),
+        )?;
+    }
+    writeln!(
+        out,
+        "host time per decode token (us): prefetch call (of it hashing), decode call (of it the \
+         sites' host work without waits, and waits for rows), CPU of the cache's prefetch \
+         thread and of the process"
+    )?;
+    writeln!(
+        out,
+        "{:<9} {:<8} {:<8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9} {:>9}",
+        "table",
+        "prefetch",
+        "backbone",
+        "prefetch",
+        "hash",
+        "decode",
+        "site host",
+        "wait",
+        "pf thread",
+        "process"
+    )?;
+    for row in &r.rows {
+        let p = &row.phases;
+        writeln!(
+            out,
+            "{:<9} {:<8} {:<8} {:>9.1} {:>8.2} {:>9.1} {:>9.1} {:>8.1} {:>9} {:>9}",
+            row.table,
+            if row.prefetch { "on" } else { "off" },
+            if row.backbone { "on" } else { "off" },
+            p.prefetch,
+            p.prefetch_hash,
+            p.decode,
+            p.site_host,
+            p.io_wait,
+            opt(p.prefetch_thread_cpu, |v| format!("{v:.1}")),
+            opt(p.process_cpu, |v| format!("{v:.1}")),
         )?;
     }
     Ok(())

@@ -1,0 +1,67 @@
+//! `bench offload --packed` at the hidden `--smoke` sizes: the hot-row
+//! packed table is measured beside the others, every cached row reports
+//! the bytes it read per byte of the rows it missed, every row the host
+//! time of its phases, and the packed copy is removed after the run.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn offload_measures_the_packed_table_and_reports_reads_per_missed_byte_and_phases() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+        .args(["bench", "offload", "--smoke", "--json", "--packed"])
+        .args(["--only-backbone", "off", "--checkpoint"])
+        .arg(&ck)
+        .output()
+        .expect("run metrale-ple");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "status {:?}: {stderr}", out.status);
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let rows = report["rows"].as_array().expect("a rows array");
+    let mut seen = Vec::new();
+    for row in rows {
+        let table = row["table"].as_str().unwrap();
+        let prefetch = row["prefetch"].as_bool().unwrap();
+        seen.push((table.to_string(), prefetch));
+        let cached = table == "cached" || table == "packed";
+        let ratio = &row["read_bytes_per_missed_row_byte"];
+        assert_eq!(ratio.is_number(), cached, "{row:#}");
+        if cached {
+            // Direct-I/O spans hold whole rows: at least the row's bytes.
+            assert!(ratio.as_f64().unwrap() >= 1.0, "{row:#}");
+            assert!(row["hit_rate"].is_number(), "{row:#}");
+        }
+        let p = &row["phases"];
+        assert!(p["decode"].as_f64().unwrap() > 0.0, "{row:#}");
+        for key in ["prefetch", "prefetch_hash", "site_host", "io_wait"] {
+            assert!(p[key].as_f64().unwrap() >= 0.0, "{key} in {row:#}");
+        }
+        // The step prefetch hashes; without it nothing is timed there.
+        assert_eq!(
+            p["prefetch_hash"].as_f64().unwrap() > 0.0,
+            prefetch,
+            "{row:#}"
+        );
+        assert_eq!(
+            p["prefetch_thread_cpu"].is_number(),
+            cached && p["process_cpu"].is_number()
+        );
+    }
+    let want: Vec<(String, bool)> = [false, true]
+        .into_iter()
+        .flat_map(|p| ["resident", "mapped", "cached", "packed"].map(|t| (t.to_string(), p)))
+        .collect();
+    assert_eq!(seen, want);
+    // The packed copy lives only for the run.
+    let packed: PathBuf = stderr
+        .lines()
+        .find_map(|l| l.split(" into ").nth(1))
+        .map(|p| PathBuf::from(p.trim()))
+        .expect("the run names the packed copy");
+    assert!(!packed.exists(), "{} left behind", packed.display());
+    assert!(ck.join("config.json").is_file());
+}
