@@ -13,7 +13,8 @@
 //! with a [`CheckpointError`] naming the file and tensor; [`fold`] serves a
 //! table cut to fewer rows than the hash addresses; [`remap`] serves a
 //! table whose hot rows were relaid together; [`release`] converts
-//! DeepSeek-V4.1's table as released to the rows the runtime reads.
+//! DeepSeek-V4.1's table as released to the rows the runtime reads;
+//! [`token_map`] reads Engram's token map stored as a tensor.
 //!
 //! Invariant: a [`load::Checkpoint`] exists only for a directory that
 //! passed every check in [`load`].
@@ -29,6 +30,7 @@ pub mod release;
 pub mod remap;
 pub mod runtime;
 pub mod synth;
+pub mod token_map;
 
 pub use error::CheckpointError;
 pub use load::Checkpoint;

@@ -15,7 +15,8 @@
 //! stacked branch by branch, DeepSeek-V4.1's fused FP8 projection
 //! dequantised (exactly) and split keys first, LongCat's sub-table
 //! projections side by side. An Engram checkpoint's token map
-//! ([`TOKEN_MAP_FILE`]) goes into the spec before any site is built.
+//! ([`TOKEN_MAP_FILE`], or the tensor [`TOKEN_MAP_TENSOR`]) goes into the
+//! spec before any site is built.
 //!
 //! Only the dense weights are read (tens of MB at the flagship geometry,
 //! 315 MB for DeepSeek-V4.1's projections); table shards are checked from
@@ -44,8 +45,11 @@ use serde::Deserialize;
 
 use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
-use crate::names::{CONFIG_FILE, EngramDemoNames, INDEX_FILE, SiteNames, TOKEN_MAP_FILE, V41Names};
+use crate::names::{
+    CONFIG_FILE, EngramDemoNames, INDEX_FILE, SiteNames, TOKEN_MAP_FILE, TOKEN_MAP_TENSOR, V41Names,
+};
 use crate::release::{SplitTable, check_split, is_block_scale};
+use crate::token_map::decode_token_map;
 
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -164,20 +168,65 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
 /// the raw vocabulary (`vocab_size` entries) and map onto exactly
 /// `engram_compressed_vocab_size` ids containing the pad id.
 pub fn with_token_map(spec: ModelSpec, dir: &Path) -> Result<ModelSpec> {
-    let path = dir.join(TOKEN_MAP_FILE);
-    if !matches!(spec.family, ModelFamily::Engram(_)) || !path.exists() {
+    with_token_maps(spec, dir, None)
+}
+
+/// [`with_token_map`], also taking the map from the checkpoint's tensor
+/// [`TOKEN_MAP_TENSOR`] when `files` lists it; a file and a tensor that
+/// disagree are refused.
+fn with_token_maps(spec: ModelSpec, dir: &Path, files: Option<&Files>) -> Result<ModelSpec> {
+    if !matches!(spec.family, ModelFamily::Engram(_)) {
         return Ok(spec);
     }
-    let map = load_token_map(&path)?;
+    let path = dir.join(TOKEN_MAP_FILE);
+    let from_file = if path.exists() {
+        Some((path.display().to_string(), load_token_map(&path)?.to_vec()))
+    } else {
+        None
+    };
+    let from_tensor = match files {
+        Some(f) if f.weight_map.contains_key(TOKEN_MAP_TENSOR) => {
+            let (h, t) = f.find(TOKEN_MAP_TENSOR)?;
+            let value = |msg: String| CheckpointError::Value {
+                file: h.path.clone(),
+                tensor: TOKEN_MAP_TENSOR.to_string(),
+                msg,
+            };
+            let bytes = h
+                .read_tensor(TOKEN_MAP_TENSOR)
+                .map_err(|e| value(format!("{e:#}")))?;
+            let ids =
+                decode_token_map(t.dtype, &t.shape, &bytes).map_err(|e| value(e.to_string()))?;
+            Some((
+                format!("{} (tensor {TOKEN_MAP_TENSOR})", h.path.display()),
+                ids,
+            ))
+        }
+        _ => None,
+    };
+    let (source, map) = match (from_file, from_tensor) {
+        (None, None) => return Ok(spec),
+        (Some(m), None) | (None, Some(m)) => m,
+        (Some((file, a)), Some((tensor, b))) => {
+            if let Some(i) = (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i)) {
+                return Err(CheckpointError::Invalid(format!(
+                    "the token maps of {file} and {tensor} disagree at entry {i} ({:?} against \
+                     {:?}); keep one",
+                    a.get(i),
+                    b.get(i)
+                )));
+            }
+            (file, a)
+        }
+    };
     if map.len() as u64 != spec.vocab_size {
         return Err(CheckpointError::Invalid(format!(
-            "{}: the token map has {} entries, but config.json's vocab_size is {}",
-            path.display(),
+            "{source}: the token map has {} entries, but config.json's vocab_size is {}",
             map.len(),
             spec.vocab_size
         )));
     }
-    Ok(spec.with_token_map(map, &path.display().to_string())?)
+    Ok(spec.with_token_map(map.into(), &source)?)
 }
 
 struct Files {
@@ -376,8 +425,8 @@ impl Checkpoint {
 
     /// [`Checkpoint::open`] with `opts`.
     pub fn open_with(dir: &Path, opts: OpenOptions) -> Result<Checkpoint> {
-        let spec = with_token_map(read_spec(dir)?, dir)?;
         let files = Self::open_files(dir)?;
+        let spec = with_token_maps(read_spec(dir)?, dir, Some(&files))?;
         let mut sites = Vec::with_capacity(spec.sites());
         for s in 0..spec.sites() {
             sites.push(Self::open_site(&spec, &files, s, opts)?);

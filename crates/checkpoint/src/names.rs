@@ -108,6 +108,11 @@ impl SiteNames {
 /// through it.
 pub const TOKEN_MAP_FILE: &str = "engram_token_map.json";
 
+/// The compressed-token map as a tensor of the checkpoint instead of
+/// [`TOKEN_MAP_FILE`]: `[vocab_size]` I64, I32 or U32, listed in the index
+/// like any tensor (`crate::token_map`).
+pub const TOKEN_MAP_TENSOR: &str = "engram.token_map";
+
 /// The tensor names of one layer of the Engram demo (`engram_demo_v1.py`),
 /// under `model.layers.{L}.engram.` with `L` the absolute 0-based block
 /// index: the module's own `state_dict` names (`multi_head_embedding`,
