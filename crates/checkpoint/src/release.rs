@@ -180,8 +180,9 @@ const CHUNK: usize = 8 << 20;
 
 /// Rewrite the safetensors file `src` into `dst` (data section aligned to
 /// 4 KiB, as `table pack` leaves every file): each table of `tables` whose
-/// values are in `src` becomes its inline tensor, each scale tensor in
-/// `src` is dropped, every other tensor is copied as it is. Calls
+/// values are in `src` becomes its inline tensor, every tensor under a
+/// scale name of `tables` is dropped, every other tensor is copied as it
+/// is. Calls
 /// `progress(written, total)` with data bytes; returns the data bytes
 /// written.
 pub fn convert_file(
@@ -192,11 +193,10 @@ pub fn convert_file(
 ) -> Result<u64> {
     let h = header(src)?;
     let mine: Vec<&SplitTable> = tables.iter().filter(|t| t.weight_file == src).collect();
-    let dropped: Vec<&str> = tables
-        .iter()
-        .filter(|t| t.scale_file == src)
-        .map(|t| t.scale.as_str())
-        .collect();
+    // Any tensor under a scale's name goes, not only the one the weight
+    // map names: a stray copy beside the values would make the inline
+    // tensor read as per-row-scaled FP8.
+    let dropped: Vec<&str> = tables.iter().map(|t| t.scale.as_str()).collect();
     // Check the pairs again on the headers read now: the data is read
     // from these extents.
     let mut scale_headers: BTreeMap<PathBuf, Header> = BTreeMap::new();

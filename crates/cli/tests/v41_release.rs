@@ -199,6 +199,9 @@ fn a_packed_release_gives_the_inline_highway_in_every_table_mode() {
     }
 }
 
+/// Damage done to a released checkpoint's directory.
+type Damage<'a> = Box<dyn Fn(&Path) + 'a>;
+
 #[test]
 fn malformed_release_tables_fail_the_pack_naming_file_and_tensor() {
     let tmp = tempfile::tempdir().unwrap();
@@ -210,7 +213,7 @@ fn malformed_release_tables_fail_the_pack_naming_file_and_tensor() {
     write_tiny(&good, TableLayout::Release);
     let scales = tensor(&good, &sn).2;
     let nb = spec.head_dim as u64 / 32;
-    let cases: Vec<(&str, Box<dyn Fn(&Path)>, &str)> = vec![
+    let cases: Vec<(&str, Damage, &str)> = vec![
         (
             "nan",
             Box::new(|ck: &Path| {
