@@ -45,7 +45,7 @@ use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Request, Server, ServerConfig, ServerReport, TimedReader, Workload};
 use metrale_engine::{Engine, EngineConfig, Site, SwapTarget};
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_storage::cached::{CacheConfig, Policy};
+use metrale_storage::cached::{CacheConfig, DEFAULT_IO_DEPTH, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use serde::Serialize;
 
@@ -326,7 +326,7 @@ fn pass(
         TableMode::Cached => {
             let inner: Arc<dyn PageReader> = match &pc.setup.faults {
                 Some(f) => f.clone(),
-                None => default_reader(32)?,
+                None => default_reader(DEFAULT_IO_DEPTH)?,
             };
             Some(Arc::new(TimedReader::new(inner)))
         }
@@ -747,7 +747,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     };
     let faults = if a.fault_percent > 0.0 {
         Some(Arc::new(FlakyReader::new(
-            default_reader(32).map_err(failure)?,
+            default_reader(DEFAULT_IO_DEPTH).map_err(failure)?,
             a.fault_percent,
             a.seed,
         )))

@@ -53,7 +53,7 @@ use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::bench::Rng;
 use metrale_model_layers::layers::ple::ids::PleIdHasher;
 use metrale_storage::bench::RandomReads;
-use metrale_storage::cached::{DEFAULT_POLICY, Policy};
+use metrale_storage::cached::{DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::table::TableStats;
 use serde::Serialize;
@@ -112,6 +112,10 @@ pub struct OffloadArgs {
     /// again as the checkpoint.
     #[arg(long)]
     packed: bool,
+    /// Reads the row cache keeps in flight (its io_uring depth, or pread
+    /// threads up to 16).
+    #[arg(long, default_value_t = DEFAULT_IO_DEPTH, value_name = "N")]
+    read_depth: usize,
 }
 
 /// A setting to keep.
@@ -268,6 +272,8 @@ struct Report {
     backbone_layers: usize,
     cache_policy: &'static str,
     host_rows: usize,
+    /// Reads the row cache kept in flight.
+    read_depth: usize,
     rows: Vec<OffloadRow>,
 }
 
@@ -341,6 +347,9 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
             (d.clone(), Some(Scratch(d)))
         }
     };
+    if args.read_depth == 0 {
+        return Err(input(anyhow::anyhow!("--read-depth must be positive")));
+    }
     if args.backbone_scale == 0 {
         return Err(input(anyhow::anyhow!("--backbone-scale must be positive")));
     }
@@ -370,6 +379,7 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         args.backbone_scale,
         backbones,
         &tuning,
+        args.read_depth,
     )
     .map_err(failure)?;
     eprintln!("bench offload: done in {:.1} s", t0.elapsed().as_secs_f64());
@@ -531,6 +541,7 @@ fn measure_all(
     scale: usize,
     backbones: &[bool],
     tuning: &CacheOptions,
+    depth: usize,
 ) -> Result<Report> {
     let site = &ck.sites[0];
     let stored = site.table.stored_rows;
@@ -572,7 +583,7 @@ fn measure_all(
     for &backbone in backbones {
         let bb = backbone.then(|| BackboneConfig::for_model(&ck.spec, scale));
         for prefetch in [false, true] {
-            let group = measure_group(sizes, &tables, slots, prefetch, bb.as_ref(), tuning)
+            let group = measure_group(sizes, &tables, slots, prefetch, bb.as_ref(), tuning, depth)
                 .with_context(|| format!("prefetch {prefetch}, backbone {backbone}"))?;
             for (name, m, overhead) in group {
                 rows.push(OffloadRow {
@@ -611,6 +622,7 @@ fn measure_all(
         backbone_layers: ck.spec.num_hidden_layers,
         cache_policy: tuning.policy.unwrap_or(DEFAULT_POLICY).name(),
         host_rows: tuning.host_rows,
+        read_depth: depth,
         rows,
     })
 }
@@ -815,6 +827,7 @@ impl Config {
         prefetch: bool,
         backbone: Option<&BackboneConfig>,
         tuning: &CacheOptions,
+        depth: usize,
     ) -> Result<Config> {
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
         let setup = EngineSetup {
@@ -832,7 +845,7 @@ impl Config {
         let rows = sizes.sequences.max(sizes.prompt);
         let cached = mode == TableMode::Cached;
         let timed = if cached {
-            Some(Arc::new(TimedReader::new(default_reader(32)?)))
+            Some(Arc::new(TimedReader::new(default_reader(depth)?)))
         } else {
             None
         };
@@ -1010,11 +1023,14 @@ fn measure_group(
     prefetch: bool,
     backbone: Option<&BackboneConfig>,
     tuning: &CacheOptions,
+    depth: usize,
 ) -> Result<Vec<(&'static str, Measured, Option<f64>)>> {
     let mut configs = Vec::with_capacity(tables.len());
     for &(name, mode, ck) in tables {
-        let c = Config::open(name, ck, sizes, mode, slots, prefetch, backbone, tuning)
-            .with_context(|| format!("opening the {name} table"))?;
+        let c = Config::open(
+            name, ck, sizes, mode, slots, prefetch, backbone, tuning, depth,
+        )
+        .with_context(|| format!("opening the {name} table"))?;
         configs.push((name, c));
     }
     for _ in 0..sizes.reps.max(1) {
@@ -1083,8 +1099,8 @@ fn print(r: &Report, json: bool) -> Result<()> {
     writeln!(
         out,
         "backbone: {} layers of GEMM blocks at 1/{} width where on; row cache policy {}, \
-         host tier {} rows per site",
-        r.backbone_layers, r.backbone_scale, r.cache_policy, r.host_rows
+         host tier {} rows per site, {} reads in flight",
+        r.backbone_layers, r.backbone_scale, r.cache_policy, r.host_rows, r.read_depth
     )?;
     writeln!(
         out,
