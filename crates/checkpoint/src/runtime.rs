@@ -154,9 +154,17 @@ impl Checkpoint {
         ))
     }
 
-    /// Site `site`'s validated shards, opened.
+    /// Site `site`'s validated shards, opened. A table stored as released
+    /// (opened for its conversion only) is refused as the loader refuses it.
     fn table_files(&self, site: usize) -> Result<TableFiles> {
         let s = &self.sites[site];
+        if let Some(r) = &s.table.release {
+            return Err(CheckpointError::ReleasedTable {
+                file: r.weight_file.clone(),
+                tensor: r.weight.clone(),
+                scale: r.scale.clone(),
+            });
+        }
         TableFiles::open(&s.table.shards, Some(s.table.stored_rows)).map_err(|e| {
             CheckpointError::Table {
                 layer: s.layer,

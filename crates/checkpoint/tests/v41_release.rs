@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use metrale_checkpoint::load::OpenOptions;
 use metrale_checkpoint::names::{CONFIG_FILE, INDEX_FILE, TOKEN_MAP_FILE, V41Names};
 use metrale_checkpoint::release::{SplitTable, convert_file, convert_index};
+use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::{TableLayout, write_spec_synthetic_as};
 use metrale_checkpoint::{Checkpoint, CheckpointError, TableDType};
 use metrale_storage::pack::pack;
@@ -153,6 +154,16 @@ fn the_release_layout_splits_the_inline_rows_and_open_points_at_table_pack() {
         assert!(b.table.release.is_none());
     }
     assert_eq!(ck.release_tables().len(), ck.sites.len());
+    // Never served as it is, in any mode.
+    let gpu: std::sync::Arc<dyn metrale_gpu_runtime::gpu::GpuBackend> =
+        std::sync::Arc::new(metrale_gpu_runtime::cpu::CpuBackend::new());
+    for mode in [TableMode::Resident, TableMode::Mapped, TableMode::Cached] {
+        let e = ck.open_table(1, mode, gpu.clone()).err().unwrap();
+        assert!(
+            matches!(&e, CheckpointError::ReleasedTable { tensor, .. } if tensor == &V41Names::new(ck.sites[1].layer).table()),
+            "{mode:?}: {e:?}"
+        );
+    }
 }
 
 #[test]
