@@ -10,7 +10,8 @@
 //! as soon as its tokens are known, it starts the row reads of the step's
 //! decode batch and prefill chunk at every site at once
 //! ([`Site::prefetch_step`]: one batch of ids per site, each id hashed once
-//! for it), so that they run while the step computes: with a backbone
+//! and handed to the step's forwards, which hash nothing again), so that
+//! they run while the step computes: with a backbone
 //! ([`ServerConfig::backbone`], [`crate::backbone`]) the blocks before a
 //! site hide its reads; without one the prefill chunk's reads overlap the
 //! decode step. Preemption and swap under the device budget happen inside

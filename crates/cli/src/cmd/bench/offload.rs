@@ -20,7 +20,15 @@
 //! blocked waiting for rows, the share of it not covered by the backbone
 //! blocks queued before the site (still running when the site's host work
 //! ended), and (cached tables) the share spent in read calls at all,
-//! foreground or prefetch. The disk's random 4 KiB read ceiling
+//! foreground or prefetch, and the bytes read per byte of the rows read
+//! from disk (what direct-I/O granules add to each miss). A second table
+//! gives each row's host time per decode token by phase: the step prefetch
+//! call and, of it, hashing; the decode call and, of it, the sites' own
+//! host work and their waits for rows; and the CPU time of the row cache's
+//! prefetch thread and of the whole process. With `--packed` the checkpoint
+//! relaid by `table pack --hot-rows` (hot rows from a trace of the same
+//! workload drawn with another seed) is served through the row cache too
+//! (the `packed` rows). The disk's random 4 KiB read ceiling
 //! ([`RandomReads`], the miss path's reader) is measured in the same run,
 //! on the checkpoint's own shard file.
 //!
