@@ -18,6 +18,7 @@ use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::table::RowTable;
 use metrale_testkit::Rng;
+use metrale_testkit::families::{TinyFamily, family_site};
 use metrale_testkit::tiny::{TinySpec, tiny_site, tiny_site_files};
 
 fn spec() -> TinySpec {
@@ -371,11 +372,16 @@ enum Ahead {
 /// Three sequences prefilled (in two chunks each) then decoded six steps
 /// together, eagerly or through decode graphs, with a step prefetch before
 /// every call as `ahead` says; every output row's bits, in order.
-fn hashed_ids_run(graphs: bool, ahead: Ahead) -> Vec<u32> {
+fn hashed_ids_run(family: Option<TinyFamily>, graphs: bool, ahead: Ahead) -> Vec<u32> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let s: Vec<PleSite> = (0..2)
-        .map(|i| tiny_site(&gpu, &spec(), i, 0xBB).unwrap())
-        .collect();
+    let s: Vec<PleSite> = match family {
+        None => (0..2)
+            .map(|i| tiny_site(&gpu, &spec(), i, 0xBB).unwrap())
+            .collect(),
+        Some(f) => (0..f.spec().sites())
+            .map(|i| family_site(&gpu, f, i, 0xBB, spec().max_tokens).unwrap())
+            .collect(),
+    };
     let mut e = metrale_engine::Engine::new(gpu.clone(), s, engine_cfg()).unwrap();
     if graphs {
         e.enable_decode_graphs().unwrap();
@@ -444,15 +450,25 @@ fn hashed_ids_run(graphs: bool, ahead: Ahead) -> Vec<u32> {
 
 /// A step prefetch hands its ids to the step's forwards (eager batched,
 /// prestaged for a graph, a prefill chunk); they give the rows of forwards
-/// that hash their own, and a prefetch of other tokens is not used.
+/// that hash their own, for every family, and a prefetch of other tokens
+/// is not used.
 #[test]
 fn ids_hashed_by_a_step_prefetch_give_the_same_rows_on_every_path() {
-    for graphs in [false, true] {
-        let want = hashed_ids_run(graphs, Ahead::None);
-        for ahead in [Ahead::Same, Ahead::Other] {
-            let got = hashed_ids_run(graphs, ahead);
-            assert!(got == want, "graphs {graphs}, prefetch {ahead:?}");
+    let families = std::iter::once(None).chain(TinyFamily::ALL.map(Some));
+    for family in families {
+        for graphs in [false, true] {
+            let want = hashed_ids_run(family, graphs, Ahead::None);
+            for ahead in [Ahead::Same, Ahead::Other] {
+                let got = hashed_ids_run(family, graphs, ahead);
+                assert!(
+                    got == want,
+                    "{family:?}, graphs {graphs}, prefetch {ahead:?}"
+                );
+            }
         }
+        assert!(
+            hashed_ids_run(family, false, Ahead::None) == hashed_ids_run(family, true, Ahead::None),
+            "{family:?}: eager and graph decode"
+        );
     }
-    assert!(hashed_ids_run(false, Ahead::None) == hashed_ids_run(true, Ahead::None));
 }
