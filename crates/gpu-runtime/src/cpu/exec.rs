@@ -211,6 +211,52 @@ impl Inner {
         Ok(())
     }
 
+    /// Submit a host-to-device copy of `src` to `stream` (not capturing when
+    /// called; a capture begun since is refused by [`Self::submit`]).
+    ///
+    /// The source must be copied on this thread either way: queued, into a
+    /// buffer the operation owns. So when the stream is idle (everything
+    /// submitted has completed), the call is from an ordinary thread and the
+    /// stream is neither capturing nor closed, the bytes go straight to
+    /// `dst` under the stream's lock instead: no later submission can
+    /// overtake the copy and no earlier one is outstanding, which is the
+    /// order the queue would give, without waking the worker or a waiter.
+    /// Such a copy is counted in neither `submitted` nor `completed`; an
+    /// error it raises sticks to the stream like a queued one's.
+    pub(super) fn submit_h2d(
+        &self,
+        op: &str,
+        stream: &Stream,
+        src: &[u8],
+        dst: DevicePtr,
+    ) -> Result<()> {
+        self.ledger.resolve(op, dst, src.len())?;
+        if !on_worker() {
+            let mut st = stream.state.lock();
+            if st.capture.is_none() && !st.closed && st.completed == st.submitted {
+                if let Err(e) = self.copy_in(&OnStream("copy_h2d_async", stream.id), src, dst) {
+                    st.error.get_or_insert(e);
+                }
+                return Ok(());
+            }
+        }
+        let node = Node::CopyH2D {
+            src: Arc::from(src),
+            dst,
+        };
+        self.submit(op, stream, &[node])
+    }
+
+    /// Copy host bytes to `dst` on the calling thread, under the barrier.
+    fn copy_in(&self, op: &(dyn fmt::Display + Sync), src: &[u8], dst: DevicePtr) -> Result<()> {
+        let _barrier = self.exec.read_recursive();
+        let d = self.ledger.resolve(op, dst, src.len())?;
+        // SAFETY: `d` has `src.len()` checked bytes kept alive by the
+        // barrier; `copy` allows a registered source that aliases `dst`.
+        unsafe { std::ptr::copy(src.as_ptr(), d, src.len()) };
+        Ok(())
+    }
+
     /// Refuse `op` if `stream` is capturing, invalidating the capture.
     pub(super) fn refuse_if_capturing(&self, op: &str, stream: &Stream, what: &str) -> Result<()> {
         let mut st = stream.state.lock();

@@ -21,6 +21,10 @@
 //! - an error raised by queued work is kept on its stream (first error wins)
 //!   and returned, then cleared, by the next `synchronize` or
 //!   `copy_d2h_on_stream` on that stream; later work still runs;
+//! - `copy_h2d_async` to an idle stream copies on the calling thread (the
+//!   source has to be copied there anyway), so a lone upload followed by
+//!   `synchronize` neither wakes the worker nor waits for it; behind queued
+//!   work, under capture or from a worker thread it is queued as usual;
 //! - a synchronising call made from inside a queued operation (a kernel body
 //!   that holds the backend) would deadlock and is refused instead;
 //! - under graph capture, submissions are recorded; copies from ordinary host
@@ -260,14 +264,7 @@ impl GpuBackend for CpuBackend {
         }
         // Refuse before copying the source: under capture it is never used.
         self.inner.refuse_if_capturing(op, &s, UNREPLAYABLE_COPY)?;
-        self.inner.submit(
-            op,
-            &s,
-            &[Node::CopyH2D {
-                src: Arc::from(src),
-                dst,
-            }],
-        )
+        self.inner.submit_h2d(op, &s, src, dst)
     }
 
     fn copy_d2h_on_stream(&self, src: DevicePtr, dst: &mut [u8], stream: StreamId) -> Result<()> {

@@ -5,6 +5,11 @@
 //! - `submitted` counts operations sent to the worker and `completed` those
 //!   it has finished; both only grow, under the stream's lock, so "all work
 //!   queued before now" is `completed >= submitted-at-call-time`;
+//! - a host-to-device copy submitted from an ordinary thread to an idle
+//!   stream (`completed == submitted`, not capturing, not closed) runs on
+//!   the caller under the state lock instead of being sent, and is counted
+//!   in neither: nothing is outstanding before it and nothing can be
+//!   submitted until it is done, so the stream's order is the queue's;
 //! - the first error raised by a queued operation is kept (later ones are
 //!   dropped) until a synchronising call takes it; operations queued after a
 //!   failed one still run, as on CUDA, where a failed copy does not cancel the
