@@ -311,7 +311,9 @@ pub struct Added {
 enum Swapped {
     /// The sequence had run no token: nothing to keep.
     Empty,
-    Host(Vec<u8>),
+    /// Each site's aux blob.
+    Host(Vec<Vec<u8>>),
+    /// An encoded snapshot.
     File(PathBuf),
 }
 
@@ -557,7 +559,7 @@ impl<S: Site> Engine<S> {
                 Carry::Resident(_) => s.resident += 1,
                 Carry::Swapped(Swapped::Host(b)) => {
                     s.swapped_host += 1;
-                    s.swap_host_bytes += b.len();
+                    s.swap_host_bytes += b.iter().map(Vec::len).sum::<usize>();
                 }
                 Carry::Swapped(Swapped::File(_)) => s.swapped_file += 1,
                 Carry::Swapped(Swapped::Empty) => s.swapped_host += 1,

@@ -1,9 +1,12 @@
-//! Swap: a resident carry out to host memory or a file as an encoded
-//! snapshot, and back.
+//! Swap: a resident carry out to host memory (the sites' aux blobs as they
+//! came) or to a file (an encoded snapshot), and back.
 //!
-//! Invariants: a swap-out frees the device states only after the snapshot
-//! is safe in its place; a swap-in builds new states and installs them only
-//! when everything succeeded, so on failure the sequence stays swapped out.
+//! Invariants: a swap-out frees the device states only after the blobs are
+//! safe in their place; a swap-in builds new states and installs them only
+//! when everything succeeded, so on failure the sequence stays swapped out,
+//! its blobs or file untouched. Host blobs never leave the process and were
+//! made by this engine's sites, so they skip the snapshot container (its
+//! CRC and geometry check guard bytes from outside: a file).
 
 use super::{Carry, Engine, EngineError, Place, Result, SeqId, Site, SwapTarget, Swapped};
 use crate::snapshot::Snapshot;
@@ -35,17 +38,17 @@ impl<S: Site> Engine<S> {
                 unreachable!()
             };
             let blobs = self.snapshot_states(states)?;
-            // A pending verify's draft is in the carry too.
-            let absorbed = s.tokens.len() + s.pending.as_ref().map_or(0, |p| p.draft.len());
-            let bytes = Snapshot {
-                fingerprint: self.fingerprint,
-                token_count: absorbed as u64,
-                blobs,
-            }
-            .encode();
             match target {
-                SwapTarget::Host => Swapped::Host(bytes),
+                SwapTarget::Host => Swapped::Host(blobs),
                 SwapTarget::File => {
+                    // A pending verify's draft is in the carry too.
+                    let absorbed = s.tokens.len() + s.pending.as_ref().map_or(0, |p| p.draft.len());
+                    let bytes = Snapshot {
+                        fingerprint: self.fingerprint,
+                        token_count: absorbed as u64,
+                        blobs,
+                    }
+                    .encode();
                     let dir = self.cfg.swap_dir.as_ref().expect("checked");
                     let path = dir.join(format!(
                         "metrale-{}-{}-seq-{id}.mplesnap",
@@ -95,12 +98,45 @@ impl<S: Site> Engine<S> {
                 place,
             });
         }
-        let Carry::Swapped(place) = &s.carry else {
+        let mut protect = protect.to_vec();
+        protect.push(id);
+        // Borrowing the host blobs from the sequence while the states are
+        // built (which needs `&mut self`) would take a copy of them; the
+        // place is moved out instead and put back on failure. Nothing in
+        // between reads this sequence's carry (it is protected from
+        // preemption); should a panic cut this short, the placeholder
+        // refuses the sequence rather than restarting it from nothing.
+        let seq = self.seqs.get_mut(&id).expect("present");
+        let interrupted = Carry::Lost("its swap-in was interrupted".into());
+        let Carry::Swapped(place) = std::mem::replace(&mut seq.carry, interrupted) else {
             unreachable!()
         };
-        let blobs = match place {
-            Swapped::Empty => None,
-            Swapped::Host(bytes) => Some(Snapshot::decode_for(bytes, &self.geoms)?.blobs),
+        let built = self.states_for(id, &place, &protect);
+        let seq = self.seqs.get_mut(&id).expect("present");
+        match built {
+            Ok(states) => seq.carry = Carry::Resident(states),
+            Err(e) => {
+                seq.carry = Carry::Swapped(place);
+                return Err(e);
+            }
+        }
+        if let Swapped::File(path) = place {
+            let _ = std::fs::remove_file(path);
+        }
+        self.stats.swap_ins += 1;
+        Ok(())
+    }
+
+    /// New device states holding what `place` kept for sequence `id`.
+    fn states_for(
+        &mut self,
+        id: SeqId,
+        place: &Swapped,
+        protect: &[SeqId],
+    ) -> Result<Vec<S::State>> {
+        match place {
+            Swapped::Empty => self.alloc_states(id, protect),
+            Swapped::Host(blobs) => self.states_from(id, blobs, protect),
             Swapped::File(path) => {
                 let bytes = std::fs::read(path).map_err(|source| EngineError::SwapFile {
                     op: "swap_in: reading",
@@ -113,21 +149,8 @@ impl<S: Site> Engine<S> {
                         source,
                     }
                 })?;
-                Some(snap.blobs)
+                self.states_from(id, &snap.blobs, protect)
             }
-        };
-        let mut protect = protect.to_vec();
-        protect.push(id);
-        let states = match &blobs {
-            Some(b) => self.states_from(id, b, &protect)?,
-            None => self.alloc_states(id, &protect)?,
-        };
-        let seq = self.seqs.get_mut(&id).expect("present");
-        let old = std::mem::replace(&mut seq.carry, Carry::Resident(states));
-        if let Carry::Swapped(Swapped::File(path)) = old {
-            let _ = std::fs::remove_file(path);
         }
-        self.stats.swap_ins += 1;
-        Ok(())
     }
 }
