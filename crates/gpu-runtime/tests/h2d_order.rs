@@ -172,6 +172,7 @@ fn h2d_under_capture_is_still_refused() {
     let cpu = CpuBackend::new();
     let gpu: &dyn GpuBackend = &cpu;
     let dst = gpu.alloc(64, "dst").unwrap();
+    gpu.memset(dst, 0, 64).unwrap();
     let s = gpu.create_stream().unwrap();
     gpu.begin_capture(s).unwrap();
     let e = gpu.copy_h2d_async(&[1; 64], dst, s).unwrap_err();

@@ -36,6 +36,10 @@ use crate::gpu::{ArgKind, DevicePtr, HostKernelFn, KernelArg, LaunchConfig, Stre
 /// How long a worker, or a thread waiting for one, polls before sleeping.
 /// Waking a sleeping thread costs several microseconds, which would dominate
 /// the launch of a small kernel; polling this long is cheap by comparison.
+/// Work that arrives after a longer pause still finds the worker asleep,
+/// and its wake-up is far slower when the worker's CPU has gone idle: that
+/// is why a lone host-to-device copy to an idle stream skips the worker
+/// (see `Inner::submit_h2d`).
 const SPIN: Duration = Duration::from_micros(30);
 
 /// The next message for a worker, polling briefly before blocking; `None`
