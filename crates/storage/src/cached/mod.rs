@@ -152,10 +152,12 @@ pub const DEFAULT_POLICY: Policy = Policy::S3Fifo;
 
 /// Reads a [`CacheConfig::new`] cache keeps in flight. A decode step's
 /// misses (a few hundred random rows) go out together, and a deeper queue
-/// lets the device serve more of them at once: on the flagship offload
-/// bench (quick, no backbone) the waits for rows per decode token were
-/// 193-248 us at depth 32 and 131-149 us at 128 in the same runs, with 64
-/// and 256 within the noise of 128.
+/// keeps the device's queue full when the reading thread is slow to reap
+/// completions: on the flagship offload bench (quick, no backbone) with
+/// other builds running on the machine, the waits for rows per decode
+/// token were 193-248 us at depth 32 and 131-149 us at 128 in the same
+/// runs (64 and 256 within the noise of 128); on an idle machine both
+/// depths gave 137-153 us, the disk's random-read rate.
 pub const DEFAULT_IO_DEPTH: usize = 128;
 
 /// Slots of a [`CacheConfig::default`] arena (64 Ki rows).
