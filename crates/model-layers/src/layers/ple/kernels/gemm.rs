@@ -35,6 +35,14 @@
 //! to be exact BF16 values (rows gathered from a BF16 table are); a call
 //! with any other `x` runs the FMA kernel.
 //!
+//! AMX (`tdpbf16ps`) is not used, though it would be several times faster:
+//! on a Sapphire Rapids-class CPU its sums over random BF16 operands
+//! matched neither the sequential chain (even or odd element first), nor a
+//! pair-then-add, nor an exact per-tile sum added once (433,990 to 443,119
+//! of 512,000 outputs differed from each), so its results could not be
+//! reproduced by any other path or host, and a carry moved between hosts
+//! would no longer continue bit for bit.
+//!
 //! Work split: token tiles of `TILE_ROWS` rows, sequentially; within a tile,
 //! rayon over weight panels. Each panel's weights are read once per tile and
 //! shared by every row of the tile, so a decode batch of up to `TILE_ROWS`
