@@ -38,7 +38,7 @@
 //! AMX (`tdpbf16ps`) is not used, though it would be several times faster:
 //! on a Sapphire Rapids-class CPU its sums over random BF16 operands
 //! matched neither the sequential chain (even or odd element first), nor a
-//! pair-then-add, nor an exact per-tile sum added once (433,990 to 443,119
+//! pair-then-add, nor a per-tile sum added once (300,939 to 443,119
 //! of 512,000 outputs differed from each), so its results could not be
 //! reproduced by any other path or host, and a carry moved between hosts
 //! would no longer continue bit for bit.
