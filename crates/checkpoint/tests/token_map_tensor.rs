@@ -74,7 +74,10 @@ fn the_tensor_serves_as_the_file_does() {
 
     for dtype in [Dtype::I64, Dtype::I32, Dtype::U32] {
         let bytes: Vec<u8> = match dtype {
-            Dtype::I64 => map.iter().flat_map(|&v| i64::from(v).to_le_bytes()).collect(),
+            Dtype::I64 => map
+                .iter()
+                .flat_map(|&v| i64::from(v).to_le_bytes())
+                .collect(),
             _ => map.iter().flat_map(|&v| v.to_le_bytes()).collect(),
         };
         put_tensor(&ck, dtype, &[map.len() as u64], &bytes);
