@@ -425,8 +425,10 @@ impl Checkpoint {
 
     /// [`Checkpoint::open`] with `opts`.
     pub fn open_with(dir: &Path, opts: OpenOptions) -> Result<Checkpoint> {
+        // The config first: its errors say the most about a wrong directory.
+        let spec = read_spec(dir)?;
         let files = Self::open_files(dir)?;
-        let spec = with_token_maps(read_spec(dir)?, dir, Some(&files))?;
+        let spec = with_token_maps(spec, dir, Some(&files))?;
         let mut sites = Vec::with_capacity(spec.sites());
         for s in 0..spec.sites() {
             sites.push(Self::open_site(&spec, &files, s, opts)?);

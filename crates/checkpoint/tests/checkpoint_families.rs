@@ -20,7 +20,7 @@ use metrale_storage::cached::CacheConfig;
 use metrale_storage::safetensors::{Dtype, Header, TensorSpec};
 use metrale_storage::table::RowDType;
 use metrale_testkit::families::TinyFamily;
-use metrale_testkit::files::{replace_tensor, reshape_tensor};
+use metrale_testkit::files::{file_of, replace_tensor, reshape_tensor};
 
 fn write(dir: &Path, preset: Preset, rows: u64) -> PathBuf {
     let p = dir.join(preset.name());
@@ -41,18 +41,6 @@ fn config(ck: &Path) -> serde_json::Value {
 fn refusal(ck: &Path) -> String {
     let e: CheckpointError = Checkpoint::open(ck).unwrap_err();
     e.to_string()
-}
-
-/// The file holding `tensor`, from the weight map.
-fn file_of(ck: &Path, tensor: &str) -> PathBuf {
-    let c = Checkpoint::open(ck).unwrap();
-    for f in &c.files {
-        let h = Header::read(ck.join(&f.name)).unwrap();
-        if h.get(tensor).is_ok() {
-            return ck.join(&f.name);
-        }
-    }
-    panic!("{tensor} is in no file");
 }
 
 #[test]

@@ -18,7 +18,7 @@ use metrale_storage::pack::pack;
 use metrale_storage::safetensors::{Dtype, Header, TensorSpec};
 use metrale_storage::table::RowDType;
 use metrale_testkit::families::TinyFamily;
-use metrale_testkit::files::replace_tensor;
+use metrale_testkit::files::{file_of, replace_tensor};
 
 /// Rows stored per site (cut, so ids fold).
 const ROWS: u64 = 120;
@@ -41,19 +41,6 @@ fn release_opts() -> OpenOptions {
     OpenOptions {
         release_tables: true,
     }
-}
-
-/// The file (in `ck`) holding `tensor`, by its header.
-fn file_of(ck: &Path, tensor: &str) -> PathBuf {
-    for e in std::fs::read_dir(ck).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "safetensors")
-            && Header::read(&p).unwrap().tensor(tensor).is_some()
-        {
-            return p;
-        }
-    }
-    panic!("{tensor} is in no file of {}", ck.display());
 }
 
 /// Convert the released checkpoint `src` into `dst` as `table pack` does:

@@ -10,7 +10,7 @@
 #[allow(dead_code)]
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use metrale_checkpoint::names::{INDEX_FILE, TOKEN_MAP_FILE, V41Names};
@@ -23,23 +23,10 @@ use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::cached::CacheConfig;
 use metrale_storage::safetensors::{Dtype, Header, TensorSpec};
 use metrale_testkit::families::TinyFamily;
-use metrale_testkit::files::replace_tensor;
+use metrale_testkit::files::{file_of, replace_tensor};
 
 fn run(tmp: &Path, args: &[&str]) -> (std::process::Output, String, String) {
     common::run(&tmp.join("cache"), args)
-}
-
-/// The file of `ck` holding `tensor`, by its header.
-fn file_of(ck: &Path, tensor: &str) -> PathBuf {
-    for e in std::fs::read_dir(ck).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "safetensors")
-            && Header::read(&p).unwrap().tensor(tensor).is_some()
-        {
-            return p;
-        }
-    }
-    panic!("{tensor} is in no file of {}", ck.display());
 }
 
 /// The bytes of `tensor` in checkpoint `ck`.

@@ -1,9 +1,9 @@
-//! Damaging checkpoint files on purpose, for tests of refusals.
+//! Finding and damaging checkpoint files on purpose, for tests of refusals.
 //!
 //! Invariant: a rewritten file keeps every other tensor's name, dtype,
 //! shape and bytes, so a refusal can only come from the tensor changed.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use metrale_storage::safetensors::{Header, TensorSpec, write_file};
 
@@ -37,4 +37,22 @@ pub fn reshape_tensor(file: &Path, name: &str, shape: &[u64]) {
     let spec = TensorSpec::new(name, t.dtype, shape);
     let n = spec.bytes().unwrap() as usize;
     replace_tensor(file, name, spec, vec![0u8; n]);
+}
+
+/// The safetensors file of checkpoint `ck` whose header holds `tensor`
+/// (found by reading the headers, so also for tensors the index omits).
+///
+/// # Panics
+///
+/// When no file holds it.
+pub fn file_of(ck: &Path, tensor: &str) -> PathBuf {
+    for e in std::fs::read_dir(ck).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors")
+            && Header::read(&p).unwrap().tensor(tensor).is_some()
+        {
+            return p;
+        }
+    }
+    panic!("{tensor} is in no file of {}", ck.display());
 }
