@@ -627,7 +627,8 @@ impl CacheHits {
 }
 
 /// Random 4 KiB reads of one shard file through the miss path's reader
-/// (io_uring at depth 32 where available, O_DIRECT where the file system
+/// (io_uring at the row cache's depth, [`crate::cached::DEFAULT_IO_DEPTH`],
+/// where available, O_DIRECT where the file system
 /// allows it), against a plain `pread` loop on the same descriptor, one
 /// read at a time.
 pub struct RandomReads {
@@ -645,7 +646,7 @@ impl RandomReads {
     /// Open `path` for reads in batches of `batch` pages.
     pub fn new(path: &Path, batch: usize, seed: u64) -> Result<Self> {
         let file = ShardFile::open(path, true)?;
-        let reader = default_reader(32)?;
+        let reader = default_reader(crate::cached::DEFAULT_IO_DEPTH)?;
         let pages = std::fs::metadata(path)
             .with_context(|| format!("reading the size of {}", path.display()))?
             .len()

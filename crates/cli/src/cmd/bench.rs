@@ -14,8 +14,9 @@
 //!   resident table (rows of the preset's `head_dim`) against a `memcpy` of
 //!   the same bytes; the cached table's hit path against a `HashMap`
 //!   lookup; random 4 KiB reads through the miss path's reader (io_uring at
-//!   depth 32, O_DIRECT where the file system allows it) against a plain
-//!   `pread` loop on the same descriptor, one read at a time;
+//!   the row cache's depth, O_DIRECT where the file system allows it)
+//!   against a plain `pread` loop on the same descriptor, one read at a
+//!   time;
 //! - layer ([`metrale_model_layers::bench`]): one PLE layer's forward on the
 //!   CPU backend (a prefill chunk and a batched decode step) against a
 //!   naive scalar projection of one token on one thread; the layer is built
