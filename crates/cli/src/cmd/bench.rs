@@ -588,8 +588,9 @@ fn misses(s: &Sizes, path: &Path) -> Result<Row> {
     Ok(Row::rate(
         "storage",
         format!(
-            "miss path: random 4 KiB reads, {} QD32 ({mode})",
-            w.reader_name()
+            "miss path: random 4 KiB reads, {} QD{} ({mode})",
+            w.reader_name(),
+            metrale_storage::cached::DEFAULT_IO_DEPTH
         ),
         median(ours),
         "k reads/s",
