@@ -164,17 +164,12 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
 }
 
 /// `spec` with the checkpoint's compressed-token map, when it is an Engram
-/// spec and the directory has one ([`TOKEN_MAP_FILE`]): the map must cover
-/// the raw vocabulary (`vocab_size` entries) and map onto exactly
-/// `engram_compressed_vocab_size` ids containing the pad id.
-pub fn with_token_map(spec: ModelSpec, dir: &Path) -> Result<ModelSpec> {
-    with_token_maps(spec, dir, None)
-}
-
-/// [`with_token_map`], also taking the map from the checkpoint's tensor
-/// [`TOKEN_MAP_TENSOR`] when `files` lists it; a file and a tensor that
-/// disagree are refused.
-fn with_token_maps(spec: ModelSpec, dir: &Path, files: Option<&Files>) -> Result<ModelSpec> {
+/// spec and the directory has one, as the file [`TOKEN_MAP_FILE`] or the
+/// tensor [`TOKEN_MAP_TENSOR`] listed in `files` (both only if they agree
+/// entry for entry): the map must cover the raw vocabulary (`vocab_size`
+/// entries) and map onto exactly `engram_compressed_vocab_size` ids
+/// containing the pad id.
+fn with_token_map(spec: ModelSpec, dir: &Path, files: &Files) -> Result<ModelSpec> {
     if !matches!(spec.family, ModelFamily::Engram(_)) {
         return Ok(spec);
     }
@@ -184,25 +179,23 @@ fn with_token_maps(spec: ModelSpec, dir: &Path, files: Option<&Files>) -> Result
     } else {
         None
     };
-    let from_tensor = match files {
-        Some(f) if f.weight_map.contains_key(TOKEN_MAP_TENSOR) => {
-            let (h, t) = f.find(TOKEN_MAP_TENSOR)?;
-            let value = |msg: String| CheckpointError::Value {
-                file: h.path.clone(),
-                tensor: TOKEN_MAP_TENSOR.to_string(),
-                msg,
-            };
-            let bytes = h
-                .read_tensor(TOKEN_MAP_TENSOR)
-                .map_err(|e| value(format!("{e:#}")))?;
-            let ids =
-                decode_token_map(t.dtype, &t.shape, &bytes).map_err(|e| value(e.to_string()))?;
-            Some((
-                format!("{} (tensor {TOKEN_MAP_TENSOR})", h.path.display()),
-                ids,
-            ))
-        }
-        _ => None,
+    let from_tensor = if files.weight_map.contains_key(TOKEN_MAP_TENSOR) {
+        let (h, t) = files.find(TOKEN_MAP_TENSOR)?;
+        let value = |msg: String| CheckpointError::Value {
+            file: h.path.clone(),
+            tensor: TOKEN_MAP_TENSOR.to_string(),
+            msg,
+        };
+        let bytes = h
+            .read_tensor(TOKEN_MAP_TENSOR)
+            .map_err(|e| value(format!("{e:#}")))?;
+        let ids = decode_token_map(t.dtype, &t.shape, &bytes).map_err(|e| value(e.to_string()))?;
+        Some((
+            format!("{} (tensor {TOKEN_MAP_TENSOR})", h.path.display()),
+            ids,
+        ))
+    } else {
+        None
     };
     let (source, map) = match (from_file, from_tensor) {
         (None, None) => return Ok(spec),
@@ -428,7 +421,7 @@ impl Checkpoint {
         // The config first: its errors say the most about a wrong directory.
         let spec = read_spec(dir)?;
         let files = Self::open_files(dir)?;
-        let spec = with_token_maps(spec, dir, Some(&files))?;
+        let spec = with_token_map(spec, dir, &files)?;
         let mut sites = Vec::with_capacity(spec.sites());
         for s in 0..spec.sites() {
             sites.push(Self::open_site(&spec, &files, s, opts)?);

@@ -7,7 +7,8 @@
 
 use std::sync::Arc;
 
-use metrale_engine::{EngineConfig, SwapTarget};
+use metrale_engine::ple_site::PleSite;
+use metrale_engine::{Engine, EngineConfig, SwapTarget};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::carry_blob;
@@ -164,20 +165,27 @@ fn each_family_carries_its_history_and_only_its_own_conv_state() {
     }
 }
 
+/// A fresh backend, its live allocation count, and an engine of `family`
+/// over it with 8-token prefill chunks and no prefix cache.
+fn uncached_engine(family: TinyFamily) -> (Arc<dyn GpuBackend>, usize, Engine<PleSite>) {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let base = gpu.live_alloc_count();
+    let cfg = EngineConfig {
+        prefill_chunk: 8,
+        prefix_cache_bytes: 0,
+        ..Default::default()
+    };
+    let e = family_engine(&gpu, family, 5, MAX_TOKENS, cfg).unwrap();
+    (gpu, base, e)
+}
+
 /// A verify of twelve drafts, then a commit of every length, then a dozen
 /// decoded tokens: the rows stay the sequential run's, so nothing of a
 /// rejected draft survives in the history (or the conv state).
 #[test]
 fn every_acceptance_length_keeps_only_the_accepted_tokens() {
     for family in TinyFamily::ALL {
-        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-        let base = gpu.live_alloc_count();
-        let cfg = EngineConfig {
-            prefill_chunk: 8,
-            prefix_cache_bytes: 0,
-            ..Default::default()
-        };
-        let mut e = family_engine(&gpu, family, 5, MAX_TOKENS, cfg).unwrap();
+        let (gpu, base, mut e) = uncached_engine(family);
         let w = e.width();
         let prompt = [7u32, 8, 9, 0, 10, 11, 12, 13, 14, 15, 16];
         let draft = [21u32, 22, 0, 23, 24, 25, 26, 27, 28, 29, 30, 31];
@@ -217,14 +225,7 @@ fn every_acceptance_length_keeps_only_the_accepted_tokens() {
 #[test]
 fn out_of_vocabulary_tokens_are_refused_at_every_entry_point() {
     for family in TinyFamily::ALL {
-        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-        let base = gpu.live_alloc_count();
-        let cfg = EngineConfig {
-            prefill_chunk: 8,
-            prefix_cache_bytes: 0,
-            ..Default::default()
-        };
-        let mut e = family_engine(&gpu, family, 5, MAX_TOKENS, cfg).unwrap();
+        let (gpu, base, mut e) = uncached_engine(family);
         let w = e.width();
         let bad = family.spec().vocab_size as u32;
         let expect_refusal = |what: &str, r: Result<(), metrale_engine::EngineError>| {

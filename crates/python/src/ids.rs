@@ -76,16 +76,11 @@ fn position_flags(
     let Some(list) = list else {
         return Ok(Vec::new());
     };
-    let mut flags = vec![false; history + tokens];
-    for &p in list {
-        if p >= tokens {
-            return Err(value_error(format!(
-                "{what}: position {p} is past the {tokens} tokens given"
-            )));
-        }
-        flags[history + p] = true;
-    }
-    Ok(flags)
+    Boundaries::flags_at(list.iter().copied(), history, tokens).map_err(|p| {
+        value_error(format!(
+            "{what}: position {p} is past the {tokens} tokens given"
+        ))
+    })
 }
 
 /// Hash `tokens` after `history` (default: a fresh sequence) with `hasher`,

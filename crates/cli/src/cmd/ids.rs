@@ -193,17 +193,9 @@ fn position_flags(
     let Some(text) = list else {
         return Ok(Vec::new());
     };
-    let mut flags = vec![false; history + tokens];
-    for p in parse_tokens(flag, text)? {
-        let p = p as usize;
-        if p >= tokens {
-            return Err(anyhow!(
-                "--{flag}: position {p} is past the {tokens} tokens given"
-            ));
-        }
-        flags[history + p] = true;
-    }
-    Ok(flags)
+    let positions = parse_tokens(flag, text)?;
+    Boundaries::flags_at(positions.iter().map(|&p| p as usize), history, tokens)
+        .map_err(|p| anyhow!("--{flag}: position {p} is past the {tokens} tokens given"))
 }
 
 /// Run `metrale-ple ids`.

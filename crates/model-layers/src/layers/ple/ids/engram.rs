@@ -141,6 +141,25 @@ pub struct Boundaries<'a> {
 }
 
 impl Boundaries<'_> {
+    /// One flag per position of `history ++ tokens` (`history` and
+    /// `tokens` their lengths), set at each of `positions`, which count in
+    /// `tokens`: what a caller naming token positions builds either slice
+    /// from. `Err(p)` for the first position `p` past the tokens.
+    pub fn flags_at(
+        positions: impl IntoIterator<Item = usize>,
+        history: usize,
+        tokens: usize,
+    ) -> std::result::Result<Vec<bool>, usize> {
+        let mut flags = vec![false; history + tokens];
+        for p in positions {
+            if p >= tokens {
+                return Err(p);
+            }
+            flags[history + p] = true;
+        }
+        Ok(flags)
+    }
+
     /// Refuse flag slices that are neither empty nor `positions` long.
     fn check(&self, positions: usize) -> Result<()> {
         for (name, s) in [("doc_start", self.doc_start), ("masked", self.masked)] {
@@ -266,6 +285,16 @@ impl PleIdHasher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flags_at_counts_positions_in_the_tokens() {
+        assert_eq!(
+            Boundaries::flags_at([0, 2], 2, 3),
+            Ok(vec![false, false, true, false, true])
+        );
+        assert_eq!(Boundaries::flags_at([], 1, 2), Ok(vec![false; 3]));
+        assert_eq!(Boundaries::flags_at([1, 3, 5], 2, 3), Err(3));
+    }
 
     #[test]
     fn seen_set_spans_layers_and_orders() {
