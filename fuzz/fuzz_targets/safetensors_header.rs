@@ -4,8 +4,9 @@
 //! accepted must describe tensors inside the file that do not overlap,
 //! `Header::read` through a real file must agree with `Header::parse` on
 //! the bytes, `read_tensor` must return exactly the bytes at each extent,
-//! and a table opened from the file must locate its last row inside the
-//! file and refuse the id one past the end.
+//! and a table opened from the file (padded rows declared in its metadata
+//! or not) must locate its last row inside the file, keep rows apart, and
+//! refuse the id one past the end.
 #![no_main]
 
 use std::path::PathBuf;
@@ -57,6 +58,7 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(files) = TableFiles::discover(&[path], None) {
         let rows = files.info.rows;
         assert!(rows > 0);
+        assert!(files.row_stride >= files.info.row_bytes() as u64, "rows overlap");
         let last = files.locate(rows - 1).expect("last row");
         assert!(last.offset + files.info.row_bytes() as u64 <= len, "last row past the file");
         if let Some(s) = last.scale_offset {

@@ -38,7 +38,7 @@ use metrale_storage::StorageError;
 use metrale_storage::dtype::{
     FP8_BLOCK, bf16_to_f32, f32_to_bf16, fp8_block_row_bytes, fp8_e4m3_to_f32, ue8m0_to_f32,
 };
-use metrale_storage::layout::scale_name;
+use metrale_storage::layout::{declared_row_width, scale_name};
 use metrale_storage::safetensors::{Dtype, Header, TensorInfo};
 use metrale_storage::table::RowDType;
 use serde::Deserialize;
@@ -268,6 +268,31 @@ impl Files {
             });
         }
         Ok((h, t))
+    }
+
+    /// [`Files::checked`] for a table tensor of `rows` rows of `width`
+    /// elements, which may be stored padded (wider, its row width declared
+    /// in the file's metadata: `table pack --pad-rows`).
+    fn checked_rows(
+        &self,
+        tensor: &str,
+        dtype: Dtype,
+        rows: u64,
+        width: u64,
+    ) -> Result<(&Header, &TensorInfo)> {
+        let (h, t) = self.find(tensor)?;
+        let declared = declared_row_width(h, tensor).map_err(|e| CheckpointError::Value {
+            file: h.path.clone(),
+            tensor: tensor.to_string(),
+            msg: format!("{e}"),
+        })?;
+        match declared {
+            Some(w) if w == width && t.shape.first() == Some(&rows) => {
+                let stored = [rows, t.shape[1]];
+                self.checked(tensor, dtype, &stored)
+            }
+            _ => self.checked(tensor, dtype, &[rows, width]),
+        }
     }
 
     fn read(&self, tensor: &str, dtype: Dtype, shape: &[u64]) -> Result<(PathBuf, Vec<u8>)> {
@@ -704,12 +729,17 @@ impl Checkpoint {
         }
         let hd = g.head_dim as u64;
         let block_width = fp8_block_row_bytes(g.head_dim) as u64;
+        // A padded table's rows are narrower than its tensor.
+        let t0_width = declared_row_width(h0, &names[0])
+            .ok()
+            .flatten()
+            .or_else(|| t0.shape.get(1).copied());
         let (dtype, st_dtype, width) = match t0.dtype {
             // The release's pair converts to inline block rows.
             Dtype::F8E4M3 if split.is_some() => (RowDType::Fp8E4M3Block32, Dtype::F8E4M3, hd),
             Dtype::BF16 => (RowDType::Bf16, Dtype::BF16, hd),
             Dtype::F8E4M3 => (RowDType::Fp8E4M3, Dtype::F8E4M3, hd),
-            Dtype::U8 if t0.shape.get(1) == Some(&block_width) && block_width != hd => {
+            Dtype::U8 if t0_width == Some(block_width) && block_width != hd => {
                 (RowDType::Fp8E4M3Block32, Dtype::U8, block_width)
             }
             Dtype::U8 => (RowDType::Fp8E4M3, Dtype::U8, hd),
@@ -757,7 +787,7 @@ impl Checkpoint {
                 part_rows.push(r);
                 continue;
             }
-            let (h, t) = files.checked(name, st_dtype, &[r, width])?;
+            let (h, t) = files.checked_rows(name, st_dtype, r, width)?;
             bytes += t.len;
             if dtype.has_row_scale() {
                 let sn = scale_name(name);

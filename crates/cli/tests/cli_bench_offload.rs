@@ -1,5 +1,5 @@
-//! `bench offload --packed` at the hidden `--smoke` sizes: the hot-row
-//! packed table is measured beside the others, every cached row reports
+//! `bench offload --packed --padded` at the hidden `--smoke` sizes: the
+//! hot-row packed table and the padded one are measured beside the others, every cached row reports
 //! the bytes it read per byte of the rows it missed, every row the host
 //! time of its phases, and the packed copy is removed after the run.
 
@@ -13,7 +13,9 @@ fn offload_measures_the_packed_table_and_reports_reads_per_missed_byte_and_phase
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("ck");
     let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
-        .args(["bench", "offload", "--smoke", "--json", "--packed"])
+        .args([
+            "bench", "offload", "--smoke", "--json", "--packed", "--padded",
+        ])
         .args(["--only-backbone", "off", "--checkpoint"])
         .arg(&ck)
         .output()
@@ -27,7 +29,7 @@ fn offload_measures_the_packed_table_and_reports_reads_per_missed_byte_and_phase
         let table = row["table"].as_str().unwrap();
         let prefetch = row["prefetch"].as_bool().unwrap();
         seen.push((table.to_string(), prefetch));
-        let cached = table == "cached" || table == "packed";
+        let cached = matches!(table, "cached" | "packed" | "padded");
         let ratio = &row["read_bytes_per_missed_row_byte"];
         assert_eq!(ratio.is_number(), cached, "{row:#}");
         if cached {
@@ -53,15 +55,30 @@ fn offload_measures_the_packed_table_and_reports_reads_per_missed_byte_and_phase
     }
     let want: Vec<(String, bool)> = [false, true]
         .into_iter()
-        .flat_map(|p| ["resident", "mapped", "cached", "packed"].map(|t| (t.to_string(), p)))
+        .flat_map(|p| {
+            ["resident", "mapped", "cached", "packed", "padded"].map(|t| (t.to_string(), p))
+        })
         .collect();
     assert_eq!(seen, want);
-    // The packed copy lives only for the run.
-    let packed: PathBuf = stderr
+    // Padded rows (320 bytes, 512 apart) sit in one granule each: a miss
+    // reads no more than the unpadded table's.
+    let ratio = |table: &str| {
+        rows.iter()
+            .filter(|r| r["table"] == table)
+            .map(|r| r["read_bytes_per_missed_row_byte"].as_f64().unwrap())
+            .fold(0.0f64, f64::max)
+    };
+    assert!(ratio("padded") <= ratio("cached"), "{rows:#?}");
+    // The packed and padded copies live only for the run.
+    let copies: Vec<PathBuf> = stderr
         .lines()
-        .find_map(|l| l.split(" into ").nth(1))
+        .filter(|l| l.contains("relaying") || l.contains("padding"))
+        .filter_map(|l| l.split(" into ").nth(1))
         .map(|p| PathBuf::from(p.trim()))
-        .expect("the run names the packed copy");
-    assert!(!packed.exists(), "{} left behind", packed.display());
+        .collect();
+    assert_eq!(copies.len(), 2, "{stderr}");
+    for c in copies {
+        assert!(!c.exists(), "{} left behind", c.display());
+    }
     assert!(ck.join("config.json").is_file());
 }

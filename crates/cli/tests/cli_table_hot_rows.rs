@@ -1,7 +1,7 @@
-//! `table pack --hot-rows` end to end: the packed checkpoint's tables are
-//! really relaid (hot rows first), its layers give the original's highway
-//! bit for bit in every table mode, and a damaged row remap is refused
-//! naming the file.
+//! `table pack --hot-rows` and `--pad-rows` end to end: the packed
+//! checkpoint's tables are really relaid (hot rows first) or padded, its
+//! layers give the original's highway bit for bit in every table mode, and
+//! a damaged row remap is refused naming the file.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -29,12 +29,16 @@ fn run(args: &[&str]) -> (Output, String, String) {
 }
 
 fn init(dir: &Path, dtype: &str, rows: Option<&str>) -> PathBuf {
-    let p = dir.join(format!("ck-{dtype}"));
+    init_preset(dir, "tiny", dtype, rows)
+}
+
+fn init_preset(dir: &Path, preset: &str, dtype: &str, rows: Option<&str>) -> PathBuf {
+    let p = dir.join(format!("ck-{preset}-{dtype}"));
     let mut args = vec![
         "init",
         p.to_str().unwrap(),
         "--preset",
-        "tiny",
+        preset,
         "--dtype",
         dtype,
         "--seed",
@@ -162,6 +166,93 @@ fn packed_hot_rows_give_the_same_highway_and_come_first() {
         ]);
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert!(err.contains("already has a row remap"), "{err}");
+    }
+}
+
+/// Flagship rows (160 values: 320 bytes BF16, 160 FP8) padded for 512-byte
+/// granules, then also relaid hot rows first: the same highway in every
+/// table mode, rows 512 (256) bytes apart.
+#[test]
+fn padded_rows_give_the_same_highway_in_every_mode() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..6u32).map(|i| (i * 7919 + 11) % 151_936).collect();
+    for (dtype, stride) in [("bf16", 512u64), ("fp8", 256)] {
+        let src = init_preset(tmp.path(), "flagship", dtype, Some("2048"));
+        let ck = Checkpoint::open(&src).unwrap();
+        let want = highway(&ck, TableMode::Resident, &tokens);
+        let trace = write_trace(tmp.path(), &ck);
+        for hot in [false, true] {
+            let dst = tmp.path().join(format!("padded-{dtype}-{hot}"));
+            let mut args = vec!["table", "pack", "--pad-rows", "--granule", "512"];
+            if hot {
+                args.extend(["--hot-rows", trace.to_str().unwrap()]);
+            }
+            args.extend([src.to_str().unwrap(), dst.to_str().unwrap()]);
+            let (o, out, err) = run(&args);
+            assert!(o.status.success(), "{out} {err}");
+            assert!(
+                out.contains(&format!("now {stride} bytes apart for 512-byte granules")),
+                "{out}"
+            );
+            let packed = Checkpoint::open(&dst).unwrap();
+            for s in &packed.sites {
+                let t = TableFiles::open(&s.table.shards, None).unwrap();
+                assert_eq!(t.row_stride, stride, "site {}", s.index);
+            }
+            let (o, out, err) = run(&["inspect", dst.to_str().unwrap()]);
+            assert!(o.status.success(), "{err}");
+            assert!(
+                out.contains(&format!("padded to {stride} B apart on disk")),
+                "{out}"
+            );
+            for mode in [TableMode::Resident, TableMode::Mapped, TableMode::Cached] {
+                let got = highway(&packed, mode, &tokens);
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{dtype} hot={hot} {mode:?}: the padded checkpoint's highway differs"
+                );
+            }
+        }
+    }
+    // Refusals: a file source, a granule without a use, a bad granule.
+    let src = init(tmp.path(), "bf16", None);
+    let shard = std::fs::read_dir(&src)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+        .unwrap();
+    for (args, msg) in [
+        (
+            vec!["--pad-rows", shard.to_str().unwrap(), "/tmp/x.safetensors"],
+            "must be a checkpoint directory",
+        ),
+        (
+            vec![
+                "--granule",
+                "512",
+                src.to_str().unwrap(),
+                "/tmp/nothing-here",
+            ],
+            "give one of them",
+        ),
+        (
+            vec![
+                "--pad-rows",
+                "--granule",
+                "384",
+                src.to_str().unwrap(),
+                "/tmp/nothing-here",
+            ],
+            "power of two",
+        ),
+    ] {
+        let mut a = vec!["table", "pack"];
+        a.extend(args);
+        let (o, _, err) = run(&a);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(msg), "{err}");
     }
 }
 

@@ -9,13 +9,23 @@
 //! ([`RowDType::Fp8E4M3Block32`]).
 //! Row id `r` lives in shard `r / rows_per_shard` at row `r % rows_per_shard`.
 //!
+//! A shard may store its rows padded (`table pack --pad-rows`): the tensor
+//! is wider than a row, and the file's `__metadata__` entry
+//! `metrale.row_width.{tensor}` ([`row_width_key`]) gives the row's own
+//! width in elements. Row `r` then starts `r * row_stride` bytes into the
+//! tensor and only its first `row_bytes` bytes are read; the padding lets a
+//! stride that divides the direct-I/O granule keep every row inside one
+//! granule, so a miss reads one granule instead of two.
+//!
 //! Invariants of an opened [`TableFiles`]:
 //! - every shard has the same shape and dtype, checked at open from the
 //!   headers alone (no data is read);
 //! - `info.rows == shards.len() * rows_per_shard`, and, when the caller
 //!   states the expected row count, equal to it;
 //! - [`TableFiles::locate`] refuses ids `>= info.rows` with an error naming
-//!   the id and the table size.
+//!   the id and the table size;
+//! - `row_stride >= info.row_bytes()`, equal unless the shards declare
+//!   padded rows, and every shard has the same stride.
 
 use std::path::{Path, PathBuf};
 
@@ -56,8 +66,54 @@ pub struct TableFiles {
     pub info: TableInfo,
     /// Rows in each shard.
     pub rows_per_shard: u64,
+    /// Bytes from one row's start to the next on disk: the row's bytes, or
+    /// more for padded rows.
+    pub row_stride: u64,
     /// The shards, in id order.
     pub shards: Vec<Shard>,
+}
+
+/// The `__metadata__` key that declares the rows of table tensor `tensor`
+/// narrower than the tensor (padded rows).
+pub fn row_width_key(tensor: &str) -> String {
+    format!("metrale.row_width.{tensor}")
+}
+
+/// The row width (elements) `h` declares for `tensor` ([`row_width_key`]):
+/// `None` when not declared, an error naming the file, tensor and key when
+/// the value is not a whole number from 1 to the tensor's stored width.
+pub fn declared_row_width(h: &Header, tensor: &str) -> Result<Option<u64>> {
+    let key = row_width_key(tensor);
+    let Some(v) = h.metadata.get(&key) else {
+        return Ok(None);
+    };
+    let stored = h
+        .tensor(tensor)
+        .and_then(|t| (t.shape.len() == 2).then(|| t.shape[1]));
+    match (v.trim().parse::<u64>(), stored) {
+        (Ok(w), Some(s)) if w >= 1 && w <= s => Ok(Some(w)),
+        _ => Err(StorageError::Header {
+            path: h.path.clone(),
+            tensor: Some(tensor.to_string()),
+            field: Some(format!("__metadata__.{key}")),
+            message: format!(
+                "'{v}' is not a row width from 1 to the tensor's stored width{}",
+                stored.map_or(String::new(), |s| format!(" ({s})"))
+            ),
+        }),
+    }
+}
+
+/// The stride (bytes, a power of two up to `granule`, else a multiple of
+/// it) that keeps rows of `row_bytes` each in the fewest granules:
+/// rows at multiples of it never straddle a granule boundary they need not.
+pub fn padded_stride(row_bytes: u64, granule: u64) -> u64 {
+    let g = granule.max(1);
+    if row_bytes <= g && g.is_power_of_two() {
+        row_bytes.next_power_of_two()
+    } else {
+        row_bytes.next_multiple_of(g)
+    }
 }
 
 /// The scale tensor that goes with weight tensor `name`.
@@ -80,7 +136,7 @@ impl TableFiles {
             ));
         }
         let mut out = Vec::with_capacity(shards.len());
-        let mut geom: Option<(u64, u64, RowDType, String)> = None;
+        let mut geom: Option<(u64, u64, RowDType, u64, String)> = None;
         for (i, (path, name)) in shards.iter().enumerate() {
             let h = Header::read(path)?;
             let p = path.display();
@@ -93,14 +149,15 @@ impl TableFiles {
                 )));
             }
             let block = crate::dtype::FP8_BLOCK as u64 + 1;
+            let stored = t.shape[1];
+            let width = declared_row_width(&h, name)?.unwrap_or(stored);
             let dtype = match t.dtype {
                 Dtype::BF16 => RowDType::Bf16,
                 // Bytes with no per-row scale beside them, `33 * d / 32`
                 // wide: FP8 rows of `d` values with their UE8M0 block scales
                 // inline (DeepSeek-V4.1's table).
                 Dtype::U8
-                    if h.tensor(&scale_name(name)).is_none()
-                        && t.shape.get(1).is_some_and(|&w| w > 0 && w % block == 0) =>
+                    if h.tensor(&scale_name(name)).is_none() && width > 0 && width % block == 0 =>
                 {
                     RowDType::Fp8E4M3Block32
                 }
@@ -112,7 +169,8 @@ impl TableFiles {
                     )));
                 }
             };
-            let (rows, dim) = (t.shape[0], t.shape[1]);
+            let (rows, dim) = (t.shape[0], width);
+            let stride = stored * t.dtype.size() as u64;
             if rows == 0 || dim == 0 {
                 return Err(err(format!(
                     "{p}: shard {i} tensor '{name}': empty shape {:?}",
@@ -120,11 +178,11 @@ impl TableFiles {
                 )));
             }
             match &geom {
-                None => geom = Some((rows, dim, dtype, name.clone())),
-                Some((r0, d0, t0, n0)) => {
-                    if (*r0, *d0, *t0) != (rows, dim, dtype) {
+                None => geom = Some((rows, dim, dtype, stride, name.clone())),
+                Some((r0, d0, t0, s0, n0)) => {
+                    if (*r0, *d0, *t0, *s0) != (rows, dim, dtype, stride) {
                         return Err(err(format!(
-                            "{p}: shard {i} tensor '{name}' is [{rows}, {dim}] {dtype:?}, but shard 0 ('{n0}') is [{r0}, {d0}] {t0:?}"
+                            "{p}: shard {i} tensor '{name}' is [{rows}, {dim}] {dtype:?} rows {stride} bytes apart, but shard 0 ('{n0}') is [{r0}, {d0}] {t0:?} rows {s0} bytes apart"
                         )));
                     }
                 }
@@ -155,7 +213,7 @@ impl TableFiles {
                 file_len: h.file_len,
             });
         }
-        let (rows_per_shard, dim, dtype, _) = geom.expect("at least one shard");
+        let (rows_per_shard, dim, dtype, row_stride, _) = geom.expect("at least one shard");
         let rows = rows_per_shard
             .checked_mul(out.len() as u64)
             .ok_or_else(|| StorageError::layout(None, None, "table row count overflows"))?;
@@ -180,13 +238,26 @@ impl TableFiles {
         let head_dim = usize::try_from(dim).map_err(|_| {
             StorageError::layout(None, None, format!("head_dim {dim} does not fit in usize"))
         })?;
+        let info = TableInfo {
+            rows,
+            head_dim,
+            dtype,
+        };
+        if row_stride < info.row_bytes() as u64 {
+            return Err(StorageError::layout(
+                Some(shards[0].0.clone()),
+                Some(0),
+                format!(
+                    "tensor '{}': rows of {} bytes cannot sit {row_stride} bytes apart",
+                    shards[0].1,
+                    info.row_bytes()
+                ),
+            ));
+        }
         Ok(TableFiles {
-            info: TableInfo {
-                rows,
-                head_dim,
-                dtype,
-            },
+            info,
             rows_per_shard,
+            row_stride,
             shards: out,
         })
     }
@@ -237,7 +308,7 @@ impl TableFiles {
         let s = &self.shards[shard];
         Ok(RowLoc {
             shard,
-            offset: s.data_offset + r * self.info.row_bytes() as u64,
+            offset: s.data_offset + r * self.row_stride,
             scale_offset: s.scale_offset.map(|o| o + r * 4),
         })
     }
@@ -269,6 +340,29 @@ pub fn shard_index(name: &str) -> Option<u64> {
 mod tests {
     use super::*;
     use crate::safetensors::{TensorSpec, write_file};
+
+    #[test]
+    fn padded_strides_keep_rows_in_the_fewest_granules() {
+        assert_eq!(padded_stride(320, 512), 512);
+        assert_eq!(padded_stride(320, 4096), 512);
+        assert_eq!(padded_stride(264, 512), 512);
+        assert_eq!(padded_stride(256, 512), 256);
+        assert_eq!(padded_stride(160, 512), 256);
+        assert_eq!(padded_stride(1536, 512), 1536);
+        assert_eq!(padded_stride(1600, 512), 2048);
+        assert_eq!(padded_stride(320, 1), 320);
+        for rb in 1..3000u64 {
+            for g in [512u64, 4096] {
+                let s = padded_stride(rb, g);
+                assert!(s >= rb);
+                // Rows at multiples of the stride sit in the fewest granules.
+                for k in 0..64 {
+                    let off = k * s;
+                    assert_eq!((off % g + rb).div_ceil(g), rb.div_ceil(g), "{rb} {g} {k}");
+                }
+            }
+        }
+    }
 
     fn bf16_shard(dir: &Path, i: usize, rows: u64, dim: u64) -> (PathBuf, String) {
         let p = dir.join(format!("s{i}.safetensors"));

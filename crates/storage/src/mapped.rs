@@ -25,6 +25,8 @@ use crate::table::{
 pub struct MappedTable {
     info: TableInfo,
     rows_per_shard: u64,
+    /// Bytes between rows in the files ([`TableFiles::row_stride`]).
+    stride: u64,
     gpu: Arc<dyn GpuBackend>,
     /// Per shard: (registered base, row-0 offset, scale-0 offset).
     bases: Vec<(DevicePtr, u64, Option<u64>)>,
@@ -37,11 +39,13 @@ impl MappedTable {
         let mut t = MappedTable {
             info: files.info,
             rows_per_shard: files.rows_per_shard,
+            stride: files.row_stride,
             gpu,
             bases: Vec::new(),
             maps: Vec::new(),
         };
-        let shard_bytes = files.rows_per_shard * files.info.row_bytes() as u64;
+        let shard_bytes =
+            (files.rows_per_shard - 1) * files.row_stride + files.info.row_bytes() as u64;
         for (i, s) in files.shards.iter().enumerate() {
             let p = s.path.display();
             let f = File::open(&s.path).io_ctx(&s.path, || "opening")?;
@@ -88,12 +92,12 @@ impl RowTable for MappedTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        let rb = self.info.row_bytes() as u64;
+        let stride = self.stride;
         resolve_in_place(ids, out, self.info.rows, |id| {
             let (base, d0, s0) = self.bases[(id / self.rows_per_shard) as usize];
             let r = id % self.rows_per_shard;
             RowRef {
-                data: base.0 + d0 + r * rb,
+                data: base.0 + d0 + r * stride,
                 scale: s0.map_or(0, |s0| base.0 + s0 + r * 4),
             }
         })

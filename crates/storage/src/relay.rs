@@ -1,8 +1,9 @@
 //! `relay`: rewrite a table's rows in a new order, so rows read together
 //! (the hot ones) share pages and direct-I/O granules.
 //!
-//! [`relay_rows`] fills the rows of `dst` (shard files with the same shape
-//! as `src`, such as a packed copy) so that physical row `p` of `dst`
+//! [`relay_rows`] fills the rows of `dst` (shard files with the same rows
+//! and row format as `src`, such as a packed copy, whose rows may be
+//! padded to another stride) so that physical row `p` of `dst`
 //! holds logical row `order[p]` of `src`, with its FP8 scale. The caller
 //! stores the inverse permutation (logical row to physical row) next to
 //! the table and applies it to every id before the table sees it, so the
@@ -76,8 +77,11 @@ pub fn relay_rows(
         }
     }
     let rb = src.info.row_bytes();
+    // Rows land `stride` apart, padding zeroed (the source's own stride
+    // may differ: relaying pads or unpads).
+    let stride = dst.row_stride as usize;
     let rps = src.rows_per_shard as usize;
-    let mut rowbuf = vec![0u8; CHUNK_ROWS * rb];
+    let mut rowbuf = vec![0u8; CHUNK_ROWS * stride];
     let mut scalebuf = vec![0u8; CHUNK_ROWS * 4];
     let mut done = 0u64;
     progress(0, rows);
@@ -98,7 +102,7 @@ pub fn relay_rows(
                     needed: rb as u64,
                     got: m.len().saturating_sub(at) as u64,
                 })?;
-                rowbuf[i * rb..(i + 1) * rb].copy_from_slice(bytes);
+                rowbuf[i * stride..i * stride + rb].copy_from_slice(bytes);
                 if let Some(so) = loc.scale_offset {
                     let so = so as usize;
                     let b = m.get(so..so + 4).ok_or_else(|| StorageError::Truncated {
@@ -111,8 +115,8 @@ pub fn relay_rows(
                     scalebuf[i * 4..(i + 1) * 4].copy_from_slice(b);
                 }
             }
-            let at = shard.data_offset + (r * rb) as u64;
-            out.write_all_at(&rowbuf[..n * rb], at)
+            let at = shard.data_offset + (r * stride) as u64;
+            out.write_all_at(&rowbuf[..n * stride], at)
                 .io_ctx_at(&shard.path, at, || format!("relay: writing {n} rows"))?;
             if let Some(so) = shard.scale_offset {
                 let at = so + (r * 4) as u64;
@@ -137,11 +141,12 @@ pub fn relay_rows(
 /// the other 4 straddle (1024 bytes).
 pub fn fits_granule(files: &TableFiles, granule: u64) -> impl Fn(u64) -> bool + '_ {
     let rb = files.info.row_bytes() as u64;
+    let stride = files.row_stride;
     let g = granule.max(1);
     let least = rb.div_ceil(g);
     move |p| {
         let k = (p / files.rows_per_shard) as usize;
-        let off = files.shards[k].data_offset + (p % files.rows_per_shard) * rb;
+        let off = files.shards[k].data_offset + (p % files.rows_per_shard) * stride;
         (off % g + rb).div_ceil(g) == least
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! Invariants: `RowRef.data` of row `r` is `base + r * row_bytes` (and the
 //! scale, for FP8, `scale_base + 4 r`); nothing is ever evicted, so leases
-//! are empty and `max_resolve` is unbounded. The device memory is freed
+//! are empty and `max_resolve` is unbounded. Padded rows on disk are
+//! packed tight as they load, so padding costs no device memory. The device memory is freed
 //! when the table is dropped; a failed load frees what it allocated.
 
 use std::fs::File;
@@ -66,12 +67,55 @@ fn upload(
     Ok(())
 }
 
+/// Copy `rows` rows of `row_bytes` each, `stride` bytes apart at `offset`
+/// of `file`, to `dst` back to back.
+#[allow(clippy::too_many_arguments)]
+fn upload_rows(
+    gpu: &dyn GpuBackend,
+    file: &File,
+    path: &std::path::Path,
+    offset: u64,
+    rows: u64,
+    row_bytes: u64,
+    stride: u64,
+    dst: DevicePtr,
+) -> Result<()> {
+    if stride == row_bytes {
+        return upload(gpu, file, path, offset, rows * row_bytes, dst);
+    }
+    let per = (CHUNK as u64 / stride).max(1);
+    let mut buf = vec![0u8; (per.min(rows) * stride) as usize];
+    let mut done = 0u64;
+    while done < rows {
+        let n = (rows - done).min(per);
+        let at = offset + done * stride;
+        // The last row's padding need not be there.
+        let len = ((n - 1) * stride + row_bytes) as usize;
+        file.read_exact_at(&mut buf[..len], at)
+            .io_ctx_at(path, at, || {
+                format!("reading {n} padded table rows at offset {at} (file truncated?)")
+            })?;
+        for i in 1..n as usize {
+            let from = i * stride as usize;
+            buf.copy_within(from..from + row_bytes as usize, i * row_bytes as usize);
+        }
+        gpu.copy_h2d(
+            &buf[..(n * row_bytes) as usize],
+            dst.offset((done * row_bytes) as usize),
+        )?;
+        done += n;
+    }
+    Ok(())
+}
+
 impl ResidentTable {
     /// Copy every row (and FP8 scale) of `files` into device memory.
     pub fn load(files: &TableFiles, gpu: Arc<dyn GpuBackend>) -> Result<ResidentTable> {
         let info = files.info;
         let row_bytes = info.row_bytes() as u64;
         let shard_bytes = files.rows_per_shard * row_bytes;
+        // What the shard spans on disk (the last row's padding excepted).
+        let disk_bytes = (files.rows_per_shard - 1) * files.row_stride + row_bytes;
         let total = usize::try_from(info.rows * row_bytes).map_err(|_| {
             StorageError::invalid(format!(
                 "a table of {} bytes is too large for this host",
@@ -97,21 +141,23 @@ impl ResidentTable {
                 .metadata()
                 .io_ctx(&s.path, || "reading the file size")?
                 .len();
-            if s.data_offset + shard_bytes > len {
+            if s.data_offset + disk_bytes > len {
                 return Err(StorageError::Truncated {
                     path: s.path.clone(),
                     what: format!("shard {i}"),
                     offset: s.data_offset,
-                    needed: shard_bytes,
+                    needed: disk_bytes,
                     got: len.saturating_sub(s.data_offset),
                 });
             }
-            upload(
+            upload_rows(
                 gpu.as_ref(),
                 &f,
                 &s.path,
                 s.data_offset,
-                shard_bytes,
+                files.rows_per_shard,
+                row_bytes,
+                files.row_stride,
                 data.offset((i as u64 * shard_bytes) as usize),
             )?;
             if let Some(so) = s.scale_offset {

@@ -105,7 +105,7 @@ impl Extent {
 fn identity(files: &TableFiles, shard: &Shard) -> Result<(String, Extent)> {
     let canon = std::fs::canonicalize(&shard.path).io_ctx(&shard.path, || "resolving")?;
     let md = std::fs::metadata(&canon).io_ctx(&canon, || "reading the metadata of")?;
-    let row_bytes = files.info.row_bytes() as u64;
+    let row_bytes = files.row_stride;
     let nums: Vec<u8> = [
         md.dev(),
         md.ino(),
@@ -230,6 +230,9 @@ fn attach(path: &Path) -> Result<Option<File>> {
 pub struct SharedTable {
     info: TableInfo,
     rows_per_shard: u64,
+    /// Bytes between rows in a segment: the files' row stride (padded rows
+    /// stay padded).
+    stride: u64,
     gpu: Arc<dyn GpuBackend>,
     /// Per shard: (registered base, scale offset in the segment).
     bases: Vec<(DevicePtr, Option<u64>)>,
@@ -254,6 +257,7 @@ impl SharedTable {
         let mut t = SharedTable {
             info: files.info,
             rows_per_shard: files.rows_per_shard,
+            stride: files.row_stride,
             gpu,
             bases: Vec::new(),
             maps: Vec::new(),
@@ -326,7 +330,7 @@ impl RowTable for SharedTable {
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        let rb = self.info.row_bytes() as u64;
+        let rb = self.stride;
         resolve_in_place(ids, out, self.info.rows, |id| {
             let (base, s0) = self.bases[(id / self.rows_per_shard) as usize];
             let r = id % self.rows_per_shard;

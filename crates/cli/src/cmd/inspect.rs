@@ -14,6 +14,7 @@ use metrale_checkpoint::family::Layout;
 use metrale_checkpoint::load::read_spec;
 use metrale_model_layers::layers::ple::ModelSpec;
 use metrale_model_layers::layers::ple::spec::{Combine, NormForm};
+use metrale_storage::layout::TableFiles;
 use metrale_storage::table::RowDType;
 
 use super::common::bytes;
@@ -164,9 +165,20 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
             },
             bytes(t.bytes)
         );
+        // Rows padded on disk (`table pack --pad-rows`) sit further apart.
+        let stride = t
+            .shards
+            .first()
+            .filter(|_| t.release.is_none())
+            .and_then(|s| TableFiles::open(std::slice::from_ref(s), None).ok())
+            .map(|f| f.row_stride)
+            .filter(|&st| st != row_bytes);
         println!(
-            "    rows            {} values, {row_bytes} B each",
-            t.head_dim
+            "    rows            {} values, {row_bytes} B each{}",
+            t.head_dim,
+            stride.map_or(String::new(), |st| format!(
+                ", padded to {st} B apart on disk"
+            ))
         );
         println!(
             "    carry           {} history tokens, {} B conv state, aux blob {} B",

@@ -28,7 +28,8 @@
 //! prefetch thread and of the whole process. With `--packed` the checkpoint
 //! relaid by `table pack --hot-rows` (hot rows from a trace of the same
 //! workload drawn with another seed) is served through the row cache too
-//! (the `packed` rows). The disk's random 4 KiB read ceiling
+//! (the `packed` rows); with `--padded`, the checkpoint with its rows
+//! padded by `table pack --pad-rows` (the `padded` rows). The disk's random 4 KiB read ceiling
 //! ([`RandomReads`], the miss path's reader) is measured in the same run,
 //! on the checkpoint's own shard file.
 //!
@@ -120,6 +121,12 @@ pub struct OffloadArgs {
     /// again as the checkpoint.
     #[arg(long)]
     packed: bool,
+    /// Also serve the checkpoint with its rows padded by `table pack
+    /// --pad-rows` (each row inside the fewest direct-I/O granules) through
+    /// the row cache (the `padded` rows). Needs the checkpoint's disk again
+    /// and the padding.
+    #[arg(long)]
+    padded: bool,
     /// Reads the row cache keeps in flight (its io_uring depth, or pread
     /// threads up to 16).
     #[arg(long, default_value_t = DEFAULT_IO_DEPTH, value_name = "N")]
@@ -380,9 +387,18 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
     } else {
         (None, None)
     };
+    let (padded, _padded_scratch) = if args.padded {
+        let d =
+            std::env::temp_dir().join(format!("metrale-ple-offload-padded-{}", std::process::id()));
+        let scratch = Scratch(d.clone());
+        (Some(pack_padded(&ck, &d)?), Some(scratch))
+    } else {
+        (None, None)
+    };
     let report = measure_all(
         &ck,
         packed.as_ref(),
+        padded.as_ref(),
         &sizes,
         args.backbone_scale,
         backbones,
@@ -480,34 +496,65 @@ fn pack_hot(ck: &Checkpoint, sizes: &Sizes, dst: &Path) -> Result<Checkpoint, Cm
         trace.lines().count(),
         dst.display()
     );
+    let packed = run_pack(ck, dst, &["--hot-rows".as_ref(), trace_path.as_os_str()]);
+    let _ = std::fs::remove_file(&trace_path);
+    let packed = packed?;
+    eprintln!(
+        "bench offload: packed in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(packed)
+}
+
+/// `ck` with its table rows padded by `table pack --pad-rows` into `dst`.
+fn pack_padded(ck: &Checkpoint, dst: &Path) -> Result<Checkpoint, CmdError> {
+    let t0 = Instant::now();
+    eprintln!(
+        "bench offload: padding the table's rows into {}",
+        dst.display()
+    );
+    let padded = run_pack(ck, dst, &["--pad-rows".as_ref()])?;
+    eprintln!(
+        "bench offload: padded in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(padded)
+}
+
+/// Run `table pack FLAGS ck dst` as a child process (its report stays off
+/// this command's output) and open what it wrote.
+fn run_pack(
+    ck: &Checkpoint,
+    dst: &Path,
+    flags: &[&std::ffi::OsStr],
+) -> Result<Checkpoint, CmdError> {
     let exe = std::env::current_exe()
         .context("locating this program to run `table pack`")
         .map_err(failure)?;
     let out = std::process::Command::new(exe)
         .arg("table")
         .arg("pack")
-        .arg("--hot-rows")
-        .arg(&trace_path)
+        .args(flags)
         .arg(&ck.dir)
         .arg(dst)
         .stdin(std::process::Stdio::null())
-        .output();
-    let _ = std::fs::remove_file(&trace_path);
-    let out = out.context("running `table pack`").map_err(failure)?;
+        .output()
+        .context("running `table pack`")
+        .map_err(failure)?;
     if !out.status.success() {
         return Err(failure(anyhow::anyhow!(
-            "`table pack --hot-rows` failed: {}",
+            "`table pack {}` failed: {}",
+            flags
+                .iter()
+                .map(|f| f.to_string_lossy())
+                .collect::<Vec<_>>()
+                .join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
         )));
     }
-    let packed = Checkpoint::open(dst)
+    Checkpoint::open(dst)
         .with_context(|| format!("opening the packed checkpoint in {}", dst.display()))
-        .map_err(failure)?;
-    eprintln!(
-        "bench offload: packed in {:.1} s",
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(packed)
+        .map_err(failure)
 }
 
 /// The disk's random 4 KiB read rate on `path` through the miss path's
@@ -542,9 +589,11 @@ fn exposed(e: &Served) -> Duration {
     e.sites().iter().map(|s| s.wait_split().exposed).sum()
 }
 
+#[allow(clippy::too_many_arguments)]
 fn measure_all(
     ck: &Checkpoint,
     packed: Option<&Checkpoint>,
+    padded: Option<&Checkpoint>,
     sizes: &Sizes,
     scale: usize,
     backbones: &[bool],
@@ -586,6 +635,9 @@ fn measure_all(
     ];
     if let Some(p) = packed {
         tables.push(("packed", TableMode::Cached, p));
+    }
+    if let Some(p) = padded {
+        tables.push(("padded", TableMode::Cached, p));
     }
     let mut rows = Vec::new();
     for &backbone in backbones {
