@@ -16,7 +16,7 @@
 //! (or of the granule); the other tensors follow, copied byte for byte.
 //! The file stays valid safetensors (no holes), the tensors' values are
 //! unchanged, and a row miss then reads one granule instead of two for
-//! about 60% of such rows, at the cost of the padding on disk.
+//! half of such rows (320-byte rows, 512-byte granules), at the cost of the padding on disk.
 //!
 //! Invariants: the destination appears only complete (written to a
 //! temporary file beside it, synced, then renamed); on any error the

@@ -23,7 +23,7 @@
 //! rows to a stride that keeps each row inside the fewest direct-I/O
 //! granules (`--granule`, default the destination's alignment): 320-byte
 //! BF16 rows become 512 bytes apart, so a row-cache miss reads one granule
-//! where 60% of unpadded rows straddle two, at the cost of the padding on
+//! where half of the unpadded rows straddle two, at the cost of the padding on
 //! disk (`metrale_storage::pack::pad_rows`; the row width is declared in
 //! each file's metadata and every table mode reads it).
 //!
