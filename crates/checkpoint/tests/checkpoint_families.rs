@@ -341,9 +341,7 @@ fn check_modes(preset: Preset, rows: u64) {
     ] {
         let h = forward_all(&ck, mode, &tokens, chunks);
         assert!(
-            h.iter()
-                .zip(&resident)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            metrale_testkit::same_bits(&h, &resident),
             "{}: {mode:?} with chunks {chunks:?} differs from resident",
             preset.name()
         );
@@ -445,9 +443,7 @@ fn tiny_family_checkpoints_agree_across_table_modes() {
         ] {
             let h = forward_cached(&ck, mode, &tokens, chunks, 64);
             assert!(
-                h.iter()
-                    .zip(&resident)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                metrale_testkit::same_bits(&h, &resident),
                 "{family:?}: {mode:?} with chunks {chunks:?} differs from resident"
             );
         }

@@ -94,10 +94,7 @@ fn check_modes(opts: &InitOptions) {
         (TableMode::Cached, &[5, 30, 5][..]),
     ] {
         let h = forward_all(&ck, mode, &tokens, chunks);
-        let same = h
-            .iter()
-            .zip(&resident)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
+        let same = metrale_testkit::same_bits(&h, &resident);
         assert!(
             same,
             "{mode:?} with chunks {chunks:?} differs from resident"

@@ -130,10 +130,7 @@ fn packed_hot_rows_give_the_same_highway_and_come_first() {
         let want = highway(&ck, TableMode::Resident, &tokens);
         for mode in [TableMode::Resident, TableMode::Mapped, TableMode::Cached] {
             let got = highway(&packed, mode, &tokens);
-            let same = got
-                .iter()
-                .zip(&want)
-                .all(|(x, y)| x.to_bits() == y.to_bits());
+            let same = metrale_testkit::same_bits(&got, &want);
             assert!(
                 same,
                 "{dtype} {mode:?}: the packed checkpoint's highway differs"
@@ -150,11 +147,7 @@ fn packed_hot_rows_give_the_same_highway_and_come_first() {
         assert!(o.status.success(), "{out} {err}");
         let again = Checkpoint::open(&again).unwrap();
         let got = highway(&again, TableMode::Resident, &tokens);
-        assert!(
-            got.iter()
-                .zip(&want)
-                .all(|(x, y)| x.to_bits() == y.to_bits())
-        );
+        assert!(metrale_testkit::same_bits(&got, &want));
         // --hot-rows refuses a source that already has remaps.
         let (o, _, err) = run(&[
             "table",
@@ -208,9 +201,7 @@ fn padded_rows_give_the_same_highway_in_every_mode() {
             for mode in [TableMode::Resident, TableMode::Mapped, TableMode::Cached] {
                 let got = highway(&packed, mode, &tokens);
                 assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(x, y)| x.to_bits() == y.to_bits()),
+                    metrale_testkit::same_bits(&got, &want),
                     "{dtype} hot={hot} {mode:?}: the padded checkpoint's highway differs"
                 );
             }

@@ -178,9 +178,7 @@ fn a_packed_release_gives_the_inline_highway_in_every_table_mode() {
     for mode in [TableMode::Resident, TableMode::Mapped, TableMode::Cached] {
         let h = highway(&got, mode, &tokens);
         assert!(
-            h.iter()
-                .zip(&reference)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            metrale_testkit::same_bits(&h, &reference),
             "{mode:?}: the packed release's highway differs from the inline checkpoint's"
         );
     }

@@ -500,9 +500,7 @@ fn decode_graphs_prestage_before_replay_and_never_synchronise_under_capture() {
             .collect();
         eager.decode(&batch, &mut hw_eager).unwrap();
         assert!(
-            hw.iter()
-                .zip(&hw_eager)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            metrale_testkit::same_bits(&hw, &hw_eager),
             "step {step}: the replayed step differs from the eager one"
         );
         for (h, &t) in hist.iter_mut().zip(&next) {
@@ -619,11 +617,7 @@ fn layers_without_host_kernels_launch_with_device_shapes() {
         }
     }
     assert!(
-        outs[0].len() == outs[1].len()
-            && outs[0]
-                .iter()
-                .zip(&outs[1])
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+        outs[0].len() == outs[1].len() && metrale_testkit::same_bits(&outs[0], &outs[1]),
         "device-shaped launches changed the outputs"
     );
     assert!(shaped.stats().graph_replays >= 5);

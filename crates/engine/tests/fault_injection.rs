@@ -30,6 +30,7 @@ use metrale_storage::io::{PageReader, ReadReq, default_reader};
 use metrale_storage::table::RowRef;
 use metrale_testkit::Rng;
 use metrale_testkit::rows::rows_for;
+use metrale_testkit::same_bits;
 use metrale_testkit::tiny::{TinySpec, tiny_site_files};
 
 const HIDDEN: usize = 32;
@@ -179,10 +180,6 @@ fn decode(
     let batch: Vec<(SeqId, u32)> = ids.iter().copied().zip(next.iter().copied()).collect();
     e.decode(&batch, &mut hw)?;
     Ok(hw.chunks(w).map(<[f32]>::to_vec).collect())
-}
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// Every row of every table reads back (no fault armed): no failed load

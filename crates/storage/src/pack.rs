@@ -52,14 +52,7 @@ pub struct PackReport {
 /// `progress(copied, total)` as data bytes are copied.
 pub fn pack(src: &Path, dst: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<PackReport> {
     let h = Header::read(src)?;
-    if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize())
-        && a == b
-    {
-        return Err(StorageError::invalid(format!(
-            "pack: source and destination are the same file ({})",
-            src.display()
-        )));
-    }
+    refuse_same_file("pack", src, dst)?;
     let entries: Vec<(TensorSpec, (u64, u64))> = h
         .tensors
         .iter()
@@ -121,14 +114,7 @@ pub fn pad_rows(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<Vec<PaddedTable>> {
     let h = Header::read(src)?;
-    if let (Ok(a), Ok(b)) = (src.canonicalize(), dst.canonicalize())
-        && a == b
-    {
-        return Err(StorageError::invalid(format!(
-            "pad: source and destination are the same file ({})",
-            src.display()
-        )));
-    }
+    refuse_same_file("pad", src, dst)?;
     if granule == 0 || !granule.is_power_of_two() {
         return Err(StorageError::invalid(format!(
             "pad: the granule must be a power of two, not {granule}"
@@ -251,6 +237,18 @@ pub fn pad_rows(
             stride,
         })
         .collect())
+}
+
+/// An error when `src` and `dst` name one file (a rewrite in place would
+/// read what it has already overwritten).
+fn refuse_same_file(what: &str, src: &Path, dst: &Path) -> Result<()> {
+    match (src.canonicalize(), dst.canonicalize()) {
+        (Ok(a), Ok(b)) if a == b => Err(StorageError::invalid(format!(
+            "{what}: source and destination are the same file ({})",
+            src.display()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn tmp_path(dst: &Path) -> PathBuf {

@@ -14,7 +14,8 @@
 //! - [`files`]: checkpoint files damaged on purpose (a tensor replaced or
 //!   reshaped) for refusal tests;
 //! - [`drive`]: the plain sequential reference run and the randomised
-//!   engine driver that checks every output row against it.
+//!   engine driver that checks every output row against it;
+//! - [`same_bits`]: equality of two output slices bit for bit.
 
 pub mod drive;
 pub mod families;
@@ -27,3 +28,10 @@ pub mod tiny;
 pub mod toy;
 
 pub use rng::Rng;
+
+/// Whether `a` and `b` have the same length and every value the same bits
+/// (so `-0.0 != 0.0` and a NaN equals only itself): the test of "the same
+/// outputs" between two paths.
+pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
