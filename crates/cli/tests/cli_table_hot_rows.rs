@@ -1,5 +1,5 @@
-//! `table pack --hot-rows` and `--pad-rows` end to end: the packed
-//! checkpoint's tables are really relaid (hot rows first) or padded, its
+//! `table pack --hot-rows`, `--hot-corpus` and `--pad-rows` end to end: the
+//! packed checkpoint's tables are really relaid (hot rows first) or padded, its
 //! layers give the original's highway bit for bit in every table mode, and
 //! a damaged row remap is refused naming the file.
 
@@ -245,6 +245,104 @@ fn padded_rows_give_the_same_highway_in_every_mode() {
         assert_eq!(o.status.code(), Some(2), "{err}");
         assert!(err.contains(msg), "{err}");
     }
+}
+
+/// `--hot-corpus` counts rows as a trace of the corpus's ids would: the
+/// remaps equal those of `--hot-rows` over the trace the sites' hashers
+/// give for the same prompts, and the highway is unchanged.
+#[test]
+fn a_token_corpus_packs_as_its_trace_does() {
+    use metrale_model_layers::layers::ple::ids::PleIdHasher;
+    let tmp = tempfile::tempdir().unwrap();
+    let src = init(tmp.path(), "bf16", Some("1024"));
+    let ck = Checkpoint::open(&src).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..12u32)
+        .map(|p| {
+            (0..20u32)
+                .map(|i| (p * 131 + i * 17 + (i % 3) * 500) % 4096)
+                .collect()
+        })
+        .collect();
+    let corpus = tmp.path().join("corpus.jsonl");
+    let text: String = prompts
+        .iter()
+        .map(|p| format!("{}\n", serde_json::to_string(p).unwrap()))
+        .collect();
+    std::fs::write(&corpus, format!("\n{text}\n")).unwrap();
+    let mut trace = String::new();
+    for (i, _) in ck.sites.iter().enumerate() {
+        let spec = ck.spec.site(i).unwrap();
+        let h = PleIdHasher::with_family(&spec.family, &spec.dims).unwrap();
+        for p in &prompts {
+            let mut ids = vec![0u64; p.len() * spec.dims.ngram_heads()];
+            h.ids_with_history_into(&[], p, &mut ids).unwrap();
+            for id in ids {
+                trace.push_str(&format!("{i} {id}\n"));
+            }
+        }
+    }
+    let trace_path = tmp.path().join("corpus-trace.txt");
+    std::fs::write(&trace_path, trace).unwrap();
+    let by_corpus = tmp.path().join("by-corpus");
+    let by_trace = tmp.path().join("by-trace");
+    for (flag, file, dst) in [
+        ("--hot-corpus", &corpus, &by_corpus),
+        ("--hot-rows", &trace_path, &by_trace),
+    ] {
+        let (o, out, err) = run(&[
+            "table",
+            "pack",
+            flag,
+            file.to_str().unwrap(),
+            src.to_str().unwrap(),
+            dst.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{flag}: {out} {err}");
+    }
+    for s in &ck.sites {
+        let name = row_remap_file(s.layer);
+        assert_eq!(
+            std::fs::read(by_corpus.join(&name)).unwrap(),
+            std::fs::read(by_trace.join(&name)).unwrap(),
+            "{name}"
+        );
+    }
+    let tokens: Vec<u32> = prompts.concat();
+    let want = highway(&ck, TableMode::Resident, &tokens);
+    let packed = Checkpoint::open(&by_corpus).unwrap();
+    assert!(metrale_testkit::same_bits(
+        &highway(&packed, TableMode::Cached, &tokens),
+        &want
+    ));
+    // A token past the vocabulary names the corpus and its line; the two
+    // sources of counts exclude each other.
+    std::fs::write(&corpus, "[1, 2]\n[3, 99999]\n").unwrap();
+    let (o, _, err) = run(&[
+        "table",
+        "pack",
+        "--hot-corpus",
+        corpus.to_str().unwrap(),
+        src.to_str().unwrap(),
+        tmp.path().join("bad").to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("corpus.jsonl line 2") && err.contains("99999"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("bad").exists());
+    let (o, _, err) = run(&[
+        "table",
+        "pack",
+        "--hot-corpus",
+        corpus.to_str().unwrap(),
+        "--hot-rows",
+        trace_path.to_str().unwrap(),
+        src.to_str().unwrap(),
+        tmp.path().join("bad").to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("cannot be used with"), "{err}");
 }
 
 #[test]

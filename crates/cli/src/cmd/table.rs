@@ -27,6 +27,12 @@
 //! disk (`metrale_storage::pack::pad_rows`; the row width is declared in
 //! each file's metadata and every table mode reads it).
 //!
+//! `--hot-corpus FILE` does the same with the counts taken from a corpus
+//! of token ids instead (JSON lines, one array of token ids each, as `run
+//! --prompts` reads): each prompt is hashed from a fresh history by every
+//! site's own hash, and each id it gives counts once, as a trace of serving
+//! those prompts would list them.
+//!
 //! `--hot-rows TRACE` (checkpoint directories only) also relays each
 //! site's table so the rows TRACE hits most come first, sharing pages and
 //! direct-I/O granules, and writes the row remap
@@ -47,6 +53,8 @@ use metrale_checkpoint::names::{CONFIG_FILE, INDEX_FILE, TOKEN_MAP_FILE, row_rem
 use metrale_checkpoint::release::{SplitTable, convert_file, convert_index};
 use metrale_checkpoint::remap::{RowRemap, fold_counts, parse_trace};
 use metrale_checkpoint::{Checkpoint, CheckpointError};
+use metrale_model_layers::layers::ple::ids::PleIdHasher;
+use metrale_ple_cli::parse::parse_prompts;
 use metrale_storage::io::DioAlign;
 use metrale_storage::layout::TableFiles;
 use metrale_storage::pack::{pack, pad_rows};
@@ -67,7 +75,7 @@ pub struct TableArgs {
 enum TableCmd {
     /// Rewrite a shard file, or every file of a checkpoint, 4 KiB-aligned.
     #[command(
-        after_help = "Examples:\n  metrale-ple table pack ckpt/model-00002-of-00005.safetensors /fast/shard.safetensors\n  metrale-ple table pack ~/.cache/metrale-ple/tiny /tmp/tiny-packed\n  metrale-ple table pack --hot-rows trace.txt ~/.cache/metrale-ple/tiny /tmp/tiny-hot\n  metrale-ple table pack --pad-rows ~/.cache/metrale-ple/tiny /tmp/tiny-padded"
+        after_help = "Examples:\n  metrale-ple table pack ckpt/model-00002-of-00005.safetensors /fast/shard.safetensors\n  metrale-ple table pack ~/.cache/metrale-ple/tiny /tmp/tiny-packed\n  metrale-ple table pack --hot-rows trace.txt ~/.cache/metrale-ple/tiny /tmp/tiny-hot\n  metrale-ple table pack --hot-corpus prompts.jsonl ~/.cache/metrale-ple/tiny /tmp/tiny-hot\n  metrale-ple table pack --pad-rows ~/.cache/metrale-ple/tiny /tmp/tiny-padded"
     )]
     Pack(PackArgs),
 }
@@ -81,8 +89,13 @@ pub struct PackArgs {
     pub dst: PathBuf,
     /// Relay each site's table rows hottest first, by the `SITE ROW_ID`
     /// lines of this trace, and store the row remap (directories only).
-    #[arg(long, value_name = "TRACE")]
+    #[arg(long, value_name = "TRACE", conflicts_with = "hot_corpus")]
     pub hot_rows: Option<PathBuf>,
+    /// Relay each site's table rows hottest first, by the row ids every
+    /// site hashes the prompts of this corpus to (JSON lines, one array of
+    /// token ids each), and store the row remap (directories only).
+    #[arg(long, value_name = "FILE")]
+    pub hot_corpus: Option<PathBuf>,
     /// Pad each site's table rows so no row straddles more direct-I/O
     /// granules than it must (costs disk: 320-byte rows take 512;
     /// directories only).
@@ -196,9 +209,16 @@ fn pack_files(
 }
 
 fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
-    if a.src.is_file() && a.hot_rows.is_some() {
+    // The source of the hot rows' counts: a trace of row ids or a corpus.
+    let hot = a.hot_rows.as_ref().or(a.hot_corpus.as_ref());
+    let hot_flag = if a.hot_corpus.is_some() {
+        "--hot-corpus"
+    } else {
+        "--hot-rows"
+    };
+    if a.src.is_file() && hot.is_some() {
         return Err(input(anyhow::anyhow!(
-            "--hot-rows relays a checkpoint's tables: SRC must be a checkpoint directory, not {}",
+            "{hot_flag} relays a checkpoint's tables: SRC must be a checkpoint directory, not {}",
             a.src.display()
         )));
     }
@@ -209,9 +229,10 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
         )));
     }
     match a.granule {
-        Some(_) if a.hot_rows.is_none() && !a.pad_rows => {
+        Some(_) if hot.is_none() && !a.pad_rows => {
             return Err(input(anyhow::anyhow!(
-                "--granule places hot rows (--hot-rows) or pads rows (--pad-rows); give one of them"
+                "--granule places hot rows (--hot-rows, --hot-corpus) or pads rows (--pad-rows); \
+                 give one of them"
             )));
         }
         Some(g) if g == 0 || !g.is_power_of_two() => {
@@ -250,10 +271,12 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
     .map_err(input)?;
     let release = ck.release_tables();
     if let Some(t) = release.first()
-        && (a.hot_rows.is_some() || a.pad_rows)
+        && (hot.is_some() || a.pad_rows)
     {
         let flag = if a.pad_rows {
             "--pad-rows"
+        } else if a.hot_corpus.is_some() {
+            "--hot-corpus FILE"
         } else {
             "--hot-rows TRACE"
         };
@@ -270,7 +293,7 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
         .map(|s| row_remap_file(s.layer))
         .filter(|n| a.src.join(n).exists())
         .collect();
-    let trace = match &a.hot_rows {
+    let trace = match hot {
         None => None,
         Some(t) => {
             if let Some(n) = remaps.first() {
@@ -279,10 +302,14 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
                     a.src.display()
                 )));
             }
-            let text = std::fs::read_to_string(t)
-                .with_context(|| format!("reading the trace {}", t.display()))
-                .map_err(input)?;
-            let counts = parse_trace(&text, ck.sites.len(), t).map_err(input)?;
+            let counts = if a.hot_corpus.is_some() {
+                corpus_counts(&ck, t)?
+            } else {
+                let text = std::fs::read_to_string(t)
+                    .with_context(|| format!("reading the trace {}", t.display()))
+                    .map_err(input)?;
+                parse_trace(&text, ck.sites.len(), t).map_err(input)?
+            };
             // A remap covers one whole table; sub-tables are served apart.
             if let Some((i, _)) = counts
                 .iter()
@@ -420,6 +447,36 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
             Err(e)
         }
     }
+}
+
+/// Per site, how many times each row id is hashed from the prompts of the
+/// token corpus at `path` (JSON lines, one array of token ids each), every
+/// prompt from a fresh history, by the site's own hash.
+fn corpus_counts(ck: &Checkpoint, path: &Path) -> Result<Vec<HashMap<u64, u64>>, CmdError> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the corpus {}", path.display()))
+        .map_err(input)?;
+    let prompts = parse_prompts(path, &text, ck.spec.vocab_size).map_err(input)?;
+    let mut out = Vec::with_capacity(ck.sites.len());
+    for site in 0..ck.sites.len() {
+        let spec = ck.spec.site(site).map_err(failure)?;
+        let hasher = PleIdHasher::with_family(&spec.family, &spec.dims).map_err(failure)?;
+        let heads = spec.dims.ngram_heads();
+        let mut counts: HashMap<u64, u64> = HashMap::new();
+        let mut ids = Vec::new();
+        for (k, p) in prompts.iter().enumerate() {
+            ids.resize(p.len() * heads, 0);
+            hasher
+                .ids_with_history_into(&[], p, &mut ids)
+                .with_context(|| format!("{}: prompt {}, site {site}", path.display(), k + 1))
+                .map_err(input)?;
+            for &id in &ids {
+                *counts.entry(id).or_insert(0) += 1;
+            }
+        }
+        out.push(counts);
+    }
+    Ok(out)
 }
 
 /// The direct-I/O alignment of a file written in `dir` (a probe file,

@@ -26,8 +26,8 @@
 //! call and, of it, hashing; the decode call and, of it, the sites' own
 //! host work and their waits for rows; and the CPU time of the row cache's
 //! prefetch thread and of the whole process. With `--packed` the checkpoint
-//! relaid by `table pack --hot-rows` (hot rows from a trace of the same
-//! workload drawn with another seed) is served through the row cache too
+//! relaid by `table pack --hot-corpus` (hot rows from the tokens of the
+//! same workload drawn with another seed) is served through the row cache too
 //! (the `packed` rows); with `--padded`, the checkpoint with its rows
 //! padded by `table pack --pad-rows` (the `padded` rows). The disk's random 4 KiB read ceiling
 //! ([`RandomReads`], the miss path's reader) is measured in the same run,
@@ -60,7 +60,6 @@ use metrale_engine::{Engine, EngineConfig, EngineError, SeqId, Site};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::bench::Rng;
-use metrale_model_layers::layers::ple::ids::PleIdHasher;
 use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
@@ -115,9 +114,9 @@ pub struct OffloadArgs {
     /// quick); shorter repetitions pair the tables' turns more closely.
     #[arg(long, value_name = "N")]
     steps: Option<usize>,
-    /// Also serve the checkpoint relaid by `table pack --hot-rows` through
-    /// the row cache (the `packed` rows), its hot rows taken from a trace
-    /// of the same workload drawn with another seed. Needs as much disk
+    /// Also serve the checkpoint relaid by `table pack --hot-corpus`
+    /// through the row cache (the `packed` rows), its hot rows counted from
+    /// the tokens of the same workload drawn with another seed. Needs as much disk
     /// again as the checkpoint.
     #[arg(long)]
     packed: bool,
@@ -449,15 +448,15 @@ fn checkpoint(dir: &Path, sizes: &Sizes) -> Result<Checkpoint, CmdError> {
     Ok(ck)
 }
 
-/// Seed of the token stream the hot-row trace is drawn from (the measured
+/// Seed of the token stream the hot rows are counted from (the measured
 /// stream uses another).
 const TRACE_SEED: u64 = 0x7ACE_0FF1;
 
-/// `ck` relaid by `table pack --hot-rows` into `dst` (run as a child
+/// `ck` relaid by `table pack --hot-corpus` into `dst` (run as a child
 /// process, so its report stays off this command's output), the hot rows
-/// counted from a trace of the decode workload of `sizes` drawn from
-/// [`TRACE_SEED`]: every id each site hashes for the prompts and for as
-/// many decode steps as a run takes at most.
+/// counted from the decode workload of `sizes` drawn from [`TRACE_SEED`]:
+/// every sequence's prompt and as many decode tokens as a run takes at
+/// most, which `table pack` hashes with every site's hash.
 fn pack_hot(ck: &Checkpoint, sizes: &Sizes, dst: &Path) -> Result<Checkpoint, CmdError> {
     let t0 = Instant::now();
     let steps = sizes.max_windows * sizes.window + sizes.reps * sizes.measure;
@@ -471,33 +470,29 @@ fn pack_hot(ck: &Checkpoint, sizes: &Sizes, dst: &Path) -> Result<Checkpoint, Cm
             s.push(zipf.sample(&mut rng));
         }
     }
-    let mut trace = String::new();
-    for site in 0..ck.sites.len() {
-        let spec = ck.spec.site(site).map_err(failure)?;
-        let hasher = PleIdHasher::with_family(&spec.family, &spec.dims).map_err(failure)?;
-        let mut ids = vec![0u64; sizes.prompt.max(1) * spec.dims.ngram_heads()];
-        for s in &seqs {
-            let n = s.len() * spec.dims.ngram_heads();
-            ids.resize(n, 0);
-            hasher
-                .ids_with_history_into(&[], s, &mut ids)
-                .map_err(failure)?;
-            for id in &ids {
-                trace.push_str(&format!("{site} {id}\n"));
-            }
-        }
+    // The workload's own token stream, as a corpus `table pack` hashes
+    // with every site's hash.
+    let mut corpus = String::new();
+    for s in &seqs {
+        corpus.push_str(
+            &serde_json::to_string(s)
+                .context("encoding the corpus")
+                .map_err(failure)?,
+        );
+        corpus.push('\n');
     }
-    let trace_path = dst.with_extension("trace");
-    std::fs::write(&trace_path, &trace)
-        .with_context(|| format!("writing {}", trace_path.display()))
+    let corpus_path = dst.with_extension("corpus.jsonl");
+    std::fs::write(&corpus_path, &corpus)
+        .with_context(|| format!("writing {}", corpus_path.display()))
         .map_err(failure)?;
     eprintln!(
-        "bench offload: relaying the table's hot rows ({} trace lines) into {}",
-        trace.lines().count(),
+        "bench offload: relaying the table's hot rows ({} sequences of {} tokens) into {}",
+        seqs.len(),
+        seqs.first().map_or(0, Vec::len),
         dst.display()
     );
-    let packed = run_pack(ck, dst, &["--hot-rows".as_ref(), trace_path.as_os_str()]);
-    let _ = std::fs::remove_file(&trace_path);
+    let packed = run_pack(ck, dst, &["--hot-corpus".as_ref(), corpus_path.as_os_str()]);
+    let _ = std::fs::remove_file(&corpus_path);
     let packed = packed?;
     eprintln!(
         "bench offload: packed in {:.1} s",
