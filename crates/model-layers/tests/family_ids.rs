@@ -98,12 +98,22 @@ fn check(name: &str) -> usize {
         let tokens = u32s(&c["tokens"]);
         let want: Vec<u64> = c["ids"].as_array().unwrap().iter().flat_map(u64s).collect();
         let h = PleIdHasher::with_family(&site.family, dims).unwrap();
-        assert_eq!(h.path(), "scalar");
+        // Engram reduces its heads four at a time where the CPU has AVX2;
+        // LongCat's kernel is scalar.
+        if matches!(site.family, HashFamily::LongCat { .. }) {
+            assert_eq!(h.path(), "scalar");
+        }
+        let portable = PleIdHasher::new_portable(dims).unwrap();
+        assert_eq!(portable.path(), "scalar");
 
         // Whole, with the given history and, for a fresh case, with none.
         let mut got = vec![0u64; tokens.len() * heads];
         h.ids_with_history_into(&hist, &tokens, &mut got).unwrap();
-        assert_eq!(got, want, "{label}: whole");
+        assert_eq!(got, want, "{label}: whole ({} path)", h.path());
+        portable
+            .ids_with_history_into(&hist, &tokens, &mut got)
+            .unwrap();
+        assert_eq!(got, want, "{label}: whole (portable path)");
         if c["history"].is_null() {
             h.ids_into(&tokens, &mut got).unwrap();
             assert_eq!(got, want, "{label}: empty history");
@@ -294,6 +304,55 @@ fn families_are_told_apart_and_inconsistent_configs_named() {
     );
     // Qwen4Exp hashes never take a map.
     assert_eq!(HashFamily::default(), HashFamily::Qwen4Exp);
+}
+
+/// Engram's AVX2 head reduction gives the portable path's ids over long
+/// random streams (tokens anywhere below the family's bound, so the mixed
+/// values span the whole `u64` range), whole, chunked and batched.
+#[test]
+fn engram_fast_path_equals_the_portable_one() {
+    for file in ["engram_demo.json", "deepseek_v41.json"] {
+        let spec = spec_of(&fixture(file));
+        for s in 0..spec.sites() {
+            let site = spec.site(s).unwrap();
+            let fast = PleIdHasher::with_family(&site.family, &site.dims).unwrap();
+            let portable = PleIdHasher::new_portable(&site.dims).unwrap();
+            let limit = site.family.token_limit().unwrap_or(spec.vocab_size);
+            let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ s as u64;
+            let tokens: Vec<u32> = (0..4000)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((x >> 33) % limit) as u32
+                })
+                .collect();
+            let heads = site.ngram_heads();
+            let (mut a, mut b) = (
+                vec![0u64; tokens.len() * heads],
+                vec![0u64; tokens.len() * heads],
+            );
+            fast.ids_into(&tokens, &mut a).unwrap();
+            portable.ids_into(&tokens, &mut b).unwrap();
+            assert_eq!(a, b, "{file} site {s} ({} path)", fast.path());
+            let hist = &tokens[..5];
+            let (mut a, mut b) = (vec![0u64; 100 * heads], vec![0u64; 100 * heads]);
+            fast.ids_with_history_into(hist, &tokens[5..105], &mut a)
+                .unwrap();
+            portable
+                .ids_with_history_into(hist, &tokens[5..105], &mut b)
+                .unwrap();
+            assert_eq!(a, b, "{file} site {s}: with history");
+            let histories: Vec<&[u32]> = (0..64).map(|i| &tokens[i..i + 3]).collect();
+            let (mut a, mut b) = (vec![0u64; 64 * heads], vec![0u64; 64 * heads]);
+            fast.decode_batch_into(&histories, &tokens[100..164], &mut a)
+                .unwrap();
+            portable
+                .decode_batch_into(&histories, &tokens[100..164], &mut b)
+                .unwrap();
+            assert_eq!(a, b, "{file} site {s}: batched");
+        }
+    }
 }
 
 /// Hash throughput per family, printed (run with `cargo test --release -p

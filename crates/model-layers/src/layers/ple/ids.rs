@@ -574,12 +574,16 @@ pub struct PleIdHasher {
 impl PleIdHasher {
     /// Validate `dims`, precompute the reciprocals and pick the fastest
     /// exact path this CPU supports for `dims.family` (the AVX2 reduction
-    /// serves Qwen4Exp; the other families run their scalar kernels).
+    /// serves Qwen4Exp and Engram, whose heads reduce one mixed value each;
+    /// LongCat runs its scalar kernel).
     pub fn new(dims: &PleIdDims) -> Result<Self> {
         #[allow(unused_mut)]
         let mut h = Self::new_portable(dims)?;
         #[cfg(target_arch = "x86_64")]
-        if dims.family == HashFamily::Qwen4Exp {
+        if matches!(
+            dims.family,
+            HashFamily::Qwen4Exp | HashFamily::Engram { .. }
+        ) {
             h.avx2 = simd::Avx2Plan::new(dims);
         }
         Ok(h)
@@ -639,6 +643,23 @@ impl PleIdHasher {
         match &self.prep {
             family::Prepared::Qwen4Exp => false,
             family::Prepared::Engram { map, fill } => {
+                #[cfg(target_arch = "x86_64")]
+                if let Some(plan) = &self.avx2 {
+                    let rows = simd::Avx2Rows::new(plan, &self.heads);
+                    // SAFETY: a plan is only built after AVX2 was detected.
+                    unsafe {
+                        simd::engram_run_avx2(
+                            &self.dims,
+                            map.as_deref(),
+                            *fill,
+                            &rows,
+                            history,
+                            tokens,
+                            out,
+                        )
+                    };
+                    return true;
+                }
                 let rows = FastRows { heads: &self.heads };
                 family::engram_run(
                     &self.dims,
@@ -671,9 +692,6 @@ impl PleIdHasher {
 
     /// The reduction in use: `"avx2"` or `"scalar"`.
     pub fn path(&self) -> &'static str {
-        if self.family != HashFamily::Qwen4Exp {
-            return "scalar";
-        }
         #[cfg(target_arch = "x86_64")]
         if self.avx2.is_some() {
             return "avx2";
@@ -714,17 +732,17 @@ impl PleIdHasher {
             tokens.len(),
             self.ngram_heads(),
         )?;
+        if !matches!(self.prep, family::Prepared::Qwen4Exp) {
+            check_tokens(&self.family, "history", history)?;
+            check_tokens(&self.family, "tokens", tokens)?;
+            self.family_run(history, tokens, out);
+            return Ok(());
+        }
         #[cfg(target_arch = "x86_64")]
         if let Some(plan) = &self.avx2 {
             let rows = simd::Avx2Rows::new(plan, &self.heads);
             // SAFETY: a plan is only built after AVX2 was detected.
             unsafe { simd::hash_run_avx2(&self.dims, &rows, history, tokens, out) };
-            return Ok(());
-        }
-        if !matches!(self.prep, family::Prepared::Qwen4Exp) {
-            check_tokens(&self.family, "history", history)?;
-            check_tokens(&self.family, "tokens", tokens)?;
-            self.family_run(history, tokens, out);
             return Ok(());
         }
         hash_run(

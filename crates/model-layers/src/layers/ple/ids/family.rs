@@ -273,6 +273,9 @@ fn mapped(map: Option<&[u32]>, t: u32) -> u64 {
 /// Engram over `history ++ tokens`: the rows of `tokens` go to `out`
 /// (`tokens.len() * ngram_heads`, checked by the caller). The context is
 /// the mapped predecessors, the mapped pad id before the sequence start.
+/// Always inlined, so that a caller compiled for a wider instruction set
+/// (the AVX2 head reduction) gets the whole loop compiled for it.
+#[inline(always)]
 pub(super) fn engram_run<R: HeadRows>(
     dims: &PleIdDims,
     map: Option<&[u32]>,

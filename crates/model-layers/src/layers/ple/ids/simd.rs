@@ -183,6 +183,23 @@ pub(super) unsafe fn hash_run_avx2(
     super::hash_run(dims, rows, history, tokens, out);
 }
 
+/// [`super::family::engram_run`] compiled with AVX2 enabled.
+///
+/// # Safety
+/// The CPU must support AVX2 (true whenever an [`Avx2Rows`] exists).
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn engram_run_avx2(
+    dims: &PleIdDims,
+    map: Option<&[u32]>,
+    fill: u64,
+    rows: &Avx2Rows<'_>,
+    history: &[u32],
+    tokens: &[u32],
+    out: &mut [u64],
+) {
+    super::family::engram_run(dims, map, fill, rows, history, tokens, out);
+}
+
 /// [`super::hash_batch`] compiled with AVX2 enabled.
 ///
 /// # Safety
