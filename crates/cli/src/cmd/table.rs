@@ -27,12 +27,6 @@
 //! disk (`metrale_storage::pack::pad_rows`; the row width is declared in
 //! each file's metadata and every table mode reads it).
 //!
-//! `--hot-corpus FILE` does the same with the counts taken from a corpus
-//! of token ids instead (JSON lines, one array of token ids each, as `run
-//! --prompts` reads): each prompt is hashed from a fresh history by every
-//! site's own hash, and each id it gives counts once, as a trace of serving
-//! those prompts would list them.
-//!
 //! `--hot-rows TRACE` (checkpoint directories only) also relays each
 //! site's table so the rows TRACE hits most come first, sharing pages and
 //! direct-I/O granules, and writes the row remap
@@ -42,6 +36,12 @@
 //! `metrale_checkpoint::remap`). The source must not have remaps already,
 //! and the trace may name only sites whose table is one table (not split
 //! into sub-tables).
+//!
+//! `--hot-corpus FILE` does the same with the counts taken from a corpus
+//! of token ids instead (JSON lines, one array of token ids each, as `run
+//! --prompts` reads): each prompt is hashed from a fresh history by every
+//! site's own hash, and each id it gives counts once, as a trace of serving
+//! those prompts would list them.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -101,7 +101,7 @@ pub struct PackArgs {
     /// directories only).
     #[arg(long)]
     pub pad_rows: bool,
-    /// With --hot-rows or --pad-rows: the direct-I/O granule, a power of
+    /// With --hot-rows, --hot-corpus or --pad-rows: the direct-I/O granule, a power of
     /// two: hot rows go where a read of this many aligned bytes holds
     /// them, and padded rows fit it [default: the destination's
     /// direct-I/O alignment].
