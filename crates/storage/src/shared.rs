@@ -20,8 +20,9 @@
 //! checked) and removed by its next last user.
 //!
 //! Segment layout: a 64-byte header (magic `MPLESHM\0`, version 1, rows,
-//! row bytes, data and scale lengths, the identity digest) padded to 4096
-//! bytes, the rows, then the FP8 scales at the next 4096-byte boundary.
+//! the row stride, data and scale lengths, the identity digest) padded to
+//! 4096 bytes, the rows at the files' stride (padded rows stay padded),
+//! then the FP8 scales at the next 4096-byte boundary.
 
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
