@@ -74,7 +74,7 @@ fn fnv(seed: u64, parts: &[&[u8]]) -> u64 {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Extent {
     rows: u64,
-    row_bytes: u64,
+    stride: u64,
     data_len: u64,
     scale_len: u64,
     digest: u64,
@@ -94,7 +94,7 @@ impl Extent {
         h[..8].copy_from_slice(&MAGIC);
         h[8..12].copy_from_slice(&VERSION.to_le_bytes());
         h[16..24].copy_from_slice(&self.rows.to_le_bytes());
-        h[24..32].copy_from_slice(&self.row_bytes.to_le_bytes());
+        h[24..32].copy_from_slice(&self.stride.to_le_bytes());
         h[32..40].copy_from_slice(&self.data_len.to_le_bytes());
         h[40..48].copy_from_slice(&self.scale_len.to_le_bytes());
         h[48..56].copy_from_slice(&self.digest.to_le_bytes());
@@ -106,7 +106,7 @@ impl Extent {
 fn identity(files: &TableFiles, shard: &Shard) -> Result<(String, Extent)> {
     let canon = std::fs::canonicalize(&shard.path).io_ctx(&shard.path, || "resolving")?;
     let md = std::fs::metadata(&canon).io_ctx(&canon, || "reading the metadata of")?;
-    let row_bytes = files.row_stride;
+    let stride = files.row_stride;
     let nums: Vec<u8> = [
         md.dev(),
         md.ino(),
@@ -116,7 +116,7 @@ fn identity(files: &TableFiles, shard: &Shard) -> Result<(String, Extent)> {
         shard.data_offset,
         shard.scale_offset.map_or(u64::MAX, |s| s),
         files.rows_per_shard,
-        row_bytes,
+        stride,
     ]
     .iter()
     .flat_map(|v| v.to_le_bytes())
@@ -129,8 +129,8 @@ fn identity(files: &TableFiles, shard: &Shard) -> Result<(String, Extent)> {
     );
     let ext = Extent {
         rows: files.rows_per_shard,
-        row_bytes,
-        data_len: files.rows_per_shard * row_bytes,
+        stride,
+        data_len: files.rows_per_shard * stride,
         scale_len: if shard.scale_offset.is_some() {
             files.rows_per_shard * 4
         } else {
