@@ -306,6 +306,19 @@ fn families_are_told_apart_and_inconsistent_configs_named() {
     assert_eq!(HashFamily::default(), HashFamily::Qwen4Exp);
 }
 
+/// `n` tokens below `limit` from a 64-bit LCG seeded with `seed`.
+fn random_tokens(n: usize, limit: u64, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % limit) as u32
+        })
+        .collect()
+}
+
 /// Engram's AVX2 head reduction gives the portable path's ids over long
 /// random streams (tokens anywhere below the family's bound, so the mixed
 /// values span the whole `u64` range), whole, chunked and batched.
@@ -318,15 +331,7 @@ fn engram_fast_path_equals_the_portable_one() {
             let fast = PleIdHasher::with_family(&site.family, &site.dims).unwrap();
             let portable = PleIdHasher::new_portable(&site.dims).unwrap();
             let limit = site.family.token_limit().unwrap_or(spec.vocab_size);
-            let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ s as u64;
-            let tokens: Vec<u32> = (0..4000)
-                .map(|_| {
-                    x = x
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    ((x >> 33) % limit) as u32
-                })
-                .collect();
+            let tokens = random_tokens(4000, limit, 0x9E37_79B9_7F4A_7C15 ^ s as u64);
             let heads = site.ngram_heads();
             let (mut a, mut b) = (
                 vec![0u64; tokens.len() * heads],
@@ -382,15 +387,7 @@ fn family_hash_throughput() {
         let site = spec.site(0).unwrap();
         let h = PleIdHasher::with_family(&site.family, &site.dims).unwrap();
         let limit = site.family.token_limit().unwrap_or(spec.vocab_size);
-        let mut x = 1u64;
-        let tokens: Vec<u32> = (0..1 << 20)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((x >> 33) % limit) as u32
-            })
-            .collect();
+        let tokens = random_tokens(1 << 20, limit, 1);
         let mut out = vec![0u64; tokens.len() * site.ngram_heads()];
         // The path this CPU picks and the portable one, in turns.
         let portable = PleIdHasher::new_portable(&site.dims).unwrap();

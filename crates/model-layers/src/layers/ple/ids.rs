@@ -643,33 +643,16 @@ impl PleIdHasher {
         match &self.prep {
             family::Prepared::Qwen4Exp => false,
             family::Prepared::Engram { map, fill } => {
+                let (dims, map, fill) = (&self.dims, map.as_deref(), *fill);
                 #[cfg(target_arch = "x86_64")]
                 if let Some(plan) = &self.avx2 {
                     let rows = simd::Avx2Rows::new(plan, &self.heads);
                     // SAFETY: a plan is only built after AVX2 was detected.
-                    unsafe {
-                        simd::engram_run_avx2(
-                            &self.dims,
-                            map.as_deref(),
-                            *fill,
-                            &rows,
-                            history,
-                            tokens,
-                            out,
-                        )
-                    };
+                    unsafe { simd::engram_run_avx2(dims, map, fill, &rows, history, tokens, out) };
                     return true;
                 }
                 let rows = FastRows { heads: &self.heads };
-                family::engram_run(
-                    &self.dims,
-                    map.as_deref(),
-                    *fill,
-                    &rows,
-                    history,
-                    tokens,
-                    out,
-                );
+                family::engram_run(dims, map, fill, &rows, history, tokens, out);
                 true
             }
             family::Prepared::LongCat { weights, narrow } => {
