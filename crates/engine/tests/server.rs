@@ -11,13 +11,13 @@ use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Phase, Request, Workload, fingerprint};
 use metrale_engine::{
     Engine, EngineConfig, EngineError, Server, ServerConfig, ServerError, ServerReport, Site,
-    SiteResult, SwapTarget,
+    SwapTarget,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
-use metrale_model_layers::layers::ple::SiteSpec;
+use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_testkit::Rng;
 use metrale_testkit::drive::sequential_run;
+use metrale_testkit::faulty::{FaultyCall, FaultySite};
 use metrale_testkit::tiny::{TinySpec, tiny_engine, tiny_site};
 
 fn spec() -> TinySpec {
@@ -206,98 +206,37 @@ fn a_tiny_budget_preempts_and_swaps_without_changing_a_row() {
     server.into_engine().close().unwrap();
 }
 
-/// A site that fails the forwards a shared schedule names (every `every`th
-/// call while `left` is positive), as a flaky table read would.
-struct Flaky<S> {
-    inner: S,
-    calls: Arc<AtomicU64>,
-    left: Arc<AtomicU64>,
+/// Fail the forwards a shared schedule names (every `every`th forward
+/// of any site while `left` is positive), as a flaky table read would.
+fn scheduled_fault(
+    calls: &Arc<AtomicU64>,
+    left: &Arc<AtomicU64>,
     every: u64,
-}
-
-impl<S: Site> Flaky<S> {
-    fn fail_now(&self) -> SiteResult<()> {
-        let n = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
-        if n.is_multiple_of(self.every) && self.left.load(Ordering::Relaxed) > 0 {
-            self.left.fetch_sub(1, Ordering::Relaxed);
-            return Err(format!("injected fault at call {n}").into());
+) -> impl Fn(FaultyCall) -> Option<String> + Send + Sync + 'static {
+    let (calls, left) = (calls.clone(), left.clone());
+    move |call| {
+        if call == FaultyCall::Restore {
+            return None;
         }
-        Ok(())
-    }
-}
-
-impl<S: Site> Site for Flaky<S> {
-    type State = S::State;
-    fn geometry(&self) -> SiteSpec {
-        self.inner.geometry()
-    }
-    fn max_tokens(&self) -> usize {
-        self.inner.max_tokens()
-    }
-    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<S::State> {
-        self.inner.new_state(gpu)
-    }
-    fn forward(
-        &self,
-        st: &mut S::State,
-        tokens: &[u32],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.fail_now()?;
-        self.inner.forward(st, tokens, highway, fresh, gpu, stream)
-    }
-    fn forward_batch(
-        &self,
-        states: &mut [&mut S::State],
-        tokens: &[u32],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.fail_now()?;
-        self.inner
-            .forward_batch(states, tokens, highway, gpu, stream)
-    }
-    fn snapshot(
-        &self,
-        st: &S::State,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<Vec<u8>> {
-        self.inner.snapshot(st, gpu, stream)
-    }
-    fn restore(
-        &self,
-        st: &mut S::State,
-        blob: &[u8],
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.inner.restore(st, blob, gpu, stream)
-    }
-    fn release(&self, st: &mut S::State, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        self.inner.release(st, gpu)
-    }
-    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        self.inner.free(gpu)
+        let n = calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_multiple_of(every) && left.load(Ordering::Relaxed) > 0 {
+            left.fetch_sub(1, Ordering::Relaxed);
+            return Some(format!("injected fault at call {n}"));
+        }
+        None
     }
 }
 
 fn flaky_engine(
     gpu: &Arc<dyn GpuBackend>,
     faults: u64,
-) -> (Engine<Flaky<PleSite>>, Arc<AtomicU64>) {
+) -> (Engine<FaultySite<PleSite>>, Arc<AtomicU64>) {
     let calls = Arc::new(AtomicU64::new(0));
     let left = Arc::new(AtomicU64::new(faults));
     let sites = (0..2)
-        .map(|i| Flaky {
-            inner: tiny_site(gpu, &spec(), i, 3).unwrap(),
-            calls: calls.clone(),
-            left: left.clone(),
-            every: 7,
+        .map(|i| {
+            let site = tiny_site(gpu, &spec(), i, 3).unwrap();
+            FaultySite::new(site, scheduled_fault(&calls, &left, 7))
         })
         .collect();
     (Engine::new(gpu.clone(), sites, engine_cfg()).unwrap(), left)

@@ -7,81 +7,13 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use metrale_engine::{Engine, EngineConfig, EngineError, Site, SiteResult, SwapTarget};
+use metrale_engine::{Engine, EngineConfig, EngineError, SwapTarget};
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
-use metrale_model_layers::layers::ple::SiteSpec;
+use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_testkit::drive::reference_run;
+use metrale_testkit::faulty::{FaultyCall, FaultySite};
 use metrale_testkit::rows::rows_for;
-use metrale_testkit::toy::{ToySite, ToyState};
-
-/// A toy site whose `restore` fails while `refuse` is set (when `flaky`).
-struct Flaky {
-    toy: ToySite,
-    flaky: bool,
-    refuse: Arc<AtomicBool>,
-}
-
-impl Site for Flaky {
-    type State = ToyState;
-
-    fn geometry(&self) -> SiteSpec {
-        self.toy.geometry()
-    }
-    fn max_tokens(&self) -> usize {
-        self.toy.max_tokens()
-    }
-    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<ToyState> {
-        self.toy.new_state(gpu)
-    }
-    fn forward(
-        &self,
-        st: &mut ToyState,
-        tokens: &[u32],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.toy.forward(st, tokens, highway, fresh, gpu, stream)
-    }
-    fn forward_batch(
-        &self,
-        states: &mut [&mut ToyState],
-        tokens: &[u32],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.toy.forward_batch(states, tokens, highway, gpu, stream)
-    }
-    fn snapshot(
-        &self,
-        st: &ToyState,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<Vec<u8>> {
-        self.toy.snapshot(st, gpu, stream)
-    }
-    fn restore(
-        &self,
-        st: &mut ToyState,
-        blob: &[u8],
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        if self.flaky && self.refuse.load(Ordering::SeqCst) {
-            return Err("flaky: restore refused".into());
-        }
-        self.toy.restore(st, blob, gpu, stream)
-    }
-    fn release(&self, st: &mut ToyState, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        self.toy.release(st, gpu)
-    }
-    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        self.toy.free(gpu)
-    }
-}
+use metrale_testkit::toy::ToySite;
 
 #[test]
 fn a_failed_host_swap_in_changes_nothing_and_the_retry_continues_bit_identically() {
@@ -91,12 +23,14 @@ fn a_failed_host_swap_in_changes_nothing_and_the_retry_continues_bit_identically
     // The second site fails, so the first one's new state was allocated
     // and filled before the failure and must be given back.
     let sites = (0..2)
-        .map(|i| Flaky {
-            toy: ToySite::new(8, 2, i, 16),
-            flaky: i == 1,
-            refuse: refuse.clone(),
+        .map(|i| {
+            let refuse = refuse.clone();
+            FaultySite::new(ToySite::new(8, 2, i, 16), move |call| {
+                (i == 1 && call == FaultyCall::Restore && refuse.load(Ordering::SeqCst))
+                    .then(|| "flaky: restore refused".to_string())
+            })
         })
-        .collect();
+        .collect::<Vec<_>>();
     let cfg = EngineConfig {
         prefill_chunk: 5,
         ..Default::default()

@@ -3,31 +3,17 @@
 //! on a third stream. Every thread sees its own data and the ledger ends
 //! empty (frees wait for other streams' work, so none of them may fail).
 
+mod common;
+
 use std::sync::Arc;
 
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{
-    ArgKind, GpuBackend, GpuError, HostMemory, KernelArg, LaunchConfig,
-};
+use metrale_gpu_runtime::gpu::{GpuBackend, LaunchConfig};
 
 #[test]
 fn threads_sharing_a_backend_keep_their_data_apart() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new_debug());
-    gpu.register_host_kernel(
-        "stress",
-        "inc",
-        &[ArgKind::Ptr, ArgKind::U32],
-        Arc::new(|m: &dyn HostMemory, _c: &LaunchConfig, a: &[KernelArg]| {
-            let (KernelArg::Ptr(p), KernelArg::U32(n)) = (a[0], a[1]) else {
-                return Err(GpuError::kernel("bad arguments"));
-            };
-            // SAFETY: each buffer is used by one stream's kernel at a time.
-            let b = unsafe { m.slice_mut::<u8>(p, n as usize)? };
-            b.iter_mut().for_each(|x| *x = x.wrapping_add(1));
-            Ok(())
-        }),
-    )
-    .unwrap();
+    common::register_inc(gpu.as_ref(), "stress");
     let inc = gpu.kernel("stress", "inc").unwrap();
 
     // A graph that increments a counter buffer, replayed concurrently.

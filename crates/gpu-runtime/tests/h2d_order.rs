@@ -4,10 +4,12 @@
 //! `stream_wait_event`), work queued after it must see its bytes, and the
 //! caller's buffer is free for reuse once the call returns.
 
+mod common;
+
 use std::sync::{Arc, Condvar, Mutex};
 
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend, GpuError, KernelArg, LaunchConfig};
+use metrale_gpu_runtime::gpu::{GpuBackend, GpuError, LaunchConfig};
 
 /// A gate a host kernel blocks on until the test opens it.
 #[derive(Default)]
@@ -45,21 +47,7 @@ fn backend(gate: &Arc<Gate>) -> CpuBackend {
         }),
     )
     .unwrap();
-    gpu.register_host_kernel(
-        "t",
-        "inc",
-        &[ArgKind::Ptr, ArgKind::U32],
-        Arc::new(|m, _, a| {
-            let (KernelArg::Ptr(p), KernelArg::U32(n)) = (a[0], a[1]) else {
-                return Err(GpuError::kernel("bad arguments"));
-            };
-            // SAFETY: only this launch touches the buffer while it runs.
-            let b = unsafe { m.slice_mut::<u8>(p, n as usize)? };
-            b.iter_mut().for_each(|x| *x = x.wrapping_add(1));
-            Ok(())
-        }),
-    )
-    .unwrap();
+    common::register_inc(&gpu, "t");
     gpu
 }
 

@@ -13,12 +13,14 @@
 //! - [`fixtures`]: the golden fixtures the numpy references write;
 //! - [`files`]: checkpoint files damaged on purpose (a tensor replaced or
 //!   reshaped) for refusal tests;
+//! - [`faulty`]: a site wrapper that fails the calls a test names;
 //! - [`drive`]: the plain sequential reference run and the randomised
 //!   engine driver that checks every output row against it;
 //! - [`same_bits`]: equality of two output slices bit for bit.
 
 pub mod drive;
 pub mod families;
+pub mod faulty;
 pub mod files;
 pub mod fixtures;
 pub mod rng;
