@@ -194,6 +194,10 @@ impl RowTable for ConcatTable {
         self.parts.iter().map(|p| p.max_pinned()).min().unwrap_or(0)
     }
 
+    fn resolve_may_wait(&self) -> bool {
+        self.parts.iter().any(|p| p.resolve_may_wait())
+    }
+
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
         check_out_len(ids, out)?;
         let mut by_part: Vec<(Vec<usize>, Vec<u64>)> = vec![Default::default(); self.parts.len()];

@@ -72,6 +72,9 @@ impl RowTable for FoldedTable {
     fn max_pinned(&self) -> usize {
         self.inner.max_pinned()
     }
+    fn resolve_may_wait(&self) -> bool {
+        self.inner.resolve_may_wait()
+    }
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
         let folded = self.fold(ids)?;
         self.inner.resolve(&folded, out)

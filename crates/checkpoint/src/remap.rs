@@ -415,6 +415,9 @@ impl RowTable for RemapTable {
     fn max_pinned(&self) -> usize {
         self.inner.max_pinned()
     }
+    fn resolve_may_wait(&self) -> bool {
+        self.inner.resolve_may_wait()
+    }
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> metrale_storage::Result<Lease> {
         let rows = self.remap.rows();
         let mapped = ids

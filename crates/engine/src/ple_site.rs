@@ -100,7 +100,7 @@ impl Site for PleSite {
         if hashed.is_empty() {
             return Ok(());
         }
-        let r = self.layer.table().prefetch(hashed.ids());
+        let r = self.layer.prefetch_hashed(&hashed);
         *self.hashed.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(hashed));
         self.prefetch_ns
             .fetch_add(t1.elapsed().as_nanos() as u64, Ordering::Relaxed);

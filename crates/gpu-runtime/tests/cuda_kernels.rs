@@ -308,6 +308,44 @@ fn check_gather(gpu: &Gpu, rng: &mut Rng) {
             want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
             "gather dtype {dtype}"
         );
+        // In runs of 2 rows every 3 (one head group of each token): ref i
+        // to row (i / 2) * 3 + i % 2; the rows between runs stay as they
+        // were.
+        let n = pick.len();
+        let span = (n - 1) / 2 * 3 + (n - 1) % 2 + 1;
+        let runs = put(gpu, &vec![f32::NAN; span * hd], "runs out");
+        launch(
+            gpu,
+            "gather_runs",
+            LaunchConfig::linear(2, 8),
+            &[
+                Ptr(rp),
+                U32(n as u32),
+                U32(hd as u32),
+                U32(dtype),
+                Ptr(runs),
+                U32(2),
+                U32(3),
+            ],
+        );
+        let got = get_f32(gpu, runs, span * hd);
+        for (row, chunk) in got.chunks_exact(hd).enumerate() {
+            let want_row: Vec<u32> = if row % 3 == 2 {
+                vec![f32::NAN.to_bits(); hd]
+            } else {
+                let i = row / 3 * 2 + row % 3;
+                want[i * hd..(i + 1) * hd]
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            let got_row: Vec<u32> = chunk.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(
+                got_row, want_row,
+                "gather_runs dtype {dtype}, out row {row}"
+            );
+        }
+        gpu.free(runs).unwrap();
         gpu.free(rp).unwrap();
         gpu.free(out).unwrap();
     }
@@ -384,6 +422,33 @@ fn check_project(gpu: &Gpu, rng: &mut Rng) {
         );
         let got: Vec<u32> = get_f32(gpu, y, t * o).iter().map(|v| v.to_bits()).collect();
         assert_eq!(got, want, "project T = {t}, {cfg:?}");
+        // The same chain in two step ranges, the second continuing the
+        // first's sums (what the pipelined gather launches).
+        let y2 = gpu.alloc(t * o * 4, "y2").unwrap();
+        for (from, to, acc) in [(0u32, 4u32, 0u32), (4, e as u32, 1)] {
+            launch(
+                gpu,
+                "project_range",
+                cfg,
+                &[
+                    Ptr(xp),
+                    Ptr(wp),
+                    Ptr(y2),
+                    U32(t as u32),
+                    U32(e as u32),
+                    U32(o as u32),
+                    U32(from),
+                    U32(to),
+                    U32(acc),
+                ],
+            );
+        }
+        let split: Vec<u32> = get_f32(gpu, y2, t * o)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(split, want, "project_range T = {t}, {cfg:?}");
+        gpu.free(y2).unwrap();
         results.push(got);
         gpu.free(xp).unwrap();
         gpu.free(y).unwrap();

@@ -21,11 +21,24 @@ fn signatures() -> Vec<(&'static str, Vec<ArgKind>)> {
     use ArgKind::{F32, Ptr, U32, U64};
     vec![
         ("gather", vec![Ptr, U32, U32, U32, Ptr]),
+        ("gather_runs", vec![Ptr, U32, U32, U32, Ptr, U32, U32]),
         ("project", vec![Ptr, Ptr, Ptr, U32, U32, U32]),
+        (
+            "project_range",
+            vec![Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32],
+        ),
         (
             "gate",
             vec![Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32],
         ),
+        (
+            "gate_norms",
+            vec![
+                Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32, F32, F32, U32, U32,
+            ],
+        ),
+        ("bias_add", vec![Ptr, Ptr, U32, U32]),
+        ("mean_add", vec![Ptr, Ptr, U32, F32]),
         ("conv", vec![Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32]),
         (
             "conv_batch",

@@ -8,7 +8,11 @@
 // |-------------|-----------------------------------------------------------|
 // | gather      | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3, 2 FP8 E4M3  |
 // |             | with a UE8M0 scale per 32 values after the row), out      |
+// | gather_runs | refs, n, head_dim, dtype, out, run, stride: ref i to out  |
+// |             | row (i / run) * stride + i % run                          |
 // | project     | x, w (packed), y, T, E, O                                 |
+// | project_range | x, w, y, T, E, O, from, to, accumulate: steps from..to  |
+// |             | only, continuing y's sums when accumulate is 1            |
 // | gate        | highway, kv, norm_q, norm_k, norm_conv, gated, xn,        |
 // |             | T, H, hc, eps                                             |
 // | gate_norms  | highway, kv, norm_q, norm_k, norm_conv, gated, xn,        |
@@ -259,23 +263,38 @@ __device__ __forceinline__ u64 rounds_end(u64 items, u64 count) {
 // out[i, :] = row i of the references, as f32: BF16 values exactly; FP8
 // values times the row's scale (dtype 1) or their block's UE8M0 scale
 // (dtype 2), rounded to BF16.
+__device__ float gather_value(RowRef r, u32 j, u32 head_dim, u32 dtype) {
+    if (dtype == 0u) {
+        return bf16_to_f32(((const u16*)r.data)[j]);
+    } else if (dtype == 2u) {
+        return fp8_block_value((const u8*)r.data, head_dim, j);
+    }
+    float scale = *(const float*)r.scale;
+    return bf16_round(fp8_e4m3_to_f32(((const u8*)r.data)[j]) * scale);
+}
+
 extern "C" __global__ void gather(const RowRef* refs, u32 n, u32 head_dim, u32 dtype, float* out) {
     u64 total = (u64)n * head_dim;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
         u64 row = i / head_dim;
         u32 j = (u32)(i - row * head_dim);
-        RowRef r = refs[row];
-        float v;
-        if (dtype == 0u) {
-            v = bf16_to_f32(((const u16*)r.data)[j]);
-        } else if (dtype == 2u) {
-            v = fp8_block_value((const u8*)r.data, head_dim, j);
-        } else {
-            float scale = *(const float*)r.scale;
-            v = bf16_round(fp8_e4m3_to_f32(((const u8*)r.data)[j]) * scale);
-        }
-        out[i] = v;
+        out[i] = gather_value(refs[row], j, head_dim, dtype);
+    }
+}
+
+// Like gather, with the rows placed in runs: reference i lands on out row
+// (i / run) * stride + i % run (one head group of every token of a batch,
+// into the token-major emb).
+extern "C" __global__ void gather_runs(const RowRef* refs, u32 n, u32 head_dim, u32 dtype,
+                                       float* out, u32 run, u32 stride) {
+    u64 total = (u64)n * head_dim;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
+         i += (u64)gridDim.x * blockDim.x) {
+        u64 row = i / head_dim;
+        u32 j = (u32)(i - row * head_dim);
+        u64 dst = (row / run) * stride + row % run;
+        out[dst * head_dim + j] = gather_value(refs[row], j, head_dim, dtype);
     }
 }
 
@@ -356,8 +375,11 @@ extern "C" __global__ void hash(const u32* history, u32 hist_len, const u32* tok
 // W[j, 2i+1] (BF16 bits), the last pair padded with zero when E is odd.
 // Blocks of (32, 8) threads work on tiles of 32 outputs x 8 tokens through
 // shared memory; any other block shape computes one output per thread
-// directly, with the same chain (so the same bits).
-extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T, u32 E, u32 O) {
+// directly, with the same chain (so the same bits). The body runs steps
+// k0..k1 (k0 even; k1 even or E), from zero or, with accumulate, from the
+// sums y holds: consecutive ranges give one call's bits.
+__device__ void project_steps(const float* x, const u32* w, float* y, u32 T, u32 E, u32 O,
+                              u32 k0, u32 k1, bool accumulate) {
     __shared__ float xs[PR_TY][PR_KT];
     u32 half_e = (E + 1u) / 2u;
     if (blockDim.x != PR_TX || blockDim.y != PR_TY || blockDim.z != 1u) {
@@ -370,11 +392,11 @@ extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T
             u32 o = (u32)(i - t * O);
             const u32* panel = w + (u64)(o / PR_NR) * half_e * PR_NR + (o % PR_NR);
             const float* xr = x + t * E;
-            float acc = 0.0f;
-            for (u32 e = 0; e < E; e += 2u) {
+            float acc = accumulate ? y[i] : 0.0f;
+            for (u32 e = k0; e < k1; e += 2u) {
                 u32 word = panel[(u64)(e / 2u) * PR_NR];
                 acc = fmaf(xr[e], bf16_to_f32((u16)(word >> 16)), acc);
-                if (e + 1u < E) {
+                if (e + 1u < k1) {
                     acc = fmaf(xr[e + 1u], bf16_to_f32((u16)(word & 0xFFFFu)), acc);
                 }
             }
@@ -393,16 +415,16 @@ extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T
         u32 t = t0 + threadIdx.y;
         bool live = threadIdx.x < PR_TX && threadIdx.y < PR_TY && o < O && t < T;
         const u32* panel = w + (u64)(o / PR_NR) * half_e * PR_NR + (o % PR_NR);
-        float acc = 0.0f;
-        for (u32 e0 = 0; e0 < E; e0 += PR_KT) {
+        float acc = (live && accumulate) ? y[(u64)t * O + o] : 0.0f;
+        for (u32 e0 = k0; e0 < k1; e0 += PR_KT) {
             __syncthreads();
             for (u32 k = tid; k < PR_TY * PR_KT; k += nthreads) {
                 u32 r = k / PR_KT, c = k % PR_KT;
-                xs[r][c] = (t0 + r < T && e0 + c < E) ? x[(u64)(t0 + r) * E + e0 + c] : 0.0f;
+                xs[r][c] = (t0 + r < T && e0 + c < k1) ? x[(u64)(t0 + r) * E + e0 + c] : 0.0f;
             }
             __syncthreads();
             if (live) {
-                u32 e1 = min(E, e0 + PR_KT);
+                u32 e1 = min(k1, e0 + PR_KT);
                 for (u32 e = e0; e < e1; e += 2u) {
                     u32 word = panel[(u64)(e / 2u) * PR_NR];
                     acc = fmaf(xs[threadIdx.y][e - e0], bf16_to_f32((u16)(word >> 16)), acc);
@@ -416,6 +438,21 @@ extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T
             y[(u64)t * O + o] = acc;
         }
     }
+}
+
+extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T, u32 E, u32 O) {
+    project_steps(x, w, y, T, E, O, 0u, E, false);
+}
+
+// project over steps from..to only (from even, to even or E, from < to <=
+// E; a launch that breaks this computes nothing), continuing y's sums when
+// accumulate is 1.
+extern "C" __global__ void project_range(const float* x, const u32* w, float* y, u32 T, u32 E,
+                                         u32 O, u32 from, u32 to, u32 accumulate) {
+    if (from >= to || to > E || (from & 1u) != 0u || (to != E && (to & 1u) != 0u)) {
+        return;
+    }
+    project_steps(x, w, y, T, E, O, from, to, accumulate != 0u);
 }
 
 // -------------------------------------------------------------------- gate

@@ -1,22 +1,26 @@
 //! The layer over the storage crate's tables: the same tokens through a
 //! resident table and through a small row cache (rows read from safetensors
 //! shards, evicted and re-read between steps, pinned by real leases) give
-//! bit-identical highways and carries to the in-memory test table.
+//! bit-identical highways and carries to the in-memory test table, and so
+//! does the pipelined gather (head group by head group, each projected
+//! while the next is resolved) a table whose resolve may wait gets.
 
 mod layer_common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use layer_common::{
     Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::gpu::EventHandle;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::{ForwardContext, PleSeqState};
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::resident::ResidentTable;
-use metrale_storage::table::RowTable;
+use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats};
 use metrale_testkit::shards::write_bf16_shards;
 
 /// Prefill three sequences, decode them in batches (eager and captured),
@@ -233,4 +237,95 @@ fn prefetch_brings_in_the_rows_of_the_next_forward() {
     drop(cached);
     g.destroy_stream(s).unwrap();
     assert_eq!(g.live_alloc_count(), start, "{}", g.live_report());
+}
+
+/// A table that says its resolve may wait (so the layer pipelines its
+/// gathers) and counts its resolves and the ids they ask for.
+struct Waiting {
+    inner: Arc<dyn RowTable>,
+    resolves: AtomicUsize,
+    ids: AtomicUsize,
+}
+
+impl RowTable for Waiting {
+    fn info(&self) -> TableInfo {
+        self.inner.info()
+    }
+    fn max_resolve(&self) -> usize {
+        self.inner.max_resolve()
+    }
+    fn max_pinned(&self) -> usize {
+        self.inner.max_pinned()
+    }
+    fn resolve_may_wait(&self) -> bool {
+        true
+    }
+    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> metrale_storage::Result<Lease> {
+        self.resolves.fetch_add(1, Ordering::Relaxed);
+        self.ids.fetch_add(ids.len(), Ordering::Relaxed);
+        self.inner.resolve(ids, out)
+    }
+    fn release(
+        &self,
+        lease: Lease,
+        gpu: &dyn GpuBackend,
+        after: Option<EventHandle>,
+    ) -> metrale_storage::Result<()> {
+        self.inner.release(lease, gpu, after)
+    }
+    fn prefetch(&self, ids: &[u64]) -> metrale_storage::Result<()> {
+        self.inner.prefetch(ids)
+    }
+    fn stats(&self) -> TableStats {
+        self.inner.stats()
+    }
+}
+
+#[test]
+fn the_pipelined_gather_gives_the_plain_one_bits() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new_debug());
+    let g = gpu.as_ref();
+    let start = g.live_alloc_count();
+    let small = Small::new(23);
+    let test_table = TestTable::new(g, &small.table_bits, small.head_dim, 1000).unwrap();
+    let want = scenario(&small, test_table.clone(), g);
+    let waiting = Arc::new(Waiting {
+        inner: test_table.clone(),
+        resolves: AtomicUsize::new(0),
+        ids: AtomicUsize::new(0),
+    });
+    assert!(
+        scenario(&small, waiting.clone() as Arc<dyn RowTable>, g) == want,
+        "the pipelined gather differs"
+    );
+    // 4 heads a token, one head a group: every eager forward resolved in 4
+    // group calls (prestages resolve at once, as before).
+    let (resolves, ids) = (
+        waiting.resolves.load(Ordering::Relaxed),
+        waiting.ids.load(Ordering::Relaxed),
+    );
+    assert!(
+        resolves >= 4 * 5,
+        "{resolves} resolves of {ids} ids: the gathers were not pipelined"
+    );
+    drop(waiting);
+    assert_eq!(test_table.pinned(g), 0);
+    test_table.free(g);
+
+    // The same through a row cache whose resolves read from disk, with
+    // parts smaller than a group where a prefill chunk of 8 tokens has 8
+    // ids in each (max_resolve 4).
+    let dir = tempfile::tempdir().unwrap();
+    let files = shards(dir.path(), &small);
+    let mut cfg = CacheConfig::new(16);
+    cfg.max_resolve = 4;
+    let cached = Arc::new(CachedTable::open(files, Arc::clone(&gpu), cfg).unwrap());
+    assert!(cached.resolve_may_wait());
+    assert!(
+        scenario(&small, cached.clone() as Arc<dyn RowTable>, g) == want,
+        "the pipelined gather over a row cache differs"
+    );
+    cached.check_invariants().unwrap();
+    drop(cached);
+    assert_no_leaks(g, start);
 }

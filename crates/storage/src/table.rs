@@ -204,6 +204,14 @@ pub trait RowTable: Send + Sync {
     fn max_pinned(&self) -> usize {
         usize::MAX
     }
+    /// Whether `resolve` may block on reads (a row cache that misses): a
+    /// caller then gains by resolving a batch in parts and queueing the
+    /// work on each part before resolving the next, so later parts are
+    /// read while earlier ones are computed on. Tables that hold every row
+    /// in place never wait; the default is `false`.
+    fn resolve_may_wait(&self) -> bool {
+        false
+    }
     /// Resolve `ids` to row references, writing `out[i]` for `ids[i]`.
     /// `out.len()` must equal `ids.len()`.
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease>;

@@ -541,6 +541,10 @@ impl RowTable for CachedTable {
         self.inner.slot_count
     }
 
+    fn resolve_may_wait(&self) -> bool {
+        true
+    }
+
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
         check_out_len(ids, out)?;
         for &id in ids {

@@ -25,9 +25,11 @@ pub const PLE_CU: &str = include_str!("../../../kernels/ple.cu");
 pub const MODULE: &str = "ple";
 
 /// The kernels the layer launches, which every module `"ple"` must hold.
-pub const LAYER_KERNELS: [&str; 9] = [
+pub const LAYER_KERNELS: [&str; 11] = [
     "gather",
+    "gather_runs",
     "project",
+    "project_range",
     "gate",
     "gate_norms",
     "conv",

@@ -34,7 +34,9 @@
 //! Files: this one holds the types and the accessors; `layer/build.rs` the
 //! constructor and its checks, `layer/forward.rs` the eager forward and the
 //! row staging it uses, `layer/batch.rs` the batched decode step (prestage,
-//! graph-capturable forward, replay bookkeeping) and `free`.
+//! graph-capturable forward, replay bookkeeping) and `free`,
+//! `layer/pipeline.rs` the gather that projects each head group while the
+//! next is read (tables whose resolve may wait).
 //!
 //! Concurrency: `PleLayer` is `Send + Sync`; the staging bookkeeping sits
 //! behind a mutex, but the scratch buffers are shared, so all forwards of one
@@ -55,6 +57,7 @@ mod build;
 mod error;
 mod forward;
 mod hashed;
+mod pipeline;
 
 pub use error::LayerError;
 pub(crate) use error::{DeviceContext, layer_ensure, table_err};
@@ -184,7 +187,11 @@ impl<'a> ForwardContext<'a> {
 struct Kernels {
     shapes: super::device_kernels::LaunchShapes,
     gather: KernelHandle,
+    /// The gather into strided runs (one head group of every token).
+    gather_runs: KernelHandle,
     project: KernelHandle,
+    /// The projection over a range of steps (one head group's columns).
+    project_range: KernelHandle,
     gate: KernelHandle,
     conv: KernelHandle,
     conv_batch: KernelHandle,

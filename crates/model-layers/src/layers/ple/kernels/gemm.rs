@@ -43,6 +43,13 @@
 //! reproduced by any other path or host, and a carry moved between hosts
 //! would no longer continue bit for bit.
 //!
+//! Partial reductions: [`project_range`] runs the chain over steps
+//! `from..to` only, starting from zero or from what `y` already holds. A
+//! projection cut into ranges at even steps, each continuing from the last,
+//! is the same chain (the stored sum is the exact f32 the register held),
+//! so its results are bit-identical to one call: a layer can project the
+//! rows it has while the rest are still being read.
+//!
 //! Work split: token tiles of `TILE_ROWS` rows, sequentially; within a tile,
 //! rayon over weight panels. Each panel's weights are read once per tile and
 //! shared by every row of the tile, so a decode batch of up to `TILE_ROWS`
@@ -210,6 +217,71 @@ pub fn project(
     project_on(super::cpu::best_path(), x, w, y, t, e, o)
 }
 
+/// The steps of the reduction one call runs, and where its sums start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Steps {
+    /// First step (even, so a call never splits a packed pair).
+    pub from: usize,
+    /// One past the last step (even, or `E`).
+    pub to: usize,
+    /// Continue from the sums `y` holds (a call over earlier steps wrote
+    /// them); otherwise start from zero.
+    pub accumulate: bool,
+}
+
+impl Steps {
+    /// Every step of a depth-`e` reduction, from zero.
+    pub fn all(e: usize) -> Steps {
+        Steps {
+            from: 0,
+            to: e,
+            accumulate: false,
+        }
+    }
+}
+
+/// `y [t, o]` continued over steps `steps.from..steps.to` of `x [t, e] @
+/// W^T` on the best path of this CPU (see the module docs: calls over
+/// consecutive ranges, the first from zero, equal one [`project`]).
+#[allow(clippy::too_many_arguments)]
+pub fn project_range(
+    x: &[f32],
+    w: &[u16],
+    y: &mut [f32],
+    t: usize,
+    e: usize,
+    o: usize,
+    steps: Steps,
+) -> Result<(), KernelError> {
+    project_range_on(super::cpu::best_path(), x, w, y, t, e, o, steps)
+}
+
+/// [`project_range`] on a chosen path (errors when this CPU cannot run it).
+#[allow(clippy::too_many_arguments)]
+pub fn project_range_on(
+    path: CpuPath,
+    x: &[f32],
+    w: &[u16],
+    y: &mut [f32],
+    t: usize,
+    e: usize,
+    o: usize,
+    steps: Steps,
+) -> Result<(), KernelError> {
+    const NAME: &str = "project_range";
+    KernelError::check_path(NAME, path)?;
+    let Steps { from, to, .. } = steps;
+    if from >= to || to > e || !from.is_multiple_of(2) || (to != e && !to.is_multiple_of(2)) {
+        return Err(KernelError::Layout {
+            kernel: NAME,
+            problem: format!(
+                "steps {from}..{to} of E = {e}: need from < to <= E, from even, to even or E"
+            ),
+        });
+    }
+    project_checked(Kernel::pick(path, x), x, w, y, t, e, o, steps)
+}
+
 /// [`project`] on a chosen path (errors when this CPU cannot run it).
 pub fn project_on(
     path: CpuPath,
@@ -222,10 +294,12 @@ pub fn project_on(
 ) -> Result<(), KernelError> {
     const NAME: &str = "project";
     KernelError::check_path(NAME, path)?;
-    project_checked(Kernel::pick(path, x), x, w, y, t, e, o)
+    project_checked(Kernel::pick(path, x), x, w, y, t, e, o, Steps::all(e))
 }
 
-/// [`project_on`] once the path of `kernel` is known to run here.
+/// [`project_on`] once the path of `kernel` is known to run here, over
+/// `steps` (already checked against `e`).
+#[allow(clippy::too_many_arguments)]
 fn project_checked(
     kernel: Kernel,
     x: &[f32],
@@ -234,7 +308,13 @@ fn project_checked(
     t: usize,
     e: usize,
     o: usize,
+    steps: Steps,
 ) -> Result<(), KernelError> {
+    let Steps {
+        from: k0,
+        to: k1,
+        accumulate,
+    } = steps;
     const NAME: &str = "project";
     if e == 0 || o == 0 {
         return Err(KernelError::ZeroSize {
@@ -277,35 +357,43 @@ fn project_checked(
                 let p0 = g * GROUP;
                 let n = GROUP.min(np - p0);
                 let mut out = [0.0f32; GROUP * NR];
+                let cols = (o - p0 * NR).min(n * NR);
+                if accumulate {
+                    // SAFETY: columns `p0 * NR .. p0 * NR + cols` of the
+                    // single row lie inside `y`; only this group reads or
+                    // writes them.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(yp.get().add(p0 * NR), out.as_mut_ptr(), cols)
+                    };
+                }
                 let pl = panel_len(e);
                 let wg = &w[p0 * pl..(p0 + n) * pl];
                 // SAFETY: the kernel's path runs here (checked by
                 // `project_on`): AVX2 and FMA, and AVX-512F for the AVX-512
-                // kernels; `x` holds `e`
-                // values, `wg` holds `n` packed panels, `out` holds
-                // `GROUP * NR >= n * NR` values.
+                // kernels; `x` holds `e` values, `k0 < k1 <= e`, `wg`
+                // holds `n` packed panels, `out` holds `GROUP * NR >= n *
+                // NR` values.
                 unsafe {
                     let (xp, wp, op) = (x.as_ptr(), wg.as_ptr(), out.as_mut_ptr());
                     match (kernel, n) {
                         (Kernel::Avx512Fma | Kernel::Avx512Dot, 1) => {
-                            avx512::row_direct::<1>(xp, wp, e, op)
+                            avx512::row_direct::<1>(xp, wp, e, k0, k1, op)
                         }
                         (Kernel::Avx512Fma | Kernel::Avx512Dot, 2) => {
-                            avx512::row_direct::<2>(xp, wp, e, op)
+                            avx512::row_direct::<2>(xp, wp, e, k0, k1, op)
                         }
                         (Kernel::Avx512Fma | Kernel::Avx512Dot, 3) => {
-                            avx512::row_direct::<3>(xp, wp, e, op)
+                            avx512::row_direct::<3>(xp, wp, e, k0, k1, op)
                         }
                         (Kernel::Avx512Fma | Kernel::Avx512Dot, _) => {
-                            avx512::row_direct::<4>(xp, wp, e, op)
+                            avx512::row_direct::<4>(xp, wp, e, k0, k1, op)
                         }
-                        (_, 1) => avx2::row_direct::<1>(xp, wp, e, op),
-                        (_, 2) => avx2::row_direct::<2>(xp, wp, e, op),
-                        (_, 3) => avx2::row_direct::<3>(xp, wp, e, op),
-                        (_, _) => avx2::row_direct::<4>(xp, wp, e, op),
+                        (_, 1) => avx2::row_direct::<1>(xp, wp, e, k0, k1, op),
+                        (_, 2) => avx2::row_direct::<2>(xp, wp, e, k0, k1, op),
+                        (_, 3) => avx2::row_direct::<3>(xp, wp, e, k0, k1, op),
+                        (_, _) => avx2::row_direct::<4>(xp, wp, e, k0, k1, op),
                     }
                 }
-                let cols = (o - p0 * NR).min(n * NR);
                 // SAFETY: columns `p0 * NR .. p0 * NR + cols` of the single row
                 // lie inside `y` and belong to this group alone.
                 unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), yp.get().add(p0 * NR), cols) };
@@ -342,13 +430,32 @@ fn project_checked(
                     let p0 = 2 * g;
                     let n = 2.min(np - p0);
                     let mut acc = [0.0f32; 2 * TILE_ROWS * NR];
+                    if accumulate {
+                        for q in 0..n {
+                            let p = p0 + q;
+                            let cols = NR.min(o - p * NR);
+                            for r in 0..rows {
+                                let src = (t0 + r) * o + p * NR;
+                                // SAFETY: as for the copy out below: the
+                                // range lies inside `y` and belongs to panel
+                                // `p` of this task alone.
+                                unsafe {
+                                    std::ptr::copy_nonoverlapping(
+                                        yp.get().add(src),
+                                        acc[(q * rows + r) * NR..].as_mut_ptr(),
+                                        cols,
+                                    )
+                                };
+                            }
+                        }
+                    }
                     let wg = &w[p0 * panel_len(e)..(p0 + n) * panel_len(e)];
                     let acc_n = &mut acc[..n * rows * NR];
                     if kernel == Kernel::Avx512Dot {
-                        panels_bf16(xpairs, wg, n, acc_n, rows, e);
+                        panels_bf16(xpairs, wg, n, acc_n, rows, e, k0, k1);
                     } else {
                         let next = &w[((p0 + n) * panel_len(e)).min(w.len())..];
-                        panels_fma512(xpacked, wg, next, n, acc_n, rows, e);
+                        panels_fma512(xpacked, wg, next, n, acc_n, rows, e, k0, k1);
                     }
                     for q in 0..n {
                         let p = p0 + q;
@@ -371,6 +478,21 @@ fn project_checked(
         }
         (0..np).into_par_iter().with_min_len(min_len).for_each(|p| {
             let mut acc = [0.0f32; TILE_ROWS * NR];
+            let cols = NR.min(o - p * NR);
+            if accumulate {
+                for r in 0..rows {
+                    let src = (t0 + r) * o + p * NR;
+                    // SAFETY: as for the copy out below: the range lies
+                    // inside `y` and belongs to panel `p` of this task alone.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            yp.get().add(src),
+                            acc[r * NR..].as_mut_ptr(),
+                            cols,
+                        )
+                    };
+                }
+            }
             panel(
                 kernel,
                 xt,
@@ -378,8 +500,8 @@ fn project_checked(
                 &mut acc[..rows * NR],
                 rows,
                 e,
+                (k0, k1),
             );
-            let cols = NR.min(o - p * NR);
             for r in 0..rows {
                 let dst = (t0 + r) * o + p * NR;
                 // SAFETY: `dst .. dst + cols` lies inside `y` (row t0 + r < t,
@@ -409,9 +531,20 @@ impl SyncPtr {
 }
 
 /// `n` (1 or 2) consecutive panels on the AVX-512 BF16 path for `rows`
-/// token rows: `acc [n, rows, NR]` gets their outputs. `xpairs` holds the
-/// rows as BF16 pairs, `ceil(e / 2)` words a row.
-fn panels_bf16(xpairs: &[u32], wp: &[u16], n: usize, acc: &mut [f32], rows: usize, e: usize) {
+/// token rows, steps `k0..k1` (`k0` even): `acc [n, rows, NR]` continues
+/// their outputs. `xpairs` holds the rows as BF16 pairs, `ceil(e / 2)`
+/// words a row.
+#[allow(clippy::too_many_arguments)]
+fn panels_bf16(
+    xpairs: &[u32],
+    wp: &[u16],
+    n: usize,
+    acc: &mut [f32],
+    rows: usize,
+    e: usize,
+    k0: usize,
+    k1: usize,
+) {
     let pl = panel_len(e);
     assert!((1..=2).contains(&n) && wp.len() == n * pl && acc.len() == n * rows * NR);
     let e2 = e.div_ceil(2);
@@ -419,15 +552,15 @@ fn panels_bf16(xpairs: &[u32], wp: &[u16], n: usize, acc: &mut [f32], rows: usiz
     // The packed words are the `vdpbf16ps` operands; a panel is `e2 * NR`
     // of them. The second panel's pointer is only read when n == 2.
     let words = wp.as_ptr().cast::<u32>();
-    for kb in (0..e).step_by(KC) {
-        let kc = KC.min(e - kb);
+    for kb in (k0..k1).step_by(KC) {
+        let kc = KC.min(k1 - kb);
         let kp = kc.div_ceil(2);
         let tiles = rows.div_ceil(MR_BF16);
         let (base, extra) = (rows / tiles, rows % tiles);
         let mut r0 = 0;
         for tile in 0..tiles {
             let mr = base + usize::from(tile < extra);
-            // KC is even, so block `kb` starts at pair `kb / 2`.
+            // KC and k0 are even, so block `kb` starts at pair `kb / 2`.
             let xs = &xpairs[r0 * e2 + kb / 2..];
             assert!(xs.len() >= (mr - 1) * e2 + kp);
             let a0 = &mut acc0[r0 * NR..(r0 + mr) * NR];
@@ -442,7 +575,7 @@ fn panels_bf16(xpairs: &[u32], wp: &[u16], n: usize, acc: &mut [f32], rows: usiz
             // lengths bound every access (`b1` and `a1` are only used when
             // n == 2, and `wp` then holds two panels).
             unsafe {
-                // KC is even, so block `kb` starts at word `kb / 2 * NR`;
+                // KC and k0 are even, so block `kb` starts at word `kb / 2 * NR`;
                 // the loads are unaligned, so the u16 slice's alignment
                 // does not matter.
                 let b0 = words.add(kb / 2 * NR);
@@ -504,6 +637,7 @@ fn pack_tiles(xt: &[f32], rows: usize, e: usize, out: &mut Vec<f32>) {
 /// multiplied, its tiles prefetch the next block (or, after the last one,
 /// the first block of `next`, the panels the task likely runs next), so the
 /// widening finds its block in cache.
+#[allow(clippy::too_many_arguments)]
 fn panels_fma512(
     xp: &[f32],
     wp: &[u16],
@@ -512,24 +646,31 @@ fn panels_fma512(
     acc: &mut [f32],
     rows: usize,
     e: usize,
+    k0: usize,
+    k1: usize,
 ) {
     let pl = panel_len(e);
     assert!((1..=2).contains(&n) && wp.len() == n * pl && acc.len() == n * rows * NR);
     assert!(xp.len() == rows * e);
     let mut buf = [0.0f32; KC_512 * 2 * NR];
     let (acc0, acc1) = acc.split_at_mut(rows * NR);
-    for kb in (0..e).step_by(KC_512) {
-        let kc = KC_512.min(e - kb);
+    for kb in (k0..k1).step_by(KC_512) {
+        let kc = KC_512.min(k1 - kb);
         // The block to prefetch: panels `q` at `base + q * pl`, `len` halves
         // each (a 64-byte line holds one pair of 16 columns: 32 halves).
-        let (pf, pf_panels, pf_steps) = if kb + KC_512 < e {
-            (&wp[(kb + KC_512) * NR..], n, KC_512.min(e - kb - KC_512))
+        let (pf, pf_panels, pf_steps) = if kb + KC_512 < k1 {
+            (&wp[(kb + KC_512) * NR..], n, KC_512.min(k1 - kb - KC_512))
         } else {
-            (next, (next.len() / pl).min(2), KC_512.min(e))
+            (
+                next.get(k0 * NR..).unwrap_or(&[]),
+                (next.len() / pl).min(2),
+                KC_512.min(k1 - k0),
+            )
         };
         let pf_lines = pf_steps.div_ceil(2);
         for q in 0..n {
-            // KC_512 is even, so block `kb` starts at half `kb * NR` of a panel.
+            // KC_512 and k0 are even, so block `kb` starts at half `kb * NR`
+            // of a panel.
             let src = &wp[q * pl + kb * NR..q * pl + kb * NR + kc.div_ceil(2) * 2 * NR];
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `project_checked` picks this kernel only where the CPU
@@ -596,17 +737,26 @@ fn prefetch(v: &u16) {
     let _ = v;
 }
 
-/// One panel for `rows` token rows on the portable or AVX2 path:
-/// `acc [rows, NR]` gets the panel's outputs.
-fn panel(kernel: Kernel, xt: &[f32], wp: &[u16], acc: &mut [f32], rows: usize, e: usize) {
+/// One panel for `rows` token rows on the portable or AVX2 path, steps
+/// `k0..k1` of `(k0, k1)` (`k0` even): `acc [rows, NR]` continues the
+/// panel's outputs.
+fn panel(
+    kernel: Kernel,
+    xt: &[f32],
+    wp: &[u16],
+    acc: &mut [f32],
+    rows: usize,
+    e: usize,
+    (k0, k1): (usize, usize),
+) {
     let path = if kernel == Kernel::Portable {
         CpuPath::Portable
     } else {
         CpuPath::Avx2Fma
     };
     let mut buf = [0.0f32; KC * NR];
-    for kb in (0..e).step_by(KC) {
-        let kc = KC.min(e - kb);
+    for kb in (k0..k1).step_by(KC) {
+        let kc = KC.min(k1 - kb);
         let src = &wp[kb * NR..kb * NR + kc.div_ceil(2) * 2 * NR];
         let b = &mut buf[..kc * NR];
         match path {
@@ -733,17 +883,21 @@ mod avx2 {
     }
 
     /// One row against `P` consecutive panels, converting the BF16 weights
-    /// in registers: `out [P * NR]` = the sequential FMA chain over all `e`,
-    /// exactly as `micro_portable` computes it through blocks.
+    /// in registers: `out [P * NR]` continues the sequential FMA chain over
+    /// steps `k0..k1` from the sums it holds, exactly as `micro_portable`
+    /// computes it through blocks.
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `x` readable at `e` values, `w` at
-    /// `P` packed panels of depth `e`, `out` writable at `P * NR` values.
+    /// The CPU must support AVX2 and FMA; `k0` even, `k0 < k1 <= e`; `x`
+    /// readable at `e` values, `w` at `P` packed panels of depth `e`, `out`
+    /// readable and writable at `P * NR` values.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn row_direct<const P: usize>(
         x: *const f32,
         w: *const u16,
         e: usize,
+        k0: usize,
+        k1: usize,
         out: *mut f32,
     ) {
         // SAFETY: every access stays inside the ranges the caller guarantees;
@@ -754,9 +908,13 @@ mod avx2 {
             let mask = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
             let mut c0 = [_mm256_setzero_ps(); P];
             let mut c1 = [_mm256_setzero_ps(); P];
-            for i in 0..e.div_ceil(2) {
+            for p in 0..P {
+                c0[p] = _mm256_loadu_ps(out.add(p * NR));
+                c1[p] = _mm256_loadu_ps(out.add(p * NR + 8));
+            }
+            for i in k0 / 2..k1.div_ceil(2) {
                 // The last pair of an odd depth has no later step.
-                let has_odd = 2 * i + 1 < e;
+                let has_odd = 2 * i + 1 < k1;
                 let a0 = _mm256_broadcast_ss(&*x.add(2 * i));
                 for p in 0..P {
                     let src = words.add(p * pw + i * NR);
@@ -914,18 +1072,22 @@ mod avx512 {
     }
 
     /// One row against `P` consecutive panels, widening the BF16 weights in
-    /// registers: `out [P * NR]` = the sequential FMA chain over all `e`,
-    /// exactly as `micro_portable` computes it through blocks.
+    /// registers: `out [P * NR]` continues the sequential FMA chain over
+    /// steps `k0..k1` from the sums it holds, exactly as `micro_portable`
+    /// computes it through blocks.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F; `x` readable at `e` values, `w` at `P`
-    /// packed panels of depth `e`, `out` writable at `P * NR` values.
+    /// The CPU must support AVX-512F; `k0` even, `k0 < k1 <= e`; `x`
+    /// readable at `e` values, `w` at `P` packed panels of depth `e`, `out`
+    /// readable and writable at `P * NR` values.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::needless_range_loop)]
     pub(super) unsafe fn row_direct<const P: usize>(
         x: *const f32,
         w: *const u16,
         e: usize,
+        k0: usize,
+        k1: usize,
         out: *mut f32,
     ) {
         // SAFETY: every access stays inside the ranges the caller guarantees;
@@ -935,7 +1097,10 @@ mod avx512 {
             let pw = e.div_ceil(2) * NR;
             let mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
             let mut c = [_mm512_setzero_ps(); P];
-            for i in 0..e / 2 {
+            for p in 0..P {
+                c[p] = _mm512_loadu_ps(out.add(p * NR));
+            }
+            for i in k0 / 2..k1 / 2 {
                 let a0 = _mm512_set1_ps(*x.add(2 * i));
                 let a1 = _mm512_set1_ps(*x.add(2 * i + 1));
                 for p in 0..P {
@@ -946,9 +1111,10 @@ mod avx512 {
                     c[p] = _mm512_fmadd_ps(a1, odd, c[p]);
                 }
             }
-            if e % 2 == 1 {
-                // The last pair of an odd depth has no later step.
-                let i = e / 2;
+            if k1 % 2 == 1 {
+                // The last pair of an odd depth has no later step (`k1` is
+                // odd only when it is `e`).
+                let i = k1 / 2;
                 let a0 = _mm512_set1_ps(*x.add(2 * i));
                 for p in 0..P {
                     let v = _mm512_loadu_si512(words.add(p * pw + i * NR).cast());

@@ -15,7 +15,7 @@ use super::combine::{bias_add, highway_add, mean_add};
 use super::conv::{ConvDims, conv, conv_batch};
 use super::gate::{GateDims, GateInputs, GateNorms, gate, gate_norms};
 use super::gather::{GatherDType, RowSrc, gather_rows};
-use super::gemm::{packed_len, project};
+use super::gemm::{Steps, packed_len, project, project_range};
 
 /// What a kernel body returns: failures are [`GpuError::Kernel`] messages.
 type Result<T, E = GpuError> = std::result::Result<T, E>;
@@ -195,24 +195,62 @@ pub(super) fn gather_kernel(
 ) -> Result<()> {
     const K: &str = "ple::gather";
     let a = Args::new(K, args, 5)?;
+    let n = a.usize(1, "n")?;
+    gather_into(mem, &a, K, n.max(1), n.max(1))
+}
+
+/// `gather_runs(refs, n, head_dim, dtype, out, run, stride)`: reference
+/// `i` to out row `(i / run) * stride + i % run`.
+pub(super) fn gather_runs_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::gather_runs";
+    let a = Args::new(K, args, 7)?;
+    let run = a.usize(5, "run")?;
+    let stride = a.usize(6, "stride")?;
+    ensure!(
+        run > 0 && stride >= run,
+        "{K}: runs of {run} rows every {stride} rows (need 0 < run <= stride)"
+    );
+    gather_into(mem, &a, K, run, stride)
+}
+
+/// The gathers' body: arguments 0..5 of `a` are `refs, n, head_dim, dtype,
+/// out`, and reference `i` lands on out row `(i / run) * stride + i % run`.
+fn gather_into(
+    mem: &dyn HostMemory,
+    a: &Args<'_>,
+    kernel: &'static str,
+    run: usize,
+    stride: usize,
+) -> Result<()> {
     let refs = a.ptr(0, "refs")?;
     let n = a.usize(1, "n")?;
     let head_dim = a.usize(2, "head_dim")?;
     let dtype = GatherDType::from_arg(a.usize(3, "dtype")? as u32)?;
     let out = a.ptr(4, "out")?;
-    ensure!(head_dim > 0, "{K}: head_dim is 0");
+    ensure!(head_dim > 0, "{kernel}: head_dim is 0");
     if n == 0 {
         return Ok(());
     }
+    // Out rows from the first to the last one written (the gaps between
+    // runs are left as they are).
+    let span = (n - 1)
+        .checked_div(run)
+        .and_then(|r| r.checked_mul(stride))
+        .and_then(|r| r.checked_add((n - 1) % run + 1))
+        .ok_or_else(|| GpuError::kernel(format!("{kernel}: {n} rows in runs overflow")))?;
     ensure!(
         dtype != GatherDType::Fp8E4M3Block32
             || head_dim.is_multiple_of(metrale_storage::dtype::FP8_BLOCK),
-        "{K}: head_dim {head_dim} is not a multiple of the FP8 block of 32 values"
+        "{kernel}: head_dim {head_dim} is not a multiple of the FP8 block of 32 values"
     );
     let row_bytes = dtype.row_bytes(head_dim);
     let mut regions = vec![
-        Region::new("refs", refs, size(K, "refs", &[n, 16])?, false),
-        Region::new("out", out, size(K, "out", &[n, head_dim, 4])?, true),
+        Region::new("refs", refs, size(kernel, "refs", &[n, 16])?, false),
+        Region::new("out", out, size(kernel, "out", &[span, head_dim, 4])?, true),
     ];
     // SAFETY: only `out` is written; it is checked below against `refs`
     // before the mutable view is made, and `refs` is only read.
@@ -223,18 +261,18 @@ pub(super) fn gather_kernel(
         let scale_ptr = DevicePtr(u64::from_le_bytes(r[8..].try_into().expect("8 bytes")));
         let p = mem
             .host_ptr(data, row_bytes)
-            .with_context(|| format!("{K}: row {i} data at {data}"))?;
+            .with_context(|| format!("{kernel}: row {i} data at {data}"))?;
         regions.push(Region::new(format!("row {i}"), data, row_bytes, false));
         let scale = match dtype {
             GatherDType::Bf16 | GatherDType::Fp8E4M3Block32 => 0.0,
             GatherDType::Fp8E4M3 => {
                 ensure!(
                     !scale_ptr.is_null(),
-                    "{K}: row {i} is FP8 but its scale pointer is null"
+                    "{kernel}: row {i} is FP8 but its scale pointer is null"
                 );
                 let sp = mem
                     .host_ptr(scale_ptr, 4)
-                    .with_context(|| format!("{K}: row {i} scale at {scale_ptr}"))?;
+                    .with_context(|| format!("{kernel}: row {i} scale at {scale_ptr}"))?;
                 regions.push(Region::new(format!("row {i} scale"), scale_ptr, 4, false));
                 // SAFETY: the ledger checked 4 readable bytes at `sp`; the
                 // read is unaligned-safe.
@@ -247,10 +285,20 @@ pub(super) fn gather_kernel(
         let data = unsafe { std::slice::from_raw_parts(p as *const u8, row_bytes) };
         rows.push(RowSrc { data, scale });
     }
-    check_disjoint(K, &regions)?;
+    check_disjoint(kernel, &regions)?;
     // SAFETY: `out` overlaps nothing else of this launch (checked above).
-    let out: &mut [f32] = unsafe { view_mut(mem, out, n * head_dim, "out")? };
-    gather_rows(&rows, head_dim, dtype, out).context(K)
+    let out: &mut [f32] = unsafe { view_mut(mem, out, span * head_dim, "out")? };
+    for (r, part) in rows.chunks(run).enumerate() {
+        let at = r * stride * head_dim;
+        gather_rows(
+            part,
+            head_dim,
+            dtype,
+            &mut out[at..at + part.len() * head_dim],
+        )
+        .context(kernel)?;
+    }
+    Ok(())
 }
 
 /// `project(x, w, y, T, E, O)`.
@@ -288,6 +336,48 @@ pub(super) fn project_kernel(
         )
     };
     project(xs, ws, ys, t, e, o).context(K)
+}
+
+/// `project_range(x, w, y, T, E, O, from, to, accumulate)`.
+pub(super) fn project_range_kernel(
+    mem: &dyn HostMemory,
+    _cfg: &LaunchConfig,
+    args: &[KernelArg],
+) -> Result<()> {
+    const K: &str = "ple::project_range";
+    let a = Args::new(K, args, 9)?;
+    let (x, w, y) = (a.ptr(0, "x")?, a.ptr(1, "w")?, a.ptr(2, "y")?);
+    let (t, e, o) = (a.usize(3, "T")?, a.usize(4, "E")?, a.usize(5, "O")?);
+    let steps = Steps {
+        from: a.usize(6, "from")?,
+        to: a.usize(7, "to")?,
+        accumulate: a.usize(8, "accumulate")? != 0,
+    };
+    ensure!(
+        e > 0 && o > 0,
+        "{K}: E = {e} and O = {o} must both be positive"
+    );
+    if t == 0 {
+        return Ok(());
+    }
+    let wlen = packed_len(o, e) * 2;
+    check_disjoint(
+        K,
+        &[
+            Region::new("x", x, size(K, "x", &[t, e, 4])?, false),
+            Region::new("w", w, size(K, "w", &[wlen, 2])?, false),
+            Region::new("y", y, size(K, "y", &[t, o, 4])?, true),
+        ],
+    )?;
+    // SAFETY: `y` is the only written range and overlaps neither input.
+    let (xs, ws, ys) = unsafe {
+        (
+            view::<f32>(mem, x, t * e, "x")?,
+            view::<u16>(mem, w, wlen, "the packed weight")?,
+            view_mut::<f32>(mem, y, t * o, "y")?,
+        )
+    };
+    project_range(xs, ws, ys, t, e, o, steps).context(K)
 }
 
 /// `gate(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps)`.

@@ -31,7 +31,7 @@ use std::sync::Arc;
 use metrale_gpu_runtime::gpu::{ArgKind, GpuBackend, GpuError};
 
 pub use error::KernelError;
-pub use gemm::{pack_projection, packed_len, try_pack_projection};
+pub use gemm::{Steps, pack_projection, packed_len, try_pack_projection};
 
 /// The kernel module name every PLE kernel is registered under, host or
 /// device (one name, so the layer resolves its kernels the same way on
@@ -44,7 +44,9 @@ pub use super::device_kernels::MODULE;
 /// | name | args |
 /// |---|---|
 /// | `gather` | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3, 2 FP8 E4M3 + UE8M0 per 32), out |
+/// | `gather_runs` | refs, n, head_dim, dtype, out, run, stride: reference `i` to out row `(i / run) * stride + i % run` |
 /// | `project` | x, w (packed), y, T, E, O |
+/// | `project_range` | x, w, y, T, E, O, from, to, accumulate: steps `from..to` only, continuing `y` when accumulate is 1 |
 /// | `gate` | highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps |
 /// | `gate_norms` | highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps_q, eps_k, eps_conv, form (0 `1+w`, 1 `w`), conv (0: no `xn`) |
 /// | `conv` | xn, gated, state, w, highway, T, C, K, D |
@@ -72,9 +74,21 @@ pub fn register_cpu_kernels(gpu: &dyn GpuBackend) -> Result<(), GpuError> {
     )?;
     gpu.register_host_kernel(
         MODULE,
+        "gather_runs",
+        &[Ptr, U32, U32, U32, Ptr, U32, U32],
+        Arc::new(host::gather_runs_kernel),
+    )?;
+    gpu.register_host_kernel(
+        MODULE,
         "project",
         &[Ptr, Ptr, Ptr, U32, U32, U32],
         Arc::new(host::project_kernel),
+    )?;
+    gpu.register_host_kernel(
+        MODULE,
+        "project_range",
+        &[Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32],
+        Arc::new(host::project_range_kernel),
     )?;
     gpu.register_host_kernel(
         MODULE,

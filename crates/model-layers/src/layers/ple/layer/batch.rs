@@ -72,6 +72,7 @@ impl PleLayer {
         stream: StreamId,
     ) -> Result<()> {
         self.stage_batch(states, tokens, rows, gpu, stream, Stage::Hold, None)
+            .map(|_| ())
     }
 
     /// [`Self::prestage_batch`], taking each sequence's ids from `hashed`
@@ -87,6 +88,7 @@ impl PleLayer {
         stream: StreamId,
     ) -> Result<()> {
         self.stage_batch(states, tokens, rows, gpu, stream, Stage::Hold, hashed)
+            .map(|_| ())
     }
 
     /// Hash, resolve and stage one token per sequence at the batch slots
@@ -94,8 +96,11 @@ impl PleLayer {
     /// pinned for a later gather; with [`Stage::Gather`] they are gathered
     /// into `emb` part by part, each part's lease released with an event
     /// recorded right after its gather, so a batch may need more rows than
-    /// the table can pin at once. Ids come from `hashed` when it holds
-    /// every sequence's, else from the hash.
+    /// the table can pin at once; over a table whose resolve may wait, the
+    /// parts are head groups and each group's projection is queued with it
+    /// (`layer/pipeline.rs`). Returns whether the projection was queued.
+    /// Ids come from `hashed` when it holds every sequence's, else from the
+    /// hash.
     #[allow(clippy::too_many_arguments)]
     fn stage_batch(
         &self,
@@ -106,7 +111,7 @@ impl PleLayer {
         stream: StreamId,
         stage: Stage,
         hashed: Option<&HashedIds>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         self.check_live()?;
         let b = states.len();
         layer_ensure!(b > 0, Usage, "PLE prestage_batch with no sequences");
@@ -214,6 +219,7 @@ impl PleLayer {
             table_bytes.extend_from_slice(&p.addr().to_le_bytes());
         }
         let pads = vec![pad; (rows - b) * heads];
+        let mut projected = false;
         let leases = match stage {
             Stage::Hold => {
                 let mut refs = Vec::with_capacity(rows * heads);
@@ -240,7 +246,14 @@ impl PleLayer {
                         .device(|| "uploading the PLE batch padding refs".into())?;
                     self.launch_gather(gpu, at, pads.len(), b * heads, stream)?;
                 }
-                self.gather_parts(&stg, &ids, gpu, stream)?;
+                match self.pipeline_groups() {
+                    Some(groups) => {
+                        let at = stg.batch_slot(0);
+                        self.gather_project_in_groups(&groups, &ids, rows, at, gpu, stream)?;
+                        projected = true;
+                    }
+                    None => self.gather_parts(&stg, &ids, gpu, stream)?,
+                }
                 Vec::new()
             }
         };
@@ -260,7 +273,7 @@ impl PleLayer {
             st.prestaged_va = (stage == Stage::Hold).then_some(va);
             st.last_staged_va = va;
         }
-        Ok(())
+        Ok(projected)
     }
 
     /// Resolve `ids` (batch slot order) in parts of at most `max_resolve()`
@@ -365,9 +378,14 @@ impl PleLayer {
             Self::refuse_unstaged(ctx, stream)?;
         }
         let tokens = self.tokens_from(ctx, 0, b, capturing, stream)?;
-        self.stage_batch(states, &tokens, rows, gpu, stream, Stage::Gather, hashed)?;
-        let table_ptr = self.staging.lock().conv_table();
-        self.launch_rest(gpu, highway, rows, ConvTarget::Table(table_ptr), stream)
+        let projected =
+            self.stage_batch(states, &tokens, rows, gpu, stream, Stage::Gather, hashed)?;
+        let conv = ConvTarget::Table(self.staging.lock().conv_table());
+        if projected {
+            self.launch_after_projection(gpu, highway, rows, conv, stream)
+        } else {
+            self.launch_rest(gpu, highway, rows, conv, stream)
+        }
     }
 
     /// Check that `staged[i]` is batch slot `i` of the current batch prestage,

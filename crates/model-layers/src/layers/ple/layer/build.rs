@@ -247,7 +247,9 @@ impl PleLayer {
         let kernels = Kernels {
             shapes,
             gather: k("gather")?,
+            gather_runs: k("gather_runs")?,
             project: k("project")?,
+            project_range: k("project_range")?,
             gate: k("gate")?,
             conv: k("conv")?,
             conv_batch: k("conv_batch")?,

@@ -247,17 +247,27 @@ impl PleLayer {
             }
         };
         let c = self.channels();
+        let groups = self.pipeline_groups();
         let mut t0 = 0;
         while t0 < tokens.len() {
             let tn = (tokens.len() - t0).min(self.max_tokens);
-            self.gather_eager(gpu, &all[t0 * heads..(t0 + tn) * heads], stream)?;
-            self.launch_rest(
-                gpu,
-                highway.offset(t0 * c * 4),
-                tn,
-                ConvTarget::Single(st.conv),
-                stream,
-            )?;
+            let chunk = &all[t0 * heads..(t0 + tn) * heads];
+            let at = highway.offset(t0 * c * 4);
+            let conv = ConvTarget::Single(st.conv);
+            match &groups {
+                Some(groups) => {
+                    let mut stg = self.staging.lock();
+                    stg.streams.insert(stream);
+                    let refs = stg.eager_ref(0);
+                    self.gather_project_in_groups(groups, chunk, tn, refs, gpu, stream)?;
+                    drop(stg);
+                    self.launch_after_projection(gpu, at, tn, conv, stream)?;
+                }
+                None => {
+                    self.gather_eager(gpu, chunk, stream)?;
+                    self.launch_rest(gpu, at, tn, conv, stream)?;
+                }
+            }
             // Per chunk, so a failure in a later chunk leaves a carry that is
             // consistent with the chunks that ran.
             self.dims
@@ -334,14 +344,8 @@ impl PleLayer {
         stream: StreamId,
     ) -> Result<()> {
         let e = self.dims.ngram_heads() * self.spec.head_dim;
-        let c = self.channels();
-        let o = if self.spec.combine.has_key() {
-            c + self.hidden
-        } else {
-            self.hidden
-        };
-        let shapes = self.kernels.shapes;
-        gpu.launch(self.kernels.project, shapes.project(t, o))
+        let o = self.projection_outputs();
+        gpu.launch(self.kernels.project, self.kernels.shapes.project(t, o))
             .ptr(self.bufs.emb)
             .ptr(self.bufs.w_proj)
             .ptr(self.bufs.kv)
@@ -350,6 +354,31 @@ impl PleLayer {
             .u32(o as u32)
             .run(stream)
             .device(|| format!("launching PLE projection over {t} rows"))?;
+        self.launch_after_projection(gpu, highway, t, conv, stream)
+    }
+
+    /// Outputs of the projection: the keys of every stream and the value
+    /// (gated sites), or the value alone.
+    pub(super) fn projection_outputs(&self) -> usize {
+        if self.spec.combine.has_key() {
+            self.channels() + self.hidden
+        } else {
+            self.hidden
+        }
+    }
+
+    /// What [`Self::launch_rest`] queues after the projection.
+    pub(super) fn launch_after_projection(
+        &self,
+        gpu: &dyn GpuBackend,
+        highway: DevicePtr,
+        t: usize,
+        conv: ConvTarget,
+        stream: StreamId,
+    ) -> Result<()> {
+        let c = self.channels();
+        let o = self.projection_outputs();
+        let shapes = self.kernels.shapes;
         if let Some(k) = self.kernels.bias_add {
             gpu.launch(k, shapes.elementwise(t * o))
                 .ptr(self.bufs.kv)

@@ -91,10 +91,94 @@ fn every_path_equals_the_fma_chain_bit_for_bit() {
         // Each kernel, whichever one `project_on` picks on this CPU.
         for kernel in Kernel::all_available() {
             let mut y = vec![f32::NAN; t * o];
-            project_checked(kernel, &x, packed_as_bf16(&packed), &mut y, t, e, o).unwrap();
+            project_checked(
+                kernel,
+                &x,
+                packed_as_bf16(&packed),
+                &mut y,
+                t,
+                e,
+                o,
+                Steps::all(e),
+            )
+            .unwrap();
             let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "kernel {kernel:?} differs at T={t} E={e} O={o}");
         }
+    }
+}
+
+/// `(from, to)` ranges covering `0..e` cut at each of `cuts` (even).
+fn ranges(e: usize, cuts: &[usize]) -> Vec<(usize, usize)> {
+    let mut edges = vec![0];
+    edges.extend(cuts.iter().copied().filter(|&c| c > 0 && c < e));
+    edges.push(e);
+    edges.windows(2).map(|w| (w[0], w[1])).collect()
+}
+
+#[test]
+fn consecutive_ranges_equal_one_call_on_every_kernel() {
+    // Cuts inside and on KC blocks, odd depths (the last range ends at E),
+    // single rows (the row-direct kernels) and tiles.
+    for &(t, e, o, cuts) in &[
+        (1, 300, 150, &[100, 256][..]),
+        (1, 513, 64, &[2, 320, 512][..]),
+        (7, 300, 33, &[160][..]),
+        (25, 259, 48, &[128, 130, 258][..]),
+        (32, 2560, 40, &[640, 1280, 1920][..]),
+        (100, 640, 20, &[320][..]),
+        (13, 17, 16, &[4, 8, 12, 16][..]),
+    ] {
+        let (x, w) = case(t, e, o, (t * 7 + e + o * 3) as u64);
+        let want = naive(&x, &w, t, e, o);
+        let packed = pack_projection(&w, o, e);
+        let wb = packed_as_bf16(&packed);
+        for kernel in Kernel::all_available() {
+            // Stale values in `y` must not leak into the first range.
+            let mut y = vec![f32::NAN; t * o];
+            for (i, (from, to)) in ranges(e, cuts).into_iter().enumerate() {
+                let steps = Steps {
+                    from,
+                    to,
+                    accumulate: i > 0,
+                };
+                project_checked(kernel, &x, wb, &mut y, t, e, o, steps).unwrap();
+            }
+            let same = y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "kernel {kernel:?} in ranges {cuts:?} differs at T={t} E={e} O={o}"
+            );
+        }
+        let mut y = vec![f32::NAN; t * o];
+        for (i, (from, to)) in ranges(e, cuts).into_iter().enumerate() {
+            let steps = Steps {
+                from,
+                to,
+                accumulate: i > 0,
+            };
+            project_range(&x, wb, &mut y, t, e, o, steps).unwrap();
+        }
+        assert!(y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
+}
+
+#[test]
+fn bad_ranges_are_refused() {
+    let p = pack_projection(&[0u16; 8], 2, 4);
+    let wb = packed_as_bf16(&p);
+    let mut y = vec![0.0f32; 2];
+    for (from, to) in [(1, 4), (0, 3), (2, 2), (0, 5), (4, 2)] {
+        let steps = Steps {
+            from,
+            to,
+            accumulate: true,
+        };
+        let err = project_range(&[0.0; 4], wb, &mut y, 1, 4, 2, steps).unwrap_err();
+        assert!(
+            err.to_string().contains(&format!("steps {from}..{to}")),
+            "{err}"
+        );
     }
 }
 

@@ -1,0 +1,201 @@
+//! The pipelined gather: over a table whose resolve may wait for reads (a
+//! row cache), a step's rows are resolved one head group at a time, and
+//! each group's gather and its share of the projection are queued before
+//! the next group is resolved, so the backend computes on the rows it has
+//! while the rest are read. The step prefetch ([`PleLayer::prefetch_hashed`])
+//! asks for the rows in the same group order, so the first group arrives
+//! first.
+//!
+//! Invariants: the projection over consecutive step ranges, each continuing
+//! the sums of the last, is the same FMA chain as one projection
+//! (`kernels::gemm`), so a pipelined step is bit-identical to a plain one;
+//! group boundaries fall on even steps; every part's lease is released with
+//! an event recorded right after the gather that read it, as in the plain
+//! gather; nothing is written to the highway or to a carry here, so a step
+//! that fails half-way leaves both as they were.
+
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_storage::table::RowRef;
+
+use super::error::{DeviceContext, table_err};
+use super::{HashedIds, PleLayer, Result};
+use crate::layers::ple::staging;
+
+/// Head groups a pipelined step cuts each token's rows into: more groups
+/// start the compute sooner, but each adds a resolve, a gather launch and a
+/// pass over the projection's outputs.
+const PIPELINE_GROUPS: usize = 4;
+
+/// One head group: its first head and its number of heads.
+pub(super) type Group = (usize, usize);
+
+impl PleLayer {
+    /// The head groups of a pipelined step, or `None` where a step gains
+    /// nothing from one (the table never waits for reads) or cannot be cut
+    /// (one head, a group boundary on an odd step, a resolve limit below
+    /// one token's rows).
+    pub(super) fn pipeline_groups(&self) -> Option<Vec<Group>> {
+        let heads = self.dims.ngram_heads();
+        let per = heads.div_ceil(PIPELINE_GROUPS.min(heads).max(1));
+        let usable = self.table.resolve_may_wait()
+            && heads >= 2
+            && per < heads
+            && self.table.max_resolve() >= heads
+            && (per * self.spec.head_dim).is_multiple_of(2);
+        usable.then(|| {
+            (0..heads)
+                .step_by(per)
+                .map(|h0| (h0, per.min(heads - h0)))
+                .collect()
+        })
+    }
+
+    /// The ids of head group `(h0, run)` of every token of `ids`
+    /// (token-major, `ngram_heads` a token), token by token.
+    fn group_ids(&self, ids: &[u64], (h0, run): Group) -> Vec<u64> {
+        let heads = self.dims.ngram_heads();
+        ids.chunks_exact(heads)
+            .flat_map(|t| t[h0..h0 + run].iter().copied())
+            .collect()
+    }
+
+    /// Resolve, gather and project the rows of `ids` (`tokens` tokens,
+    /// token-major) group by group: for each group, its rows in parts of
+    /// at most `max_resolve()` distinct ids (whole tokens), each part's
+    /// refs uploaded at `refs_at` (room for `tokens * ngram_heads` refs)
+    /// and gathered into its tokens' `emb` rows, then the projection of
+    /// the group's steps over `rows >= tokens` rows of `emb` (rows past
+    /// `tokens` were gathered before). Leaves `kv` as the projection
+    /// leaves it; the caller queues what follows it.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gather_project_in_groups(
+        &self,
+        groups: &[Group],
+        ids: &[u64],
+        rows: usize,
+        refs_at: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> Result<()> {
+        let heads = self.dims.ngram_heads();
+        let hd = self.spec.head_dim;
+        let e = heads * hd;
+        let o = self.projection_outputs();
+        let table = self.table.as_ref();
+        let mut used = 0;
+        for (g, &group) in groups.iter().enumerate() {
+            let (h0, run) = group;
+            let gids = self.group_ids(ids, group);
+            let mut refs = vec![RowRef::default(); gids.len()];
+            let mut start = 0;
+            while start < gids.len() {
+                let mut end = staging::part_end(&gids, start, table.max_resolve());
+                if end < gids.len() {
+                    // Whole tokens, so a part's rows land in runs from its
+                    // first token on; a part holds at least one token's
+                    // group since `max_resolve() >= heads >= run`.
+                    end = start + (end - start) / run * run;
+                }
+                let lease = table
+                    .resolve(&gids[start..end], &mut refs[start..end])
+                    .map_err(|err| {
+                        table_err(format!(
+                            "resolving PLE row ids of heads {h0}..{} of tokens {}..{} (first id {})",
+                            h0 + run,
+                            start / run,
+                            end.div_ceil(run),
+                            gids[start]
+                        ))(err)
+                    })?;
+                let at = refs_at.offset((used + start) * staging::REF_BYTES);
+                let first_row = start / run * heads + h0;
+                let queued = gpu
+                    .copy_h2d_async(&staging::refs_bytes(&refs[start..end]), at, stream)
+                    .device(|| "uploading PLE row refs".into())
+                    .and_then(|()| {
+                        self.launch_gather_runs(gpu, at, end - start, first_row, run, stream)
+                    });
+                // Released even when queueing failed: the event is recorded
+                // after whatever did get queued.
+                let released = staging::release_at_tail(table, gpu, stream, vec![lease]);
+                queued?;
+                released?;
+                start = end;
+            }
+            used += gids.len();
+            gpu.launch(
+                self.kernels.project_range,
+                self.kernels.shapes.project(rows, o),
+            )
+            .ptr(self.bufs.emb)
+            .ptr(self.bufs.w_proj)
+            .ptr(self.bufs.kv)
+            .u32(rows as u32)
+            .u32(e as u32)
+            .u32(o as u32)
+            .u32((h0 * hd) as u32)
+            .u32(((h0 + run) * hd) as u32)
+            .u32(u32::from(g > 0))
+            .run(stream)
+            .device(|| {
+                format!(
+                    "launching PLE projection of heads {h0}..{} over {rows} rows",
+                    h0 + run
+                )
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Queue the gather of `n` rows whose refs are at `refs` into `emb`,
+    /// in runs of `run` rows a token: ref `i` to emb row `first_row + (i /
+    /// run) * ngram_heads + i % run` (in head rows).
+    fn launch_gather_runs(
+        &self,
+        gpu: &dyn GpuBackend,
+        refs: DevicePtr,
+        n: usize,
+        first_row: usize,
+        run: usize,
+        stream: StreamId,
+    ) -> Result<()> {
+        let heads = self.dims.ngram_heads();
+        let cfg = self.kernels.shapes.gather(n, self.spec.head_dim);
+        gpu.launch(self.kernels.gather_runs, cfg)
+            .ptr(refs)
+            .u32(n as u32)
+            .u32(self.spec.head_dim as u32)
+            .u32(self.dtype_code)
+            .ptr(self.bufs.emb.offset(first_row * self.spec.head_dim * 4))
+            .u32(run as u32)
+            .u32(heads as u32)
+            .run(stream)
+            .device(|| {
+                format!("launching PLE gather of {n} rows in runs of {run} from refs at {refs}")
+            })
+    }
+
+    /// Start reading the rows of `hashed` (see [`Self::hash_ahead`]): in
+    /// the order a pipelined step resolves them, one head group of every
+    /// token after another, each group its own request, so the first
+    /// group's rows arrive first; in one request where steps are not
+    /// pipelined. Advice only, as [`Self::prefetch`].
+    pub fn prefetch_hashed(&self, hashed: &HashedIds) -> Result<()> {
+        self.check_live()?;
+        if hashed.is_empty() {
+            return Ok(());
+        }
+        let fail = |err| table_err("prefetching PLE rows")(err);
+        match self.pipeline_groups() {
+            None => self.table.prefetch(hashed.ids()).map_err(fail),
+            Some(groups) => {
+                for group in groups {
+                    self.table
+                        .prefetch(&self.group_ids(hashed.ids(), group))
+                        .map_err(fail)?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
