@@ -140,7 +140,12 @@ fn offload_smoke_run_prints_every_table_as_json() {
             assert_eq!(row[key].is_number(), cached, "{key} in {row:#}");
         }
         assert!(row["bytes_read_per_token"].as_f64().is_some() || !cached);
+        // Row caches are filled with the stream before decoding.
+        assert_eq!(row["fill_tokens"].as_u64().is_some_and(|t| t > 0), cached);
+        assert_eq!(row["fill_hit_rate"].is_number(), cached, "{row:#}");
     }
+    assert_eq!(report["workload"], "zipf");
+    assert_eq!(report["corpus_documents"], 0);
     let want: Vec<(String, bool, bool)> = [false, true]
         .into_iter()
         .flat_map(|b| [false, true].map(move |p| (p, b)))

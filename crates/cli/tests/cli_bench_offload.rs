@@ -1,7 +1,9 @@
 //! `bench offload --packed --padded` at the hidden `--smoke` sizes: the
 //! hot-row packed table and the padded one are measured beside the others, every cached row reports
 //! the bytes it read per byte of the rows it missed, every row the host
-//! time of its phases, and the packed copy is removed after the run.
+//! time of its phases, and the packed copy is removed after the run. With
+//! `--corpus`, the decode tokens are a corpus's documents, and a bad
+//! corpus is refused naming its file and line.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -81,4 +83,60 @@ fn offload_measures_the_packed_table_and_reports_reads_per_missed_byte_and_phase
         assert!(!c.exists(), "{} left behind", c.display());
     }
     assert!(ck.join("config.json").is_file());
+}
+
+#[test]
+fn offload_decodes_a_corpus_and_refuses_a_bad_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    // Ten documents of a small repeating text: its rows repeat, so a
+    // filled cache hits far more often than on Zipf draws.
+    let corpus = dir.path().join("corpus.jsonl");
+    let doc: Vec<u32> = (0..40).map(|i| 100 + (i * 7) % 13).collect();
+    let text: String = (0..10)
+        .map(|_| serde_json::to_string(&doc).unwrap() + "\n")
+        .collect();
+    std::fs::write(&corpus, text).unwrap();
+    let run = |corpus: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+            .args([
+                "bench",
+                "offload",
+                "--smoke",
+                "--json",
+                "--only-backbone",
+                "off",
+            ])
+            .arg("--corpus")
+            .arg(corpus)
+            .arg("--checkpoint")
+            .arg(&ck)
+            .output()
+            .expect("run metrale-ple")
+    };
+    let out = run(&corpus);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "status {:?}: {stderr}", out.status);
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(report["workload"], corpus.display().to_string());
+    assert_eq!(report["corpus_documents"], 10);
+    // The fill alone reads far more than ten short documents.
+    assert!(report["corpus_documents_read"].as_u64().unwrap() > 10);
+    assert!(stderr.contains("were read as"), "{stderr}");
+    for row in report["rows"].as_array().unwrap() {
+        if row["table"] == "cached" {
+            let fill = row["fill_hit_rate"].as_f64().unwrap();
+            assert!(fill > 0.5, "a repeating corpus hits: {row:#}");
+        }
+    }
+
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "[1, 2]\n[3, 99999999]\n").unwrap();
+    let out = run(&bad);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bad.jsonl line 2") && stderr.contains("99999999"),
+        "{stderr}"
+    );
 }

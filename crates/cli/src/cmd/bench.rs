@@ -65,6 +65,7 @@ use super::{CmdError, failure, input};
 
 mod offload;
 mod report;
+mod stream;
 
 /// Arguments of `metrale-ple bench`.
 #[derive(Args, Debug)]

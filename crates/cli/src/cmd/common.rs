@@ -105,6 +105,41 @@ pub fn splitmix(v: &mut u64) -> u64 {
     z
 }
 
+/// Zipf-distributed token ids over the vocabulary, never EOS.
+pub struct Zipf {
+    cdf: Vec<f64>,
+    vocab: u64,
+    eos: u32,
+}
+
+impl Zipf {
+    pub fn new(vocab: u64, eos: u32, s: f64) -> Zipf {
+        let mut cdf = Vec::with_capacity(vocab as usize);
+        let mut acc = 0.0;
+        for r in 1..=vocab {
+            acc += (r as f64).powf(-s);
+            cdf.push(acc);
+        }
+        for c in &mut cdf {
+            *c /= acc;
+        }
+        Zipf { cdf, vocab, eos }
+    }
+
+    pub fn sample(&self, state: &mut u64) -> u32 {
+        let u = (splitmix(state) >> 11) as f64 / (1u64 << 53) as f64;
+        let rank = self.cdf.partition_point(|&c| c < u) as u64;
+        // Scatter ranks over the vocabulary so frequent tokens are not all
+        // small ids.
+        let t = (rank.wrapping_mul(0x9E37_79B1) % self.vocab) as u32;
+        if t == self.eos {
+            ((t as u64 + 1) % self.vocab) as u32
+        } else {
+            t
+        }
+    }
+}
+
 /// `1.50 GiB`-style sizes.
 pub fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -140,6 +175,23 @@ pub fn byte_bar(total: u64, msg: &str) -> ProgressBar {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn zipf_never_draws_eos_and_favours_low_ranks() {
+        let z = Zipf::new(64, 5, 1.1);
+        let mut st = 3;
+        let mut counts = [0u32; 64];
+        for _ in 0..20_000 {
+            let t = z.sample(&mut st);
+            assert_ne!(t, 5);
+            counts[t as usize] += 1;
+        }
+        // The most frequent rank maps to token 0, the next to
+        // 0x9E3779B1 % 64 = 49.
+        let top = (0..64).max_by_key(|&i| counts[i]).unwrap();
+        assert_eq!(top, 0);
+        assert!(counts[49] > counts[10] && counts[0] > 2 * counts[49] / 3);
+    }
 
     #[test]
     fn devices_parse_and_print() {

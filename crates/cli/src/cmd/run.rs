@@ -58,7 +58,9 @@ use super::{CmdError, failure, input};
 mod store;
 mod workload;
 
-use workload::{Zipf, embed, from_prompt, synthetic};
+use workload::{embed, from_prompt, synthetic};
+
+use crate::cmd::common::Zipf;
 
 /// How the table rows are served.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

@@ -7,10 +7,14 @@
 //! prefetch off and on, and each without and with the compute backbone
 //! ([`metrale_engine::backbone`]: GEMM blocks for every model layer around
 //! the sites, widths divided by `--backbone-scale`). For each, a fresh
-//! engine prefills a set of sequences and decodes them together, one
-//! Zipf-distributed token each per step, window after window until the row
-//! cache is warm (its hit rate moved less than half a point between two
-//! consecutive windows). The three tables of one prefetch and backbone
+//! engine's row cache is first filled to its steady state with another
+//! draw of the same token stream ([`fill`]: rows resolved as decode steps
+//! would, nothing computed, until the cache is full and its hit rate has
+//! settled), then it prefills a set of sequences and decodes them
+//! together, one token each per step (Zipf draws over the vocabulary, or
+//! with `--corpus` the documents of a token corpus), window after window
+//! until the hit rate moved less than half a point between two
+//! consecutive windows. The three tables of one prefetch and backbone
 //! setting are open together and measured in turns (one repetition of each,
 //! table after table, then the next round), so that a shared machine's
 //! drifting speed slows them alike: decode tokens/s (the median
@@ -63,10 +67,13 @@ use metrale_model_layers::bench::Rng;
 use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
-use metrale_storage::table::TableStats;
+use metrale_storage::table::{RowRef, TableStats};
 use serde::Serialize;
 
-use crate::cmd::common::bytes;
+use crate::cmd::common::{Zipf, bytes};
+use metrale_ple_cli::parse::parse_prompts;
+
+use super::stream::{Source, Streams};
 use crate::cmd::run::{CacheOptions, EngineSetup, build_sites, engine_config};
 use crate::cmd::{CmdError, failure, input};
 
@@ -130,6 +137,14 @@ pub struct OffloadArgs {
     /// threads up to 16).
     #[arg(long, default_value_t = DEFAULT_IO_DEPTH, value_name = "N")]
     read_depth: usize,
+    /// Decode the documents of this token corpus (JSON lines, one array of
+    /// token ids each, as `run --prompts` reads) instead of Zipf draws:
+    /// each sequence reads its documents in turn. The measured streams
+    /// start at the first document, the cache fill at the middle one, the
+    /// hot-row count of `--packed` at a quarter; a corpus shorter than the
+    /// run is read again from its start (the report says how often).
+    #[arg(long, value_name = "FILE")]
+    corpus: Option<PathBuf>,
 }
 
 /// A setting to keep.
@@ -164,6 +179,8 @@ struct Sizes {
     reps: usize,
     /// How long the disk ceiling is measured.
     ceiling: Duration,
+    /// Most fill windows of a row cache before decoding ([`fill`]).
+    fill_windows: usize,
 }
 
 /// 2^24 rows of 160 BF16 values: 5 GiB on disk, 16x a 2^20-slot cache.
@@ -178,6 +195,7 @@ const FULL: Sizes = Sizes {
     measure: 8,
     reps: 20,
     ceiling: Duration::from_secs(2),
+    fill_windows: FILL_WINDOWS,
 };
 
 /// 2^20 rows (320 MiB), 16x a 2^16-slot cache.
@@ -192,6 +210,7 @@ const QUICK: Sizes = Sizes {
     measure: 4,
     reps: 12,
     ceiling: Duration::from_millis(500),
+    fill_windows: FILL_WINDOWS,
 };
 
 /// 2^14 rows (5 MiB), 16x a 2^10-slot cache, a few steps.
@@ -206,6 +225,7 @@ const SMOKE: Sizes = Sizes {
     measure: 2,
     reps: 1,
     ceiling: Duration::from_millis(20),
+    fill_windows: 3,
 };
 
 /// A hit rate that moved less than this between two consecutive windows
@@ -214,6 +234,19 @@ const SETTLED: f64 = 0.005;
 
 /// The Zipf exponent of the decode tokens (as `run`'s default).
 const ZIPF: f64 = 1.1;
+
+/// Seed of the measured token stream.
+const STREAM_SEED: u64 = 0x0FF1_0AD5;
+
+/// Seed of the stream the row cache is filled with (not the measured one).
+const FILL_SEED: u64 = 0xF111_0FF1;
+
+/// Sequences the fill replays side by side: each of its steps resolves
+/// this many tokens' rows at once, so their reads go out together.
+const FILL_SEQUENCES: usize = 256;
+
+/// Most fill windows (of one cache's worth of lookups each).
+const FILL_WINDOWS: usize = 12;
 
 /// One measured configuration.
 #[derive(Serialize, Debug, Clone)]
@@ -239,6 +272,12 @@ struct OffloadRow {
     /// host tier's): what the direct-I/O spans add to each miss; cached
     /// tables only.
     read_bytes_per_missed_row_byte: Option<f64>,
+    /// Tokens of the fill stream replayed through the row cache before
+    /// the decode warm-up (cached tables only).
+    fill_tokens: Option<u64>,
+    /// The hit rate of the fill's last window: the cache's steady state
+    /// under the workload's stream (cached tables only).
+    fill_hit_rate: Option<f64>,
     /// Where a decode token's host time went, in microseconds per token.
     phases: Phases,
 }
@@ -288,6 +327,14 @@ struct Report {
     host_rows: usize,
     /// Reads the row cache kept in flight.
     read_depth: usize,
+    /// The decode tokens: `zipf` or the corpus file.
+    workload: String,
+    /// Documents in the corpus (0 for Zipf draws).
+    corpus_documents: usize,
+    /// Most documents any configuration's streams (measured, fill and
+    /// hot-row count together) started: above `corpus_documents`, the
+    /// corpus was read more than once.
+    corpus_documents_read: usize,
     rows: Vec<OffloadRow>,
 }
 
@@ -306,31 +353,6 @@ impl Drop for Scratch {
 /// highway rows.
 fn unit(r: &mut Rng) -> f64 {
     (r.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-}
-
-/// Tokens `0..vocab` drawn with probability proportional to `1/(k+1)^s`.
-struct Zipf {
-    cdf: Vec<f64>,
-}
-
-impl Zipf {
-    fn new(vocab: usize, s: f64) -> Zipf {
-        let mut acc = 0.0;
-        let mut cdf: Vec<f64> = (0..vocab)
-            .map(|k| {
-                acc += 1.0 / ((k + 1) as f64).powf(s);
-                acc
-            })
-            .collect();
-        for c in &mut cdf {
-            *c /= acc;
-        }
-        Zipf { cdf }
-    }
-    fn sample(&self, r: &mut Rng) -> u32 {
-        let u = unit(r);
-        self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1) as u32
-    }
 }
 
 /// Run `metrale-ple bench offload`.
@@ -368,6 +390,29 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         return Err(input(anyhow::anyhow!("--backbone-scale must be positive")));
     }
     let ck = checkpoint(&dir, &sizes)?;
+    let (source, workload) = match &args.corpus {
+        None => (
+            Source::Zipf(Arc::new(Zipf::new(
+                ck.spec.vocab_size,
+                ck.spec.eos_token_id,
+                ZIPF,
+            ))),
+            "zipf".to_string(),
+        ),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--corpus {}", path.display()))
+                .map_err(input)?;
+            let docs = parse_prompts(path, &text, ck.spec.vocab_size).map_err(input)?;
+            let tokens: usize = docs.iter().map(Vec::len).sum();
+            eprintln!(
+                "bench offload: corpus {}: {} documents, {tokens} tokens",
+                path.display(),
+                docs.len()
+            );
+            (Source::Corpus(Arc::new(docs)), path.display().to_string())
+        }
+    };
     let backbones: &[bool] = match args.only_backbone {
         None => &[false, true],
         Some(OnOff::On) => &[true],
@@ -378,11 +423,14 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         policy: args.cache_policy,
         host_rows: args.host_rows,
     };
+    let mut trace_docs = 0;
     let (packed, _packed_scratch) = if args.packed {
         let d =
             std::env::temp_dir().join(format!("metrale-ple-offload-packed-{}", std::process::id()));
         let scratch = Scratch(d.clone());
-        (Some(pack_hot(&ck, &sizes, &d)?), Some(scratch))
+        let (p, docs) = pack_hot(&ck, &source, &sizes, &d)?;
+        trace_docs = docs;
+        (Some(p), Some(scratch))
     } else {
         (None, None)
     };
@@ -394,17 +442,28 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
     } else {
         (None, None)
     };
-    let report = measure_all(
+    let mut report = measure_all(
         &ck,
         packed.as_ref(),
         padded.as_ref(),
         &sizes,
+        &source,
         args.backbone_scale,
         backbones,
         &tuning,
         args.read_depth,
     )
     .map_err(failure)?;
+    report.workload = workload;
+    report.corpus_documents_read =
+        (report.corpus_documents_read + trace_docs) * usize::from(source.documents() > 0);
+    if report.corpus_documents_read > source.documents() && source.documents() > 0 {
+        eprintln!(
+            "bench offload: the corpus's {} documents were read as {} (it is shorter than the run)",
+            source.documents(),
+            report.corpus_documents_read
+        );
+    }
     eprintln!("bench offload: done in {:.1} s", t0.elapsed().as_secs_f64());
     print(&report, args.json).map_err(failure)
 }
@@ -454,20 +513,26 @@ const TRACE_SEED: u64 = 0x7ACE_0FF1;
 
 /// `ck` relaid by `table pack --hot-corpus` into `dst` (run as a child
 /// process, so its report stays off this command's output), the hot rows
-/// counted from the decode workload of `sizes` drawn from [`TRACE_SEED`]:
-/// every sequence's prompt and as many decode tokens as a run takes at
-/// most, which `table pack` hashes with every site's hash.
-fn pack_hot(ck: &Checkpoint, sizes: &Sizes, dst: &Path) -> Result<Checkpoint, CmdError> {
+/// counted from the decode workload of `sizes` drawn from [`TRACE_SEED`]
+/// (a corpus from a quarter of the way in): every sequence's prompt and as
+/// many decode tokens as a run takes at most, which `table pack` hashes
+/// with every site's hash. Also returns the corpus documents the count
+/// read.
+fn pack_hot(
+    ck: &Checkpoint,
+    source: &Source,
+    sizes: &Sizes,
+    dst: &Path,
+) -> Result<(Checkpoint, usize), CmdError> {
     let t0 = Instant::now();
     let steps = sizes.max_windows * sizes.window + sizes.reps * sizes.measure;
-    let zipf = Zipf::new(ck.spec.vocab_size as usize, ZIPF);
-    let mut rng = Rng::new(TRACE_SEED);
+    let mut streams = Streams::new(source, TRACE_SEED, sizes.sequences, source.doc_at(0.25));
     let mut seqs: Vec<Vec<u32>> = (0..sizes.sequences)
-        .map(|_| (0..sizes.prompt).map(|_| zipf.sample(&mut rng)).collect())
+        .map(|i| (0..sizes.prompt).map(|_| streams.next(i)).collect())
         .collect();
     for _ in 0..steps {
-        for s in &mut seqs {
-            s.push(zipf.sample(&mut rng));
+        for (i, s) in seqs.iter_mut().enumerate() {
+            s.push(streams.next(i));
         }
     }
     // The workload's own token stream, as a corpus `table pack` hashes
@@ -498,7 +563,7 @@ fn pack_hot(ck: &Checkpoint, sizes: &Sizes, dst: &Path) -> Result<Checkpoint, Cm
         "bench offload: packed in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
-    Ok(packed)
+    Ok((packed, streams.documents()))
 }
 
 /// `ck` with its table rows padded by `table pack --pad-rows` into `dst`.
@@ -577,6 +642,22 @@ struct Measured {
     exposed_wait_share: Option<f64>,
     read_per_missed: Option<f64>,
     phases: Phases,
+    /// The row cache's fill (cached tables).
+    fill: Option<Filled>,
+    /// Corpus documents this configuration's streams started.
+    documents: usize,
+}
+
+/// What one setting of the tables shares: sizes, tokens, cache and
+/// backbone.
+struct Setting<'a> {
+    sizes: &'a Sizes,
+    source: &'a Source,
+    slots: usize,
+    prefetch: bool,
+    backbone: Option<&'a BackboneConfig>,
+    tuning: &'a CacheOptions,
+    depth: usize,
 }
 
 /// The sites' waits for rows not covered by the blocks before them.
@@ -590,6 +671,7 @@ fn measure_all(
     packed: Option<&Checkpoint>,
     padded: Option<&Checkpoint>,
     sizes: &Sizes,
+    source: &Source,
     scale: usize,
     backbones: &[bool],
     tuning: &CacheOptions,
@@ -635,12 +717,23 @@ fn measure_all(
         tables.push(("padded", TableMode::Cached, p));
     }
     let mut rows = Vec::new();
+    let mut documents = 0;
     for &backbone in backbones {
         let bb = backbone.then(|| BackboneConfig::for_model(&ck.spec, scale));
         for prefetch in [false, true] {
-            let group = measure_group(sizes, &tables, slots, prefetch, bb.as_ref(), tuning, depth)
+            let setting = Setting {
+                sizes,
+                source,
+                slots,
+                prefetch,
+                backbone: bb.as_ref(),
+                tuning,
+                depth,
+            };
+            let group = measure_group(&setting, &tables)
                 .with_context(|| format!("prefetch {prefetch}, backbone {backbone}"))?;
             for (name, m, overhead) in group {
+                documents = documents.max(m.documents);
                 rows.push(OffloadRow {
                     table: name,
                     prefetch,
@@ -653,6 +746,8 @@ fn measure_all(
                     read_share: m.read_share,
                     exposed_wait_share: m.exposed_wait_share,
                     read_bytes_per_missed_row_byte: m.read_per_missed,
+                    fill_tokens: m.fill.as_ref().map(|f| f.tokens),
+                    fill_hit_rate: m.fill.as_ref().and_then(|f| f.hit_rates.last().copied()),
                     phases: m.phases,
                 });
             }
@@ -678,6 +773,9 @@ fn measure_all(
         cache_policy: tuning.policy.unwrap_or(DEFAULT_POLICY).name(),
         host_rows: tuning.host_rows,
         read_depth: depth,
+        workload: String::new(),
+        corpus_documents: source.documents(),
+        corpus_documents_read: documents,
         rows,
     })
 }
@@ -685,12 +783,102 @@ fn measure_all(
 /// The engine the bench drives.
 type Served = Engine<Layered<PleSite>>;
 
+/// How a row cache was filled before decoding.
+#[derive(Clone, Debug)]
+struct Filled {
+    /// Tokens of the fill stream replayed.
+    tokens: u64,
+    /// The hit rate of each window.
+    hit_rates: Vec<f64>,
+    /// Whether the last two windows' hit rates were within [`SETTLED`]
+    /// after the cache had filled up.
+    settled: bool,
+    secs: f64,
+    /// Corpus documents the fill stream started.
+    documents: usize,
+}
+
+/// Fill the row caches of `e` to their steady state under the workload's
+/// stream before anything is measured: [`FILL_SEQUENCES`] sequences of the
+/// stream drawn from [`FILL_SEED`] (a corpus from its middle document) are
+/// replayed token by token as decode steps ask for rows (every sequence's
+/// ids of a step, at every site, resolved and released), with nothing
+/// computed, in windows of one cache's worth of lookups, until the cache
+/// has evicted (it is full) and the hit rate of a window moved less than
+/// [`SETTLED`] from the last, or after `max_windows`. A decode step's
+/// warm-up alone reaches a few tens of thousands of tokens, far short of
+/// the stream a server's cache has seen; this is what a long-running
+/// server's cache holds when the measured steps arrive.
+fn fill(
+    e: &Served,
+    gpu: &dyn GpuBackend,
+    source: &Source,
+    slots: usize,
+    max_windows: usize,
+) -> Result<Filled> {
+    let t0 = Instant::now();
+    let mut streams = Streams::new(source, FILL_SEED, FILL_SEQUENCES, source.doc_at(0.5));
+    let mut hist: Vec<Vec<u32>> = vec![Vec::new(); FILL_SEQUENCES];
+    let start = e.table_stats();
+    let mut out = Filled {
+        tokens: 0,
+        hit_rates: Vec::new(),
+        settled: false,
+        secs: 0.0,
+        documents: 0,
+    };
+    let mut refs = Vec::new();
+    for _ in 0..max_windows.max(1) {
+        let before = e.table_stats();
+        let mut lookups = 0u64;
+        while lookups < slots as u64 {
+            let tokens: Vec<u32> = (0..FILL_SEQUENCES).map(|i| streams.next(i)).collect();
+            let work: Vec<(&[u32], &[u32])> = hist
+                .iter()
+                .zip(&tokens)
+                .map(|(h, t)| (h.as_slice(), std::slice::from_ref(t)))
+                .collect();
+            for site in e.sites() {
+                let layer = site.inner().layer();
+                let hashed = layer.hash_ahead(&work)?;
+                let table = layer.table();
+                for chunk in hashed.ids().chunks(table.max_resolve().max(1)) {
+                    refs.clear();
+                    refs.resize(chunk.len(), RowRef::default());
+                    let lease = table.resolve(chunk, &mut refs)?;
+                    table.release(lease, gpu, None)?;
+                }
+                lookups += hashed.ids().len() as u64;
+            }
+            for (h, &t) in hist.iter_mut().zip(&tokens) {
+                // Only the last few tokens matter to any hash.
+                if h.len() == 16 {
+                    h.remove(0);
+                }
+                h.push(t);
+            }
+            out.tokens += FILL_SEQUENCES as u64;
+        }
+        let s = e.table_stats().since(&before);
+        let hr = s.hits as f64 / lookups.max(1) as f64;
+        let prev = out.hit_rates.last().copied();
+        out.hit_rates.push(hr);
+        let full = e.table_stats().since(&start).evictions > 0;
+        if full && prev.is_some_and(|p| (hr - p).abs() < SETTLED) {
+            out.settled = true;
+            break;
+        }
+    }
+    out.secs = t0.elapsed().as_secs_f64();
+    out.documents = streams.documents();
+    Ok(out)
+}
+
 /// The decode workload over one engine: sequences prefilled once, then
 /// steps of one token each; a step's tokens are known at its start (what
 /// prefetch reads).
 struct Workload {
-    zipf: Zipf,
-    rng: Rng,
+    streams: Streams,
     ids: Vec<SeqId>,
     cur: Vec<u32>,
     template: Vec<f32>,
@@ -702,26 +890,25 @@ struct Workload {
 }
 
 impl Workload {
-    fn new(e: &mut Served, vocab: usize, sizes: &Sizes, prefetch: bool) -> Result<Workload> {
-        let zipf = Zipf::new(vocab, ZIPF);
-        let mut rng = Rng::new(0x0FF1_0AD5);
+    fn new(e: &mut Served, source: &Source, sizes: &Sizes, prefetch: bool) -> Result<Workload> {
+        let mut streams = Streams::new(source, STREAM_SEED, sizes.sequences, 0);
+        let mut rng = Rng::new(STREAM_SEED);
         let w = e.width();
         let rows = sizes.sequences.max(sizes.prompt);
         let template: Vec<f32> = (0..rows * w)
             .map(|_| (unit(&mut rng) * 2.0 - 1.0) as f32)
             .collect();
         let mut ids = Vec::with_capacity(sizes.sequences);
-        for _ in 0..sizes.sequences {
-            let prompt: Vec<u32> = (0..sizes.prompt).map(|_| zipf.sample(&mut rng)).collect();
+        for i in 0..sizes.sequences {
+            let prompt: Vec<u32> = (0..sizes.prompt).map(|_| streams.next(i)).collect();
             let id = e.add_sequence(&prompt)?.id;
             let mut hw = template[..prompt.len() * w].to_vec();
             e.prefill(id, &prompt, &mut hw)?;
             ids.push(id);
         }
-        let cur = (0..ids.len()).map(|_| zipf.sample(&mut rng)).collect();
+        let cur = (0..ids.len()).map(|i| streams.next(i)).collect();
         Ok(Workload {
-            zipf,
-            rng,
+            streams,
             ids,
             cur,
             highway: Vec::with_capacity(sizes.sequences * w),
@@ -754,8 +941,8 @@ impl Workload {
         let t1 = Instant::now();
         e.decode(&batch, &mut self.highway)?;
         self.decode_wall += t1.elapsed();
-        for t in &mut self.cur {
-            *t = self.zipf.sample(&mut self.rng);
+        for (i, t) in self.cur.iter_mut().enumerate() {
+            *t = self.streams.next(i);
         }
         Ok(())
     }
@@ -866,24 +1053,25 @@ struct Config {
     spent: Counters,
     /// Bytes of one row.
     row_bytes: u64,
+    /// The row cache's fill (cached tables).
+    filled: Option<Filled>,
 }
 
 impl Config {
-    /// A fresh engine over `mode`, its sequences prefilled and the row
-    /// cache warmed up: windows until the hit rate settles (one window for
-    /// tables without a cache, which only fault pages in).
-    #[allow(clippy::too_many_arguments)]
-    fn open(
-        name: &str,
-        ck: &Checkpoint,
-        sizes: &Sizes,
-        mode: TableMode,
-        slots: usize,
-        prefetch: bool,
-        backbone: Option<&BackboneConfig>,
-        tuning: &CacheOptions,
-        depth: usize,
-    ) -> Result<Config> {
+    /// A fresh engine over `mode`, its row cache filled to its steady
+    /// state ([`fill`]), its sequences prefilled and then warmed up by
+    /// decode windows until the hit rate settles (one window for tables
+    /// without a cache, which only fault pages in).
+    fn open(name: &str, ck: &Checkpoint, mode: TableMode, set: &Setting<'_>) -> Result<Config> {
+        let Setting {
+            sizes,
+            source,
+            slots,
+            prefetch,
+            backbone,
+            tuning,
+            depth,
+        } = *set;
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
         let setup = EngineSetup {
             mode,
@@ -913,15 +1101,38 @@ impl Config {
         let sites = layered(gpu.as_ref(), sites, backbone, rows)?;
         let mut e = Engine::new(gpu.clone(), sites, cfg)?;
         let opened = t_open.elapsed();
-        let mut w = Workload::new(&mut e, ck.spec.vocab_size as usize, sizes, prefetch)?;
-        // Every decode token looks up `ngram_heads` rows at every site.
-        let per_token: usize = e.geometries().iter().map(|g| g.dims.ngram_heads()).sum();
-        let per_step = (per_token * sizes.sequences) as u64;
         let label = format!(
             "{name} table, prefetch {}, backbone {}",
             if prefetch { "on" } else { "off" },
             if backbone.is_some() { "on" } else { "off" }
         );
+        let filled = if cached {
+            let f = fill(&e, gpu.as_ref(), source, slots, sizes.fill_windows)?;
+            let rates: Vec<String> = f
+                .hit_rates
+                .iter()
+                .map(|h| format!("{:.1}%", h * 100.0))
+                .collect();
+            eprintln!(
+                "bench offload: {label}: cache filled with {} tokens of the stream in {:.1} s; hit \
+                 rates [{}]{}",
+                f.tokens,
+                f.secs,
+                rates.join(", "),
+                if f.settled {
+                    ""
+                } else {
+                    " (not settled; measured anyway)"
+                }
+            );
+            Some(f)
+        } else {
+            None
+        };
+        let mut w = Workload::new(&mut e, source, sizes, prefetch)?;
+        // Every decode token looks up `ngram_heads` rows at every site.
+        let per_token: usize = e.geometries().iter().map(|g| g.dims.ngram_heads()).sum();
+        let per_step = (per_token * sizes.sequences) as u64;
         let mut trace = Vec::new();
         let mut settled = false;
         for _ in 0..sizes.max_windows {
@@ -971,6 +1182,7 @@ impl Config {
                 ..Counters::default()
             },
             row_bytes: ck.sites[0].table.head_dim as u64 * 2,
+            filled,
         })
     }
 
@@ -1031,6 +1243,8 @@ impl Config {
             exposed_wait_share: self.cached.then(|| self.exposed.as_secs_f64() / self.wall),
             read_per_missed: (self.cached && s.misses > s.host_hits)
                 .then(|| s.bytes_read as f64 / ((s.misses - s.host_hits) * self.row_bytes) as f64),
+            documents: self.w.streams.documents() + self.filled.as_ref().map_or(0, |f| f.documents),
+            fill: self.filled.clone(),
             phases: {
                 let c = &self.spent;
                 let us = |d: Duration| d.as_secs_f64() * 1e6 / tokens.max(1.0);
@@ -1065,27 +1279,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// Measure the three tables with one prefetch and backbone setting: each
-/// opened and warmed up, then measured in turns (a repetition of each, in
-/// table order, `reps` times), so that a machine whose speed drifts slows
-/// every table alike; the overhead is the median over repetitions of the
-/// ratio to the resident table's repetition next to it.
-#[allow(clippy::too_many_arguments)]
+/// Measure the tables of one setting: each opened and warmed up, then
+/// measured in turns (a repetition of each, in table order, `reps` times),
+/// so that a machine whose speed drifts slows every table alike; the
+/// overhead is the median over repetitions of the ratio to the resident
+/// table's repetition next to it.
 fn measure_group(
-    sizes: &Sizes,
+    set: &Setting<'_>,
     tables: &[(&'static str, TableMode, &Checkpoint)],
-    slots: usize,
-    prefetch: bool,
-    backbone: Option<&BackboneConfig>,
-    tuning: &CacheOptions,
-    depth: usize,
 ) -> Result<Vec<(&'static str, Measured, Option<f64>)>> {
+    let sizes = set.sizes;
     let mut configs = Vec::with_capacity(tables.len());
     for &(name, mode, ck) in tables {
-        let c = Config::open(
-            name, ck, sizes, mode, slots, prefetch, backbone, tuning, depth,
-        )
-        .with_context(|| format!("opening the {name} table"))?;
+        let c = Config::open(name, ck, mode, set)
+            .with_context(|| format!("opening the {name} table"))?;
         configs.push((name, c));
     }
     for _ in 0..sizes.reps.max(1) {
@@ -1156,6 +1363,27 @@ fn print(r: &Report, json: bool) -> Result<()> {
         "backbone: {} layers of GEMM blocks at 1/{} width where on; row cache policy {}, \
          host tier {} rows per site, {} reads in flight",
         r.backbone_layers, r.backbone_scale, r.cache_policy, r.host_rows, r.read_depth
+    )?;
+    let fill = r
+        .rows
+        .iter()
+        .find_map(|row| row.fill_tokens.zip(row.fill_hit_rate));
+    writeln!(
+        out,
+        "decode tokens: {}{}; row caches filled first with {} tokens of the stream (last window \
+         hit rate {})",
+        if r.corpus_documents > 0 {
+            format!("corpus {} ({} documents", r.workload, r.corpus_documents)
+        } else {
+            format!("Zipf {ZIPF} draws over the vocabulary")
+        },
+        if r.corpus_documents > 0 {
+            format!(", {} read)", r.corpus_documents_read)
+        } else {
+            String::new()
+        },
+        fill.map_or_else(|| "-".to_string(), |(t, _)| t.to_string()),
+        fill.map_or_else(|| "-".to_string(), |(_, h)| format!("{:.1}%", h * 100.0)),
     )?;
     writeln!(
         out,
