@@ -146,6 +146,7 @@ fn offload_smoke_run_prints_every_table_as_json() {
     }
     assert_eq!(report["workload"], "zipf");
     assert_eq!(report["corpus_documents"], 0);
+    assert_eq!(report["corpus_reread"], false);
     let want: Vec<(String, bool, bool)> = [false, true]
         .into_iter()
         .flat_map(|b| [false, true].map(move |p| (p, b)))

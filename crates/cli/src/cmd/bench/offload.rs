@@ -140,9 +140,10 @@ pub struct OffloadArgs {
     /// Decode the documents of this token corpus (JSON lines, one array of
     /// token ids each, as `run --prompts` reads) instead of Zipf draws:
     /// each sequence reads its documents in turn. The measured streams
-    /// start at the first document, the cache fill at the middle one, the
-    /// hot-row count of `--packed` at a quarter; a corpus shorter than the
-    /// run is read again from its start (the report says how often).
+    /// read the corpus from its first document, the cache fill its second
+    /// half, the hot-row count of `--packed` its second quarter; a part
+    /// shorter than its stream is read again from its start (the report
+    /// says so).
     #[arg(long, value_name = "FILE")]
     corpus: Option<PathBuf>,
 }
@@ -331,10 +332,10 @@ struct Report {
     workload: String,
     /// Documents in the corpus (0 for Zipf draws).
     corpus_documents: usize,
-    /// Most documents any configuration's streams (measured, fill and
-    /// hot-row count together) started: above `corpus_documents`, the
-    /// corpus was read more than once.
-    corpus_documents_read: usize,
+    /// Whether a stream read its part of the corpus more than once (the
+    /// measured streams read all of it, the fill its second half, the
+    /// hot-row count of `--packed` its second quarter).
+    corpus_reread: bool,
     rows: Vec<OffloadRow>,
 }
 
@@ -423,13 +424,13 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         policy: args.cache_policy,
         host_rows: args.host_rows,
     };
-    let mut trace_docs = 0;
+    let mut trace_reread = false;
     let (packed, _packed_scratch) = if args.packed {
         let d =
             std::env::temp_dir().join(format!("metrale-ple-offload-packed-{}", std::process::id()));
         let scratch = Scratch(d.clone());
         let (p, docs) = pack_hot(&ck, &source, &sizes, &d)?;
-        trace_docs = docs;
+        trace_reread = docs;
         (Some(p), Some(scratch))
     } else {
         (None, None)
@@ -455,13 +456,12 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
     )
     .map_err(failure)?;
     report.workload = workload;
-    report.corpus_documents_read =
-        (report.corpus_documents_read + trace_docs) * usize::from(source.documents() > 0);
-    if report.corpus_documents_read > source.documents() && source.documents() > 0 {
+    report.corpus_reread |= trace_reread;
+    if report.corpus_reread {
         eprintln!(
-            "bench offload: the corpus's {} documents were read as {} (it is shorter than the run)",
-            source.documents(),
-            report.corpus_documents_read
+            "bench offload: the corpus's {} documents were read more than once (it is shorter \
+             than the run's streams)",
+            source.documents()
         );
     }
     eprintln!("bench offload: done in {:.1} s", t0.elapsed().as_secs_f64());
@@ -514,19 +514,19 @@ const TRACE_SEED: u64 = 0x7ACE_0FF1;
 /// `ck` relaid by `table pack --hot-corpus` into `dst` (run as a child
 /// process, so its report stays off this command's output), the hot rows
 /// counted from the decode workload of `sizes` drawn from [`TRACE_SEED`]
-/// (a corpus from a quarter of the way in): every sequence's prompt and as
-/// many decode tokens as a run takes at most, which `table pack` hashes
-/// with every site's hash. Also returns the corpus documents the count
-/// read.
+/// (a corpus's second quarter): every sequence's prompt and as many decode
+/// tokens as a run takes at most, which `table pack` hashes with every
+/// site's hash. Also returns whether the count read its documents more than
+/// once.
 fn pack_hot(
     ck: &Checkpoint,
     source: &Source,
     sizes: &Sizes,
     dst: &Path,
-) -> Result<(Checkpoint, usize), CmdError> {
+) -> Result<(Checkpoint, bool), CmdError> {
     let t0 = Instant::now();
     let steps = sizes.max_windows * sizes.window + sizes.reps * sizes.measure;
-    let mut streams = Streams::new(source, TRACE_SEED, sizes.sequences, source.doc_at(0.25));
+    let mut streams = Streams::new(source, TRACE_SEED, sizes.sequences, source.docs(0.25, 0.5));
     let mut seqs: Vec<Vec<u32>> = (0..sizes.sequences)
         .map(|i| (0..sizes.prompt).map(|_| streams.next(i)).collect())
         .collect();
@@ -563,7 +563,7 @@ fn pack_hot(
         "bench offload: packed in {:.1} s",
         t0.elapsed().as_secs_f64()
     );
-    Ok((packed, streams.documents()))
+    Ok((packed, streams.reread()))
 }
 
 /// `ck` with its table rows padded by `table pack --pad-rows` into `dst`.
@@ -644,8 +644,8 @@ struct Measured {
     phases: Phases,
     /// The row cache's fill (cached tables).
     fill: Option<Filled>,
-    /// Corpus documents this configuration's streams started.
-    documents: usize,
+    /// Whether this configuration's streams read documents twice.
+    reread: bool,
 }
 
 /// What one setting of the tables shares: sizes, tokens, cache and
@@ -717,7 +717,7 @@ fn measure_all(
         tables.push(("padded", TableMode::Cached, p));
     }
     let mut rows = Vec::new();
-    let mut documents = 0;
+    let mut reread = false;
     for &backbone in backbones {
         let bb = backbone.then(|| BackboneConfig::for_model(&ck.spec, scale));
         for prefetch in [false, true] {
@@ -733,7 +733,7 @@ fn measure_all(
             let group = measure_group(&setting, &tables)
                 .with_context(|| format!("prefetch {prefetch}, backbone {backbone}"))?;
             for (name, m, overhead) in group {
-                documents = documents.max(m.documents);
+                reread |= m.reread;
                 rows.push(OffloadRow {
                     table: name,
                     prefetch,
@@ -775,7 +775,7 @@ fn measure_all(
         read_depth: depth,
         workload: String::new(),
         corpus_documents: source.documents(),
-        corpus_documents_read: documents,
+        corpus_reread: reread,
         rows,
     })
 }
@@ -794,8 +794,8 @@ struct Filled {
     /// after the cache had filled up.
     settled: bool,
     secs: f64,
-    /// Corpus documents the fill stream started.
-    documents: usize,
+    /// Whether the fill stream read documents twice.
+    reread: bool,
 }
 
 /// Fill the row caches of `e` to their steady state under the workload's
@@ -817,7 +817,7 @@ fn fill(
     max_windows: usize,
 ) -> Result<Filled> {
     let t0 = Instant::now();
-    let mut streams = Streams::new(source, FILL_SEED, FILL_SEQUENCES, source.doc_at(0.5));
+    let mut streams = Streams::new(source, FILL_SEED, FILL_SEQUENCES, source.docs(0.5, 1.0));
     let mut hist: Vec<Vec<u32>> = vec![Vec::new(); FILL_SEQUENCES];
     let start = e.table_stats();
     let mut out = Filled {
@@ -825,7 +825,7 @@ fn fill(
         hit_rates: Vec::new(),
         settled: false,
         secs: 0.0,
-        documents: 0,
+        reread: false,
     };
     let mut refs = Vec::new();
     for _ in 0..max_windows.max(1) {
@@ -870,7 +870,7 @@ fn fill(
         }
     }
     out.secs = t0.elapsed().as_secs_f64();
-    out.documents = streams.documents();
+    out.reread = streams.reread();
     Ok(out)
 }
 
@@ -891,7 +891,7 @@ struct Workload {
 
 impl Workload {
     fn new(e: &mut Served, source: &Source, sizes: &Sizes, prefetch: bool) -> Result<Workload> {
-        let mut streams = Streams::new(source, STREAM_SEED, sizes.sequences, 0);
+        let mut streams = Streams::new(source, STREAM_SEED, sizes.sequences, source.docs(0.0, 1.0));
         let mut rng = Rng::new(STREAM_SEED);
         let w = e.width();
         let rows = sizes.sequences.max(sizes.prompt);
@@ -1243,7 +1243,7 @@ impl Config {
             exposed_wait_share: self.cached.then(|| self.exposed.as_secs_f64() / self.wall),
             read_per_missed: (self.cached && s.misses > s.host_hits)
                 .then(|| s.bytes_read as f64 / ((s.misses - s.host_hits) * self.row_bytes) as f64),
-            documents: self.w.streams.documents() + self.filled.as_ref().map_or(0, |f| f.documents),
+            reread: self.w.streams.reread() || self.filled.as_ref().is_some_and(|f| f.reread),
             fill: self.filled.clone(),
             phases: {
                 let c = &self.spent;
@@ -1377,10 +1377,10 @@ fn print(r: &Report, json: bool) -> Result<()> {
         } else {
             format!("Zipf {ZIPF} draws over the vocabulary")
         },
-        if r.corpus_documents > 0 {
-            format!(", {} read)", r.corpus_documents_read)
-        } else {
-            String::new()
+        match (r.corpus_documents > 0, r.corpus_reread) {
+            (false, _) => String::new(),
+            (true, false) => ")".to_string(),
+            (true, true) => ", some read more than once)".to_string(),
         },
         fill.map_or_else(|| "-".to_string(), |(t, _)| t.to_string()),
         fill.map_or_else(|| "-".to_string(), |(_, h)| format!("{:.1}%", h * 100.0)),

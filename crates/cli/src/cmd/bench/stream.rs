@@ -3,14 +3,15 @@
 //! [`Streams`] holds the streams of a set of sequences and gives each its
 //! next token.
 //!
-//! Invariants: the same source, seed and first document give the same
-//! tokens in the same order; a corpus is read document after document from
-//! the first one given, a sequence taking the next unread document when its
-//! own ends (so a long stream crosses document boundaries, as a server's
-//! next request on a slot would), and reading wraps to the corpus's start
-//! after its last document ([`Streams::documents`] counts the documents
-//! taken, so a report can say when a corpus was read more than once).
+//! Invariants: the same source, seed and document range give the same
+//! tokens in the same order; a corpus is read document after document
+//! within the range given, a sequence taking the next unread document when
+//! its own ends (so a long stream crosses document boundaries, as a
+//! server's next request on a slot would), and reading wraps to the
+//! range's start after its last document ([`Streams::reread`] says when it
+//! did, so a report can say the range was read more than once).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use crate::cmd::common::Zipf;
@@ -33,14 +34,16 @@ impl Source {
         }
     }
 
-    /// The document a stream set starting `part` of the way into the
-    /// corpus begins with (0 for Zipf draws).
-    pub fn doc_at(&self, part: f64) -> usize {
+    /// The documents from `from` to `to` of the way through the corpus
+    /// (fractions; at least one document; empty for Zipf draws).
+    pub fn docs(&self, from: f64, to: f64) -> Range<usize> {
         let n = self.documents();
         if n == 0 {
-            return 0;
+            return 0..0;
         }
-        ((n as f64 * part) as usize).min(n - 1)
+        let at = |f: f64| ((n as f64 * f) as usize).min(n);
+        let lo = at(from).min(n - 1);
+        lo..at(to).max(lo + 1)
     }
 }
 
@@ -51,19 +54,22 @@ pub struct Streams {
     state: u64,
     /// Per sequence, the document and position of its next token.
     at: Vec<(usize, usize)>,
+    range: Range<usize>,
     next_doc: usize,
     taken: usize,
 }
 
 impl Streams {
     /// `n` streams of `source`: Zipf draws from `seed`, or the corpus's
-    /// documents from `first_doc` on, one to each sequence in turn.
-    pub fn new(source: &Source, seed: u64, n: usize, first_doc: usize) -> Streams {
+    /// documents `docs` (see [`Source::docs`]), one to each sequence in
+    /// turn.
+    pub fn new(source: &Source, seed: u64, n: usize, docs: Range<usize>) -> Streams {
         let mut s = Streams {
             source: source.clone(),
             state: seed,
             at: Vec::with_capacity(n),
-            next_doc: first_doc,
+            next_doc: docs.start,
+            range: docs,
             taken: 0,
         };
         for _ in 0..n {
@@ -74,19 +80,23 @@ impl Streams {
     }
 
     fn take_doc(&mut self) -> usize {
-        let n = self.source.documents();
-        if n == 0 {
+        if self.range.is_empty() {
             return 0;
         }
-        let d = self.next_doc % n;
+        let d = if self.range.contains(&self.next_doc) {
+            self.next_doc
+        } else {
+            self.range.start
+        };
         self.next_doc = d + 1;
         self.taken += 1;
         d
     }
 
-    /// Documents the streams have started so far (0 for Zipf draws).
-    pub fn documents(&self) -> usize {
-        self.taken
+    /// Whether the streams started more documents than their range holds
+    /// (so some were read twice); never for Zipf draws.
+    pub fn reread(&self) -> bool {
+        !self.range.is_empty() && self.taken > self.range.len()
     }
 
     /// The next token of sequence `seq`.
@@ -115,22 +125,30 @@ mod tests {
 
     #[test]
     fn corpus_streams_read_documents_in_turn_and_wrap() {
-        let docs = Arc::new(vec![vec![1, 2], vec![3], vec![4, 5, 6]]);
-        let mut s = Streams::new(&Source::Corpus(docs), 0, 2, 1);
-        // Sequence 0 starts on document 1, sequence 1 on document 2.
-        assert_eq!([s.next(0), s.next(1)], [3, 4]);
-        // Document 1 ends: sequence 0 takes document 0 (wrapped).
-        assert_eq!([s.next(0), s.next(0), s.next(1)], [1, 2, 5]);
-        // Documents 1, 2, then 0 again.
-        assert_eq!([s.next(0), s.next(1), s.next(1)], [3, 6, 1]);
-        assert_eq!(s.documents(), 6);
+        let docs = Arc::new(vec![vec![9], vec![1, 2], vec![3], vec![4, 5, 6]]);
+        let source = Source::Corpus(docs);
+        assert_eq!(source.docs(0.0, 1.0), 0..4);
+        assert_eq!(source.docs(0.25, 1.0), 1..4);
+        assert_eq!(source.docs(0.9, 1.0), 3..4);
+        let mut s = Streams::new(&source, 0, 2, 1..4);
+        // Sequence 0 starts on document 1, sequence 1 on document 2, whose
+        // end takes document 3, the last of the range.
+        assert_eq!([s.next(0), s.next(1)], [1, 3]);
+        assert!(!s.reread());
+        // Document 1 ends: sequence 0 wraps to the range's start (document
+        // 1 again, never document 0).
+        assert_eq!([s.next(0), s.next(1), s.next(1)], [2, 4, 5]);
+        // Document 3 ends: sequence 1 takes document 2.
+        assert_eq!([s.next(0), s.next(1), s.next(0)], [1, 6, 2]);
+        assert_eq!(s.next(1), 3);
+        assert!(s.reread());
     }
 
     #[test]
     fn zipf_streams_repeat_with_their_seed() {
         let z = Source::Zipf(Arc::new(Zipf::new(100, 7, 1.1)));
         let draw = |seed| {
-            let mut s = Streams::new(&z, seed, 3, 0);
+            let mut s = Streams::new(&z, seed, 3, z.docs(0.0, 1.0));
             (0..20).map(|i| s.next(i % 3)).collect::<Vec<_>>()
         };
         assert_eq!(draw(5), draw(5));
