@@ -110,13 +110,15 @@ def main():
     if a.min_tokens < 1 or a.max_tokens < a.min_tokens:
         sys.exit("token_corpus: need 1 <= --min-tokens <= --max-tokens")
 
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
-
     exts = tuple(e.strip() for e in a.ext.split(",") if e.strip())
     paths = files(a.paths, exts, a.exclude)
     texts = [t for t in (read_text(p) for p in paths) if t.strip()]
     if not texts:
         sys.exit("token_corpus: no text found")
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError:
+        sys.exit("token_corpus: needs the `tokenizers` package (pip install tokenizers)")
     if a.tokenizer:
         tok = Tokenizer.from_file(a.tokenizer)
     else:
