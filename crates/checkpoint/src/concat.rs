@@ -194,8 +194,19 @@ impl RowTable for ConcatTable {
         self.parts.iter().map(|p| p.max_pinned()).min().unwrap_or(0)
     }
 
-    fn resolve_may_wait(&self) -> bool {
-        self.parts.iter().any(|p| p.resolve_may_wait())
+    fn would_wait(&self, ids: &[u64]) -> bool {
+        let mut by_part: Vec<Vec<u64>> = vec![Vec::new(); self.parts.len()];
+        for &id in ids {
+            match self.locate(id) {
+                Ok((p, row)) => by_part[p].push(row),
+                // The resolve's to refuse.
+                Err(_) => return true,
+            }
+        }
+        self.parts
+            .iter()
+            .zip(&by_part)
+            .any(|(p, rows)| !rows.is_empty() && p.would_wait(rows))
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {

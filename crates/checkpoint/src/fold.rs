@@ -72,8 +72,9 @@ impl RowTable for FoldedTable {
     fn max_pinned(&self) -> usize {
         self.inner.max_pinned()
     }
-    fn resolve_may_wait(&self) -> bool {
-        self.inner.resolve_may_wait()
+    fn would_wait(&self, ids: &[u64]) -> bool {
+        // An id out of range is the resolve's to refuse.
+        self.fold(ids).map_or(true, |f| self.inner.would_wait(&f))
     }
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
         let folded = self.fold(ids)?;

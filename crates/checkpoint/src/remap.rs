@@ -415,8 +415,17 @@ impl RowTable for RemapTable {
     fn max_pinned(&self) -> usize {
         self.inner.max_pinned()
     }
-    fn resolve_may_wait(&self) -> bool {
-        self.inner.resolve_may_wait()
+    fn would_wait(&self, ids: &[u64]) -> bool {
+        let rows = self.remap.rows();
+        let mut mapped = Vec::with_capacity(ids.len());
+        for &id in ids {
+            if metrale_storage::layout::check_row(id, rows).is_err() {
+                // The resolve's to refuse.
+                return true;
+            }
+            mapped.push(self.remap.physical(id));
+        }
+        self.inner.would_wait(&mapped)
     }
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> metrale_storage::Result<Lease> {
         let rows = self.remap.rows();

@@ -257,7 +257,7 @@ impl RowTable for Waiting {
     fn max_pinned(&self) -> usize {
         self.inner.max_pinned()
     }
-    fn resolve_may_wait(&self) -> bool {
+    fn would_wait(&self, _ids: &[u64]) -> bool {
         true
     }
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> metrale_storage::Result<Lease> {
@@ -320,7 +320,7 @@ fn the_pipelined_gather_gives_the_plain_one_bits() {
     let mut cfg = CacheConfig::new(16);
     cfg.max_resolve = 4;
     let cached = Arc::new(CachedTable::open(files, Arc::clone(&gpu), cfg).unwrap());
-    assert!(cached.resolve_may_wait());
+    assert!(cached.would_wait(&[0, 1]), "an empty cache reads");
     assert!(
         scenario(&small, cached.clone() as Arc<dyn RowTable>, g) == want,
         "the pipelined gather over a row cache differs"

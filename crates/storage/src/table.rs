@@ -204,12 +204,16 @@ pub trait RowTable: Send + Sync {
     fn max_pinned(&self) -> usize {
         usize::MAX
     }
-    /// Whether `resolve` may block on reads (a row cache that misses): a
-    /// caller then gains by resolving a batch in parts and queueing the
-    /// work on each part before resolving the next, so later parts are
-    /// read while earlier ones are computed on. Tables that hold every row
-    /// in place never wait; the default is `false`.
-    fn resolve_may_wait(&self) -> bool {
+    /// Whether resolving `ids` now may block on reads (a row cache that
+    /// does not hold every one of them loaded): a caller then gains by
+    /// resolving the batch in parts and queueing the work on each part
+    /// before resolving the next, so later parts are read while earlier
+    /// ones are computed on; when nothing is missing, one resolve is
+    /// cheaper. A hint only: a row may be evicted or loaded in between.
+    /// Tables that hold every row in place never wait; the default is
+    /// `false`.
+    fn would_wait(&self, ids: &[u64]) -> bool {
+        let _ = ids;
         false
     }
     /// Resolve `ids` to row references, writing `out[i]` for `ids[i]`.

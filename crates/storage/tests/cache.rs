@@ -237,6 +237,27 @@ fn prefetched_rows_are_hits() {
     t.check_invariants().unwrap();
 }
 
+/// `would_wait` is true while any id is not loaded (unseen, or queued by a
+/// prefetch not yet read) and false once every one is, even unpinned.
+#[test]
+fn would_wait_until_every_row_is_loaded() {
+    let d = tempfile::tempdir().unwrap();
+    let files = make_table(d.path(), 2, 100, 160, false, 4096);
+    let (gpu, _) = backend();
+    let t = CachedTable::open(files, gpu.clone(), cfg(64, 32)).unwrap();
+    let ids = [5u64, 150, 99];
+    assert!(t.would_wait(&ids));
+    let s = gpu.create_stream().unwrap();
+    gather_and_check(gpu.as_ref(), &t, &ids, s);
+    assert!(!t.would_wait(&ids), "loaded rows need no read");
+    assert!(!t.would_wait(&[]));
+    assert!(t.would_wait(&[5, 6]), "row 6 was never read");
+    t.prefetch(&[6]).unwrap();
+    t.wait_prefetched();
+    assert!(!t.would_wait(&[5, 6]));
+    t.check_invariants().unwrap();
+}
+
 #[test]
 fn fp8_rows_come_with_their_scales() {
     let d = tempfile::tempdir().unwrap();

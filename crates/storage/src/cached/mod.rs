@@ -541,8 +541,13 @@ impl RowTable for CachedTable {
         self.inner.slot_count
     }
 
-    fn resolve_may_wait(&self) -> bool {
-        true
+    fn would_wait(&self, ids: &[u64]) -> bool {
+        let g = self.inner.st.lock();
+        ids.iter().any(|id| {
+            g.map
+                .get(id)
+                .is_none_or(|&s| g.slots[s as usize].state != READY)
+        })
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {

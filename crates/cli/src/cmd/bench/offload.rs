@@ -70,7 +70,7 @@ use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::table::{RowRef, TableStats};
 use serde::Serialize;
 
-use crate::cmd::common::{Zipf, bytes};
+use crate::cmd::common::{Zipf, bytes, splitmix};
 use metrale_ple_cli::parse::parse_prompts;
 
 use super::stream::{Source, Streams};
@@ -139,7 +139,8 @@ pub struct OffloadArgs {
     read_depth: usize,
     /// Decode the documents of this token corpus (JSON lines, one array of
     /// token ids each, as `run --prompts` reads) instead of Zipf draws:
-    /// each sequence reads its documents in turn. The measured streams
+    /// the documents are shuffled (a fixed seed), then each sequence reads
+    /// its documents in turn. The measured streams
     /// read the corpus from its first document, the cache fill its second
     /// half, the hot-row count of `--packed` its second quarter; a part
     /// shorter than its stream is read again from its start (the report
@@ -238,6 +239,9 @@ const ZIPF: f64 = 1.1;
 
 /// Seed of the measured token stream.
 const STREAM_SEED: u64 = 0x0FF1_0AD5;
+
+/// Seed of the shuffle of a corpus's documents.
+const CORPUS_SEED: u64 = 0xC0_2915;
 
 /// Seed of the stream the row cache is filled with (not the measured one).
 const FILL_SEED: u64 = 0xF111_0FF1;
@@ -404,7 +408,15 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("--corpus {}", path.display()))
                 .map_err(input)?;
-            let docs = parse_prompts(path, &text, ck.spec.vocab_size).map_err(input)?;
+            let mut docs = parse_prompts(path, &text, ck.spec.vocab_size).map_err(input)?;
+            // A file lists its documents by source; a server's requests
+            // arrive mixed. Shuffled (with a fixed seed), the measured,
+            // fill and hot-row parts are draws of one distribution.
+            let mut st = CORPUS_SEED;
+            for i in (1..docs.len()).rev() {
+                let j = (splitmix(&mut st) % (i as u64 + 1)) as usize;
+                docs.swap(i, j);
+            }
             let tokens: usize = docs.iter().map(Vec::len).sum();
             eprintln!(
                 "bench offload: corpus {}: {} documents, {tokens} tokens",

@@ -96,8 +96,8 @@ impl PleLayer {
     /// pinned for a later gather; with [`Stage::Gather`] they are gathered
     /// into `emb` part by part, each part's lease released with an event
     /// recorded right after its gather, so a batch may need more rows than
-    /// the table can pin at once; over a table whose resolve may wait, the
-    /// parts are head groups and each group's projection is queued with it
+    /// the table can pin at once; where resolving them would wait for
+    /// reads, the parts are head groups and each group's projection is queued with it
     /// (`layer/pipeline.rs`). Returns whether the projection was queued.
     /// Ids come from `hashed` when it holds every sequence's, else from the
     /// hash.
@@ -246,7 +246,7 @@ impl PleLayer {
                         .device(|| "uploading the PLE batch padding refs".into())?;
                     self.launch_gather(gpu, at, pads.len(), b * heads, stream)?;
                 }
-                match self.pipeline_groups() {
+                match self.pipeline_groups(&ids) {
                     Some(groups) => {
                         let at = stg.batch_slot(0);
                         self.gather_project_in_groups(&groups, &ids, rows, at, gpu, stream)?;

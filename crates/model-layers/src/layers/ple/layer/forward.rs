@@ -247,14 +247,13 @@ impl PleLayer {
             }
         };
         let c = self.channels();
-        let groups = self.pipeline_groups();
         let mut t0 = 0;
         while t0 < tokens.len() {
             let tn = (tokens.len() - t0).min(self.max_tokens);
             let chunk = &all[t0 * heads..(t0 + tn) * heads];
             let at = highway.offset(t0 * c * 4);
             let conv = ConvTarget::Single(st.conv);
-            match &groups {
+            match &self.pipeline_groups(chunk) {
                 Some(groups) => {
                     let mut stg = self.staging.lock();
                     stg.streams.insert(stream);

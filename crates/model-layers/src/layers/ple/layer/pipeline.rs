@@ -1,5 +1,6 @@
-//! The pipelined gather: over a table whose resolve may wait for reads (a
-//! row cache), a step's rows are resolved one head group at a time, and
+//! The pipelined gather: where resolving a step's rows would wait for
+//! reads (a row cache missing some), they are resolved one head group at a
+//! time, and
 //! each group's gather and its share of the projection are queued before
 //! the next group is resolved, so the backend computes on the rows it has
 //! while the rest are read. The step prefetch ([`PleLayer::prefetch_hashed`])
@@ -30,18 +31,18 @@ const PIPELINE_GROUPS: usize = 4;
 pub(super) type Group = (usize, usize);
 
 impl PleLayer {
-    /// The head groups of a pipelined step, or `None` where a step gains
-    /// nothing from one (the table never waits for reads) or cannot be cut
-    /// (one head, a group boundary on an odd step, a resolve limit below
-    /// one token's rows).
-    pub(super) fn pipeline_groups(&self) -> Option<Vec<Group>> {
+    /// The head groups of a pipelined step over `ids`, or `None` where the
+    /// step gains nothing from one (the table holds every row loaded, so
+    /// no resolve waits) or cannot be cut (one head, a group boundary on an
+    /// odd step, a resolve limit below one token's rows).
+    pub(super) fn pipeline_groups(&self, ids: &[u64]) -> Option<Vec<Group>> {
         let heads = self.dims.ngram_heads();
         let per = heads.div_ceil(PIPELINE_GROUPS.min(heads).max(1));
-        let usable = self.table.resolve_may_wait()
-            && heads >= 2
+        let usable = heads >= 2
             && per < heads
             && self.table.max_resolve() >= heads
-            && (per * self.spec.head_dim).is_multiple_of(2);
+            && (per * self.spec.head_dim).is_multiple_of(2)
+            && self.table.would_wait(ids);
         usable.then(|| {
             (0..heads)
                 .step_by(per)
@@ -178,15 +179,15 @@ impl PleLayer {
     /// Start reading the rows of `hashed` (see [`Self::hash_ahead`]): in
     /// the order a pipelined step resolves them, one head group of every
     /// token after another, each group its own request, so the first
-    /// group's rows arrive first; in one request where steps are not
-    /// pipelined. Advice only, as [`Self::prefetch`].
+    /// group's rows arrive first; in one request where the step would not
+    /// be pipelined. Advice only, as [`Self::prefetch`].
     pub fn prefetch_hashed(&self, hashed: &HashedIds) -> Result<()> {
         self.check_live()?;
         if hashed.is_empty() {
             return Ok(());
         }
         let fail = |err| table_err("prefetching PLE rows")(err);
-        match self.pipeline_groups() {
+        match self.pipeline_groups(hashed.ids()) {
             None => self.table.prefetch(hashed.ids()).map_err(fail),
             Some(groups) => {
                 for group in groups {
