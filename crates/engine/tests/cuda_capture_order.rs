@@ -32,9 +32,8 @@ use metrale_gpu_runtime::gpu::{
     HostMapped, KernelArg, KernelHandle, LaunchConfig, StreamId,
 };
 use metrale_model_layers::layers::ple::PleLayer;
-use metrale_storage::StorageError;
 use metrale_storage::cached::{CacheConfig, CachedTable};
-use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats};
+use metrale_testkit::hooked::HookedTable;
 use metrale_testkit::rows::rows_for;
 use metrale_testkit::tiny::{TinySpec, tiny_site_files};
 
@@ -303,41 +302,6 @@ impl GpuBackend for Recording {
     }
 }
 
-/// A table that logs `resolve` (the host side of a prestage) as
-/// `resolve <site>` and forwards everything.
-struct LoggedTable {
-    inner: Arc<CachedTable>,
-    site: usize,
-    log: Arc<Log>,
-}
-
-impl RowTable for LoggedTable {
-    fn info(&self) -> TableInfo {
-        self.inner.info()
-    }
-    fn max_resolve(&self) -> usize {
-        self.inner.max_resolve()
-    }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
-        self.log.push(format!("resolve {}", self.site));
-        self.inner.resolve(ids, out)
-    }
-    fn release(
-        &self,
-        lease: Lease,
-        gpu: &dyn GpuBackend,
-        after: Option<EventHandle>,
-    ) -> Result<(), StorageError> {
-        self.inner.release(lease, gpu, after)
-    }
-    fn prefetch(&self, ids: &[u64]) -> Result<(), StorageError> {
-        self.inner.prefetch(ids)
-    }
-    fn stats(&self) -> TableStats {
-        self.inner.stats()
-    }
-}
-
 const SITES: usize = 2;
 const MAX_TOKENS: usize = 8;
 
@@ -355,11 +319,12 @@ fn engine(gpu: &Arc<dyn GpuBackend>, dir: &Path, log: &Arc<Log>) -> Engine<PleSi
         let (spec, files, weights) = tiny_site_files(dir, &model(), site, 0xC0DE).unwrap();
         // Few slots, so decode steps miss and read from disk.
         let cached = Arc::new(CachedTable::open(files, gpu.clone(), CacheConfig::new(96)).unwrap());
-        let table = Arc::new(LoggedTable {
-            inner: cached,
-            site,
-            log: log.clone(),
-        });
+        // Each resolve (the host side of a prestage) logged as `resolve
+        // <site>`.
+        let logged = log.clone();
+        let table = Arc::new(HookedTable::new(cached, move |_| {
+            logged.push(format!("resolve {site}"))
+        }));
         let layer = PleLayer::new(&spec, weights, table, MAX_TOKENS, gpu.as_ref()).unwrap();
         sites.push(PleSite::new(layer));
     }

@@ -14,13 +14,13 @@ use layer_common::{
     Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::EventHandle;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::{ForwardContext, PleSeqState};
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::resident::ResidentTable;
-use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats};
+use metrale_storage::table::RowTable;
+use metrale_testkit::hooked::HookedTable;
 use metrale_testkit::shards::write_bf16_shards;
 
 /// Prefill three sequences, decode them in batches (eager and captured),
@@ -239,48 +239,6 @@ fn prefetch_brings_in_the_rows_of_the_next_forward() {
     assert_eq!(g.live_alloc_count(), start, "{}", g.live_report());
 }
 
-/// A table that says its resolve may wait (so the layer pipelines its
-/// gathers) and counts its resolves and the ids they ask for.
-struct Waiting {
-    inner: Arc<dyn RowTable>,
-    resolves: AtomicUsize,
-    ids: AtomicUsize,
-}
-
-impl RowTable for Waiting {
-    fn info(&self) -> TableInfo {
-        self.inner.info()
-    }
-    fn max_resolve(&self) -> usize {
-        self.inner.max_resolve()
-    }
-    fn max_pinned(&self) -> usize {
-        self.inner.max_pinned()
-    }
-    fn would_wait(&self, _ids: &[u64]) -> bool {
-        true
-    }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> metrale_storage::Result<Lease> {
-        self.resolves.fetch_add(1, Ordering::Relaxed);
-        self.ids.fetch_add(ids.len(), Ordering::Relaxed);
-        self.inner.resolve(ids, out)
-    }
-    fn release(
-        &self,
-        lease: Lease,
-        gpu: &dyn GpuBackend,
-        after: Option<EventHandle>,
-    ) -> metrale_storage::Result<()> {
-        self.inner.release(lease, gpu, after)
-    }
-    fn prefetch(&self, ids: &[u64]) -> metrale_storage::Result<()> {
-        self.inner.prefetch(ids)
-    }
-    fn stats(&self) -> TableStats {
-        self.inner.stats()
-    }
-}
-
 #[test]
 fn the_pipelined_gather_gives_the_plain_one_bits() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new_debug());
@@ -289,24 +247,24 @@ fn the_pipelined_gather_gives_the_plain_one_bits() {
     let small = Small::new(23);
     let test_table = TestTable::new(g, &small.table_bits, small.head_dim, 1000).unwrap();
     let want = scenario(&small, test_table.clone(), g);
-    let waiting = Arc::new(Waiting {
-        inner: test_table.clone(),
-        resolves: AtomicUsize::new(0),
-        ids: AtomicUsize::new(0),
-    });
+    let resolves = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&resolves);
+    let waiting: Arc<dyn RowTable> = Arc::new(
+        HookedTable::new(test_table.clone(), move |_| {
+            counted.fetch_add(1, Ordering::Relaxed);
+        })
+        .always_waiting(),
+    );
     assert!(
-        scenario(&small, waiting.clone() as Arc<dyn RowTable>, g) == want,
+        scenario(&small, Arc::clone(&waiting), g) == want,
         "the pipelined gather differs"
     );
     // 4 heads a token, one head a group: every eager forward resolved in 4
     // group calls (prestages resolve at once, as before).
-    let (resolves, ids) = (
-        waiting.resolves.load(Ordering::Relaxed),
-        waiting.ids.load(Ordering::Relaxed),
-    );
+    let resolves = resolves.load(Ordering::Relaxed);
     assert!(
         resolves >= 4 * 5,
-        "{resolves} resolves of {ids} ids: the gathers were not pipelined"
+        "{resolves} resolves: the gathers were not pipelined"
     );
     drop(waiting);
     assert_eq!(test_table.pinned(g), 0);

@@ -14,6 +14,7 @@
 //! - [`files`]: checkpoint files damaged on purpose (a tensor replaced or
 //!   reshaped) for refusal tests;
 //! - [`faulty`]: a site wrapper that fails the calls a test names;
+//! - [`hooked`]: a row table wrapper that counts or logs resolves;
 //! - [`drive`]: the plain sequential reference run and the randomised
 //!   engine driver that checks every output row against it;
 //! - [`same_bits`]: equality of two output slices bit for bit.
@@ -23,6 +24,7 @@ pub mod families;
 pub mod faulty;
 pub mod files;
 pub mod fixtures;
+pub mod hooked;
 pub mod rng;
 pub mod rows;
 pub mod shards;

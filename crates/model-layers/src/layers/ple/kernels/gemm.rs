@@ -268,10 +268,12 @@ pub fn project_range_on(
     o: usize,
     steps: Steps,
 ) -> Result<(), KernelError> {
-    const NAME: &str = "project_range";
+    const NAME: &str = "project";
     KernelError::check_path(NAME, path)?;
     let Steps { from, to, .. } = steps;
-    if from >= to || to > e || !from.is_multiple_of(2) || (to != e && !to.is_multiple_of(2)) {
+    // A zero depth is `project_checked`'s to refuse, by its sizes.
+    let bad = from >= to || to > e || !from.is_multiple_of(2) || (to != e && !to.is_multiple_of(2));
+    if e > 0 && bad {
         return Err(KernelError::Layout {
             kernel: NAME,
             problem: format!(
@@ -292,9 +294,7 @@ pub fn project_on(
     e: usize,
     o: usize,
 ) -> Result<(), KernelError> {
-    const NAME: &str = "project";
-    KernelError::check_path(NAME, path)?;
-    project_checked(Kernel::pick(path, x), x, w, y, t, e, o, Steps::all(e))
+    project_range_on(path, x, w, y, t, e, o, Steps::all(e))
 }
 
 /// [`project_on`] once the path of `kernel` is known to run here, over

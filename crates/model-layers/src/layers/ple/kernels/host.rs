@@ -15,7 +15,7 @@ use super::combine::{bias_add, highway_add, mean_add};
 use super::conv::{ConvDims, conv, conv_batch};
 use super::gate::{GateDims, GateInputs, GateNorms, gate, gate_norms};
 use super::gather::{GatherDType, RowSrc, gather_rows};
-use super::gemm::{Steps, packed_len, project, project_range};
+use super::gemm::{Steps, packed_len, project_range};
 
 /// What a kernel body returns: failures are [`GpuError::Kernel`] messages.
 type Result<T, E = GpuError> = std::result::Result<T, E>;
@@ -309,33 +309,8 @@ pub(super) fn project_kernel(
 ) -> Result<()> {
     const K: &str = "ple::project";
     let a = Args::new(K, args, 6)?;
-    let (x, w, y) = (a.ptr(0, "x")?, a.ptr(1, "w")?, a.ptr(2, "y")?);
-    let (t, e, o) = (a.usize(3, "T")?, a.usize(4, "E")?, a.usize(5, "O")?);
-    ensure!(
-        e > 0 && o > 0,
-        "{K}: E = {e} and O = {o} must both be positive"
-    );
-    if t == 0 {
-        return Ok(());
-    }
-    let wlen = packed_len(o, e) * 2;
-    check_disjoint(
-        K,
-        &[
-            Region::new("x", x, size(K, "x", &[t, e, 4])?, false),
-            Region::new("w", w, size(K, "w", &[wlen, 2])?, false),
-            Region::new("y", y, size(K, "y", &[t, o, 4])?, true),
-        ],
-    )?;
-    // SAFETY: `y` is the only written range and overlaps neither input.
-    let (xs, ws, ys) = unsafe {
-        (
-            view::<f32>(mem, x, t * e, "x")?,
-            view::<u16>(mem, w, wlen, "the packed weight")?,
-            view_mut::<f32>(mem, y, t * o, "y")?,
-        )
-    };
-    project(xs, ws, ys, t, e, o).context(K)
+    let e = a.usize(4, "E")?;
+    project_steps(mem, &a, K, Steps::all(e))
 }
 
 /// `project_range(x, w, y, T, E, O, from, to, accumulate)`.
@@ -346,27 +321,37 @@ pub(super) fn project_range_kernel(
 ) -> Result<()> {
     const K: &str = "ple::project_range";
     let a = Args::new(K, args, 9)?;
-    let (x, w, y) = (a.ptr(0, "x")?, a.ptr(1, "w")?, a.ptr(2, "y")?);
-    let (t, e, o) = (a.usize(3, "T")?, a.usize(4, "E")?, a.usize(5, "O")?);
     let steps = Steps {
         from: a.usize(6, "from")?,
         to: a.usize(7, "to")?,
         accumulate: a.usize(8, "accumulate")? != 0,
     };
+    project_steps(mem, &a, K, steps)
+}
+
+/// The projections' body: arguments 0..6 of `a` are `x, w, y, T, E, O`.
+fn project_steps(
+    mem: &dyn HostMemory,
+    a: &Args<'_>,
+    kernel: &'static str,
+    steps: Steps,
+) -> Result<()> {
+    let (x, w, y) = (a.ptr(0, "x")?, a.ptr(1, "w")?, a.ptr(2, "y")?);
+    let (t, e, o) = (a.usize(3, "T")?, a.usize(4, "E")?, a.usize(5, "O")?);
     ensure!(
         e > 0 && o > 0,
-        "{K}: E = {e} and O = {o} must both be positive"
+        "{kernel}: E = {e} and O = {o} must both be positive"
     );
     if t == 0 {
         return Ok(());
     }
     let wlen = packed_len(o, e) * 2;
     check_disjoint(
-        K,
+        kernel,
         &[
-            Region::new("x", x, size(K, "x", &[t, e, 4])?, false),
-            Region::new("w", w, size(K, "w", &[wlen, 2])?, false),
-            Region::new("y", y, size(K, "y", &[t, o, 4])?, true),
+            Region::new("x", x, size(kernel, "x", &[t, e, 4])?, false),
+            Region::new("w", w, size(kernel, "w", &[wlen, 2])?, false),
+            Region::new("y", y, size(kernel, "y", &[t, o, 4])?, true),
         ],
     )?;
     // SAFETY: `y` is the only written range and overlaps neither input.
@@ -377,7 +362,7 @@ pub(super) fn project_range_kernel(
             view_mut::<f32>(mem, y, t * o, "y")?,
         )
     };
-    project_range(xs, ws, ys, t, e, o, steps).context(K)
+    project_range(xs, ws, ys, t, e, o, steps).context(kernel)
 }
 
 /// `gate(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps)`.
