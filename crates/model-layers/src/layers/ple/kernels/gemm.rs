@@ -404,6 +404,7 @@ fn project_checked(
     let (mut pairs, mut packed) = (Vec::new(), Vec::new());
     for t0 in (0..t).step_by(TILE_ROWS) {
         let rows = TILE_ROWS.min(t - t0);
+        let tile = Tile { y: yp, t0, rows, o };
         let xt = &x[t0 * e..(t0 + rows) * e];
         if kernel == Kernel::Avx512Dot {
             pairs.clear();
@@ -432,21 +433,9 @@ fn project_checked(
                     let mut acc = [0.0f32; 2 * TILE_ROWS * NR];
                     if accumulate {
                         for q in 0..n {
-                            let p = p0 + q;
-                            let cols = NR.min(o - p * NR);
-                            for r in 0..rows {
-                                let src = (t0 + r) * o + p * NR;
-                                // SAFETY: as for the copy out below: the
-                                // range lies inside `y` and belongs to panel
-                                // `p` of this task alone.
-                                unsafe {
-                                    std::ptr::copy_nonoverlapping(
-                                        yp.get().add(src),
-                                        acc[(q * rows + r) * NR..].as_mut_ptr(),
-                                        cols,
-                                    )
-                                };
-                            }
+                            // SAFETY: panel `p0 + q` belongs to this task
+                            // alone (see `Tile`).
+                            unsafe { tile.load(&mut acc[q * rows * NR..], p0 + q) };
                         }
                     }
                     let wg = &w[p0 * panel_len(e)..(p0 + n) * panel_len(e)];
@@ -458,40 +447,17 @@ fn project_checked(
                         panels_fma512(xpacked, wg, next, n, acc_n, rows, e, k0, k1);
                     }
                     for q in 0..n {
-                        let p = p0 + q;
-                        let cols = NR.min(o - p * NR);
-                        for r in 0..rows {
-                            let dst = (t0 + r) * o + p * NR;
-                            // SAFETY: as below: `dst .. dst + cols` lies inside
-                            // `y` and belongs to panel `p` of this task alone.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    acc[(q * rows + r) * NR..].as_ptr(),
-                                    yp.get().add(dst),
-                                    cols,
-                                )
-                            };
-                        }
+                        // SAFETY: as above.
+                        unsafe { tile.store(&acc[q * rows * NR..], p0 + q) };
                     }
                 });
             continue;
         }
         (0..np).into_par_iter().with_min_len(min_len).for_each(|p| {
             let mut acc = [0.0f32; TILE_ROWS * NR];
-            let cols = NR.min(o - p * NR);
             if accumulate {
-                for r in 0..rows {
-                    let src = (t0 + r) * o + p * NR;
-                    // SAFETY: as for the copy out below: the range lies
-                    // inside `y` and belongs to panel `p` of this task alone.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            yp.get().add(src),
-                            acc[r * NR..].as_mut_ptr(),
-                            cols,
-                        )
-                    };
-                }
+                // SAFETY: panel `p` belongs to this task alone (see `Tile`).
+                unsafe { tile.load(&mut acc, p) };
             }
             panel(
                 kernel,
@@ -502,19 +468,65 @@ fn project_checked(
                 e,
                 (k0, k1),
             );
-            for r in 0..rows {
-                let dst = (t0 + r) * o + p * NR;
-                // SAFETY: `dst .. dst + cols` lies inside `y` (row t0 + r < t,
-                // column p * NR + cols <= o), and panels write disjoint column
-                // ranges, so no two tasks touch the same element; `y` is
-                // borrowed mutably for the whole call.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(acc[r * NR..].as_ptr(), yp.get().add(dst), cols)
-                };
-            }
+            // SAFETY: as above.
+            unsafe { tile.store(&acc, p) };
         });
     }
     Ok(())
+}
+
+/// Rows `t0 .. t0 + rows` of `y [t, o]`, whose panels (`NR` columns each)
+/// the tasks of one call read and write, each its own panels: panels are
+/// disjoint column ranges, so no two tasks touch the same element, and `y`
+/// is borrowed mutably for the whole call.
+#[derive(Clone, Copy)]
+struct Tile {
+    y: SyncPtr,
+    t0: usize,
+    rows: usize,
+    o: usize,
+}
+
+impl Tile {
+    /// Panel `p` of these rows into `acc [rows, NR]`.
+    ///
+    /// # Safety
+    /// `y` holds at least `(t0 + rows) * o` values, `p * NR < o`, and no
+    /// other task reads or writes panel `p` of these rows meanwhile.
+    unsafe fn load(self, acc: &mut [f32], p: usize) {
+        let cols = NR.min(self.o - p * NR);
+        assert!(acc.len() >= self.rows * NR);
+        for r in 0..self.rows {
+            // SAFETY: forwarded from the caller; row t0 + r, columns
+            // `p * NR .. p * NR + cols` lie inside `y`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.y.get().add((self.t0 + r) * self.o + p * NR),
+                    acc[r * NR..].as_mut_ptr(),
+                    cols,
+                )
+            };
+        }
+    }
+
+    /// `acc [rows, NR]` into panel `p` of these rows.
+    ///
+    /// # Safety
+    /// As [`Tile::load`].
+    unsafe fn store(self, acc: &[f32], p: usize) {
+        let cols = NR.min(self.o - p * NR);
+        assert!(acc.len() >= self.rows * NR);
+        for r in 0..self.rows {
+            // SAFETY: as in `load`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    acc[r * NR..].as_ptr(),
+                    self.y.get().add((self.t0 + r) * self.o + p * NR),
+                    cols,
+                )
+            };
+        }
+    }
 }
 
 /// A pointer shared by the tasks of one call, each writing its own elements.
