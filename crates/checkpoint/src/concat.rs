@@ -102,6 +102,18 @@ impl ConcatTable {
         Ok((p, id - self.starts[p]))
     }
 
+    /// `ids` split by part: for each part, the positions in `ids` of the
+    /// ids it holds and their rows within it.
+    fn by_part(&self, ids: &[u64]) -> Result<Vec<(Vec<usize>, Vec<u64>)>> {
+        let mut by_part: Vec<(Vec<usize>, Vec<u64>)> = vec![Default::default(); self.parts.len()];
+        for (i, &id) in ids.iter().enumerate() {
+            let (p, row) = self.locate(id)?;
+            by_part[p].0.push(i);
+            by_part[p].1.push(row);
+        }
+        Ok(by_part)
+    }
+
     /// `ev` and `n - 1` events that complete after it: recorded on the side
     /// stream once it has waited for `ev`.
     fn fan_out(&self, gpu: &dyn GpuBackend, ev: EventHandle, n: usize) -> Result<Vec<EventHandle>> {
@@ -195,28 +207,18 @@ impl RowTable for ConcatTable {
     }
 
     fn would_wait(&self, ids: &[u64]) -> bool {
-        let mut by_part: Vec<Vec<u64>> = vec![Vec::new(); self.parts.len()];
-        for &id in ids {
-            match self.locate(id) {
-                Ok((p, row)) => by_part[p].push(row),
-                // The resolve's to refuse.
-                Err(_) => return true,
-            }
-        }
-        self.parts
-            .iter()
-            .zip(&by_part)
-            .any(|(p, rows)| !rows.is_empty() && p.would_wait(rows))
+        // An id out of range is the resolve's to refuse.
+        self.by_part(ids).map_or(true, |by_part| {
+            self.parts
+                .iter()
+                .zip(&by_part)
+                .any(|(p, (_, rows))| !rows.is_empty() && p.would_wait(rows))
+        })
     }
 
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
         check_out_len(ids, out)?;
-        let mut by_part: Vec<(Vec<usize>, Vec<u64>)> = vec![Default::default(); self.parts.len()];
-        for (i, &id) in ids.iter().enumerate() {
-            let (p, row) = self.locate(id)?;
-            by_part[p].0.push(i);
-            by_part[p].1.push(row);
-        }
+        let by_part = self.by_part(ids)?;
         let mut held: Vec<(usize, Lease)> = Vec::new();
         let mut refs = Vec::new();
         for (p, (slots, rows)) in by_part.iter().enumerate() {

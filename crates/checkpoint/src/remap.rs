@@ -403,6 +403,17 @@ impl RemapTable {
         }
         Ok(RemapTable { inner, remap })
     }
+
+    /// The physical rows of `ids`, each checked against the table's rows.
+    fn physical(&self, ids: &[u64]) -> metrale_storage::Result<Vec<u64>> {
+        let rows = self.remap.rows();
+        ids.iter()
+            .map(|&id| {
+                metrale_storage::layout::check_row(id, rows)?;
+                Ok(self.remap.physical(id))
+            })
+            .collect()
+    }
 }
 
 impl RowTable for RemapTable {
@@ -416,27 +427,12 @@ impl RowTable for RemapTable {
         self.inner.max_pinned()
     }
     fn would_wait(&self, ids: &[u64]) -> bool {
-        let rows = self.remap.rows();
-        let mut mapped = Vec::with_capacity(ids.len());
-        for &id in ids {
-            if metrale_storage::layout::check_row(id, rows).is_err() {
-                // The resolve's to refuse.
-                return true;
-            }
-            mapped.push(self.remap.physical(id));
-        }
-        self.inner.would_wait(&mapped)
+        // An id out of range is the resolve's to refuse.
+        self.physical(ids)
+            .map_or(true, |mapped| self.inner.would_wait(&mapped))
     }
     fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> metrale_storage::Result<Lease> {
-        let rows = self.remap.rows();
-        let mapped = ids
-            .iter()
-            .map(|&id| {
-                metrale_storage::layout::check_row(id, rows)?;
-                Ok(self.remap.physical(id))
-            })
-            .collect::<metrale_storage::Result<Vec<u64>>>()?;
-        self.inner.resolve(&mapped, out)
+        self.inner.resolve(&self.physical(ids)?, out)
     }
     fn release(
         &self,

@@ -441,8 +441,8 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         let d =
             std::env::temp_dir().join(format!("metrale-ple-offload-packed-{}", std::process::id()));
         let scratch = Scratch(d.clone());
-        let (p, docs) = pack_hot(&ck, &source, &sizes, &d)?;
-        trace_reread = docs;
+        let (p, reread) = pack_hot(&ck, &source, &sizes, &d)?;
+        trace_reread = reread;
         (Some(p), Some(scratch))
     } else {
         (None, None)
@@ -812,7 +812,7 @@ struct Filled {
 
 /// Fill the row caches of `e` to their steady state under the workload's
 /// stream before anything is measured: [`FILL_SEQUENCES`] sequences of the
-/// stream drawn from [`FILL_SEED`] (a corpus from its middle document) are
+/// stream drawn from [`FILL_SEED`] (a corpus's second half) are
 /// replayed token by token as decode steps ask for rows (every sequence's
 /// ids of a step, at every site, resolved and released), with nothing
 /// computed, in windows of one cache's worth of lookups, until the cache
@@ -831,6 +831,13 @@ fn fill(
     let t0 = Instant::now();
     let mut streams = Streams::new(source, FILL_SEED, FILL_SEQUENCES, source.docs(0.5, 1.0));
     let mut hist: Vec<Vec<u32>> = vec![Vec::new(); FILL_SEQUENCES];
+    // Only the last `context_len` tokens matter to a site's hash.
+    let keep = e
+        .geometries()
+        .iter()
+        .map(|g| g.dims.context_len())
+        .max()
+        .unwrap_or(0);
     let start = e.table_stats();
     let mut out = Filled {
         tokens: 0,
@@ -863,11 +870,10 @@ fn fill(
                 lookups += hashed.ids().len() as u64;
             }
             for (h, &t) in hist.iter_mut().zip(&tokens) {
-                // Only the last few tokens matter to any hash.
-                if h.len() == 16 {
+                h.push(t);
+                if h.len() > keep {
                     h.remove(0);
                 }
-                h.push(t);
             }
             out.tokens += FILL_SEQUENCES as u64;
         }
@@ -1382,17 +1388,21 @@ fn print(r: &Report, json: bool) -> Result<()> {
         .find_map(|row| row.fill_tokens.zip(row.fill_hit_rate));
     writeln!(
         out,
-        "decode tokens: {}{}; row caches filled first with {} tokens of the stream (last window \
+        "decode tokens: {}; row caches filled first with {} tokens of the stream (last window \
          hit rate {})",
         if r.corpus_documents > 0 {
-            format!("corpus {} ({} documents", r.workload, r.corpus_documents)
+            format!(
+                "corpus {} ({} documents{})",
+                r.workload,
+                r.corpus_documents,
+                if r.corpus_reread {
+                    ", some read more than once"
+                } else {
+                    ""
+                }
+            )
         } else {
             format!("Zipf {ZIPF} draws over the vocabulary")
-        },
-        match (r.corpus_documents > 0, r.corpus_reread) {
-            (false, _) => String::new(),
-            (true, false) => ")".to_string(),
-            (true, true) => ", some read more than once)".to_string(),
         },
         fill.map_or_else(|| "-".to_string(), |(t, _)| t.to_string()),
         fill.map_or_else(|| "-".to_string(), |(_, h)| format!("{:.1}%", h * 100.0)),

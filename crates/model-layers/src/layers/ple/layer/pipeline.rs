@@ -1,9 +1,8 @@
 //! The pipelined gather: where resolving a step's rows would wait for
 //! reads (a row cache missing some), they are resolved one head group at a
-//! time, and
-//! each group's gather and its share of the projection are queued before
-//! the next group is resolved, so the backend computes on the rows it has
-//! while the rest are read. The step prefetch ([`PleLayer::prefetch_hashed`])
+//! time, and each group's gather and its share of the projection are
+//! queued before the next group is resolved, so the backend computes on
+//! the rows it has while the rest are read. The step prefetch ([`PleLayer::prefetch_hashed`])
 //! asks for the rows in the same group order, so the first group arrives
 //! first.
 //!
