@@ -9,7 +9,9 @@
 //!   is full or the file ends, retrying short transfers; it reports the
 //!   bytes read (a count below the buffer length means end of file) or the
 //!   OS error, per request, and never leaves a request in flight when it
-//!   returns (buffers may be reused at once);
+//!   returns (buffers may be reused at once); a [`ReadFeed`] is read the
+//!   same way, each read reported exactly once, as it finishes, and only
+//!   once nothing writes its buffer any more;
 //! - files opened with [`ShardFile::open`] use O_DIRECT when the file system
 //!   accepts it, and carry the file's direct-I/O alignment ([`DioAlign`],
 //!   queried once at open); the cache then only issues reads whose offset
@@ -219,6 +221,12 @@ impl AlignedBuf {
         // SAFETY: `ptr` owns `len` initialised bytes, borrowed uniquely.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
+
+    /// The start of the bytes, for [`FeedRead`]s into disjoint parts of
+    /// the buffer while other parts are read or copied out.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
 }
 
 impl Drop for AlignedBuf {
@@ -319,6 +327,50 @@ pub struct ReadReq<'a> {
     pub buf: &'a mut [u8],
 }
 
+/// One read of a [`ReadFeed`]: like [`ReadReq`], but into memory the feed
+/// owns.
+#[derive(Debug)]
+pub struct FeedRead {
+    /// The file.
+    pub fd: RawFd,
+    /// Absolute offset.
+    pub offset: u64,
+    /// Destination: `len` writable bytes that nothing else touches until
+    /// the read is reported through [`ReadFeed::done`].
+    pub ptr: *mut u8,
+    /// Bytes requested.
+    pub len: usize,
+    /// The feed's name for this read, handed back in `done`.
+    pub tag: u64,
+}
+
+/// A stream of reads handed to [`PageReader::read_feed`] one at a time
+/// and reported as each finishes, so a caller can use early rows while
+/// later ones are still on their way and add reads while others are in
+/// flight.
+///
+/// # Safety
+///
+/// Every [`FeedRead`] returned by `next` must point at `len` writable
+/// bytes that stay allocated, and that nothing else (no other read of the
+/// feed included) reads or writes, until the reader has passed its tag to
+/// `done`.
+pub unsafe trait ReadFeed {
+    /// The next read to submit, or `None` when there is none now. With
+    /// `may_start` false the feed hands out only reads of work it has
+    /// already started (see [`PageReader::read_feed`]).
+    fn next(&mut self, may_start: bool) -> Option<FeedRead>;
+    /// A read finished: the bytes it read (fewer than asked only at end of
+    /// file) or its error. Called once per read, on the reading thread.
+    fn done(&mut self, tag: u64, result: io::Result<usize>);
+    /// Called after each run of `done` calls, before the reader blocks for
+    /// more, so the feed can publish what arrived in one step.
+    fn settled(&mut self) {}
+}
+
+/// Reads a default [`PageReader::read_feed`] takes into one batch at most.
+const FEED_BATCH: usize = 512;
+
 /// Something that performs batches of positional reads.
 pub trait PageReader: Send + Sync {
     /// A short name for logs and benchmarks.
@@ -326,6 +378,45 @@ pub trait PageReader: Send + Sync {
     /// Perform every request; `result[i]` is the byte count read into
     /// `reqs[i].buf` (less than its length only at end of file) or the error.
     fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>>;
+
+    /// Perform the reads of `feed` until it has none left and none is in
+    /// flight, reporting each as it finishes. Returns with nothing in
+    /// flight. This default reads in batches through
+    /// [`read_batch`](Self::read_batch): each batch starts with one
+    /// `next(true)` and takes the rest with `next(false)`, so a feed whose
+    /// work comes in chunks reads one chunk per batch.
+    fn read_feed(&self, feed: &mut dyn ReadFeed) {
+        loop {
+            let mut batch: Vec<FeedRead> = Vec::new();
+            while batch.len() < FEED_BATCH {
+                match feed.next(batch.is_empty()) {
+                    Some(r) => batch.push(r),
+                    None => break,
+                }
+            }
+            if batch.is_empty() {
+                return;
+            }
+            let results = {
+                let mut reqs: Vec<ReadReq<'_>> = batch
+                    .iter()
+                    .map(|r| ReadReq {
+                        fd: r.fd,
+                        offset: r.offset,
+                        // SAFETY: the feed keeps `len` bytes at `ptr`
+                        // untouched until `done` (the `ReadFeed` contract),
+                        // and reads of one feed never overlap.
+                        buf: unsafe { std::slice::from_raw_parts_mut(r.ptr, r.len) },
+                    })
+                    .collect();
+                self.read_batch(&mut reqs)
+            };
+            for (r, res) in batch.iter().zip(results) {
+                feed.done(r.tag, res);
+            }
+            feed.settled();
+        }
+    }
 }
 
 /// Read with `pread`, retrying short transfers until the buffer is full or
@@ -490,9 +581,162 @@ impl UringReader {
     }
 }
 
+/// A read of a feed in flight on a ring, with the bytes it has so far.
+struct InFlight {
+    read: FeedRead,
+    done: usize,
+}
+
+impl UringReader {
+    /// Keep up to `depth` reads of `feed` in flight on `ring`, asking the
+    /// feed for more after every completion. Returns `Err` (with every
+    /// read it had started reported, and none in flight) when the ring
+    /// itself fails; the feed may still have reads to give.
+    fn run_feed(&self, ring: &mut io_uring::IoUring, feed: &mut dyn ReadFeed) -> io::Result<()> {
+        let mut slab: Vec<Option<InFlight>> = Vec::new();
+        let mut free: Vec<usize> = Vec::new();
+        // Slab entries whose remainder still has to be (re)submitted.
+        let mut queue: std::collections::VecDeque<usize> = std::collections::VecDeque::new();
+        let mut inflight = 0usize;
+        loop {
+            let mut dry = false;
+            {
+                let mut sq = ring.submission();
+                while inflight < self.depth && !sq.is_full() {
+                    let i = match queue.pop_front() {
+                        Some(i) => i,
+                        None => match feed.next(true) {
+                            Some(read) => {
+                                let e = Some(InFlight { read, done: 0 });
+                                match free.pop() {
+                                    Some(i) => {
+                                        slab[i] = e;
+                                        i
+                                    }
+                                    None => {
+                                        slab.push(e);
+                                        slab.len() - 1
+                                    }
+                                }
+                            }
+                            None => {
+                                dry = true;
+                                break;
+                            }
+                        },
+                    };
+                    let f = slab[i].as_ref().expect("queued reads are live");
+                    let rest = f.read.len - f.done;
+                    let sqe = io_uring::opcode::Read::new(
+                        io_uring::types::Fd(f.read.fd),
+                        // SAFETY: `done < len`, inside the feed's buffer.
+                        unsafe { f.read.ptr.add(f.done) },
+                        rest.min(u32::MAX as usize) as u32,
+                    )
+                    .offset(f.read.offset + f.done as u64)
+                    .build()
+                    .user_data(i as u64);
+                    // SAFETY: the feed keeps the buffer alive and untouched
+                    // until `done`, which is called only once the read has
+                    // completed (`ReadFeed` contract).
+                    if unsafe { sq.push(&sqe) }.is_err() {
+                        queue.push_front(i);
+                        break;
+                    }
+                    inflight += 1;
+                }
+            }
+            if inflight == 0 {
+                if dry && queue.is_empty() {
+                    return Ok(());
+                }
+                continue;
+            }
+            match ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    // The ring failed: wait out what is in flight, then
+                    // report every started read as failed.
+                    while inflight > 0 {
+                        if ring.submit_and_wait(1).is_err() {
+                            break;
+                        }
+                        inflight -= ring.completion().count();
+                    }
+                    for f in slab.into_iter().flatten() {
+                        feed.done(f.read.tag, Err(io::Error::new(e.kind(), e.to_string())));
+                    }
+                    feed.settled();
+                    return Err(e);
+                }
+            }
+            let cqes: Vec<(usize, i32)> = ring
+                .completion()
+                .map(|c| (c.user_data() as usize, c.result()))
+                .collect();
+            for (i, r) in cqes {
+                inflight -= 1;
+                let f = slab[i].as_mut().expect("completed reads are live");
+                let finished = if r < 0 {
+                    if r == -libc::EINTR || r == -libc::EAGAIN {
+                        None
+                    } else {
+                        Some(Err(io::Error::from_raw_os_error(-r)))
+                    }
+                } else if r == 0 {
+                    Some(Ok(f.done))
+                } else {
+                    f.done += r as usize;
+                    (f.done >= f.read.len).then_some(Ok(f.done))
+                };
+                match finished {
+                    None => queue.push_back(i),
+                    Some(res) => {
+                        let f = slab[i].take().expect("live");
+                        free.push(i);
+                        feed.done(f.read.tag, res);
+                    }
+                }
+            }
+            feed.settled();
+        }
+    }
+}
+
+/// [`PageReader::read_feed`] by plain `pread`s, one read at a time.
+fn feed_by_pread(feed: &mut dyn ReadFeed) {
+    while let Some(r) = feed.next(true) {
+        // SAFETY: the feed keeps `len` bytes at `ptr` untouched until
+        // `done` (the `ReadFeed` contract).
+        let buf = unsafe { std::slice::from_raw_parts_mut(r.ptr, r.len) };
+        let res = pread_full(r.fd, buf, r.offset);
+        feed.done(r.tag, res);
+        feed.settled();
+    }
+}
+
 impl PageReader for UringReader {
     fn name(&self) -> &str {
         "io_uring"
+    }
+
+    fn read_feed(&self, feed: &mut dyn ReadFeed) {
+        let ring = self.rings.lock().pop();
+        let mut ring = match ring.map_or_else(|| self.new_ring(), Ok) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "io_uring ring creation failed; using pread");
+                return feed_by_pread(feed);
+            }
+        };
+        match self.run_feed(&mut ring, feed) {
+            Ok(()) => self.rings.lock().push(ring),
+            Err(e) => {
+                tracing::warn!(error = %e, "io_uring ring failed; reading the rest with pread");
+                feed_by_pread(feed);
+            }
+        }
     }
 
     fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
@@ -672,6 +916,117 @@ mod tests {
         let buffered = ShardFile::open(&p, false).unwrap();
         assert!(!buffered.direct);
         check_reader(default_reader(8).unwrap().as_ref(), &buffered, &data);
+    }
+
+    /// A feed of `n` one-page reads at scattered offsets (one of them
+    /// past the end of the file, one on a bad descriptor), handing out a
+    /// new "chunk" of `chunk` reads only when allowed to start one, and
+    /// recording what each report said.
+    struct TestFeed {
+        fd: RawFd,
+        bufs: Vec<AlignedBuf>,
+        offs: Vec<u64>,
+        next: usize,
+        chunk: usize,
+        reported: Vec<Option<io::Result<usize>>>,
+        settles: usize,
+        /// Reads handed out before the first report.
+        before_first_report: Option<usize>,
+    }
+
+    // SAFETY: each read gets its own buffer, kept until the feed is dropped.
+    unsafe impl ReadFeed for TestFeed {
+        fn next(&mut self, may_start: bool) -> Option<FeedRead> {
+            if self.next == self.offs.len() || (!may_start && self.next.is_multiple_of(self.chunk))
+            {
+                return None;
+            }
+            let i = self.next;
+            self.next += 1;
+            Some(FeedRead {
+                fd: if i == 3 { -1 } else { self.fd },
+                offset: self.offs[i],
+                ptr: self.bufs[i].as_mut_ptr(),
+                len: PAGE,
+                tag: 1000 + i as u64,
+            })
+        }
+        fn done(&mut self, tag: u64, result: io::Result<usize>) {
+            self.before_first_report.get_or_insert(self.next);
+            let i = (tag - 1000) as usize;
+            assert!(self.reported[i].is_none(), "read {i} reported twice");
+            self.reported[i] = Some(result);
+        }
+        fn settled(&mut self) {
+            self.settles += 1;
+        }
+    }
+
+    #[test]
+    fn feeds_are_read_in_full_and_reported_once_each() {
+        let d = tempfile::tempdir().unwrap();
+        let (p, data) = sample_file(d.path(), 40 * PAGE + 100);
+        let f = ShardFile::open(&p, true).unwrap();
+        let n = 37;
+        let offs: Vec<u64> = (0..n)
+            .map(|i| {
+                if i == 5 {
+                    60 * PAGE as u64
+                } else {
+                    ((i * 11) % 41) as u64 * PAGE as u64
+                }
+            })
+            .collect();
+        let mut readers: Vec<Arc<dyn PageReader>> = vec![Arc::new(PreadPool::new(2).unwrap())];
+        match UringReader::new(8) {
+            Ok(u) => readers.push(Arc::new(u)),
+            Err(e) => eprintln!("io_uring unavailable here ({e}); only the pool was checked"),
+        }
+        for r in readers {
+            let mut feed = TestFeed {
+                fd: f.fd(),
+                bufs: (0..n).map(|_| AlignedBuf::new(PAGE)).collect(),
+                offs: offs.clone(),
+                next: 0,
+                chunk: 10,
+                reported: (0..n).map(|_| None).collect(),
+                settles: 0,
+                before_first_report: None,
+            };
+            r.read_feed(&mut feed);
+            assert_eq!(feed.next, n, "{}", r.name());
+            for (i, &o) in offs.iter().enumerate() {
+                let res = feed.reported[i].take().expect("every read is reported");
+                let o = o as usize;
+                match i {
+                    3 => assert_eq!(res.unwrap_err().raw_os_error(), Some(libc::EBADF)),
+                    5 => assert_eq!(res.unwrap(), 0, "{}: past the end", r.name()),
+                    _ => {
+                        let got = res.unwrap();
+                        let want = (data.len() - o).min(PAGE);
+                        assert_eq!(got, want, "{} read {i}", r.name());
+                        assert_eq!(&feed.bufs[i].as_slice()[..got], &data[o..o + got]);
+                    }
+                }
+            }
+            assert!(feed.settles >= 1, "{}", r.name());
+            if r.name() == "io_uring" {
+                // At most the ring's depth goes out before the first
+                // report: later reads are asked for as earlier ones finish.
+                assert!(
+                    feed.before_first_report.unwrap() <= 8,
+                    "{:?}",
+                    feed.before_first_report
+                );
+            } else {
+                // A batching reader reads one chunk at a time.
+                assert!(
+                    feed.before_first_report.unwrap() <= 10,
+                    "{:?}",
+                    feed.before_first_report
+                );
+            }
+        }
     }
 
     #[test]

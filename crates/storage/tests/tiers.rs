@@ -3,7 +3,8 @@
 //! the admission policy (S3-FIFO keeps hot rows through a scan of one-off
 //! ids that CLOCK lets flush them), read spans no wider than the file's
 //! direct-I/O granule, and prefetch of a whole step that a foreground
-//! resolve never waits behind.
+//! resolve never waits behind, whose rows are usable one by one as their
+//! reads finish.
 
 mod common;
 
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use common::*;
 use metrale_storage::cached::{CacheConfig, CachedTable, PREFETCH_CHUNK, Policy};
-use metrale_storage::io::{PageReader, ReadReq, default_reader};
+use metrale_storage::io::{PageReader, ReadFeed, ReadReq, default_reader, pread_full};
 use metrale_storage::table::{RowRef, RowTable};
 use parking_lot::Mutex;
 
@@ -243,4 +244,98 @@ fn prefetch_leaves_room_for_foreground_resolves() {
     gather_and_check(gpu.as_ref(), &t, &other, s);
     t.wait_prefetched();
     t.check_invariants().unwrap();
+}
+
+/// A reader that reads the first read of a feed, reports it, then holds
+/// the rest until released.
+struct Trickle {
+    hold: Mutex<Option<mpsc::Receiver<()>>>,
+    entered: Mutex<Option<mpsc::Sender<()>>>,
+}
+
+impl PageReader for Trickle {
+    fn name(&self) -> &str {
+        "trickle"
+    }
+    /// A whole batch is held like the rest of a feed: a reader that can
+    /// only report a batch at once makes every row of it wait.
+    fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
+        let res = reqs
+            .iter_mut()
+            .map(|r| pread_full(r.fd, r.buf, r.offset))
+            .collect();
+        self.wait_for_release();
+        res
+    }
+    fn read_feed(&self, feed: &mut dyn ReadFeed) {
+        let mut first = true;
+        while let Some(r) = feed.next(true) {
+            // SAFETY: the feed keeps the bytes for this read until `done`.
+            let buf = unsafe { std::slice::from_raw_parts_mut(r.ptr, r.len) };
+            let res = pread_full(r.fd, buf, r.offset);
+            feed.done(r.tag, res);
+            feed.settled();
+            if std::mem::take(&mut first) {
+                self.wait_for_release();
+            }
+        }
+    }
+}
+
+impl Trickle {
+    /// The first time: say so, and wait to be released.
+    fn wait_for_release(&self) {
+        if let Some(rx) = self.hold.lock().take() {
+            if let Some(tx) = self.entered.lock().take() {
+                let _ = tx.send(());
+            }
+            let _ = rx.recv_timeout(Duration::from_secs(20));
+        }
+    }
+}
+
+#[test]
+fn a_prefetched_row_is_usable_as_soon_as_its_own_read_is_in() {
+    for fp8 in [false, true] {
+        let d = tempfile::tempdir().unwrap();
+        let files = make_table(d.path(), 1, 1024, 160, fp8, 4096);
+        let (gpu, _) = backend();
+        let (release_tx, release_rx) = mpsc::channel();
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let mut c = cfg(64, 16, Policy::S3Fifo, 0);
+        c.reader = Some(Arc::new(Trickle {
+            hold: Mutex::new(Some(release_rx)),
+            entered: Mutex::new(Some(entered_tx)),
+        }));
+        let t = CachedTable::open(files, gpu.clone(), c).unwrap();
+        // Two rows far apart: two reads, the lower offset first. With FP8
+        // the scales are a third read, after both rows' values.
+        let step = [10u64, 1000];
+        t.prefetch(&step).unwrap();
+        entered_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the prefetch thread reads its first row");
+        let s = gpu.create_stream().unwrap();
+        let before = t.stats();
+        let t0 = std::time::Instant::now();
+        if fp8 {
+            // A row is ready only when its scale is in too: row 10 still
+            // waits for the held reads, so only check it is not handed out
+            // half-read once they are released.
+            release_tx.send(()).unwrap();
+            gather_and_check(gpu.as_ref(), &t, &step[..1], s);
+        } else {
+            gather_and_check(gpu.as_ref(), &t, &step[..1], s);
+            // The reader holds row 1000 for 20 s: a row published only
+            // with its whole chunk would wait that long.
+            assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+            release_tx.send(()).unwrap();
+        }
+        assert_eq!(t.stats().since(&before).misses, 0, "fp8={fp8}");
+        t.wait_prefetched();
+        let before = t.stats();
+        gather_and_check(gpu.as_ref(), &t, &step, s);
+        assert_eq!(t.stats().since(&before).misses, 0, "fp8={fp8}");
+        t.check_invariants().unwrap();
+    }
 }

@@ -24,10 +24,14 @@
 //! - a prefetched row is first `QUEUED` (mapped, unpinned, not yet read):
 //!   a resolve that needs it takes the read over at once (it becomes one of
 //!   the resolve's own loads), so a foreground miss never waits behind the
-//!   prefetch queue, only behind a chunk of at most [`PREFETCH_CHUNK`] rows
-//!   the prefetch thread has already started; prefetches hold at most
-//!   `slots - max_resolve` slots queued or loading, so a resolve always
-//!   finds room that leases do not hold;
+//!   prefetch queue, only behind the rest of a chunk of at most
+//!   [`PREFETCH_CHUNK`] rows the prefetch thread has already started; the
+//!   thread starts a chunk only when its reader has room for another read
+//!   (io_uring: fewer than `io_depth` in flight), reads chunks in the order
+//!   they were asked for, and publishes each row as soon as its own reads
+//!   are in, so a resolve waiting on a prefetched row waits for that row
+//!   only; prefetches hold at most `slots - max_resolve` slots queued or
+//!   loading, so a resolve always finds room that leases do not hold;
 //! - a failed resolve holds no pins, and the slots of its failed reads
 //!   (rows copied from the host tier included) are unmapped (`FREE`), so a
 //!   retry reads them again;
@@ -46,7 +50,7 @@
 //!
 //! Concurrency: resolves from several threads take the mutex only to plan
 //! and to publish; their reads run in parallel. Prefetches are read by a
-//! background thread, in chunks.
+//! background thread as one stream of chunks ([`PageReader::read_feed`]).
 //!
 //! Statistics: `hits` counts ids found mapped (including repeats within a
 //! batch and rows a prefetch brought in), `misses` rows read (by resolves or
@@ -363,22 +367,10 @@ impl CachedTable {
         let worker = std::thread::Builder::new()
             .name("table-prefetch".into())
             .spawn(move || {
-                for chunk in rx.iter() {
-                    let loads = w.start_prefetch(&chunk);
-                    if loads.is_empty() {
-                        continue;
-                    }
-                    let r = w.load(&loads);
-                    if let Err(e) = &r {
-                        // Advice only: the rows stay unmapped and the resolve
-                        // that needs them reads them again and reports a
-                        // lasting fault itself, so a warning here would only
-                        // repeat it.
-                        tracing::debug!(error = %e, "prefetch read failed; rows left unmapped");
-                    }
-                    let mut g = w.st.lock();
-                    g.prefetching -= loads.len();
-                    w.finish_loads(&mut g, &loads, r.is_ok());
+                let mut feed = read::PrefetchFeed::new(&w, &rx);
+                while feed.wait() {
+                    w.reader.read_feed(&mut feed);
+                    feed.flush();
                 }
             })
             .map_err(|cause| StorageError::Thread {

@@ -35,7 +35,10 @@
 //! (the `packed` rows); with `--padded`, the checkpoint with its rows
 //! padded by `table pack --pad-rows` (the `padded` rows). The disk's random 4 KiB read ceiling
 //! ([`RandomReads`], the miss path's reader) is measured in the same run,
-//! on the checkpoint's own shard file.
+//! on the checkpoint's own shard file, and beside it the round trip of a
+//! batch of [`ROUND_READS`] reads issued together: a step waits at least
+//! that long for the first rows it asks for when it starts, which nothing
+//! hides without a backbone.
 //!
 //! Invariants: every configuration sees the same prompts and the same
 //! decode tokens (one seeded stream), so the figures differ only by how
@@ -326,6 +329,9 @@ struct Report {
     disk_direct: bool,
     disk_random_reads_per_s: f64,
     disk_random_read_bytes_per_s: f64,
+    /// Median microseconds a batch of [`ROUND_READS`] random 4 KiB reads
+    /// takes, issued together.
+    disk_round_us: f64,
     backbone_scale: usize,
     backbone_layers: usize,
     cache_policy: &'static str,
@@ -629,17 +635,47 @@ fn run_pack(
         .map_err(failure)
 }
 
-/// The disk's random 4 KiB read rate on `path` through the miss path's
-/// reader: reads per second, the reader's name and whether it is O_DIRECT.
-fn disk_ceiling(path: &Path, window: Duration) -> Result<(f64, String, bool)> {
+/// Reads in a batch of the disk's round-trip probe: about the misses of
+/// one pipeline group of a full-run decode step.
+const ROUND_READS: usize = 64;
+
+/// What the disk gives the miss path, measured on one shard file.
+struct Disk {
+    /// Random 4 KiB reads per second, 1024 at a time.
+    reads_per_s: f64,
+    /// Median wall time of a batch of [`ROUND_READS`] random 4 KiB reads
+    /// issued together: the least a step waits for rows first asked for
+    /// when it starts.
+    round: Duration,
+    reader: String,
+    direct: bool,
+}
+
+/// The disk's random 4 KiB read rate and round trip on `path` through the
+/// miss path's reader.
+fn disk_ceiling(path: &Path, window: Duration) -> Result<Disk> {
     let mut w = RandomReads::new(path, 1024, 7)?;
     let t0 = Instant::now();
     let mut reads = 0u64;
     while t0.elapsed() < window {
         reads += w.run()?;
     }
-    let rate = reads as f64 / t0.elapsed().as_secs_f64().max(1e-9);
-    Ok((rate, w.reader_name().to_string(), w.direct()))
+    let reads_per_s = reads as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+    let mut r = RandomReads::new(path, ROUND_READS, 11)?;
+    let mut rounds = Vec::new();
+    let t0 = Instant::now();
+    while rounds.len() < 16 || (t0.elapsed() < window / 4 && rounds.len() < 2000) {
+        let t = Instant::now();
+        r.run()?;
+        rounds.push(t.elapsed());
+    }
+    rounds.sort_unstable();
+    Ok(Disk {
+        reads_per_s,
+        round: rounds[rounds.len() / 2],
+        reader: w.reader_name().to_string(),
+        direct: w.direct(),
+    })
 }
 
 /// Figures of one configuration before the resident comparison.
@@ -709,13 +745,20 @@ fn measure_all(
         bytes(slots as u64 * row_bytes),
         sizes.sequences
     );
-    let (reads_per_s, reader, direct) = disk_ceiling(&site.table.shards[0].0, sizes.ceiling)
+    let disk = disk_ceiling(&site.table.shards[0].0, sizes.ceiling)
         .context("measuring the disk's random reads")?;
     eprintln!(
-        "bench offload: disk random 4 KiB reads: {:.0}/s ({}/s) through {reader}{}",
-        reads_per_s,
-        bytes((reads_per_s * 4096.0) as u64),
-        if direct { ", O_DIRECT" } else { ", buffered" }
+        "bench offload: disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}; {ROUND_READS} at \
+         once take {:.0} us",
+        disk.reads_per_s,
+        bytes((disk.reads_per_s * 4096.0) as u64),
+        disk.reader,
+        if disk.direct {
+            ", O_DIRECT"
+        } else {
+            ", buffered"
+        },
+        disk.round.as_secs_f64() * 1e6
     );
     let mut tables = vec![
         ("resident", TableMode::Resident, ck),
@@ -776,10 +819,11 @@ fn measure_all(
         sequences: sizes.sequences,
         measured_steps: sizes.measure,
         measured_reps: sizes.reps,
-        disk_reader: reader,
-        disk_direct: direct,
-        disk_random_reads_per_s: reads_per_s,
-        disk_random_read_bytes_per_s: reads_per_s * 4096.0,
+        disk_reader: disk.reader,
+        disk_direct: disk.direct,
+        disk_random_reads_per_s: disk.reads_per_s,
+        disk_random_read_bytes_per_s: disk.reads_per_s * 4096.0,
+        disk_round_us: disk.round.as_secs_f64() * 1e6,
         backbone_scale: scale,
         backbone_layers: ck.spec.num_hidden_layers,
         cache_policy: tuning.policy.unwrap_or(DEFAULT_POLICY).name(),
@@ -1366,7 +1410,7 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}",
+        "disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}; {ROUND_READS} at once take {:.0} us",
         r.disk_random_reads_per_s,
         bytes(r.disk_random_read_bytes_per_s as u64),
         r.disk_reader,
@@ -1374,7 +1418,8 @@ fn print(r: &Report, json: bool) -> Result<()> {
             ", O_DIRECT"
         } else {
             ", buffered"
-        }
+        },
+        r.disk_round_us
     )?;
     writeln!(
         out,

@@ -44,11 +44,15 @@
 //! would no longer continue bit for bit.
 //!
 //! Partial reductions: [`project_range`] runs the chain over steps
-//! `from..to` only, starting from zero or from what `y` already holds. A
-//! projection cut into ranges at even steps, each continuing from the last,
-//! is the same chain (the stored sum is the exact f32 the register held),
-//! so its results are bit-identical to one call: a layer can project the
-//! rows it has while the rest are still being read.
+//! `from..to` only, starting from zero or from the sums a call over the
+//! steps before left in `y`. A projection cut into ranges at even steps,
+//! each continuing from the last, is the same chain (the stored sum is the
+//! exact f32 the register held), so its results are bit-identical to one
+//! call: a layer can project the rows it has while the rest are still being
+//! read. Between the calls of a cut projection `y` holds the sums in a
+//! layout of this module's own (panel by panel, where whole panels fill the
+//! rows, so each task reads and writes one contiguous run); only the call
+//! whose range ends at `E` leaves `y` as the projection's rows.
 //!
 //! Work split: token tiles of `TILE_ROWS` rows, sequentially; within a tile,
 //! rayon over weight panels. Each panel's weights are read once per tile and
@@ -224,8 +228,9 @@ pub struct Steps {
     pub from: usize,
     /// One past the last step (even, or `E`).
     pub to: usize,
-    /// Continue from the sums `y` holds (a call over earlier steps wrote
-    /// them); otherwise start from zero.
+    /// Continue from the sums a call over the steps before left in `y`
+    /// (kept there in a layout of this module's own until a call ends at
+    /// `E`); otherwise start from zero.
     pub accumulate: bool,
 }
 
@@ -400,16 +405,44 @@ fn project_checked(
             });
         return Ok(());
     }
-    let e2 = e.div_ceil(2);
+    // Sums passed between the calls of a cut projection are kept panel by
+    // panel (see `Tile`) where whole panels fill `y` exactly.
+    let staged = o.is_multiple_of(NR);
     let (mut pairs, mut packed) = (Vec::new(), Vec::new());
+    let mut snapshot: Vec<f32> = Vec::new();
     for t0 in (0..t).step_by(TILE_ROWS) {
         let rows = TILE_ROWS.min(t - t0);
-        let tile = Tile { y: yp, t0, rows, o };
+        let load_staged = accumulate && staged;
+        let store_staged = k1 < e && staged;
+        // The last call turns staged sums into rows in place: one task's
+        // rows would overwrite panels other tasks have yet to load, so
+        // they load from a copy.
+        let from = if load_staged && !store_staged {
+            snapshot.clear();
+            // SAFETY: the tile's rows lie inside `y`; no task runs yet.
+            snapshot.extend_from_slice(unsafe {
+                std::slice::from_raw_parts(yp.get().add(t0 * o), rows * o)
+            });
+            SyncPtr(snapshot.as_mut_ptr())
+        } else {
+            // SAFETY: `t0 * o` lies inside `y` (`t0 < t`).
+            SyncPtr(unsafe { yp.get().add(t0 * o) })
+        };
+        let tile = Tile {
+            y: yp,
+            t0,
+            rows,
+            o,
+            staged_from: load_staged.then_some(from),
+            store_staged,
+        };
         let xt = &x[t0 * e..(t0 + rows) * e];
+        // Only the steps of this call are packed: a projection cut into
+        // ranges packs each activation once, as one call does.
         if kernel == Kernel::Avx512Dot {
             pairs.clear();
             pairs.extend(xt.chunks_exact(e).flat_map(|row| {
-                (0..e2).map(move |i| {
+                (k0 / 2..k1.div_ceil(2)).map(move |i| {
                     let hi = row[2 * i].to_bits() >> 16;
                     let lo = row.get(2 * i + 1).map_or(0, |v| v.to_bits() >> 16);
                     (hi << 16) | lo
@@ -417,7 +450,7 @@ fn project_checked(
             }));
         }
         if kernel == Kernel::Avx512Fma {
-            pack_tiles(xt, rows, e, &mut packed);
+            pack_tiles(xt, rows, e, k0, k1, &mut packed);
         }
         let (xpairs, xpacked) = (&pairs[..], &packed[..]);
         if matches!(kernel, Kernel::Avx512Fma | Kernel::Avx512Dot) {
@@ -430,7 +463,8 @@ fn project_checked(
                 .for_each(|g| {
                     let p0 = 2 * g;
                     let n = 2.min(np - p0);
-                    let mut acc = [0.0f32; 2 * TILE_ROWS * NR];
+                    let mut acc_buf = [std::mem::MaybeUninit::<f32>::uninit(); 2 * TILE_ROWS * NR];
+                    let acc = zeroed(&mut acc_buf[..n * rows * NR]);
                     if accumulate {
                         for q in 0..n {
                             // SAFETY: panel `p0 + q` belongs to this task
@@ -439,7 +473,7 @@ fn project_checked(
                         }
                     }
                     let wg = &w[p0 * panel_len(e)..(p0 + n) * panel_len(e)];
-                    let acc_n = &mut acc[..n * rows * NR];
+                    let acc_n = &mut acc[..];
                     if kernel == Kernel::Avx512Dot {
                         panels_bf16(xpairs, wg, n, acc_n, rows, e, k0, k1);
                     } else {
@@ -454,10 +488,11 @@ fn project_checked(
             continue;
         }
         (0..np).into_par_iter().with_min_len(min_len).for_each(|p| {
-            let mut acc = [0.0f32; TILE_ROWS * NR];
+            let mut acc_buf = [std::mem::MaybeUninit::<f32>::uninit(); TILE_ROWS * NR];
+            let acc = zeroed(&mut acc_buf[..rows * NR]);
             if accumulate {
                 // SAFETY: panel `p` belongs to this task alone (see `Tile`).
-                unsafe { tile.load(&mut acc, p) };
+                unsafe { tile.load(acc, p) };
             }
             panel(
                 kernel,
@@ -469,7 +504,7 @@ fn project_checked(
                 (k0, k1),
             );
             // SAFETY: as above.
-            unsafe { tile.store(&acc, p) };
+            unsafe { tile.store(acc, p) };
         });
     }
     Ok(())
@@ -485,17 +520,45 @@ struct Tile {
     t0: usize,
     rows: usize,
     o: usize,
+    /// Where the staged sums to continue start (this tile's rows of `y`,
+    /// or a copy of them), when a call over earlier steps left them.
+    staged_from: Option<SyncPtr>,
+    /// Leave the sums staged: a later call continues them.
+    store_staged: bool,
 }
 
 impl Tile {
+    /// Where panel `p` of these rows lies while staged, from the tile's
+    /// first value: the tile's rows `t0 .. t0 + rows` of `y [t, o]` hold, panel after panel, each
+    /// panel's `[rows, NR]` sums side by side. A task's sums are then one
+    /// contiguous run instead of a line in each of `rows` rows `4 * o`
+    /// bytes apart, which made each call of a cut projection pay about a
+    /// fifth of a millisecond at decode sizes to fetch and put them back.
+    /// Needs `o` a multiple of `NR` (the panels fill the rows exactly).
+    fn staged_at(self, p: usize) -> usize {
+        p * self.rows * NR
+    }
+
     /// Panel `p` of these rows into `acc [rows, NR]`.
     ///
     /// # Safety
     /// `y` holds at least `(t0 + rows) * o` values, `p * NR < o`, and no
     /// other task reads or writes panel `p` of these rows meanwhile.
     unsafe fn load(self, acc: &mut [f32], p: usize) {
-        let cols = NR.min(self.o - p * NR);
         assert!(acc.len() >= self.rows * NR);
+        if let Some(from) = self.staged_from {
+            // SAFETY: forwarded from the caller; staged, the panel's sums
+            // are `rows * NR` values inside the tile's `rows * o`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    from.get().add(self.staged_at(p)),
+                    acc.as_mut_ptr(),
+                    self.rows * NR,
+                )
+            };
+            return;
+        }
+        let cols = NR.min(self.o - p * NR);
         for r in 0..self.rows {
             // SAFETY: forwarded from the caller; row t0 + r, columns
             // `p * NR .. p * NR + cols` lie inside `y`.
@@ -514,8 +577,19 @@ impl Tile {
     /// # Safety
     /// As [`Tile::load`].
     unsafe fn store(self, acc: &[f32], p: usize) {
-        let cols = NR.min(self.o - p * NR);
         assert!(acc.len() >= self.rows * NR);
+        if self.store_staged {
+            // SAFETY: as in `load`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    acc.as_ptr(),
+                    self.y.get().add(self.t0 * self.o + self.staged_at(p)),
+                    self.rows * NR,
+                )
+            };
+            return;
+        }
+        let cols = NR.min(self.o - p * NR);
         for r in 0..self.rows {
             // SAFETY: as in `load`.
             unsafe {
@@ -527,6 +601,18 @@ impl Tile {
             };
         }
     }
+}
+
+/// `buf` cleared and viewed as f32s. A task's accumulators are sized for
+/// the largest token tile but cleared only as far as its rows reach: a
+/// whole-tile clear per task costs a decode step more than its loads.
+fn zeroed(buf: &mut [std::mem::MaybeUninit<f32>]) -> &mut [f32] {
+    for v in buf.iter_mut() {
+        v.write(0.0);
+    }
+    // SAFETY: every element was just written; `MaybeUninit<f32>` has the
+    // layout of `f32`.
+    unsafe { &mut *(buf as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) }
 }
 
 /// A pointer shared by the tasks of one call, each writing its own elements.
@@ -544,8 +630,8 @@ impl SyncPtr {
 
 /// `n` (1 or 2) consecutive panels on the AVX-512 BF16 path for `rows`
 /// token rows, steps `k0..k1` (`k0` even): `acc [n, rows, NR]` continues
-/// their outputs. `xpairs` holds the rows as BF16 pairs, `ceil(e / 2)`
-/// words a row.
+/// their outputs. `xpairs` holds the rows' steps `k0..k1` as BF16 pairs,
+/// `ceil((k1 - k0) / 2)` words a row.
 #[allow(clippy::too_many_arguments)]
 fn panels_bf16(
     xpairs: &[u32],
@@ -560,6 +646,7 @@ fn panels_bf16(
     let pl = panel_len(e);
     assert!((1..=2).contains(&n) && wp.len() == n * pl && acc.len() == n * rows * NR);
     let e2 = e.div_ceil(2);
+    let w2 = (k1 - k0).div_ceil(2);
     let (acc0, acc1) = acc.split_at_mut(rows * NR);
     // The packed words are the `vdpbf16ps` operands; a panel is `e2 * NR`
     // of them. The second panel's pointer is only read when n == 2.
@@ -572,9 +659,10 @@ fn panels_bf16(
         let mut r0 = 0;
         for tile in 0..tiles {
             let mr = base + usize::from(tile < extra);
-            // KC and k0 are even, so block `kb` starts at pair `kb / 2`.
-            let xs = &xpairs[r0 * e2 + kb / 2..];
-            assert!(xs.len() >= (mr - 1) * e2 + kp);
+            // KC and k0 are even, so block `kb` starts at pair `(kb - k0)
+            // / 2` of a row.
+            let xs = &xpairs[r0 * w2 + (kb - k0) / 2..];
+            assert!(xs.len() >= (mr - 1) * w2 + kp);
             let a0 = &mut acc0[r0 * NR..(r0 + mr) * NR];
             let a1: &mut [f32] = if n == 2 {
                 &mut acc1[r0 * NR..(r0 + mr) * NR]
@@ -597,8 +685,8 @@ fn panels_bf16(
                 macro_rules! tile {
                     ($($m:literal)*) => {
                         match (mr, n) {
-                            $(($m, 2) => avx512::micro_bf16_2::<$m>(xp, e2, b0, b1, kp, p0, p1),
-                              ($m, _) => avx512::micro_bf16::<$m>(xp, e2, b0, kp, p0),)*
+                            $(($m, 2) => avx512::micro_bf16_2::<$m>(xp, w2, b0, b1, kp, p0, p1),
+                              ($m, _) => avx512::micro_bf16::<$m>(xp, w2, b0, kp, p0),)*
                             _ => unreachable!("tile heights are at most MR_BF16"),
                         }
                     };
@@ -619,18 +707,19 @@ fn tiles_512(rows: usize) -> impl Iterator<Item = usize> {
     (0..tiles).map(move |tile| base + usize::from(tile < extra))
 }
 
-/// `xt [rows, e]` into `out` tile by tile (heights from [`tiles_512`]): a
-/// tile of height `m` starting at row `r0` is `[e, m]` at `out[r0 * e..]`,
-/// so a register tile's activations of one step lie side by side and its
-/// broadcasts walk one pointer.
-fn pack_tiles(xt: &[f32], rows: usize, e: usize, out: &mut Vec<f32>) {
+/// Steps `k0..k1` of `xt [rows, e]` into `out` tile by tile (heights from
+/// [`tiles_512`]): with `w = k1 - k0`, a tile of height `m` starting at row
+/// `r0` is `[w, m]` at `out[r0 * w..]`, so a register tile's activations
+/// of one step lie side by side and its broadcasts walk one pointer.
+fn pack_tiles(xt: &[f32], rows: usize, e: usize, k0: usize, k1: usize, out: &mut Vec<f32>) {
+    let w = k1 - k0;
     out.clear();
-    out.resize(rows * e, 0.0);
+    out.resize(rows * w, 0.0);
     let mut r0 = 0;
     for m in tiles_512(rows) {
-        let dst = &mut out[r0 * e..(r0 + m) * e];
+        let dst = &mut out[r0 * w..(r0 + m) * w];
         for i in 0..m {
-            let row = &xt[(r0 + i) * e..(r0 + i + 1) * e];
+            let row = &xt[(r0 + i) * e + k0..(r0 + i) * e + k1];
             for (k, &v) in row.iter().enumerate() {
                 dst[k * m + i] = v;
             }
@@ -640,7 +729,7 @@ fn pack_tiles(xt: &[f32], rows: usize, e: usize, out: &mut Vec<f32>) {
 }
 
 /// `n` (1 or 2) consecutive panels with the AVX-512 FMA kernel for `rows`
-/// token rows, `xp` the rows packed by [`pack_tiles`]: `acc [n, rows, NR]` gets their
+/// token rows, `xp` their steps `k0..k1` packed by [`pack_tiles`]: `acc [n, rows, NR]` gets their
 /// outputs. Each `KC` block of the weights is widened to f32 once, `[kc,
 /// 2 * NR]` (both panels of a step side by side), and shared by every
 /// register tile of the rows.
@@ -663,7 +752,7 @@ fn panels_fma512(
 ) {
     let pl = panel_len(e);
     assert!((1..=2).contains(&n) && wp.len() == n * pl && acc.len() == n * rows * NR);
-    assert!(xp.len() == rows * e);
+    assert!(xp.len() == rows * (k1 - k0));
     let mut buf = [0.0f32; KC_512 * 2 * NR];
     let (acc0, acc1) = acc.split_at_mut(rows * NR);
     for kb in (k0..k1).step_by(KC_512) {
@@ -706,7 +795,8 @@ fn panels_fma512(
                 }
             }
             // Steps `kb .. kb + kc` of this tile, `[kc, mr]`.
-            let xs = &xp[r0 * e + kb * mr..r0 * e + (kb + kc) * mr];
+            let w = k1 - k0;
+            let xs = &xp[r0 * w + (kb - k0) * mr..r0 * w + (kb - k0 + kc) * mr];
             let a0 = &mut acc0[r0 * NR..(r0 + mr) * NR];
             let a1: &mut [f32] = if n == 2 {
                 &mut acc1[r0 * NR..(r0 + mr) * NR]

@@ -46,7 +46,7 @@ pub use super::device_kernels::MODULE;
 /// | `gather` | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3, 2 FP8 E4M3 + UE8M0 per 32), out |
 /// | `gather_runs` | refs, n, head_dim, dtype, out, run, stride: reference `i` to out row `(i / run) * stride + i % run` |
 /// | `project` | x, w (packed), y, T, E, O |
-/// | `project_range` | x, w, y, T, E, O, from, to, accumulate: steps `from..to` only, continuing `y` when accumulate is 1 |
+/// | `project_range` | x, w, y, T, E, O, from, to, accumulate: steps `from..to` only, continuing `y` when accumulate is 1; `y` holds the projection's rows once `to == E` (before that, sums in a layout of the backend's own) |
 /// | `gate` | highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps |
 /// | `gate_norms` | highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps_q, eps_k, eps_conv, form (0 `1+w`, 1 `w`), conv (0: no `xn`) |
 /// | `conv` | xn, gated, state, w, highway, T, C, K, D |

@@ -119,7 +119,8 @@ fn ranges(e: usize, cuts: &[usize]) -> Vec<(usize, usize)> {
 #[test]
 fn consecutive_ranges_equal_one_call_on_every_kernel() {
     // Cuts inside and on KC blocks, odd depths (the last range ends at E),
-    // single rows (the row-direct kernels) and tiles.
+    // single rows (the row-direct kernels) and tiles, outputs in whole
+    // panels and not.
     for &(t, e, o, cuts) in &[
         (1, 300, 150, &[100, 256][..]),
         (1, 513, 64, &[2, 320, 512][..]),
@@ -127,6 +128,9 @@ fn consecutive_ranges_equal_one_call_on_every_kernel() {
         (25, 259, 48, &[128, 130, 258][..]),
         (32, 2560, 40, &[640, 1280, 1920][..]),
         (100, 640, 20, &[320][..]),
+        // Whole panels: the sums between calls are staged panel by panel,
+        // in two token tiles.
+        (100, 640, 32, &[2, 320, 322][..]),
         (13, 17, 16, &[4, 8, 12, 16][..]),
     ] {
         let (x, w) = case(t, e, o, (t * 7 + e + o * 3) as u64);
