@@ -49,8 +49,11 @@
 //! resolves, releases and prefetches) and their events destroyed by it.
 //!
 //! Concurrency: resolves from several threads take the mutex only to plan
-//! and to publish; their reads run in parallel. Prefetches are read by a
-//! background thread as one stream of chunks ([`PageReader::read_feed`]).
+//! and to publish; their reads run in parallel. A prefetch only checks its
+//! ids and hands them to a background thread, which claims their slots in
+//! the order asked and reads them as one stream of chunks
+//! ([`PageReader::read_feed`]); until it has claimed a row, a resolve that
+//! needs it reads it as its own miss.
 //!
 //! Statistics: `hits` counts ids found mapped (including repeats within a
 //! batch and rows a prefetch brought in), `misses` rows read (by resolves or
@@ -211,6 +214,8 @@ struct State {
     evict: Evictor,
     /// Slots prefetches hold `QUEUED` or are reading.
     prefetching: usize,
+    /// Prefetch requests sent to the prefetch thread and not yet claimed.
+    unclaimed: usize,
     leases: IdMap<Vec<u32>>,
     next_lease: u64,
     next_batch: u64,
@@ -255,7 +260,7 @@ struct Inner {
 /// A table whose rows stay on disk, with the hot ones in a slot arena.
 pub struct CachedTable {
     inner: Arc<Inner>,
-    prefetch_tx: Option<Sender<Vec<(u32, u64, u32)>>>,
+    prefetch_tx: Option<Sender<Vec<u64>>>,
     worker: Option<JoinHandle<()>>,
 }
 
@@ -353,6 +358,7 @@ impl CachedTable {
                 slots,
                 evict: Evictor::new(cfg.policy, cfg.slots),
                 prefetching: 0,
+                unclaimed: 0,
                 leases: IdMap::default(),
                 next_lease: 1,
                 next_batch: 1,
@@ -362,7 +368,7 @@ impl CachedTable {
             stats: Stats::default(),
             bufs: Mutex::new(Vec::new()),
         });
-        let (tx, rx) = unbounded::<Vec<(u32, u64, u32)>>();
+        let (tx, rx) = unbounded::<Vec<u64>>();
         let w = inner.clone();
         let worker = std::thread::Builder::new()
             .name("table-prefetch".into())
@@ -468,13 +474,14 @@ impl CachedTable {
         Ok(())
     }
 
-    /// Wait until every queued prefetch has been read.
+    /// Wait until every prefetch asked for so far has been claimed and
+    /// read.
     pub fn wait_prefetched(&self) {
         let mut g = self.inner.st.lock();
-        while g
-            .slots
-            .iter()
-            .any(|s| s.state == LOADING || s.state == QUEUED)
+        while g.unclaimed > 0
+            || g.slots
+                .iter()
+                .any(|s| s.state == LOADING || s.state == QUEUED)
         {
             self.inner.cv.wait_for(&mut g, Duration::from_millis(5));
         }
@@ -629,53 +636,34 @@ impl RowTable for CachedTable {
         Ok(())
     }
 
-    /// Claim slots for the ids not mapped yet (as `QUEUED`) and hand them
-    /// to the prefetch thread in chunks. Any number of ids is accepted (a
-    /// whole step of every site at once); claiming stops quietly once
-    /// prefetches hold `slots - max_resolve` slots or no victim is left,
-    /// since prefetch is advice. Ids not yet read when a resolve needs them
-    /// are read by that resolve itself.
+    /// Hand the ids to the prefetch thread, which claims slots for those
+    /// not mapped yet (as `QUEUED`) and reads them in chunks. Any number of
+    /// ids is accepted (a whole step of every site at once); claiming stops
+    /// quietly once prefetches hold `slots - max_resolve` slots or no victim
+    /// is left, since prefetch is advice. The caller pays only the id
+    /// check: claiming takes the cache's lock and a victim per row (about a
+    /// microsecond each), which would otherwise hold up the step that asked
+    /// before it queues any work. Ids a resolve needs before the thread has
+    /// claimed them, or before their read has started, are read by that
+    /// resolve itself.
     fn prefetch(&self, ids: &[u64]) -> Result<()> {
         for &id in ids {
             self.inner.files.check_id(id)?;
         }
-        let inner = &*self.inner;
-        let mut g = inner.st.lock();
-        if !g.pending.is_empty() {
-            inner.poll_pending(&mut g);
-        }
-        let st = &mut *g;
-        let batch = st.next_batch;
-        st.next_batch += 1;
-        let mut loads = Vec::new();
-        let mut evictions = 0;
-        for &id in ids {
-            if st.prefetching >= inner.prefetch_cap {
-                break;
-            }
-            if st.map.contains_key(&id) {
-                continue;
-            }
-            let Some((v, evicted)) = inner.take(st, id, batch, 0, QUEUED, false) else {
-                break;
-            };
-            evictions += u64::from(evicted);
-            st.prefetching += 1;
-            loads.push((v, id, st.slots[v as usize].generation));
-        }
-        drop(g);
-        inner.stats.evictions.fetch_add(evictions, Relaxed);
-        if loads.is_empty() {
+        if ids.is_empty() {
             return Ok(());
         }
+        let inner = &*self.inner;
+        inner.st.lock().unclaimed += 1;
         let tx = self
             .prefetch_tx
             .as_ref()
             .expect("prefetch channel lives until drop");
-        for chunk in loads.chunks(PREFETCH_CHUNK) {
-            if let Err(e) = tx.send(chunk.to_vec()) {
-                // The thread is gone (only while dropping): read here.
-                let loads = inner.start_prefetch(&e.into_inner());
+        if let Err(e) = tx.send(ids.to_vec()) {
+            // The thread is gone (only while dropping): read here.
+            let claimed = inner.claim_prefetch(&e.into_inner());
+            for chunk in claimed.chunks(PREFETCH_CHUNK) {
+                let loads = inner.start_prefetch(chunk);
                 let r = inner.load(&loads);
                 let mut g = inner.st.lock();
                 g.prefetching -= loads.len();

@@ -353,8 +353,9 @@ struct ChunkRead {
     outstanding: usize,
 }
 
-/// The prefetch thread's [`ReadFeed`]: chunks from the prefetch channel,
-/// started (moved from `QUEUED` to `LOADING`) only when the reader has
+/// The prefetch thread's [`ReadFeed`]: requests from the prefetch channel,
+/// claimed (slots taken, rows `QUEUED`) as they come and cut into chunks,
+/// each started (moved from `QUEUED` to `LOADING`) only when the reader has
 /// room for their first read and fewer than [`PREFETCH_WINDOW`] reads of
 /// earlier chunks are in flight, read in the order they were queued, each
 /// row published `READY` as soon as its own reads are in, not when its
@@ -363,8 +364,8 @@ struct ChunkRead {
 /// `QUEUED` for a resolve to take over.
 pub(super) struct PrefetchFeed<'a> {
     inner: &'a Inner,
-    rx: &'a Receiver<Vec<(u32, u64, u32)>>,
-    /// Chunks taken from the channel, not yet started.
+    rx: &'a Receiver<Vec<u64>>,
+    /// Chunks of claimed rows, not yet started.
     backlog: VecDeque<Vec<(u32, u64, u32)>>,
     /// Chunks in progress, by the high half of a read's tag.
     chunks: Vec<Option<ChunkRead>>,
@@ -377,7 +378,7 @@ pub(super) struct PrefetchFeed<'a> {
 }
 
 impl<'a> PrefetchFeed<'a> {
-    pub(super) fn new(inner: &'a Inner, rx: &'a Receiver<Vec<(u32, u64, u32)>>) -> Self {
+    pub(super) fn new(inner: &'a Inner, rx: &'a Receiver<Vec<u64>>) -> Self {
         PrefetchFeed {
             inner,
             rx,
@@ -393,16 +394,20 @@ impl<'a> PrefetchFeed<'a> {
     /// Block until there is a chunk to read; false once the channel is
     /// closed and nothing is left.
     pub(super) fn wait(&mut self) -> bool {
-        if !self.backlog.is_empty() {
-            return true;
-        }
-        match self.rx.recv() {
-            Ok(c) => {
-                self.backlog.push_back(c);
-                true
+        while self.backlog.is_empty() {
+            match self.rx.recv() {
+                Ok(ids) => self.claim(&ids),
+                Err(_) => return false,
             }
-            Err(_) => false,
         }
+        true
+    }
+
+    /// Claim the rows of one request and queue them in chunks.
+    fn claim(&mut self, ids: &[u64]) {
+        let claimed = self.inner.claim_prefetch(ids);
+        self.backlog
+            .extend(claimed.chunks(super::PREFETCH_CHUNK).map(<[_]>::to_vec));
     }
 
     /// Start the next chunk with rows still queued: claim them, copy what
@@ -412,7 +417,11 @@ impl<'a> PrefetchFeed<'a> {
         loop {
             let chunk = match self.backlog.pop_front() {
                 Some(c) => c,
-                None => self.rx.try_recv().ok()?,
+                None => {
+                    let ids = self.rx.try_recv().ok()?;
+                    self.claim(&ids);
+                    continue;
+                }
             };
             let mut loads = inner.start_prefetch(&chunk);
             if let Some(host) = &inner.host {

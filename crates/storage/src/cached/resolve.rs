@@ -65,6 +65,43 @@ impl Inner {
         Some((v, evicted))
     }
 
+    /// Claim slots for the ids of one prefetch request not mapped yet, as
+    /// `QUEUED`, in the order asked, and count the request as claimed.
+    /// Stops quietly once prefetches hold `prefetch_cap` slots or no victim
+    /// is left (prefetch is advice). Returns `(slot, id, generation)` of
+    /// each claimed row.
+    pub(super) fn claim_prefetch(&self, ids: &[u64]) -> Vec<(u32, u64, u32)> {
+        let mut g = self.st.lock();
+        g.unclaimed -= 1;
+        if !g.pending.is_empty() {
+            self.poll_pending(&mut g);
+        }
+        let st = &mut *g;
+        let batch = st.next_batch;
+        st.next_batch += 1;
+        let mut claimed = Vec::new();
+        let mut evictions = 0;
+        for &id in ids {
+            if st.prefetching >= self.prefetch_cap {
+                break;
+            }
+            if st.map.contains_key(&id) {
+                continue;
+            }
+            let Some((v, evicted)) = self.take(st, id, batch, 0, QUEUED, false) else {
+                break;
+            };
+            evictions += u64::from(evicted);
+            st.prefetching += 1;
+            claimed.push((v, id, st.slots[v as usize].generation));
+        }
+        drop(g);
+        self.stats.evictions.fetch_add(evictions, Relaxed);
+        // Wakes `wait_prefetched` when nothing was left to claim.
+        self.cv.notify_all();
+        claimed
+    }
+
     /// Move the rows of a prefetch chunk that are still `QUEUED` (not
     /// taken over by a resolve, not remapped since) to `LOADING`: the
     /// prefetch thread reads those. Counts them as misses.
