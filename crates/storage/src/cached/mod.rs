@@ -72,7 +72,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -214,8 +214,6 @@ struct State {
     evict: Evictor,
     /// Slots prefetches hold `QUEUED` or are reading.
     prefetching: usize,
-    /// Prefetch requests sent to the prefetch thread and not yet claimed.
-    unclaimed: usize,
     leases: IdMap<Vec<u32>>,
     next_lease: u64,
     next_batch: u64,
@@ -255,6 +253,10 @@ struct Inner {
     cv: Condvar,
     stats: Stats,
     bufs: Mutex<Vec<AlignedBuf>>,
+    /// Prefetch requests sent to the prefetch thread and not yet claimed
+    /// (outside the state mutex, which the thread holds while it claims,
+    /// so that asking never waits for a claim).
+    unclaimed: AtomicUsize,
 }
 
 /// A table whose rows stay on disk, with the hot ones in a slot arena.
@@ -358,7 +360,6 @@ impl CachedTable {
                 slots,
                 evict: Evictor::new(cfg.policy, cfg.slots),
                 prefetching: 0,
-                unclaimed: 0,
                 leases: IdMap::default(),
                 next_lease: 1,
                 next_batch: 1,
@@ -367,6 +368,7 @@ impl CachedTable {
             cv: Condvar::new(),
             stats: Stats::default(),
             bufs: Mutex::new(Vec::new()),
+            unclaimed: AtomicUsize::new(0),
         });
         let (tx, rx) = unbounded::<Vec<u64>>();
         let w = inner.clone();
@@ -478,7 +480,7 @@ impl CachedTable {
     /// read.
     pub fn wait_prefetched(&self) {
         let mut g = self.inner.st.lock();
-        while g.unclaimed > 0
+        while self.inner.unclaimed.load(Relaxed) > 0
             || g.slots
                 .iter()
                 .any(|s| s.state == LOADING || s.state == QUEUED)
@@ -654,7 +656,7 @@ impl RowTable for CachedTable {
             return Ok(());
         }
         let inner = &*self.inner;
-        inner.st.lock().unclaimed += 1;
+        inner.unclaimed.fetch_add(1, Relaxed);
         let tx = self
             .prefetch_tx
             .as_ref()

@@ -72,7 +72,6 @@ impl Inner {
     /// each claimed row.
     pub(super) fn claim_prefetch(&self, ids: &[u64]) -> Vec<(u32, u64, u32)> {
         let mut g = self.st.lock();
-        g.unclaimed -= 1;
         if !g.pending.is_empty() {
             self.poll_pending(&mut g);
         }
@@ -95,6 +94,9 @@ impl Inner {
             st.prefetching += 1;
             claimed.push((v, id, st.slots[v as usize].generation));
         }
+        // Counted under the mutex, so `wait_prefetched` (which checks it
+        // under the mutex too) sees either the request or its claimed rows.
+        self.unclaimed.fetch_sub(1, Relaxed);
         drop(g);
         self.stats.evictions.fetch_add(evictions, Relaxed);
         // Wakes `wait_prefetched` when nothing was left to claim.
