@@ -449,7 +449,14 @@ pub fn pread_full(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     Ok(done)
 }
 
-/// The io_uring reader: keeps up to `depth` reads in flight per batch.
+/// A read of a feed in flight on a ring, with the bytes it has so far.
+struct InFlight {
+    read: FeedRead,
+    done: usize,
+}
+
+/// The io_uring reader: keeps up to `depth` reads in flight per batch or
+/// feed.
 pub struct UringReader {
     depth: usize,
     rings: Mutex<Vec<io_uring::IoUring>>,
@@ -486,108 +493,6 @@ impl UringReader {
         io_uring::IoUring::new((self.depth as u32).next_power_of_two())
     }
 
-    fn run(
-        &self,
-        ring: &mut io_uring::IoUring,
-        reqs: &mut [ReadReq<'_>],
-    ) -> Vec<io::Result<usize>> {
-        let n = reqs.len();
-        let mut done = vec![0usize; n];
-        let mut res: Vec<Option<io::Result<usize>>> = (0..n).map(|_| None).collect();
-        // Requests whose remainder still has to be (re)submitted.
-        let mut queue: std::collections::VecDeque<usize> = (0..n).collect();
-        let mut inflight = 0usize;
-        let mut finished = 0usize;
-        while finished < n {
-            {
-                let mut sq = ring.submission();
-                while inflight < self.depth && !sq.is_full() {
-                    let Some(i) = queue.pop_front() else { break };
-                    let r = &mut reqs[i];
-                    let rest = &mut r.buf[done[i]..];
-                    let sqe = io_uring::opcode::Read::new(
-                        io_uring::types::Fd(r.fd),
-                        rest.as_mut_ptr(),
-                        rest.len().min(u32::MAX as usize) as u32,
-                    )
-                    .offset(r.offset + done[i] as u64)
-                    .build()
-                    .user_data(i as u64);
-                    // SAFETY: the buffer outlives the read: this function
-                    // does not return while any read is in flight.
-                    if unsafe { sq.push(&sqe) }.is_err() {
-                        queue.push_front(i);
-                        break;
-                    }
-                    inflight += 1;
-                }
-            }
-            match ring.submit_and_wait(1) {
-                Ok(_) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    // The ring itself failed: drain what is in flight, then
-                    // fail what never completed.
-                    while inflight > 0 {
-                        if ring.submit_and_wait(1).is_err() {
-                            break;
-                        }
-                        for cqe in ring.completion() {
-                            let i = cqe.user_data() as usize;
-                            inflight -= 1;
-                            if cqe.result() >= 0 {
-                                done[i] += cqe.result() as usize;
-                            }
-                        }
-                    }
-                    let kind = e.kind();
-                    let msg = e.to_string();
-                    for r in res.iter_mut().filter(|r| r.is_none()) {
-                        *r = Some(Err(io::Error::new(kind, msg.clone())));
-                    }
-                    return res.into_iter().map(|r| r.expect("filled")).collect();
-                }
-            }
-            let cqes: Vec<(usize, i32)> = ring
-                .completion()
-                .map(|c| (c.user_data() as usize, c.result()))
-                .collect();
-            for (i, r) in cqes {
-                inflight -= 1;
-                if r < 0 {
-                    if r == -libc::EINTR || r == -libc::EAGAIN {
-                        queue.push_back(i);
-                    } else {
-                        res[i] = Some(Err(io::Error::from_raw_os_error(-r)));
-                        finished += 1;
-                    }
-                } else if r == 0 {
-                    res[i] = Some(Ok(done[i]));
-                    finished += 1;
-                } else {
-                    done[i] += r as usize;
-                    if done[i] >= reqs[i].buf.len() {
-                        res[i] = Some(Ok(done[i]));
-                        finished += 1;
-                    } else {
-                        queue.push_back(i);
-                    }
-                }
-            }
-        }
-        res.into_iter()
-            .map(|r| r.expect("every request finished"))
-            .collect()
-    }
-}
-
-/// A read of a feed in flight on a ring, with the bytes it has so far.
-struct InFlight {
-    read: FeedRead,
-    done: usize,
-}
-
-impl UringReader {
     /// Keep up to `depth` reads of `feed` in flight on `ring`, asking the
     /// feed for more after every completion. Returns `Err` (with every
     /// read it had started reported, and none in flight) when the ring
@@ -740,27 +645,45 @@ impl PageReader for UringReader {
     }
 
     fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
-        if reqs.is_empty() {
-            return Vec::new();
-        }
-        let ring = self.rings.lock().pop();
-        let mut ring = match ring {
-            Some(r) => r,
-            None => match self.new_ring() {
-                Ok(r) => r,
-                Err(e) => {
-                    // No ring to be had (memlock limits): read synchronously.
-                    tracing::warn!(error = %e, "io_uring ring creation failed; using pread");
-                    return reqs
-                        .iter_mut()
-                        .map(|r| pread_full(r.fd, r.buf, r.offset))
-                        .collect();
-                }
-            },
+        let mut feed = BatchFeed {
+            results: (0..reqs.len()).map(|_| None).collect(),
+            reqs,
+            next: 0,
         };
-        let out = self.run(&mut ring, reqs);
-        self.rings.lock().push(ring);
-        out
+        self.read_feed(&mut feed);
+        feed.results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(io::Error::other("a read was never reported"))))
+            .collect()
+    }
+}
+
+/// The requests of one batch as a [`ReadFeed`], so a streaming reader
+/// reads a batch the way it reads a feed.
+struct BatchFeed<'r, 'b> {
+    reqs: &'r mut [ReadReq<'b>],
+    next: usize,
+    results: Vec<Option<io::Result<usize>>>,
+}
+
+// SAFETY: each read points at its own request's buffer, borrowed (and so
+// kept and untouched) for as long as the feed lives.
+unsafe impl ReadFeed for BatchFeed<'_, '_> {
+    fn next(&mut self, _may_start: bool) -> Option<FeedRead> {
+        let i = self.next;
+        let r = self.reqs.get_mut(i)?;
+        self.next += 1;
+        Some(FeedRead {
+            fd: r.fd,
+            offset: r.offset,
+            ptr: r.buf.as_mut_ptr(),
+            len: r.buf.len(),
+            tag: i as u64,
+        })
+    }
+
+    fn done(&mut self, tag: u64, result: io::Result<usize>) {
+        self.results[tag as usize] = Some(result);
     }
 }
 

@@ -10,6 +10,8 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
+use parking_lot::MutexGuard;
+
 use super::policy::Evictor;
 use super::{Attempt, FREE, Inner, LOADING, NO_ID, QUEUED, READY, Slot, State};
 use crate::error::{Result, StorageError};
@@ -71,13 +73,8 @@ impl Inner {
     /// is left (prefetch is advice). Returns `(slot, id, generation)` of
     /// each claimed row.
     pub(super) fn claim_prefetch(&self, ids: &[u64]) -> Vec<(u32, u64, u32)> {
-        let mut g = self.st.lock();
-        if !g.pending.is_empty() {
-            self.poll_pending(&mut g);
-        }
+        let (mut g, batch) = self.lock_batch();
         let st = &mut *g;
-        let batch = st.next_batch;
-        st.next_batch += 1;
         let mut claimed = Vec::new();
         let mut evictions = 0;
         for &id in ids {
@@ -204,14 +201,22 @@ impl Inner {
         self.cv.notify_all();
     }
 
-    pub(super) fn try_resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Attempt> {
+    /// Take the state mutex for a new batch: releases whose event has
+    /// completed are dropped first (their slots may be the victims this
+    /// batch needs), then the batch gets its stamp.
+    fn lock_batch(&self) -> (MutexGuard<'_, State>, u64) {
         let mut g = self.st.lock();
         if !g.pending.is_empty() {
             self.poll_pending(&mut g);
         }
+        let batch = g.next_batch;
+        g.next_batch += 1;
+        (g, batch)
+    }
+
+    pub(super) fn try_resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Attempt> {
+        let (mut g, batch) = self.lock_batch();
         let st = &mut *g;
-        let batch = st.next_batch;
-        st.next_batch += 1;
         let mut pinned: Vec<u32> = Vec::with_capacity(ids.len().min(self.max_resolve));
         let mut loads: Vec<(u32, u64)> = Vec::new();
         let mut waits: Vec<(u32, u32)> = Vec::new();
