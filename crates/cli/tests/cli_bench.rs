@@ -117,6 +117,7 @@ fn offload_smoke_run_prints_every_table_as_json() {
     let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
     assert!(report["disk_random_reads_per_s"].as_f64().unwrap() > 0.0);
     assert!(report["disk_round_us"].as_f64().unwrap() > 0.0);
+    assert!(report["disk_read_cpu_us"].as_f64().unwrap().is_finite());
     let rows = report["rows"].as_array().expect("a rows array");
     let mut seen = Vec::new();
     for row in rows {

@@ -36,9 +36,11 @@
 //! padded by `table pack --pad-rows` (the `padded` rows). The disk's random 4 KiB read ceiling
 //! ([`RandomReads`], the miss path's reader) is measured in the same run,
 //! on the checkpoint's own shard file, and beside it the round trip of a
-//! batch of [`ROUND_READS`] reads issued together: a step waits at least
+//! batch of [`ROUND_READS`] reads issued together (a step waits at least
 //! that long for the first rows it asks for when it starts, which nothing
-//! hides without a backbone.
+//! hides without a backbone) and the CPU a read takes from cores that
+//! compute ([`read_cpu_cost`]: what each miss costs a step whose compute
+//! fills the machine).
 //!
 //! Invariants: every configuration sees the same prompts and the same
 //! decode tokens (one seeded stream), so the figures differ only by how
@@ -332,6 +334,8 @@ struct Report {
     /// Median microseconds a batch of [`ROUND_READS`] random 4 KiB reads
     /// takes, issued together.
     disk_round_us: f64,
+    /// Microseconds of CPU a random read takes from cores that compute.
+    disk_read_cpu_us: f64,
     backbone_scale: usize,
     backbone_layers: usize,
     cache_policy: &'static str,
@@ -639,6 +643,10 @@ fn run_pack(
 /// one pipeline group of a full-run decode step.
 const ROUND_READS: usize = 64;
 
+/// Random reads a second the CPU-cost probe asks for: about what a
+/// full-run decode step without the backbone asks of the disk.
+const COST_READS_PER_S: f64 = 30_000.0;
+
 /// What the disk gives the miss path, measured on one shard file.
 struct Disk {
     /// Random 4 KiB reads per second, 1024 at a time.
@@ -647,8 +655,74 @@ struct Disk {
     /// issued together: the least a step waits for rows first asked for
     /// when it starts.
     round: Duration,
+    /// Microseconds of CPU one random read takes from cores that compute
+    /// (see [`read_cpu_cost`]).
+    read_cpu_us: f64,
     reader: String,
     direct: bool,
+}
+
+/// A chain of dependent multiply-adds on every core: `iters` steps each.
+fn spin_all(iters: u64) -> Duration {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..cores {
+            s.spawn(move || {
+                let mut x = 1.0f64;
+                for i in 0..iters {
+                    x = std::hint::black_box(x * 1.000_000_1 + i as f64 * 1e-12);
+                }
+                x
+            });
+        }
+    });
+    t0.elapsed()
+}
+
+/// The CPU one random 4 KiB read takes from the cores that compute: a
+/// fixed spin on every core, timed alone and beside a thread reading
+/// [`ROUND_READS`] at a time at [`COST_READS_PER_S`]; the core time the
+/// spin lost, over the reads done meanwhile. It counts what no thread's
+/// clock shows (interrupts and completions handled on a computing core),
+/// which is what a miss costs a step whose compute fills every core. Both
+/// timings are the better of two; the figure can come out slightly below
+/// zero where reads cost less than this machine's noise.
+fn read_cpu_cost(path: &Path, window: Duration) -> Result<f64> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    // About `window` of spin: calibrated on a short run.
+    let probe = 2_000_000;
+    let per = spin_all(probe).as_secs_f64().max(1e-6) / probe as f64;
+    let iters = (window.as_secs_f64() / per) as u64;
+    let alone = spin_all(iters).min(spin_all(iters));
+    let mut best: Option<(Duration, u64)> = None;
+    for seed in [13, 17] {
+        let mut r = RandomReads::new(path, ROUND_READS, seed)?;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (took, reads) = std::thread::scope(|s| {
+            let reader = s.spawn(|| -> Result<u64> {
+                let t0 = Instant::now();
+                let mut n = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    n += r.run()?;
+                    let due = Duration::from_secs_f64(n as f64 / COST_READS_PER_S);
+                    if let Some(w) = due.checked_sub(t0.elapsed()) {
+                        std::thread::sleep(w);
+                    }
+                }
+                Ok(n)
+            });
+            let took = spin_all(iters);
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            (took, reader.join())
+        });
+        let reads = reads.map_err(|_| anyhow::anyhow!("the read-cost reader panicked"))??;
+        if best.is_none_or(|(t, _)| took < t) {
+            best = Some((took, reads));
+        }
+    }
+    let (with, reads) = best.expect("two runs");
+    Ok((with.as_secs_f64() - alone.as_secs_f64()) * cores / reads.max(1) as f64 * 1e6)
 }
 
 /// The disk's random 4 KiB read rate and round trip on `path` through the
@@ -673,6 +747,7 @@ fn disk_ceiling(path: &Path, window: Duration) -> Result<Disk> {
     Ok(Disk {
         reads_per_s,
         round: rounds[rounds.len() / 2],
+        read_cpu_us: read_cpu_cost(path, window / 4)?,
         reader: w.reader_name().to_string(),
         direct: w.direct(),
     })
@@ -749,7 +824,7 @@ fn measure_all(
         .context("measuring the disk's random reads")?;
     eprintln!(
         "bench offload: disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}; {ROUND_READS} at \
-         once take {:.0} us",
+         once take {:.0} us; a read takes {:.1} us of CPU from computing cores",
         disk.reads_per_s,
         bytes((disk.reads_per_s * 4096.0) as u64),
         disk.reader,
@@ -758,7 +833,8 @@ fn measure_all(
         } else {
             ", buffered"
         },
-        disk.round.as_secs_f64() * 1e6
+        disk.round.as_secs_f64() * 1e6,
+        disk.read_cpu_us
     );
     let mut tables = vec![
         ("resident", TableMode::Resident, ck),
@@ -824,6 +900,7 @@ fn measure_all(
         disk_random_reads_per_s: disk.reads_per_s,
         disk_random_read_bytes_per_s: disk.reads_per_s * 4096.0,
         disk_round_us: disk.round.as_secs_f64() * 1e6,
+        disk_read_cpu_us: disk.read_cpu_us,
         backbone_scale: scale,
         backbone_layers: ck.spec.num_hidden_layers,
         cache_policy: tuning.policy.unwrap_or(DEFAULT_POLICY).name(),
@@ -1410,7 +1487,8 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}; {ROUND_READS} at once take {:.0} us",
+        "disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}; {ROUND_READS} at once take {:.0} us; \
+         a read takes {:.1} us of CPU from computing cores",
         r.disk_random_reads_per_s,
         bytes(r.disk_random_read_bytes_per_s as u64),
         r.disk_reader,
@@ -1419,7 +1497,8 @@ fn print(r: &Report, json: bool) -> Result<()> {
         } else {
             ", buffered"
         },
-        r.disk_round_us
+        r.disk_round_us,
+        r.disk_read_cpu_us
     )?;
     writeln!(
         out,
