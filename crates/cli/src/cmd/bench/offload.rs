@@ -685,21 +685,22 @@ fn spin_all(iters: u64) -> Duration {
 /// [`ROUND_READS`] at a time at [`COST_READS_PER_S`]; the core time the
 /// spin lost, over the reads done meanwhile. It counts what no thread's
 /// clock shows (interrupts and completions handled on a computing core),
-/// which is what a miss costs a step whose compute fills every core. Both
-/// timings are the better of two; the figure can come out slightly below
-/// zero where reads cost less than this machine's noise.
+/// which is what a miss costs a step whose compute fills every core. The
+/// two timings alternate, three pairs, and the median pair counts, so a
+/// shared machine's drift slows both sides of a pair alike; the figure can
+/// still come out below zero where reads cost less than that noise.
 fn read_cpu_cost(path: &Path, window: Duration) -> Result<f64> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     // About `window` of spin: calibrated on a short run.
     let probe = 2_000_000;
     let per = spin_all(probe).as_secs_f64().max(1e-6) / probe as f64;
     let iters = (window.as_secs_f64() / per) as u64;
-    let alone = spin_all(iters).min(spin_all(iters));
-    let mut best: Option<(Duration, u64)> = None;
-    for seed in [13, 17] {
+    let mut costs = Vec::new();
+    for seed in [13, 17, 19] {
+        let alone = spin_all(iters);
         let mut r = RandomReads::new(path, ROUND_READS, seed)?;
         let stop = std::sync::atomic::AtomicBool::new(false);
-        let (took, reads) = std::thread::scope(|s| {
+        let (with, reads) = std::thread::scope(|s| {
             let reader = s.spawn(|| -> Result<u64> {
                 let t0 = Instant::now();
                 let mut n = 0u64;
@@ -717,12 +718,10 @@ fn read_cpu_cost(path: &Path, window: Duration) -> Result<f64> {
             (took, reader.join())
         });
         let reads = reads.map_err(|_| anyhow::anyhow!("the read-cost reader panicked"))??;
-        if best.is_none_or(|(t, _)| took < t) {
-            best = Some((took, reads));
-        }
+        costs.push((with.as_secs_f64() - alone.as_secs_f64()) * cores / reads.max(1) as f64 * 1e6);
     }
-    let (with, reads) = best.expect("two runs");
-    Ok((with.as_secs_f64() - alone.as_secs_f64()) * cores / reads.max(1) as f64 * 1e6)
+    costs.sort_by(f64::total_cmp);
+    Ok(costs[costs.len() / 2])
 }
 
 /// The disk's random 4 KiB read rate and round trip on `path` through the
