@@ -160,12 +160,44 @@ fn reads_cover_only_the_granules_a_row_needs() {
     assert!(st.bytes_read < 64 * 320 + 2 * a, "{st:?}");
 }
 
+/// A one-time stop for a test reader: the first `wait_here` says so on
+/// `entered` and waits (at most 20 s) for `release`; later ones pass.
+struct Hold {
+    release: Mutex<Option<mpsc::Receiver<()>>>,
+    entered: Mutex<Option<mpsc::Sender<()>>>,
+}
+
+impl Hold {
+    /// The stop, the sender that releases it, and the receiver told when
+    /// a reader reaches it.
+    fn new() -> (Hold, mpsc::Sender<()>, mpsc::Receiver<()>) {
+        let (release_tx, release_rx) = mpsc::channel();
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let hold = Hold {
+            release: Mutex::new(Some(release_rx)),
+            entered: Mutex::new(Some(entered_tx)),
+        };
+        (hold, release_tx, entered_rx)
+    }
+
+    fn wait_here(&self) {
+        // Taken out first: the lock must not be held while waiting, or
+        // every other read through the reader would wait too.
+        let release = self.release.lock().take();
+        if let Some(rx) = release {
+            if let Some(tx) = self.entered.lock().take() {
+                let _ = tx.send(());
+            }
+            let _ = rx.recv_timeout(Duration::from_secs(20));
+        }
+    }
+}
+
 /// A reader whose first batch blocks until released: the prefetch thread
 /// is stuck on its first chunk while the test resolves.
 struct Gate {
     inner: Arc<dyn PageReader>,
-    hold: Mutex<Option<mpsc::Receiver<()>>>,
-    entered: Mutex<Option<mpsc::Sender<()>>>,
+    hold: Hold,
 }
 
 impl PageReader for Gate {
@@ -173,13 +205,7 @@ impl PageReader for Gate {
         "gate"
     }
     fn read_batch(&self, reqs: &mut [ReadReq<'_>]) -> Vec<io::Result<usize>> {
-        let hold = self.hold.lock().take();
-        if let Some(rx) = hold {
-            if let Some(tx) = self.entered.lock().take() {
-                let _ = tx.send(());
-            }
-            let _ = rx.recv_timeout(Duration::from_secs(20));
-        }
+        self.hold.wait_here();
         self.inner.read_batch(reqs)
     }
 }
@@ -189,12 +215,10 @@ fn a_resolve_takes_over_queued_prefetches_instead_of_waiting() {
     let d = tempfile::tempdir().unwrap();
     let files = make_table(d.path(), 4, 1024, 16, false, 4096);
     let (gpu, _) = backend();
-    let (release_tx, release_rx) = mpsc::channel();
-    let (entered_tx, entered_rx) = mpsc::channel();
+    let (hold, release_tx, entered_rx) = Hold::new();
     let gate = Arc::new(Gate {
         inner: default_reader(8).unwrap(),
-        hold: Mutex::new(Some(release_rx)),
-        entered: Mutex::new(Some(entered_tx)),
+        hold,
     });
     let mut c = cfg(4096, 256, Policy::S3Fifo, 0);
     c.reader = Some(gate);
@@ -249,8 +273,7 @@ fn prefetch_leaves_room_for_foreground_resolves() {
 /// A reader that reads the first read of a feed, reports it, then holds
 /// the rest until released.
 struct Trickle {
-    hold: Mutex<Option<mpsc::Receiver<()>>>,
-    entered: Mutex<Option<mpsc::Sender<()>>>,
+    hold: Hold,
 }
 
 impl PageReader for Trickle {
@@ -264,7 +287,7 @@ impl PageReader for Trickle {
             .iter_mut()
             .map(|r| pread_full(r.fd, r.buf, r.offset))
             .collect();
-        self.wait_for_release();
+        self.hold.wait_here();
         res
     }
     fn read_feed(&self, feed: &mut dyn ReadFeed) {
@@ -276,20 +299,8 @@ impl PageReader for Trickle {
             feed.done(r.tag, res);
             feed.settled();
             if std::mem::take(&mut first) {
-                self.wait_for_release();
+                self.hold.wait_here();
             }
-        }
-    }
-}
-
-impl Trickle {
-    /// The first time: say so, and wait to be released.
-    fn wait_for_release(&self) {
-        if let Some(rx) = self.hold.lock().take() {
-            if let Some(tx) = self.entered.lock().take() {
-                let _ = tx.send(());
-            }
-            let _ = rx.recv_timeout(Duration::from_secs(20));
         }
     }
 }
@@ -300,13 +311,9 @@ fn a_prefetched_row_is_usable_as_soon_as_its_own_read_is_in() {
         let d = tempfile::tempdir().unwrap();
         let files = make_table(d.path(), 1, 1024, 160, fp8, 4096);
         let (gpu, _) = backend();
-        let (release_tx, release_rx) = mpsc::channel();
-        let (entered_tx, entered_rx) = mpsc::channel();
+        let (hold, release_tx, entered_rx) = Hold::new();
         let mut c = cfg(64, 16, Policy::S3Fifo, 0);
-        c.reader = Some(Arc::new(Trickle {
-            hold: Mutex::new(Some(release_rx)),
-            entered: Mutex::new(Some(entered_tx)),
-        }));
+        c.reader = Some(Arc::new(Trickle { hold }));
         let t = CachedTable::open(files, gpu.clone(), c).unwrap();
         // Two rows far apart: two reads, the lower offset first. With FP8
         // the scales are a third read, after both rows' values.

@@ -57,7 +57,6 @@ struct Plan {
     needs: Vec<Need>,
     ext: Vec<Extent>,
     total: usize,
-    coalesced: u64,
 }
 
 impl Inner {
@@ -115,6 +114,7 @@ impl Inner {
 
     /// Plan the reads of `loads`: each row's smallest span of whole
     /// granules, spans that overlap or touch merged up to [`MAX_EXTENT`].
+    /// Counts the reads (and the rows sharing a span) in the statistics.
     fn plan(&self, loads: &[(u32, u64)]) -> Result<Plan> {
         let mut needs = Vec::with_capacity(loads.len() * if self.fp8 { 2 } else { 1 });
         for (row, &(s, id)) in loads.iter().enumerate() {
@@ -175,12 +175,10 @@ impl Inner {
             e.at = total;
             total += (e.hi - e.lo) as usize;
         }
-        Ok(Plan {
-            needs,
-            ext,
-            total,
-            coalesced,
-        })
+        // Counted here, where every planned read is about to be issued.
+        self.stats.read_calls.fetch_add(ext.len() as u64, Relaxed);
+        self.stats.pages_coalesced.fetch_add(coalesced, Relaxed);
+        Ok(Plan { needs, ext, total })
     }
 
     /// Whether extent `e` of `plan` read what its needs cover, as an error
@@ -279,12 +277,6 @@ impl Inner {
             }
             self.reader.read_batch(&mut reqs)
         };
-        self.stats
-            .read_calls
-            .fetch_add(plan.ext.len() as u64, Relaxed);
-        self.stats
-            .pages_coalesced
-            .fetch_add(plan.coalesced, Relaxed);
         let got: u64 = results
             .iter()
             .filter_map(|r| r.as_ref().ok())
@@ -410,8 +402,9 @@ impl<'a> PrefetchFeed<'a> {
             .extend(claimed.chunks(super::PREFETCH_CHUNK).map(<[_]>::to_vec));
     }
 
-    /// Start the next chunk with rows still queued: claim them, copy what
-    /// the host tier holds, plan the reads. Returns its index in `chunks`.
+    /// Start the next claimed chunk: move its rows still `QUEUED` to
+    /// `LOADING`, publish those the host tier holds, plan the reads of the
+    /// rest. Returns its index in `chunks`.
     fn start_chunk(&mut self) -> Option<usize> {
         let inner = self.inner;
         loop {
@@ -426,11 +419,12 @@ impl<'a> PrefetchFeed<'a> {
             let mut loads = inner.start_prefetch(&chunk);
             if let Some(host) = &inner.host {
                 let rest = inner.copy_from_host(host, &loads);
-                if rest.len() < loads.len() {
-                    let from_disk: std::collections::HashSet<u32> =
-                        rest.iter().map(|&(s, _)| s).collect();
-                    self.ready
-                        .extend(loads.iter().filter(|(s, _)| !from_disk.contains(s)));
+                // `rest` keeps the order of `loads`: what it skips was copied.
+                let mut left = rest.iter().peekable();
+                for l in &loads {
+                    if left.next_if_eq(&l).is_none() {
+                        self.ready.push(*l);
+                    }
                 }
                 loads = rest;
             }
@@ -445,14 +439,6 @@ impl<'a> PrefetchFeed<'a> {
                     continue;
                 }
             };
-            inner
-                .stats
-                .read_calls
-                .fetch_add(plan.ext.len() as u64, Relaxed);
-            inner
-                .stats
-                .pages_coalesced
-                .fetch_add(plan.coalesced, Relaxed);
             let mut left = vec![0u8; loads.len()];
             for n in &plan.needs {
                 left[n.row] += 1;
@@ -480,8 +466,7 @@ impl<'a> PrefetchFeed<'a> {
         }
     }
 
-    /// Publish what has arrived and give back the buffers of finished
-    /// chunks.
+    /// Publish the rows whose reads have all finished.
     pub(super) fn flush(&mut self) {
         self.inner.publish(&mut self.ready, &mut self.failed);
     }

@@ -662,9 +662,9 @@ struct Disk {
     direct: bool,
 }
 
-/// A chain of dependent multiply-adds on every core: `iters` steps each.
-fn spin_all(iters: u64) -> Duration {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+/// A chain of dependent multiply-adds on each of `cores` threads: `iters`
+/// steps each.
+fn spin_all(cores: usize, iters: u64) -> Duration {
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..cores {
@@ -690,14 +690,14 @@ fn spin_all(iters: u64) -> Duration {
 /// shared machine's drift slows both sides of a pair alike; the figure can
 /// still come out below zero where reads cost less than that noise.
 fn read_cpu_cost(path: &Path, window: Duration) -> Result<f64> {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     // About `window` of spin: calibrated on a short run.
     let probe = 2_000_000;
-    let per = spin_all(probe).as_secs_f64().max(1e-6) / probe as f64;
+    let per = spin_all(cores, probe).as_secs_f64().max(1e-6) / probe as f64;
     let iters = (window.as_secs_f64() / per) as u64;
     let mut costs = Vec::new();
     for seed in [13, 17, 19] {
-        let alone = spin_all(iters);
+        let alone = spin_all(cores, iters);
         let mut r = RandomReads::new(path, ROUND_READS, seed)?;
         let stop = std::sync::atomic::AtomicBool::new(false);
         let (with, reads) = std::thread::scope(|s| {
@@ -713,19 +713,30 @@ fn read_cpu_cost(path: &Path, window: Duration) -> Result<f64> {
                 }
                 Ok(n)
             });
-            let took = spin_all(iters);
+            let took = spin_all(cores, iters);
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             (took, reader.join())
         });
         let reads = reads.map_err(|_| anyhow::anyhow!("the read-cost reader panicked"))??;
-        costs.push((with.as_secs_f64() - alone.as_secs_f64()) * cores / reads.max(1) as f64 * 1e6);
+        let lost = (with.as_secs_f64() - alone.as_secs_f64()) * cores as f64;
+        costs.push(lost / reads.max(1) as f64 * 1e6);
     }
     costs.sort_by(f64::total_cmp);
     Ok(costs[costs.len() / 2])
 }
 
-/// The disk's random 4 KiB read rate and round trip on `path` through the
-/// miss path's reader.
+/// The disk's figures as one line, for the progress log and the report.
+fn disk_line(reads_per_s: f64, reader: &str, direct: bool, round_us: f64, cpu_us: f64) -> String {
+    format!(
+        "disk random 4 KiB reads: {reads_per_s:.0}/s ({}/s) through {reader}{}; {ROUND_READS} at \
+         once take {round_us:.0} us; a read takes {cpu_us:.1} us of CPU from computing cores",
+        bytes((reads_per_s * 4096.0) as u64),
+        if direct { ", O_DIRECT" } else { ", buffered" },
+    )
+}
+
+/// The disk's random 4 KiB read rate, round trip and CPU per read on
+/// `path` through the miss path's reader.
 fn disk_ceiling(path: &Path, window: Duration) -> Result<Disk> {
     let mut w = RandomReads::new(path, 1024, 7)?;
     let t0 = Instant::now();
@@ -822,18 +833,14 @@ fn measure_all(
     let disk = disk_ceiling(&site.table.shards[0].0, sizes.ceiling)
         .context("measuring the disk's random reads")?;
     eprintln!(
-        "bench offload: disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}; {ROUND_READS} at \
-         once take {:.0} us; a read takes {:.1} us of CPU from computing cores",
-        disk.reads_per_s,
-        bytes((disk.reads_per_s * 4096.0) as u64),
-        disk.reader,
-        if disk.direct {
-            ", O_DIRECT"
-        } else {
-            ", buffered"
-        },
-        disk.round.as_secs_f64() * 1e6,
-        disk.read_cpu_us
+        "bench offload: {}",
+        disk_line(
+            disk.reads_per_s,
+            &disk.reader,
+            disk.direct,
+            disk.round.as_secs_f64() * 1e6,
+            disk.read_cpu_us
+        )
     );
     let mut tables = vec![
         ("resident", TableMode::Resident, ck),
@@ -1486,18 +1493,14 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "disk random 4 KiB reads: {:.0}/s ({}/s) through {}{}; {ROUND_READS} at once take {:.0} us; \
-         a read takes {:.1} us of CPU from computing cores",
-        r.disk_random_reads_per_s,
-        bytes(r.disk_random_read_bytes_per_s as u64),
-        r.disk_reader,
-        if r.disk_direct {
-            ", O_DIRECT"
-        } else {
-            ", buffered"
-        },
-        r.disk_round_us,
-        r.disk_read_cpu_us
+        "{}",
+        disk_line(
+            r.disk_random_reads_per_s,
+            &r.disk_reader,
+            r.disk_direct,
+            r.disk_round_us,
+            r.disk_read_cpu_us
+        )
     )?;
     writeln!(
         out,

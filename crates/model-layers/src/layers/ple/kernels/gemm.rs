@@ -412,28 +412,29 @@ fn project_checked(
     let mut snapshot: Vec<f32> = Vec::new();
     for t0 in (0..t).step_by(TILE_ROWS) {
         let rows = TILE_ROWS.min(t - t0);
-        let load_staged = accumulate && staged;
         let store_staged = k1 < e && staged;
-        // The last call turns staged sums into rows in place: one task's
-        // rows would overwrite panels other tasks have yet to load, so
-        // they load from a copy.
-        let from = if load_staged && !store_staged {
-            snapshot.clear();
-            // SAFETY: the tile's rows lie inside `y`; no task runs yet.
-            snapshot.extend_from_slice(unsafe {
-                std::slice::from_raw_parts(yp.get().add(t0 * o), rows * o)
-            });
-            SyncPtr(snapshot.as_mut_ptr())
-        } else {
-            // SAFETY: `t0 * o` lies inside `y` (`t0 < t`).
-            SyncPtr(unsafe { yp.get().add(t0 * o) })
-        };
+        let staged_from = (accumulate && staged).then(|| {
+            if store_staged {
+                // SAFETY: `t0 * o` lies inside `y` (`t0 < t`).
+                SyncPtr(unsafe { yp.get().add(t0 * o) })
+            } else {
+                // The last call turns staged sums into rows in place: one
+                // task's rows would overwrite panels other tasks have yet
+                // to load, so they load from a copy, taken before any runs.
+                snapshot.clear();
+                // SAFETY: the tile's rows lie inside `y`; no task runs yet.
+                snapshot.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(yp.get().add(t0 * o), rows * o)
+                });
+                SyncPtr(snapshot.as_mut_ptr())
+            }
+        });
         let tile = Tile {
             y: yp,
             t0,
             rows,
             o,
-            staged_from: load_staged.then_some(from),
+            staged_from,
             store_staged,
         };
         let xt = &x[t0 * e..(t0 + rows) * e];
@@ -473,12 +474,11 @@ fn project_checked(
                         }
                     }
                     let wg = &w[p0 * panel_len(e)..(p0 + n) * panel_len(e)];
-                    let acc_n = &mut acc[..];
                     if kernel == Kernel::Avx512Dot {
-                        panels_bf16(xpairs, wg, n, acc_n, rows, e, k0, k1);
+                        panels_bf16(xpairs, wg, n, acc, rows, e, k0, k1);
                     } else {
                         let next = &w[((p0 + n) * panel_len(e)).min(w.len())..];
-                        panels_fma512(xpacked, wg, next, n, acc_n, rows, e, k0, k1);
+                        panels_fma512(xpacked, wg, next, n, acc, rows, e, k0, k1);
                     }
                     for q in 0..n {
                         // SAFETY: as above.
@@ -529,8 +529,8 @@ struct Tile {
 
 impl Tile {
     /// Where panel `p` of these rows lies while staged, from the tile's
-    /// first value: the tile's rows `t0 .. t0 + rows` of `y [t, o]` hold, panel after panel, each
-    /// panel's `[rows, NR]` sums side by side. A task's sums are then one
+    /// first value: the tile's rows `t0 .. t0 + rows` of `y [t, o]` hold,
+    /// panel after panel, each panel's `[rows, NR]` sums side by side. A task's sums are then one
     /// contiguous run instead of a line in each of `rows` rows `4 * o`
     /// bytes apart, which made each call of a cut projection pay about a
     /// fifth of a millisecond at decode sizes to fetch and put them back.
@@ -604,8 +604,7 @@ impl Tile {
 }
 
 /// `buf` cleared and viewed as f32s. A task's accumulators are sized for
-/// the largest token tile but cleared only as far as its rows reach: a
-/// whole-tile clear per task costs a decode step more than its loads.
+/// the largest token tile; only the part its rows use is cleared.
 fn zeroed(buf: &mut [std::mem::MaybeUninit<f32>]) -> &mut [f32] {
     for v in buf.iter_mut() {
         v.write(0.0);
