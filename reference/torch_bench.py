@@ -4,7 +4,7 @@ The same math as the Rust layer, docs/SPEC.md §5 (Layer math): row gather
 from a resident BF16 table, BF16 projections (key and value), then FP32 grouped
 RMS norms, gate, dilated causal conv with a carried state, and the highway
 add. Prints tokens/s for one 512-token prefill chunk and for decode steps of
-batch 1, 32 and 64 (with the projection's GFLOP/s), for side-by-side
+batch 1, 16, 32 and 64 (with the projection's GFLOP/s), for side-by-side
 comparison with
 `cargo bench -p metrale-model-layers --bench ple_forward`.
 
@@ -141,7 +141,7 @@ def main():
               f"{t * a.reps / cpu:.1f} tokens/CPU-s  "
               f"({med * 1e3:.1f} ms/chunk median; {shares(times)}; "
               f"projection {proj_gflops(times, t * a.reps):.1f} GFLOP/s)")
-        for b in (1, 32, 64):
+        for b in (1, 16, 32, 64):
             highway = torch.rand(b, C, generator=gen) * 2 - 1
             states = torch.rand(b, S, C, generator=gen) * 2 - 1
             steps = min(max(a.reps * 64 // b, a.reps), 200)

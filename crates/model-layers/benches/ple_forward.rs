@@ -3,14 +3,20 @@
 //!
 //! Random weights and a resident random BF16 table are made in the process.
 //! Prints prefill tokens/s (one 512-token chunk) and decode tokens/s (batch
-//! 1, 32, 64), the share of time in gather, projection, gate and conv, and,
+//! 1, 16, 32, 64), the share of time in gather, projection, gate and conv, and,
 //! as the baseline measured in the same run, a naive scalar projection
 //! against the packed GEMM with their ratio.
 //!
 //! Then, side by side in the same run when `python3` can import torch (or
 //! when `PLE_TORCH=1` demands it; `PLE_TORCH=0` skips it), the same
 //! figures from `reference/torch_bench.py` (PyTorch's CPU path doing the same
-//! math) and the ratio of ours to PyTorch's.
+//! math) and the ratio of ours to PyTorch's: `PLE_BENCH_ROUNDS` rounds
+//! (default 3), ours and PyTorch's in turn, so that a machine whose speed
+//! drifts slows both alike, the ratio being the median of the rounds'. Beside
+//! it, the ratio ours would reach were our projection at the measured peak
+//! of its instruction and the rest as measured: where PyTorch's projection
+//! is itself near that peak, no projection kernel can take the ratio past
+//! it.
 //!
 //! Against the machine, in the same run: the projection's GFLOP/s beside
 //! the measured peak of the instruction it multiplies with (a tight loop of
@@ -340,110 +346,23 @@ fn main() {
     };
     println!("setup {:.1} s", t0.elapsed().as_secs_f64());
 
-    let ids_for = |rng: &mut Rng, t: usize| -> Vec<u64> {
-        (0..t * HEADS).map(|_| rng.below(m.rows as u64)).collect()
-    };
-
-    // Prefill: one 512-token chunk per step of one sequence.
-    let t = 512;
-    let mut sc = Scratch::new(t);
-    let mut highway: Vec<f32> = (0..t * C).map(|_| rng.f32(1.0)).collect();
-    let mut state = vec![vec![0.0f32; S * C]];
-    let ids = ids_for(&mut rng, t);
-    step(
-        &m,
-        &ids,
-        t,
-        &mut highway,
-        &mut state,
-        &mut sc,
-        &mut Stages::default(),
-    ); // warm-up
-    let cpu0 = cpu_seconds();
-    let runs: Vec<Stages> = (0..reps)
-        .map(|_| {
-            let ids = ids_for(&mut rng, t);
-            let mut st = Stages::default();
-            step(&m, &ids, t, &mut highway, &mut state, &mut sc, &mut st);
-            st
+    let rounds = env_usize("PLE_BENCH_ROUNDS", 3).max(1);
+    let first = measure(&m, &mut rng, reps, true);
+    let flop_token = 2.0 * (E * O) as f64;
+    let gflops: Vec<(String, f64)> = first
+        .iter()
+        .map(|f| {
+            (
+                f.label.clone(),
+                flop_token * f.tokens as f64 / f.project / 1e9,
+            )
         })
         .collect();
-    let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
-    let (med, best, share) = summarize(&runs);
-    let mut ours = vec![(format!("prefill chunk {t}"), t as f64 / med)];
-    // Projection FLOPs a token (one multiply and one add a weight).
-    let flop_token = 2.0 * (E * O) as f64;
-    let proj_med = |runs: &[Stages]| {
-        let mut v: Vec<f64> = runs.iter().map(|s| s.project.as_secs_f64()).collect();
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let mut gflops = vec![(
-        format!("prefill chunk {t}"),
-        flop_token * t as f64 / proj_med(&runs) / 1e9,
-    )];
-    let mut decode1_proj = None;
-    let prefill_proj = runs
+    let decode1_proj = first
         .iter()
-        .map(|s| s.project)
-        .min()
-        .unwrap_or_default()
-        .as_secs_f64()
-        / t as f64;
-    println!(
-        "prefill chunk {t}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.1} ms/chunk median; {share})",
-        t as f64 / med,
-        t as f64 / best,
-        per_cpu(t * reps, cpu),
-        med * 1e3
-    );
-
-    // Decode: B sequences, one token each, per step.
-    for b in [1usize, 32, 64] {
-        let mut sc = Scratch::new(b);
-        let mut highway: Vec<f32> = (0..b * C).map(|_| rng.f32(1.0)).collect();
-        let mut states: Vec<Vec<f32>> = (0..b)
-            .map(|_| (0..S * C).map(|_| rng.f32(1.0)).collect())
-            .collect();
-        let steps = (reps * 64 / b).clamp(reps, 200);
-        let ids = ids_for(&mut rng, b);
-        step(
-            &m,
-            &ids,
-            b,
-            &mut highway,
-            &mut states,
-            &mut sc,
-            &mut Stages::default(),
-        );
-        let cpu0 = cpu_seconds();
-        let runs: Vec<Stages> = (0..steps)
-            .map(|_| {
-                let ids = ids_for(&mut rng, b);
-                let mut st = Stages::default();
-                step(&m, &ids, b, &mut highway, &mut states, &mut sc, &mut st);
-                st
-            })
-            .collect();
-        let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
-        let (med, best, share) = summarize(&runs);
-        ours.push((format!("decode batch {b}"), b as f64 / med));
-        let pm = proj_med(&runs);
-        gflops.push((
-            format!("decode batch {b}"),
-            flop_token * b as f64 / pm / 1e9,
-        ));
-        if b == 1 {
-            decode1_proj = Some(pm);
-        }
-        println!(
-            "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.2} ms/step median; {share})",
-            b as f64 / med,
-            b as f64 / best,
-            per_cpu(b * steps, cpu),
-            med * 1e3
-        );
-    }
+        .find(|f| f.label == "decode batch 1")
+        .map(|f| f.project);
+    let prefill_proj = first[0].best_project / first[0].tokens as f64;
 
     // Baseline: a naive scalar projection on a few rows.
     let tb = 2;
@@ -461,16 +380,147 @@ fn main() {
         prefill_proj * 1e3,
         naive / prefill_proj
     );
-    machine_figures(&m.packed, &gflops, decode1_proj);
-    torch_side_by_side(rows, reps, &ours);
+    let peak = machine_figures(&m.packed, &gflops, decode1_proj);
+    torch_side_by_side(rows, reps, rounds, first, peak, || {
+        measure(&m, &mut rng, reps, false)
+    });
+}
+
+/// Our figures for one size of [`measure`].
+#[derive(Clone, Debug)]
+struct Figure {
+    /// "prefill chunk 512" or "decode batch B", as torch_bench.py prints it.
+    label: String,
+    /// Tokens a step.
+    tokens: usize,
+    /// Median step time, seconds.
+    step: f64,
+    /// Median projection time of a step, seconds.
+    project: f64,
+    /// Best projection time of a step, seconds.
+    best_project: f64,
+}
+
+impl Figure {
+    fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.step
+    }
+}
+
+/// Decode batch sizes measured, one token per sequence a step.
+const DECODE_BATCHES: [usize; 4] = [1, 16, 32, 64];
+
+/// One prefill chunk and every decode batch of [`DECODE_BATCHES`], `reps`
+/// timed repetitions each (more for small batches); prints each line when
+/// `print`.
+fn measure(m: &Model, rng: &mut Rng, reps: usize, print: bool) -> Vec<Figure> {
+    let ids_for = |rng: &mut Rng, t: usize| -> Vec<u64> {
+        (0..t * HEADS).map(|_| rng.below(m.rows as u64)).collect()
+    };
+    let figure = |label: String, tokens: usize, runs: &[Stages]| Figure {
+        label,
+        tokens,
+        step: median(runs.iter().map(|s| s.total().as_secs_f64()).collect()),
+        project: median(runs.iter().map(|s| s.project.as_secs_f64()).collect()),
+        best_project: runs
+            .iter()
+            .map(|s| s.project.as_secs_f64())
+            .fold(f64::INFINITY, f64::min),
+    };
+    let mut out = Vec::new();
+
+    // Prefill: one 512-token chunk per step of one sequence.
+    let t = 512;
+    let mut sc = Scratch::new(t);
+    let mut highway: Vec<f32> = (0..t * C).map(|_| rng.f32(1.0)).collect();
+    let mut state = vec![vec![0.0f32; S * C]];
+    let ids = ids_for(rng, t);
+    step(
+        m,
+        &ids,
+        t,
+        &mut highway,
+        &mut state,
+        &mut sc,
+        &mut Stages::default(),
+    ); // warm-up
+    let cpu0 = cpu_seconds();
+    let runs: Vec<Stages> = (0..reps)
+        .map(|_| {
+            let ids = ids_for(rng, t);
+            let mut st = Stages::default();
+            step(m, &ids, t, &mut highway, &mut state, &mut sc, &mut st);
+            st
+        })
+        .collect();
+    let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
+    let (med, best, share) = summarize(&runs);
+    out.push(figure(format!("prefill chunk {t}"), t, &runs));
+    if print {
+        println!(
+            "prefill chunk {t}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.1} ms/chunk median; {share})",
+            t as f64 / med,
+            t as f64 / best,
+            per_cpu(t * reps, cpu),
+            med * 1e3
+        );
+    }
+
+    // Decode: B sequences, one token each, per step.
+    for b in DECODE_BATCHES {
+        let mut sc = Scratch::new(b);
+        let mut highway: Vec<f32> = (0..b * C).map(|_| rng.f32(1.0)).collect();
+        let mut states: Vec<Vec<f32>> = (0..b)
+            .map(|_| (0..S * C).map(|_| rng.f32(1.0)).collect())
+            .collect();
+        let steps = (reps * 64 / b).clamp(reps, 200);
+        let ids = ids_for(rng, b);
+        step(
+            m,
+            &ids,
+            b,
+            &mut highway,
+            &mut states,
+            &mut sc,
+            &mut Stages::default(),
+        );
+        let cpu0 = cpu_seconds();
+        let runs: Vec<Stages> = (0..steps)
+            .map(|_| {
+                let ids = ids_for(rng, b);
+                let mut st = Stages::default();
+                step(m, &ids, b, &mut highway, &mut states, &mut sc, &mut st);
+                st
+            })
+            .collect();
+        let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
+        let (med, best, share) = summarize(&runs);
+        out.push(figure(format!("decode batch {b}"), b, &runs));
+        if print {
+            println!(
+                "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.2} ms/step median; {share})",
+                b as f64 / med,
+                b as f64 / best,
+                per_cpu(b * steps, cpu),
+                med * 1e3
+            );
+        }
+    }
+    out
 }
 
 /// The projection against the measured peak of its instruction, and decode
 /// at batch 1 against the measured read bandwidth (see the module docs).
-fn machine_figures(packed: &[f32], gflops: &[(String, f64)], decode1_proj: Option<f64>) {
+/// Returns the peak in GFLOP/s, if the path has a vector loop.
+fn machine_figures(
+    packed: &[f32],
+    gflops: &[(String, f64)],
+    decode1_proj: Option<f64>,
+) -> Option<f64> {
     let path = cpu::best_path();
     let threads = rayon::current_num_threads();
-    match projection_loop(path).and_then(|l| Some((l, peak_gflops(l)?))) {
+    let found = projection_loop(path).and_then(|l| Some((l, peak_gflops(l)?)));
+    match found {
         Some((l, peak)) => {
             println!(
                 "projection vs peak: {l:?} loop on {threads} threads measures {peak:.1} GFLOP/s \
@@ -506,11 +556,34 @@ fn machine_figures(packed: &[f32], gflops: &[(String, f64)], decode1_proj: Optio
             100.0 * ours / far
         );
     }
+    found.map(|(_, peak)| peak)
 }
 
-/// Run `reference/torch_bench.py` with the same table size and repetitions
-/// and print each of our medians beside PyTorch's, with the ratio.
-fn torch_side_by_side(rows: usize, reps: usize, ours: &[(String, f64)]) {
+/// One size in one round of the side by side: ours tokens/s, PyTorch's,
+/// and ours were our projection at the measured peak.
+type Round = (f64, f64, Option<f64>);
+
+/// Median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Run `reference/torch_bench.py` with the same table size and repetitions,
+/// `rounds` times, alternating with a round of ours (`first`, then `again`
+/// for each later round), so a drifting machine slows both alike; print
+/// each size's median tokens/s of both, the median over rounds of the
+/// round's ratio with its range, and, with the projection's `peak`
+/// (GFLOP/s), the ratio ours would reach were our projection at that peak
+/// and everything else unchanged: no projection kernel can pass it.
+fn torch_side_by_side(
+    rows: usize,
+    reps: usize,
+    rounds: usize,
+    first: Vec<Figure>,
+    peak: Option<f64>,
+    mut again: impl FnMut() -> Vec<Figure>,
+) {
     let want = std::env::var("PLE_TORCH").ok();
     if want.as_deref() == Some("0") {
         return;
@@ -531,48 +604,95 @@ fn torch_side_by_side(rows: usize, reps: usize, ours: &[(String, f64)]) {
         env!("CARGO_MANIFEST_DIR"),
         "/../../reference/torch_bench.py"
     );
-    let out = std::process::Command::new("python3")
-        .args([
-            script,
-            "--rows",
-            &rows.to_string(),
-            "--reps",
-            &reps.to_string(),
-        ])
-        .output();
-    let text = match out {
-        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
-        Ok(o) => {
-            println!(
-                "PyTorch side by side: torch_bench.py failed: {}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-            return;
+    let flop_token = 2.0 * (E * O) as f64;
+    let mut paired: Vec<(String, Vec<Round>)> = first
+        .iter()
+        .map(|f| (f.label.clone(), Vec::new()))
+        .collect();
+    let mut header = String::new();
+    let mut ours = first;
+    for round in 0..rounds {
+        if round > 0 {
+            ours = again();
         }
-        Err(e) => {
-            println!("PyTorch side by side: cannot run python3: {e}");
-            return;
+        let out = std::process::Command::new("python3")
+            .args([
+                script,
+                "--rows",
+                &rows.to_string(),
+                "--reps",
+                &reps.to_string(),
+            ])
+            .output();
+        let text = match out {
+            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+            Ok(o) => {
+                println!(
+                    "PyTorch side by side: torch_bench.py failed: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
+                return;
+            }
+            Err(e) => {
+                println!("PyTorch side by side: cannot run python3: {e}");
+                return;
+            }
+        };
+        if let Some(line) = text.lines().next() {
+            header = line.to_string();
         }
-    };
-    if let Some(first) = text.lines().next() {
-        println!("PyTorch side by side ({first})");
+        for (f, (label, pairs)) in ours.iter().zip(paired.iter_mut()) {
+            // torch_bench.py prints e.g. "decode batch  32: median  1234.5 tokens/s".
+            let theirs = text.lines().find_map(|l| {
+                let (head, rest) = l.split_once(": median")?;
+                if head.split_whitespace().collect::<Vec<_>>()
+                    != label.split(' ').collect::<Vec<_>>()
+                {
+                    return None;
+                }
+                rest.split_whitespace().next()?.parse::<f64>().ok()
+            });
+            let at_peak = peak.map(|g| {
+                let proj = f.tokens as f64 * flop_token / (g * 1e9);
+                f.tokens as f64 / (f.step - f.project + proj)
+            });
+            if let Some(v) = theirs {
+                pairs.push((f.tokens_per_s(), v, at_peak));
+            }
+        }
     }
     println!(
-        "  {:<18} {:>14} {:>14} {:>8}",
-        "step", "ours tok/s", "torch tok/s", "ratio"
+        "PyTorch side by side ({header}); {rounds} rounds, ours and PyTorch in turn; \
+         ratio: the median of the rounds' ratios (lowest..highest)"
     );
-    for (label, ours) in ours {
-        // torch_bench.py prints e.g. "decode batch  32: median  1234.5 tokens/s".
-        let theirs = text.lines().find_map(|l| {
-            let (head, rest) = l.split_once(": median")?;
-            if head.split_whitespace().collect::<Vec<_>>() != label.split(' ').collect::<Vec<_>>() {
-                return None;
-            }
-            rest.split_whitespace().next()?.parse::<f64>().ok()
-        });
-        match theirs {
-            Some(v) => println!("  {label:<18} {ours:>14.1} {v:>14.1} {:>7.2}x", ours / v),
-            None => println!("  {label:<18} {ours:>14.1} {:>14} {:>8}", "?", "?"),
+    println!(
+        "  {:<18} {:>11} {:>11} {:>7} {:>15} {:>14}",
+        "step", "ours tok/s", "torch tok/s", "ratio", "range", "at peak"
+    );
+    for (label, pairs) in &paired {
+        if pairs.is_empty() {
+            println!("  {label:<18} {:>11} {:>11} {:>7}", "?", "?", "?");
+            continue;
         }
+        let ratios: Vec<f64> = pairs.iter().map(|(a, b, _)| a / b).collect();
+        let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = ratios.iter().copied().fold(0.0f64, f64::max);
+        let ceiling = pairs
+            .iter()
+            .map(|(_, b, p)| p.map(|p| p / b))
+            .collect::<Option<Vec<f64>>>()
+            .map_or("-".to_string(), |v| format!("{:.2}x", median(v)));
+        println!(
+            "  {label:<18} {:>11.1} {:>11.1} {:>6.2}x {:>15} {:>14}",
+            median(pairs.iter().map(|p| p.0).collect()),
+            median(pairs.iter().map(|p| p.1).collect()),
+            median(ratios),
+            format!("{lo:.2}x..{hi:.2}x"),
+            ceiling
+        );
     }
+    println!(
+        "  (at peak: the ratio were our projection at the measured peak of its instruction, \
+         everything else as measured)"
+    );
 }
