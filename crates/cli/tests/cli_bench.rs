@@ -104,7 +104,15 @@ fn offload_smoke_run_prints_every_table_as_json() {
     let dir = tempfile::tempdir().unwrap();
     let ck = dir.path().join("ck");
     let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
-        .args(["bench", "offload", "--smoke", "--json", "--checkpoint"])
+        .args([
+            "bench",
+            "offload",
+            "--smoke",
+            "--reps",
+            "6",
+            "--json",
+            "--checkpoint",
+        ])
         .arg(&ck)
         .output()
         .expect("run metrale-ple");
@@ -132,6 +140,11 @@ fn offload_smoke_run_prints_every_table_as_json() {
             "{row:#}"
         );
         assert!(row["overhead_vs_resident_pct"].is_number(), "{row:#}");
+        // Six repetitions give the median an interval, which holds it.
+        let ci = row["overhead_ci95_pct"].as_array().expect("an interval");
+        let (lo, hi) = (ci[0].as_f64().unwrap(), ci[1].as_f64().unwrap());
+        let mid = row["overhead_vs_resident_pct"].as_f64().unwrap();
+        assert!(lo <= mid && mid <= hi, "{row:#}");
         let cached = table == "cached";
         for key in [
             "hit_rate",

@@ -19,7 +19,8 @@
 //! table after table, then the next round), so that a shared machine's
 //! drifting speed slows them alike: decode tokens/s (the median
 //! repetition), the overhead against the resident table (the median over
-//! rounds of the ratio to the resident repetition of the same round), the
+//! rounds of the ratio to the resident repetition of the same round, with a
+//! distribution-free 95% confidence interval of that median), the
 //! hit rate, bytes read per token, the share of wall time the steps were
 //! blocked waiting for rows, the share of it not covered by the backbone
 //! blocks queued before the site (still running when the site's host work
@@ -267,6 +268,11 @@ struct OffloadRow {
     backbone: bool,
     decode_tokens_per_s: f64,
     overhead_vs_resident_pct: Option<f64>,
+    /// A 95% confidence interval of that median, `[low, high]`, from the
+    /// order statistics of the repetitions' overheads (no assumption on
+    /// their distribution); `None` under 6 repetitions or without a
+    /// resident table.
+    overhead_ci95_pct: Option<[f64; 2]>,
     hit_rate: Option<f64>,
     bytes_read_per_token: Option<f64>,
     io_wait_share: Option<f64>,
@@ -871,12 +877,14 @@ fn measure_all(
                 .with_context(|| format!("prefetch {prefetch}, backbone {backbone}"))?;
             for (name, m, overhead) in group {
                 reread |= m.reread;
+                let (overhead, ci) = overhead.unzip();
                 rows.push(OffloadRow {
                     table: name,
                     prefetch,
                     backbone,
                     decode_tokens_per_s: m.tokens_per_s,
                     overhead_vs_resident_pct: overhead,
+                    overhead_ci95_pct: ci.flatten(),
                     hit_rate: m.hit_rate,
                     bytes_read_per_token: m.bytes_per_token,
                     io_wait_share: m.io_wait_share,
@@ -1424,6 +1432,39 @@ fn median(mut v: Vec<f64>) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// A 95% confidence interval of the median of `v`, distribution-free: the
+/// `j`-th smallest and `j`-th largest values, `j` the largest rank with
+/// `P(Binomial(n, 1/2) < j) <= 0.025` (the chance that fewer than `j` of
+/// `n` draws fall below the true median). `None` for fewer than 6 values,
+/// where even the extremes cover less than 95%.
+fn median_ci95(v: &[f64]) -> Option<[f64; 2]> {
+    let n = v.len();
+    // P(X < j) for X ~ Binomial(n, 1/2), summed term by term in f64
+    // (exact enough for the repetition counts a bench runs).
+    let mut below = 0.0f64;
+    let mut term = 0.5f64.powi(n as i32);
+    let mut j = 0;
+    for i in 0..n {
+        if below + term > 0.025 {
+            break;
+        }
+        below += term;
+        j = i + 1;
+        term *= (n - i) as f64 / (i + 1) as f64;
+    }
+    if j == 0 {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    Some([s[j - 1], s[n - j]])
+}
+
+/// The overhead of one table against the resident one, per cent: the
+/// median over repetitions of the ratio to the resident table's repetition
+/// next to it, with [`median_ci95`] of those ratios.
+type Overhead = (f64, Option<[f64; 2]>);
+
 /// Measure the tables of one setting: each opened and warmed up, then
 /// measured in turns (a repetition of each, in table order, `reps` times),
 /// so that a machine whose speed drifts slows every table alike; the
@@ -1432,7 +1473,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn measure_group(
     set: &Setting<'_>,
     tables: &[(&'static str, TableMode, &Checkpoint)],
-) -> Result<Vec<(&'static str, Measured, Option<f64>)>> {
+) -> Result<Vec<(&'static str, Measured, Option<Overhead>)>> {
     let sizes = set.sizes;
     let mut configs = Vec::with_capacity(tables.len());
     for &(name, mode, ck) in tables {
@@ -1454,12 +1495,12 @@ fn measure_group(
             resident = Some(m.rates.clone());
         }
         let overhead = resident.as_ref().map(|r| {
-            median(
-                r.iter()
-                    .zip(&m.rates)
-                    .map(|(r, t)| (r / t - 1.0) * 100.0)
-                    .collect(),
-            )
+            let per_rep: Vec<f64> = r
+                .iter()
+                .zip(&m.rates)
+                .map(|(r, t)| (r / t - 1.0) * 100.0)
+                .collect();
+            (median(per_rep.clone()), median_ci95(&per_rep))
         });
         out.push((name, m, overhead));
     }
@@ -1535,12 +1576,13 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
+        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
         "table",
         "prefetch",
         "backbone",
         "tokens/s",
         "overhead",
+        "95% CI",
         "hit rate",
         "bytes/token",
         "I/O wait",
@@ -1551,12 +1593,18 @@ fn print(r: &Report, json: bool) -> Result<()> {
     for row in &r.rows {
         writeln!(
             out,
-            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
+            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
             row.table,
             if row.prefetch { "on" } else { "off" },
             if row.backbone { "on" } else { "off" },
             row.decode_tokens_per_s,
             opt(row.overhead_vs_resident_pct, |v| format!("{v:+.1}%")),
+            row.overhead_ci95_pct
+                .filter(|_| row.table != "resident")
+                .map_or_else(
+                    || "-".to_string(),
+                    |[lo, hi]| format!("{lo:+.1}..{hi:+.1}%")
+                ),
             opt(row.hit_rate, |v| format!("{:.1}%", v * 100.0)),
             opt(row.bytes_read_per_token, |v| format!("{v:.0}")),
             opt(row.io_wait_share, |v| format!("{:.1}%", v * 100.0)),
@@ -1603,4 +1651,26 @@ fn print(r: &Report, json: bool) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median_ci95;
+
+    #[test]
+    fn the_median_interval_takes_the_binomial_ranks() {
+        // n = 10: P(X <= 1) = 11/1024 <= 0.025 < P(X <= 2) = 56/1024, so the
+        // 2nd smallest and the 2nd largest.
+        let v = [7.0, 3.0, 10.0, 1.0, 5.0, 9.0, 2.0, 8.0, 6.0, 4.0];
+        assert_eq!(median_ci95(&v), Some([2.0, 9.0]));
+        // n = 6: only the extremes (2/64 <= 0.025 fails, 1/64 holds).
+        let v = [6.0, 1.0, 5.0, 2.0, 4.0, 3.0];
+        assert_eq!(median_ci95(&v), Some([1.0, 6.0]));
+        // n = 40: P(X <= 13) = 0.0192, P(X <= 14) = 0.0403: ranks 14 and 27.
+        let v: Vec<f64> = (1..=40).rev().map(f64::from).collect();
+        assert_eq!(median_ci95(&v), Some([14.0, 27.0]));
+        // Under 6 values even the extremes cover less than 95%.
+        assert_eq!(median_ci95(&[1.0, 2.0, 3.0, 4.0, 5.0]), None);
+        assert_eq!(median_ci95(&[]), None);
+    }
 }

@@ -57,7 +57,10 @@
 //! Work split: token tiles of `TILE_ROWS` rows, sequentially; within a tile,
 //! rayon over weight panels. Each panel's weights are read once per tile and
 //! shared by every row of the tile, so a decode batch of up to `TILE_ROWS`
-//! rows streams the weights from memory once.
+//! rows streams the weights from memory once. On the `vdpbf16ps` path each
+//! register tile of a weight block also hints a share of the next block
+//! into L2, so the memory streams evenly instead of in bursts at each
+//! block's first register tile.
 
 use rayon::prelude::*;
 
@@ -627,6 +630,61 @@ impl SyncPtr {
     }
 }
 
+/// Weight lines for a micro-kernel to hint into L2 while it computes:
+/// `lines` lines of each of `panels` panels from `from`, the second
+/// `stride` words after the first. Into L2, not L1: L1 holds the block the
+/// tiles are computing from, and the block after it would evict it.
+/// Addresses past the weights are only ever prefetched, which never
+/// faults.
+#[derive(Clone, Copy)]
+struct Ahead {
+    from: *const u32,
+    stride: usize,
+    lines: usize,
+    panels: usize,
+}
+
+impl Ahead {
+    /// A block of `lines` lines (one a pair step, `NR` words) in each of
+    /// `panels` panels.
+    fn new(from: *const u32, stride: usize, lines: usize, panels: usize) -> Ahead {
+        Ahead {
+            from,
+            stride,
+            lines,
+            panels,
+        }
+    }
+
+    /// Tile `tile` of `tiles`' share of the block.
+    fn share(self, tile: usize, tiles: usize) -> Ahead {
+        let (lo, hi) = (self.lines * tile / tiles, self.lines * (tile + 1) / tiles);
+        Ahead {
+            from: self.from.wrapping_add(lo * NR),
+            lines: hi - lo,
+            ..self
+        }
+    }
+
+    /// Hint line `p` of the share, if it has one.
+    #[inline(always)]
+    fn line(self, p: usize) {
+        if p >= self.lines {
+            return;
+        }
+        for q in 0..self.panels {
+            let at = self.from.wrapping_add(q * self.stride + p * NR);
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(at.cast())
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = at;
+        }
+    }
+}
+
 /// `n` (1 or 2) consecutive panels on the AVX-512 BF16 path for `rows`
 /// token rows, steps `k0..k1` (`k0` even): `acc [n, rows, NR]` continues
 /// their outputs. `xpairs` holds the rows' steps `k0..k1` as BF16 pairs,
@@ -655,6 +713,18 @@ fn panels_bf16(
         let kp = kc.div_ceil(2);
         let tiles = rows.div_ceil(MR_BF16);
         let (base, extra) = (rows / tiles, rows % tiles);
+        // The block after this one (the next pair of panels' first block
+        // after the last), fetched a share a tile. Without it only the
+        // first tile reads a block from memory, faster than memory
+        // delivers, and the other tiles leave the memory idle: at decode
+        // sizes (few tiles) that cost a tenth of the projection's rate.
+        let next = if kb + KC < k1 {
+            let kn = (KC.min(k1 - kb - KC)).div_ceil(2);
+            Ahead::new(words.wrapping_add((kb + KC) / 2 * NR), e2 * NR, kn, n)
+        } else {
+            let kn = (KC.min(k1 - k0)).div_ceil(2);
+            Ahead::new(words.wrapping_add((n * e2 + k0 / 2) * NR), e2 * NR, kn, n)
+        };
         let mut r0 = 0;
         for tile in 0..tiles {
             let mr = base + usize::from(tile < extra);
@@ -679,13 +749,14 @@ fn panels_bf16(
                 // does not matter.
                 let b0 = words.add(kb / 2 * NR);
                 let b1 = words.add(e2 * NR + kb / 2 * NR);
+                let ahead = next.share(tile, tiles);
                 let xp = xs.as_ptr();
                 let (p0, p1) = (a0.as_mut_ptr(), a1.as_mut_ptr());
                 macro_rules! tile {
                     ($($m:literal)*) => {
                         match (mr, n) {
-                            $(($m, 2) => avx512::micro_bf16_2::<$m>(xp, w2, b0, b1, kp, p0, p1),
-                              ($m, _) => avx512::micro_bf16::<$m>(xp, w2, b0, kp, p0),)*
+                            $(($m, 2) => avx512::micro_bf16_2::<$m>(xp, w2, b0, b1, kp, p0, p1, ahead),
+                              ($m, _) => avx512::micro_bf16::<$m>(xp, w2, b0, kp, p0, ahead),)*
                             _ => unreachable!("tile heights are at most MR_BF16"),
                         }
                     };
@@ -1089,7 +1160,7 @@ mod avx512 {
 
     use std::arch::x86_64::*;
 
-    use super::NR;
+    use super::{Ahead, NR};
 
     /// Widen one packed block of a panel (`kc = dst.len() / (2 * NR)`
     /// steps) into slot `q` (0 or 1) of `dst [kc, 2 * NR]`: each pair word
@@ -1235,6 +1306,7 @@ mod avx512 {
     /// # Safety
     /// As `micro_bf16`, for both panels.
     #[target_feature(enable = "avx512f,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn micro_bf16_2<const M: usize>(
         x: *const u32,
         xs: usize,
@@ -1243,6 +1315,7 @@ mod avx512 {
         np: usize,
         acc0: *mut f32,
         acc1: *mut f32,
+        ahead: Ahead,
     ) {
         // SAFETY: as in `micro_bf16`.
         unsafe {
@@ -1253,6 +1326,7 @@ mod avx512 {
                 c1[i] = _mm512_loadu_ps(acc1.add(i * NR));
             }
             for p in 0..np {
+                ahead.line(p);
                 let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b0.add(p * NR).cast()));
                 let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b1.add(p * NR).cast()));
                 for i in 0..M {
@@ -1286,6 +1360,7 @@ mod avx512 {
         b: *const u32,
         np: usize,
         acc: *mut f32,
+        ahead: Ahead,
     ) {
         // SAFETY: all reads and writes stay inside the ranges the caller
         // guarantees; unaligned loads and stores are used throughout. The
@@ -1297,6 +1372,7 @@ mod avx512 {
                 *ci = _mm512_loadu_ps(acc.add(i * NR));
             }
             for p in 0..np {
+                ahead.line(p);
                 let bv: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(p * NR).cast()));
                 for (i, ci) in c.iter_mut().enumerate() {
                     let a: __m512bh =
