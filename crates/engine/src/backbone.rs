@@ -773,6 +773,9 @@ impl<S: Site> Site for Layered<S> {
     fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
         self.inner.prefetch_step(work)
     }
+    fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
+        self.inner.prefetch_ahead(work)
+    }
     fn table_stats(&self) -> TableStats {
         self.inner.table_stats()
     }

@@ -11,7 +11,10 @@
 //! decode batch and prefill chunk at every site at once
 //! ([`Site::prefetch_step`]: one batch of ids per site, each id hashed once
 //! and handed to the step's forwards, which hash nothing again), so that
-//! they run while the step computes: with a backbone
+//! they run while the step computes, and with
+//! [`ServerConfig::prefetch_ahead`] those of the next step's decode batch
+//! too (sequences waiting behind this step's, whose tokens are known), so
+//! that those overlap this whole step: with a backbone
 //! ([`ServerConfig::backbone`], [`crate::backbone`]) the blocks before a
 //! site hide its reads; without one the prefill chunk's reads overlap the
 //! decode step. Preemption and swap under the device budget happen inside
@@ -91,6 +94,12 @@ pub struct ServerConfig {
     /// Start the row reads of each step's decode batch and prefill chunk at
     /// the start of the step.
     pub prefetch: bool,
+    /// With `prefetch`, also start the reads of the next step's decode
+    /// batch (the sequences waiting behind this step's, whose next tokens
+    /// are known), after this step's own ([`Site::prefetch_ahead`]), so
+    /// that they overlap this step's compute. The next step asks for them
+    /// again (a lookup a row) so that its forwards find their ids hashed.
+    pub prefetch_ahead: bool,
     /// Run backbone blocks (one per model layer) around the sites. Taken by
     /// [`Server::build`], which wraps the sites; [`Server::new`] takes an
     /// engine whose sites are already built and refuses it.
@@ -109,6 +118,7 @@ impl Default for ServerConfig {
             prefill_chunk: 128,
             decode_batch: 16,
             prefetch: true,
+            prefetch_ahead: true,
             backbone: None,
             decode_graphs: false,
             retries: None,
@@ -387,10 +397,11 @@ impl<S: Site> Server<S> {
                 break;
             }
             let lives = self.pick_decode(&mut run)?;
-            // The step's tokens are known: start every read it will make.
+            // The step's tokens are known: start every read it will make,
+            // then those of the next step's decode batch.
             let mut started: Started = None;
             if self.cfg.prefetch {
-                started = self.prefetch_step(&run, &lives, true)?;
+                started = self.prefetch_step(&run, &lives, true, true)?;
             }
             if !self.decode_step(&mut run, lives, &mut highway, done)? {
                 // A failed step starts the next round: admission refills
@@ -400,7 +411,7 @@ impl<S: Site> Server<S> {
             // A prompt that became due during the decode step (a turn
             // after generated tokens) starts its reads now.
             if self.cfg.prefetch && started != self.prefill_due(&run) {
-                self.prefetch_step(&run, &[], true)?;
+                self.prefetch_step(&run, &[], true, false)?;
             }
             self.prefill_step(&mut run, &mut highway, done)?;
         }
@@ -421,21 +432,35 @@ impl<S: Site> Server<S> {
         run.prefilling.front().map(|l| (l.req, l.pos))
     }
 
-    /// Start the row reads of `lives`' decode tokens and, with `prefill`,
-    /// of the prefill chunk due next, at every site: one call per site with
-    /// every sequence of the step. Returns the chunk it covered.
+    /// Start the row reads of `lives`' decode tokens, with `ahead` and
+    /// [`ServerConfig::prefetch_ahead`] those of the next step's decode
+    /// batch (the first `decode_batch` sequences waiting to decode; a
+    /// guess, since swaps may reorder them, and advice either way), and,
+    /// with `prefill`, of the prefill chunk due next, at every site: one
+    /// call per site with every sequence of the step. Returns the chunk it
+    /// covered.
     fn prefetch_step(
         &self,
         run: &Run<'_>,
         lives: &[Live],
         prefill: bool,
+        ahead: bool,
     ) -> Result<Started, ServerError> {
         let reqs = run.w.requests;
-        let mut work: Vec<(&[u32], &[u32])> = Vec::with_capacity(lives.len() + 1);
-        for l in lives {
-            let toks = &reqs[l.req].tokens;
-            work.push((self.engine.tokens(l.id)?, &toks[l.pos..l.pos + 1]));
-        }
+        let peek = if ahead && self.cfg.prefetch_ahead {
+            self.cfg.decode_batch.min(run.decoding.len())
+        } else {
+            0
+        };
+        let decode = |ls: &mut dyn Iterator<Item = &Live>| {
+            ls.map(|l| {
+                let toks = &reqs[l.req].tokens;
+                Ok((self.engine.tokens(l.id)?, &toks[l.pos..l.pos + 1]))
+            })
+            .collect::<Result<Vec<(&[u32], &[u32])>, EngineError>>()
+        };
+        let mut work = decode(&mut lives.iter())?;
+        let later = decode(&mut run.decoding.iter().take(peek))?;
         let mut started = None;
         if prefill && let Some(l) = run.prefilling.front() {
             let r = &reqs[l.req];
@@ -443,12 +468,15 @@ impl<S: Site> Server<S> {
             work.push((self.engine.tokens(l.id)?, &r.tokens[l.pos..l.pos + n]));
             started = Some((l.req, l.pos));
         }
-        if work.is_empty() {
-            return Ok(started);
-        }
         for (i, site) in self.engine.sites().iter().enumerate() {
-            site.prefetch_step(&work)
-                .map_err(|e| EngineError::site(i, format!("site {i} step prefetch"), e))?;
+            if !work.is_empty() {
+                site.prefetch_step(&work)
+                    .map_err(|e| EngineError::site(i, format!("site {i} step prefetch"), e))?;
+            }
+            if !later.is_empty() {
+                site.prefetch_ahead(&later)
+                    .map_err(|e| EngineError::site(i, format!("site {i} prefetch ahead"), e))?;
+            }
         }
         Ok(started)
     }

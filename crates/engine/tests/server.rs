@@ -124,6 +124,7 @@ fn cfg(in_flight: usize) -> ServerConfig {
         prefill_chunk: 5,
         decode_batch: 4,
         prefetch: true,
+        prefetch_ahead: true,
         backbone: None,
         decode_graphs: false,
         retries: None,
@@ -328,4 +329,182 @@ fn malformed_requests_and_settings_are_refused() {
     }
     assert_eq!(server.engine().stats().sequences, 0);
     server.into_engine().close().unwrap();
+}
+
+/// What a [`Watched`] site saw: the tokens of each step prefetch entry,
+/// of each look-ahead entry, and of each batched decode.
+#[derive(Debug, PartialEq)]
+enum Seen {
+    Step(Vec<u32>),
+    Ahead(Vec<u32>),
+    Batch(Vec<u32>),
+}
+
+/// `inner`, with its prefetches and batched decodes noted in `seen`.
+struct Watched<S> {
+    inner: S,
+    seen: Arc<std::sync::Mutex<Vec<Seen>>>,
+}
+
+impl<S> Watched<S> {
+    fn note(&self, s: Seen) {
+        self.seen.lock().unwrap().push(s);
+    }
+}
+
+/// The last token of each entry.
+fn last_tokens(work: &[(&[u32], &[u32])]) -> Vec<u32> {
+    work.iter().map(|(_, t)| *t.last().unwrap()).collect()
+}
+
+impl<S: Site> Site for Watched<S> {
+    type State = S::State;
+
+    fn geometry(&self) -> metrale_model_layers::layers::ple::SiteSpec {
+        self.inner.geometry()
+    }
+    fn max_tokens(&self) -> usize {
+        self.inner.max_tokens()
+    }
+    fn new_state(&self, gpu: &dyn GpuBackend) -> metrale_engine::SiteResult<S::State> {
+        self.inner.new_state(gpu)
+    }
+    fn forward(
+        &self,
+        st: &mut S::State,
+        tokens: &[u32],
+        highway: metrale_gpu_runtime::gpu::DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: metrale_gpu_runtime::gpu::StreamId,
+    ) -> metrale_engine::SiteResult<()> {
+        self.inner.forward(st, tokens, highway, fresh, gpu, stream)
+    }
+    fn forward_batch(
+        &self,
+        states: &mut [&mut S::State],
+        tokens: &[u32],
+        highway: metrale_gpu_runtime::gpu::DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: metrale_gpu_runtime::gpu::StreamId,
+    ) -> metrale_engine::SiteResult<()> {
+        self.note(Seen::Batch(tokens.to_vec()));
+        self.inner
+            .forward_batch(states, tokens, highway, gpu, stream)
+    }
+    fn snapshot(
+        &self,
+        st: &S::State,
+        gpu: &dyn GpuBackend,
+        stream: metrale_gpu_runtime::gpu::StreamId,
+    ) -> metrale_engine::SiteResult<Vec<u8>> {
+        self.inner.snapshot(st, gpu, stream)
+    }
+    fn restore(
+        &self,
+        st: &mut S::State,
+        blob: &[u8],
+        gpu: &dyn GpuBackend,
+        stream: metrale_gpu_runtime::gpu::StreamId,
+    ) -> metrale_engine::SiteResult<()> {
+        self.inner.restore(st, blob, gpu, stream)
+    }
+    fn release(&self, st: &mut S::State, gpu: &dyn GpuBackend) -> metrale_engine::SiteResult<()> {
+        self.inner.release(st, gpu)
+    }
+    fn free(&mut self, gpu: &dyn GpuBackend) -> metrale_engine::SiteResult<()> {
+        self.inner.free(gpu)
+    }
+    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> metrale_engine::SiteResult<()> {
+        self.note(Seen::Step(last_tokens(work)));
+        self.inner.prefetch_step(work)
+    }
+    fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> metrale_engine::SiteResult<()> {
+        self.note(Seen::Ahead(last_tokens(work)));
+        self.inner.prefetch_ahead(work)
+    }
+}
+
+/// Requests of a short prompt and `generated` tokens each, no shared
+/// prefix.
+fn decode_heavy(n: usize, generated: usize, seed: u64) -> Vec<Request> {
+    let mut rng = Rng(seed);
+    (0..n)
+        .map(|_| {
+            let prompt = 2 + rng.below(3);
+            let tokens: Vec<u32> = (0..prompt + generated)
+                .map(|_| 1 + rng.below(900) as u32)
+                .collect();
+            Request {
+                segments: vec![(Phase::Prefill, prompt), (Phase::Decode, tokens.len())],
+                tokens,
+            }
+        })
+        .collect()
+}
+
+/// With more sequences decoding than a step takes, each step starts the
+/// reads of the sequences waiting behind it with their next tokens, which
+/// the next step then decodes; without `prefetch_ahead` nothing is read
+/// ahead; the rows served are the sequential run's either way.
+#[test]
+fn the_next_decode_batch_is_read_a_step_ahead() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let reqs = decode_heavy(24, 10, 11);
+    for ahead in [true, false] {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sites = vec![Watched {
+            inner: tiny_site(&gpu, &spec(), 0, 3).unwrap(),
+            seen: seen.clone(),
+        }];
+        let engine = Engine::new(gpu.clone(), sites, engine_cfg()).unwrap();
+        let want = reference(engine.sites(), gpu.as_ref(), &reqs);
+        seen.lock().unwrap().clear();
+        let mut server = Server::new(
+            engine,
+            ServerConfig {
+                prefetch_ahead: ahead,
+                ..cfg(16)
+            },
+        )
+        .unwrap();
+        let (report, done) = serve(&mut server, &reqs).unwrap();
+        assert!(done.iter().all(|&d| d == 1));
+        check(&report.rows, &want, report.stats.prefix_tokens_restored);
+        let seen = std::mem::take(&mut *seen.lock().unwrap());
+        // Each batch against the look-ahead started before the batch
+        // before it: the step before this one's.
+        let mut batches = 0;
+        let mut covered = 0;
+        let (mut last_ahead, mut ahead_of_prev) = (None::<&Vec<u32>>, None::<&Vec<u32>>);
+        for s in &seen {
+            match s {
+                Seen::Ahead(t) => last_ahead = Some(t),
+                Seen::Batch(t) => {
+                    batches += 1;
+                    let mut pool = ahead_of_prev.cloned().unwrap_or_default();
+                    let all_in = t.iter().all(|tok| {
+                        pool.iter()
+                            .position(|p| p == tok)
+                            .map(|i| pool.swap_remove(i))
+                            .is_some()
+                    });
+                    covered += usize::from(all_in && !t.is_empty());
+                    ahead_of_prev = last_ahead.take();
+                }
+                Seen::Step(_) => {}
+            }
+        }
+        let aheads = seen.iter().filter(|s| matches!(s, Seen::Ahead(_))).count();
+        if ahead {
+            assert!(aheads > 0);
+            assert!(
+                covered * 2 >= batches,
+                "{covered} of {batches} batches read a step ahead"
+            );
+        } else {
+            assert_eq!(aheads, 0);
+            assert_eq!(covered, 0);
+        }
+    }
 }

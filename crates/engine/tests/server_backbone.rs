@@ -72,6 +72,7 @@ fn cfg(prefetch: bool, backbone: Option<BackboneConfig>) -> ServerConfig {
         prefill_chunk: 5,
         decode_batch: 4,
         prefetch,
+        prefetch_ahead: prefetch,
         backbone,
         decode_graphs: false,
         retries: None,

@@ -153,6 +153,11 @@ pub struct RunArgs {
     /// compute).
     #[arg(long)]
     pub no_prefetch: bool,
+    /// Do not also start, at each step, the reads of the next step's
+    /// decode batch (the sequences waiting behind this step's, whose
+    /// tokens are known); by default they overlap this step's compute.
+    #[arg(long)]
+    pub no_prefetch_ahead: bool,
     /// Run a compute backbone: for every model layer, BF16 GEMMs standing
     /// in for its attention and MLP (a QKV and output projection, a gated
     /// MLP up and down of 8/3 the width), each PLE site at its layer among
@@ -346,6 +351,7 @@ fn pass(
         prefill_chunk: a.prefill_chunk,
         decode_batch: a.decode_batch.max(1),
         prefetch: pc.prefetch,
+        prefetch_ahead: pc.prefetch && !a.no_prefetch_ahead,
         backbone: pc.backbone.clone(),
         decode_graphs: pc.graphs,
         // Failed calls are tolerated (and rerun) only with injected faults.

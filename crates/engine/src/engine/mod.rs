@@ -204,6 +204,17 @@ pub trait Site: Send + Sync {
         }
         Ok(())
     }
+    /// Start reading the rows of a later step, as [`Self::prefetch_step`],
+    /// after the reads of the step under way (called after its
+    /// `prefetch_step`) and without taking the place of the ids that step
+    /// hashed for its forwards. Advice; the default calls `prefetch` entry
+    /// by entry.
+    fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
+        for (history, tokens) in work {
+            self.prefetch(history, tokens)?;
+        }
+        Ok(())
+    }
     /// The counters of the site's row table since it was opened. The
     /// default, for sites without a table, reports zeros.
     fn table_stats(&self) -> TableStats {

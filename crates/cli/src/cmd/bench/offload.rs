@@ -16,7 +16,9 @@
 //! until the hit rate moved less than half a point between two
 //! consecutive windows. The three tables of one prefetch and backbone
 //! setting are open together and measured in turns (one repetition of each,
-//! table after table, then the next round), so that a shared machine's
+//! table after table, then the next round; each repetition after one step
+//! not measured, whose reads ahead the first measured step finds, as each
+//! step of a server finds the step before's), so that a shared machine's
 //! drifting speed slows them alike: decode tokens/s (the median
 //! repetition), the overhead against the resident table (the median over
 //! rounds of the ratio to the resident repetition of the same round, with a
@@ -139,6 +141,13 @@ pub struct OffloadArgs {
     /// and the padding.
     #[arg(long)]
     padded: bool,
+    /// Decode each step's sequences in this many consecutive groups, one
+    /// after another; with prefetch, a group's reads for its next step
+    /// start as soon as its decode returns, so they overlap the other
+    /// groups' decodes (what hides the disk's round trip without a
+    /// backbone, at the price of smaller batches).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    micro_batches: usize,
     /// Reads the row cache keeps in flight (its io_uring depth, or pread
     /// threads up to 16).
     #[arg(long, default_value_t = DEFAULT_IO_DEPTH, value_name = "N")]
@@ -189,6 +198,9 @@ struct Sizes {
     ceiling: Duration,
     /// Most fill windows of a row cache before decoding ([`fill`]).
     fill_windows: usize,
+    /// Consecutive groups of the sequences a step decodes one after
+    /// another (`--micro-batches`; 1: the step is one batch).
+    micro_batches: usize,
 }
 
 /// 2^24 rows of 160 BF16 values: 5 GiB on disk, 16x a 2^20-slot cache.
@@ -204,6 +216,7 @@ const FULL: Sizes = Sizes {
     reps: 20,
     ceiling: Duration::from_secs(2),
     fill_windows: FILL_WINDOWS,
+    micro_batches: 1,
 };
 
 /// 2^20 rows (320 MiB), 16x a 2^16-slot cache.
@@ -219,6 +232,7 @@ const QUICK: Sizes = Sizes {
     reps: 12,
     ceiling: Duration::from_millis(500),
     fill_windows: FILL_WINDOWS,
+    micro_batches: 1,
 };
 
 /// 2^14 rows (5 MiB), 16x a 2^10-slot cache, a few steps.
@@ -234,6 +248,7 @@ const SMOKE: Sizes = Sizes {
     reps: 1,
     ceiling: Duration::from_millis(20),
     fill_windows: 3,
+    micro_batches: 1,
 };
 
 /// A hit rate that moved less than this between two consecutive windows
@@ -331,6 +346,8 @@ struct Report {
     cache_slots: usize,
     cache_bytes: u64,
     sequences: usize,
+    /// Groups of the sequences decoded one after another in a step.
+    micro_batches: usize,
     measured_steps: usize,
     measured_reps: usize,
     disk_reader: String,
@@ -389,6 +406,13 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         }
         sizes.reps = n;
     }
+    if args.micro_batches == 0 || args.micro_batches > sizes.sequences {
+        return Err(input(anyhow::anyhow!(
+            "--micro-batches must be between 1 and the run's {} sequences",
+            sizes.sequences
+        )));
+    }
+    sizes.micro_batches = args.micro_batches;
     if let Some(n) = args.steps {
         if n == 0 {
             return Err(input(anyhow::anyhow!("--steps must be positive")));
@@ -907,6 +931,7 @@ fn measure_all(
         cache_slots: slots,
         cache_bytes: slots as u64 * row_bytes,
         sequences: sizes.sequences,
+        micro_batches: sizes.micro_batches,
         measured_steps: sizes.measure,
         measured_reps: sizes.reps,
         disk_reader: disk.reader,
@@ -1028,8 +1053,9 @@ fn fill(
 }
 
 /// The decode workload over one engine: sequences prefilled once, then
-/// steps of one token each; a step's tokens are known at its start (what
-/// prefetch reads).
+/// steps of one token each, decoded in consecutive groups of sequences
+/// (one group unless `--micro-batches`); a group's tokens are known once
+/// its decode of the step before returned (what prefetch reads).
 struct Workload {
     streams: Streams,
     ids: Vec<SeqId>,
@@ -1037,6 +1063,8 @@ struct Workload {
     template: Vec<f32>,
     highway: Vec<f32>,
     prefetch: bool,
+    /// The groups: consecutive ranges of `ids`.
+    groups: Vec<std::ops::Range<usize>>,
     /// Time in step prefetch calls and in decode calls.
     prefetch_wall: Duration,
     decode_wall: Duration,
@@ -1060,6 +1088,10 @@ impl Workload {
             ids.push(id);
         }
         let cur = (0..ids.len()).map(|i| streams.next(i)).collect();
+        let n = sizes.micro_batches.clamp(1, ids.len().max(1));
+        let groups: Vec<_> = (0..n)
+            .map(|g| g * ids.len() / n..(g + 1) * ids.len() / n)
+            .collect();
         Ok(Workload {
             streams,
             ids,
@@ -1067,35 +1099,61 @@ impl Workload {
             highway: Vec::with_capacity(sizes.sequences * w),
             template,
             prefetch,
+            groups,
             prefetch_wall: Duration::ZERO,
             decode_wall: Duration::ZERO,
         })
     }
 
-    /// One decode step of every sequence; with prefetch, every site's
-    /// reads of the step start first, in one call per site.
-    fn step(&mut self, e: &mut Served) -> Result<()> {
+    /// Start every site's reads of group `g`'s current tokens, in one
+    /// call per site: for its decode now ([`Site::prefetch_step`], whose
+    /// ids the decode's forwards take), or `ahead` of it, behind the reads
+    /// of the group decoding now ([`Site::prefetch_ahead`]).
+    fn prefetch_group(&mut self, e: &Served, g: usize, ahead: bool) -> Result<()> {
         let t0 = Instant::now();
-        if self.prefetch {
-            let mut work = Vec::with_capacity(self.ids.len());
-            for (i, &id) in self.ids.iter().enumerate() {
-                work.push((e.tokens(id)?, std::slice::from_ref(&self.cur[i])));
-            }
-            for (k, site) in e.sites().iter().enumerate() {
+        let mut work = Vec::with_capacity(self.groups[g].len());
+        for i in self.groups[g].clone() {
+            work.push((e.tokens(self.ids[i])?, std::slice::from_ref(&self.cur[i])));
+        }
+        for (k, site) in e.sites().iter().enumerate() {
+            let r = if ahead {
+                site.prefetch_ahead(&work)
+            } else {
                 site.prefetch_step(&work)
-                    .map_err(|err| EngineError::site(k, format!("site {k} step prefetch"), err))?;
-            }
+            };
+            r.map_err(|err| EngineError::site(k, format!("site {k} step prefetch"), err))?;
         }
         self.prefetch_wall += t0.elapsed();
-        let batch: Vec<(SeqId, u32)> = self.ids.iter().copied().zip(self.cur.clone()).collect();
-        self.highway.clear();
-        self.highway
-            .extend_from_slice(&self.template[..batch.len() * e.width()]);
-        let t1 = Instant::now();
-        e.decode(&batch, &mut self.highway)?;
-        self.decode_wall += t1.elapsed();
-        for (i, t) in self.cur.iter_mut().enumerate() {
-            *t = self.streams.next(i);
+        Ok(())
+    }
+
+    /// One decode step of every sequence, group after group. With
+    /// prefetch, a group's reads start at the start of its turn and, with
+    /// more than one group, as soon as its tokens are known: right after
+    /// its decode of the step before, so that they overlap the other
+    /// groups' decodes (its turn then asks again, finding them loaded or
+    /// on their way). A `last` step starts nothing ahead, so no read of a
+    /// repetition runs on into another table's turn.
+    fn step(&mut self, e: &mut Served, last: bool) -> Result<()> {
+        for g in 0..self.groups.len() {
+            if self.prefetch {
+                self.prefetch_group(e, g, false)?;
+            }
+            let range = self.groups[g].clone();
+            let batch: Vec<(SeqId, u32)> =
+                range.clone().map(|i| (self.ids[i], self.cur[i])).collect();
+            self.highway.clear();
+            self.highway
+                .extend_from_slice(&self.template[..batch.len() * e.width()]);
+            let t1 = Instant::now();
+            e.decode(&batch, &mut self.highway)?;
+            self.decode_wall += t1.elapsed();
+            for i in range {
+                self.cur[i] = self.streams.next(i);
+            }
+            if self.prefetch && !last && self.groups.len() > 1 {
+                self.prefetch_group(e, g, true)?;
+            }
         }
         Ok(())
     }
@@ -1291,7 +1349,7 @@ impl Config {
         for _ in 0..sizes.max_windows {
             let before = e.table_stats();
             for _ in 0..sizes.window {
-                w.step(&mut e)?;
+                w.step(&mut e, true)?;
             }
             if !cached {
                 settled = true;
@@ -1339,17 +1397,21 @@ impl Config {
         })
     }
 
-    /// One measured repetition: `sizes.measure` steps, their counters added
-    /// to the configuration's.
+    /// One measured repetition: a step not measured, then `sizes.measure`
+    /// steps, their counters added to the configuration's.
     fn rep(&mut self, sizes: &Sizes) -> Result<()> {
+        // A step not measured first: the other tables' turns broke the
+        // stream, and in a server each step's reads were started by the
+        // step before (with micro-batches, by each group's decode before).
+        self.w.step(&mut self.engine, false)?;
         let stats0 = self.engine.table_stats();
         let read0 = self.timed.as_ref().map(|t| t.elapsed());
         let exposed0 = exposed(&self.engine);
         let io0 = process_read_bytes();
         let c0 = Counters::now(&self.engine, &self.w);
         let t0 = Instant::now();
-        for _ in 0..sizes.measure {
-            self.w.step(&mut self.engine)?;
+        for i in 0..sizes.measure {
+            self.w.step(&mut self.engine, i + 1 == sizes.measure)?;
         }
         let dt = t0.elapsed().as_secs_f64().max(1e-9);
         Counters::now(&self.engine, &self.w).add_since(&c0, &mut self.spent);
@@ -1522,13 +1584,18 @@ fn print(r: &Report, json: bool) -> Result<()> {
     writeln!(
         out,
         "bench offload ({} run): flagship geometry, {} table rows ({}), row cache {} slots ({}), \
-         {} sequences, {} x {} steps measured",
+         {} sequences{}, {} x {} steps measured",
         r.run,
         r.table_rows,
         bytes(r.table_bytes),
         r.cache_slots,
         bytes(r.cache_bytes),
         r.sequences,
+        if r.micro_batches > 1 {
+            format!(" in {} micro-batches", r.micro_batches)
+        } else {
+            String::new()
+        },
         r.measured_reps,
         r.measured_steps
     )?;
