@@ -1,7 +1,6 @@
 //! A row table that forwards every call to another and runs a hook on each
-//! resolve (to count or log them), and optionally one on each prefetch,
-//! optionally reporting that every resolve would wait for reads, so a layer
-//! over it takes its pipelined path.
+//! resolve (to count or log them), optionally reporting that every resolve
+//! would wait for reads, so a layer over it takes its pipelined path.
 //!
 //! Invariant: apart from the hook and that one answer, it behaves exactly
 //! as the table it wraps: rows, leases, limits and counters are the
@@ -20,7 +19,6 @@ type Hook = Box<dyn Fn(&[u64]) + Send + Sync>;
 pub struct HookedTable {
     inner: Arc<dyn RowTable>,
     hook: Hook,
-    on_prefetch: Option<Hook>,
     always_waits: bool,
 }
 
@@ -31,15 +29,8 @@ impl HookedTable {
         HookedTable {
             inner,
             hook: Box::new(hook),
-            on_prefetch: None,
             always_waits: false,
         }
-    }
-
-    /// Also call `hook` with the ids of each prefetch before it runs.
-    pub fn on_prefetch(mut self, hook: impl Fn(&[u64]) + Send + Sync + 'static) -> Self {
-        self.on_prefetch = Some(Box::new(hook));
-        self
     }
 
     /// Report that every resolve would wait for reads
@@ -76,9 +67,6 @@ impl RowTable for HookedTable {
         self.inner.release(lease, gpu, after)
     }
     fn prefetch(&self, ids: &[u64]) -> Result<()> {
-        if let Some(h) = &self.on_prefetch {
-            h(ids);
-        }
         self.inner.prefetch(ids)
     }
     fn stats(&self) -> TableStats {
