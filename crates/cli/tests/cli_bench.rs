@@ -171,53 +171,6 @@ fn offload_smoke_run_prints_every_table_as_json() {
     assert_eq!(report["micro_batches"], 1);
     // The checkpoint written for the run stays for the next one.
     assert!(ck.join("config.json").is_file());
-
-    // Micro-batches: the same rows from the kept checkpoint, each step's
-    // sequences decoded one group after another.
-    let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
-        .args([
-            "bench",
-            "offload",
-            "--smoke",
-            "--json",
-            "--only-backbone",
-            "off",
-        ])
-        .args(["--micro-batches", "2", "--checkpoint"])
-        .arg(&ck)
-        .output()
-        .expect("run metrale-ple");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
-    assert_eq!(report["micro_batches"], 2);
-    let rows = report["rows"].as_array().expect("a rows array");
-    assert_eq!(rows.len(), 6, "{report:#}");
-    for row in rows {
-        assert!(
-            row["decode_tokens_per_s"].as_f64().unwrap() > 0.0,
-            "{row:#}"
-        );
-    }
-    // More groups than sequences is refused before anything runs.
-    let out = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
-        .args([
-            "bench",
-            "offload",
-            "--smoke",
-            "--micro-batches",
-            "3",
-            "--checkpoint",
-        ])
-        .arg(&ck)
-        .output()
-        .expect("run metrale-ple");
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("--micro-batches must be between 1 and the run's 2 sequences"),
-        "{stderr}"
-    );
 }
 
 /// `--preset` with `--only`: a family's hash and layer figures, the layer

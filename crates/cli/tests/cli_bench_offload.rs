@@ -3,12 +3,26 @@
 //! the bytes it read per byte of the rows it missed, every row the host
 //! time of its phases, and the packed copy is removed after the run. With
 //! `--corpus`, the decode tokens are a corpus's documents, and a bad
-//! corpus is refused naming its file and line.
+//! corpus is refused naming its file and line. With `--micro-batches`, each
+//! step decodes its sequences in groups.
 
-use std::path::PathBuf;
-use std::process::Command;
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
 
 use serde_json::Value;
+
+/// `bench offload` at the smoke sizes without the backbone, on the
+/// checkpoint `ck` (written there when absent), with `extra` arguments.
+fn smoke_without_backbone(ck: &Path, extra: &[&OsStr]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+        .args(["bench", "offload", "--smoke", "--json"])
+        .args(["--only-backbone", "off", "--checkpoint"])
+        .arg(ck)
+        .args(extra)
+        .output()
+        .expect("run metrale-ple")
+}
 
 #[test]
 fn offload_measures_the_packed_table_and_reports_reads_per_missed_byte_and_phases() {
@@ -97,23 +111,8 @@ fn offload_decodes_a_corpus_and_refuses_a_bad_one() {
         .map(|_| serde_json::to_string(&doc).unwrap() + "\n")
         .collect();
     std::fs::write(&corpus, text).unwrap();
-    let run = |corpus: &std::path::Path| {
-        Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
-            .args([
-                "bench",
-                "offload",
-                "--smoke",
-                "--json",
-                "--only-backbone",
-                "off",
-            ])
-            .arg("--corpus")
-            .arg(corpus)
-            .arg("--checkpoint")
-            .arg(&ck)
-            .output()
-            .expect("run metrale-ple")
-    };
+    let run =
+        |corpus: &Path| smoke_without_backbone(&ck, &[OsStr::new("--corpus"), corpus.as_os_str()]);
     let out = run(&corpus);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "status {:?}: {stderr}", out.status);
@@ -137,6 +136,37 @@ fn offload_decodes_a_corpus_and_refuses_a_bad_one() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         stderr.contains("bad.jsonl line 2") && stderr.contains("99999999"),
+        "{stderr}"
+    );
+}
+
+/// `--micro-batches 2`: every table measured with each step's sequences
+/// decoded in two groups, the report saying so; more groups than the run
+/// has sequences is refused before anything runs.
+#[test]
+fn offload_decodes_in_micro_batches_and_refuses_more_than_its_sequences() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let groups =
+        |n: &str| smoke_without_backbone(&ck, &[OsStr::new("--micro-batches"), OsStr::new(n)]);
+    let out = groups("2");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "status {:?}: {stderr}", out.status);
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(report["micro_batches"], 2);
+    let rows = report["rows"].as_array().expect("a rows array");
+    assert_eq!(rows.len(), 6, "{report:#}");
+    for row in rows {
+        assert!(
+            row["decode_tokens_per_s"].as_f64().unwrap() > 0.0,
+            "{row:#}"
+        );
+    }
+    let out = groups("3");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--micro-batches must be between 1 and the run's 2 sequences"),
         "{stderr}"
     );
 }

@@ -68,6 +68,27 @@ impl PleSite {
         }
     }
 
+    /// Hash `work` into one batch of ids and start their reads, timing
+    /// both; with `keep`, the ids become the ones the next forwards take
+    /// (kept even when starting the reads failed: hashing did not).
+    fn hash_and_read(&self, work: &[(&[u32], &[u32])], keep: bool) -> SiteResult<()> {
+        let t0 = Instant::now();
+        let hashed = self.layer.hash_ahead(work)?;
+        let t1 = Instant::now();
+        self.hash_ns
+            .fetch_add((t1 - t0).as_nanos() as u64, Ordering::Relaxed);
+        if hashed.is_empty() {
+            return Ok(());
+        }
+        let r = self.layer.prefetch_hashed(&hashed);
+        if keep {
+            *self.hashed.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(hashed));
+        }
+        self.prefetch_ns
+            .fetch_add(t1.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(r?)
+    }
+
     /// The ids the last step prefetch hashed, if any.
     fn hashed(&self) -> Option<Arc<HashedIds>> {
         self.hashed
@@ -92,37 +113,13 @@ impl Site for PleSite {
     fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
         // One batch of ids for the whole step, so the table reads them
         // together, kept for the step's forwards.
-        let t0 = Instant::now();
-        let hashed = self.layer.hash_ahead(work)?;
-        let t1 = Instant::now();
-        self.hash_ns
-            .fetch_add((t1 - t0).as_nanos() as u64, Ordering::Relaxed);
-        if hashed.is_empty() {
-            return Ok(());
-        }
-        let r = self.layer.prefetch_hashed(&hashed);
-        *self.hashed.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(hashed));
-        self.prefetch_ns
-            .fetch_add(t1.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(r?)
+        self.hash_and_read(work, true)
     }
 
     fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
         // One batch for the later step, its ids not kept: the step under
         // way keeps finding its own.
-        let t0 = Instant::now();
-        let hashed = self.layer.hash_ahead(work)?;
-        let t1 = Instant::now();
-        self.hash_ns
-            .fetch_add((t1 - t0).as_nanos() as u64, Ordering::Relaxed);
-        let r = if hashed.is_empty() {
-            Ok(())
-        } else {
-            self.layer.prefetch_hashed(&hashed)
-        };
-        self.prefetch_ns
-            .fetch_add(t1.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(r?)
+        self.hash_and_read(work, false)
     }
 
     fn table_stats(&self) -> TableStats {

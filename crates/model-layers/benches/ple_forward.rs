@@ -407,6 +407,35 @@ impl Figure {
     }
 }
 
+/// The line of one measured size: tokens/s (median and best step, `tokens`
+/// a step), tokens per CPU-second, the median time per `unit` and the
+/// stages' shares.
+fn print_size(head: &str, tokens: usize, runs: &[Stages], cpu: Option<f64>, unit: &str) {
+    let (med, best, share) = summarize(runs);
+    println!(
+        "{head}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.2} ms/{unit} median; {share})",
+        tokens as f64 / med,
+        tokens as f64 / best,
+        per_cpu(tokens * runs.len(), cpu),
+        med * 1e3
+    );
+}
+
+/// `n` timed calls of `one` after one untimed (a warm-up): each call's
+/// stages, and the CPU seconds the timed ones took.
+fn timed(n: usize, mut one: impl FnMut(&mut Stages)) -> (Vec<Stages>, Option<f64>) {
+    one(&mut Stages::default());
+    let cpu0 = cpu_seconds();
+    let runs = (0..n)
+        .map(|_| {
+            let mut st = Stages::default();
+            one(&mut st);
+            st
+        })
+        .collect();
+    (runs, cpu_seconds().zip(cpu0).map(|(a, b)| a - b))
+}
+
 /// Decode batch sizes measured, one token per sequence a step.
 const DECODE_BATCHES: [usize; 4] = [1, 16, 32, 64];
 
@@ -434,36 +463,13 @@ fn measure(m: &Model, rng: &mut Rng, reps: usize, print: bool) -> Vec<Figure> {
     let mut sc = Scratch::new(t);
     let mut highway: Vec<f32> = (0..t * C).map(|_| rng.f32(1.0)).collect();
     let mut state = vec![vec![0.0f32; S * C]];
-    let ids = ids_for(rng, t);
-    step(
-        m,
-        &ids,
-        t,
-        &mut highway,
-        &mut state,
-        &mut sc,
-        &mut Stages::default(),
-    ); // warm-up
-    let cpu0 = cpu_seconds();
-    let runs: Vec<Stages> = (0..reps)
-        .map(|_| {
-            let ids = ids_for(rng, t);
-            let mut st = Stages::default();
-            step(m, &ids, t, &mut highway, &mut state, &mut sc, &mut st);
-            st
-        })
-        .collect();
-    let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
-    let (med, best, share) = summarize(&runs);
+    let (runs, cpu) = timed(reps, |st| {
+        let ids = ids_for(rng, t);
+        step(m, &ids, t, &mut highway, &mut state, &mut sc, st);
+    });
     out.push(figure(format!("prefill chunk {t}"), t, &runs));
     if print {
-        println!(
-            "prefill chunk {t}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.1} ms/chunk median; {share})",
-            t as f64 / med,
-            t as f64 / best,
-            per_cpu(t * reps, cpu),
-            med * 1e3
-        );
+        print_size(&format!("prefill chunk {t}"), t, &runs, cpu, "chunk");
     }
 
     // Decode: B sequences, one token each, per step.
@@ -474,36 +480,13 @@ fn measure(m: &Model, rng: &mut Rng, reps: usize, print: bool) -> Vec<Figure> {
             .map(|_| (0..S * C).map(|_| rng.f32(1.0)).collect())
             .collect();
         let steps = (reps * 64 / b).clamp(reps, 200);
-        let ids = ids_for(rng, b);
-        step(
-            m,
-            &ids,
-            b,
-            &mut highway,
-            &mut states,
-            &mut sc,
-            &mut Stages::default(),
-        );
-        let cpu0 = cpu_seconds();
-        let runs: Vec<Stages> = (0..steps)
-            .map(|_| {
-                let ids = ids_for(rng, b);
-                let mut st = Stages::default();
-                step(m, &ids, b, &mut highway, &mut states, &mut sc, &mut st);
-                st
-            })
-            .collect();
-        let cpu = cpu_seconds().zip(cpu0).map(|(a, b)| a - b);
-        let (med, best, share) = summarize(&runs);
+        let (runs, cpu) = timed(steps, |st| {
+            let ids = ids_for(rng, b);
+            step(m, &ids, b, &mut highway, &mut states, &mut sc, st);
+        });
         out.push(figure(format!("decode batch {b}"), b, &runs));
         if print {
-            println!(
-                "decode batch {b:>3}: median {:>8.1} tokens/s, best {:>8.1} tokens/s, {} tokens/CPU-s  ({:.2} ms/step median; {share})",
-                b as f64 / med,
-                b as f64 / best,
-                per_cpu(b * steps, cpu),
-                med * 1e3
-            );
+            print_size(&format!("decode batch {b:>3}"), b, &runs, cpu, "step");
         }
     }
     out
