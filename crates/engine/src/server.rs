@@ -452,15 +452,18 @@ impl<S: Site> Server<S> {
         } else {
             0
         };
-        let decode = |ls: &mut dyn Iterator<Item = &Live>| {
-            ls.map(|l| {
-                let toks = &reqs[l.req].tokens;
-                Ok((self.engine.tokens(l.id)?, &toks[l.pos..l.pos + 1]))
-            })
-            .collect::<Result<Vec<(&[u32], &[u32])>, EngineError>>()
+        // A decode token's entry: the sequence's tokens so far, and it.
+        let entry = |l: &Live| -> Result<(&[u32], &[u32]), EngineError> {
+            let toks = &reqs[l.req].tokens;
+            Ok((self.engine.tokens(l.id)?, &toks[l.pos..l.pos + 1]))
         };
-        let mut work = decode(&mut lives.iter())?;
-        let later = decode(&mut run.decoding.iter().take(peek))?;
+        let mut work = lives.iter().map(entry).collect::<Result<Vec<_>, _>>()?;
+        let later = run
+            .decoding
+            .iter()
+            .take(peek)
+            .map(entry)
+            .collect::<Result<Vec<_>, _>>()?;
         let mut started = None;
         if prefill && let Some(l) = run.prefilling.front() {
             let r = &reqs[l.req];

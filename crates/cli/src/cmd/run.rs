@@ -351,7 +351,7 @@ fn pass(
         prefill_chunk: a.prefill_chunk,
         decode_batch: a.decode_batch.max(1),
         prefetch: pc.prefetch,
-        prefetch_ahead: pc.prefetch && !a.no_prefetch_ahead,
+        prefetch_ahead: !a.no_prefetch_ahead,
         backbone: pc.backbone.clone(),
         decode_graphs: pc.graphs,
         // Failed calls are tolerated (and rerun) only with injected faults.

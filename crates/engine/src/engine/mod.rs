@@ -74,6 +74,15 @@ pub type SeqId = u64;
 /// What the default graph methods of [`Site`] say.
 const NO_GRAPHS: &str = "this site cannot replay decode graphs";
 
+/// [`Site::prefetch`] for each entry of `work`: what the step prefetches do
+/// for a site that does not batch them.
+fn prefetch_each<S: Site + ?Sized>(site: &S, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
+    for (history, tokens) in work {
+        site.prefetch(history, tokens)?;
+    }
+    Ok(())
+}
+
 /// What the engine needs of a PLE site. [`crate::ple_site::PleSite`]
 /// implements it for the PLE layer.
 pub trait Site: Send + Sync {
@@ -199,10 +208,7 @@ pub trait Site: Send + Sync {
     /// reads of a step go out together as soon as its tokens are known.
     /// Advice, as `prefetch`; the default calls `prefetch` entry by entry.
     fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        for (history, tokens) in work {
-            self.prefetch(history, tokens)?;
-        }
-        Ok(())
+        prefetch_each(self, work)
     }
     /// Start reading the rows of a later step, as [`Self::prefetch_step`],
     /// after the reads of the step under way (called after its
@@ -210,10 +216,7 @@ pub trait Site: Send + Sync {
     /// hashed for its forwards. Advice; the default calls `prefetch` entry
     /// by entry.
     fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        for (history, tokens) in work {
-            self.prefetch(history, tokens)?;
-        }
-        Ok(())
+        prefetch_each(self, work)
     }
     /// The counters of the site's row table since it was opened. The
     /// default, for sites without a table, reports zeros.

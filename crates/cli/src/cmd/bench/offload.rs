@@ -1116,12 +1116,12 @@ impl Workload {
             work.push((e.tokens(self.ids[i])?, std::slice::from_ref(&self.cur[i])));
         }
         for (k, site) in e.sites().iter().enumerate() {
-            let r = if ahead {
-                site.prefetch_ahead(&work)
+            let (r, what) = if ahead {
+                (site.prefetch_ahead(&work), "prefetch ahead")
             } else {
-                site.prefetch_step(&work)
+                (site.prefetch_step(&work), "step prefetch")
             };
-            r.map_err(|err| EngineError::site(k, format!("site {k} step prefetch"), err))?;
+            r.map_err(|err| EngineError::site(k, format!("site {k} {what}"), err))?;
         }
         self.prefetch_wall += t0.elapsed();
         Ok(())

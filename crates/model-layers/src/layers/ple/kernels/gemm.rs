@@ -636,6 +636,7 @@ impl SyncPtr {
 /// tiles are computing from, and the block after it would evict it.
 /// Addresses past the weights are only ever prefetched, which never
 /// faults.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct Ahead {
     from: *const u32,
@@ -644,18 +645,8 @@ struct Ahead {
     panels: usize,
 }
 
+#[cfg(target_arch = "x86_64")]
 impl Ahead {
-    /// A block of `lines` lines (one a pair step, `NR` words) in each of
-    /// `panels` panels.
-    fn new(from: *const u32, stride: usize, lines: usize, panels: usize) -> Ahead {
-        Ahead {
-            from,
-            stride,
-            lines,
-            panels,
-        }
-    }
-
     /// Tile `tile` of `tiles`' share of the block.
     fn share(self, tile: usize, tiles: usize) -> Ahead {
         let (lo, hi) = (self.lines * tile / tiles, self.lines * (tile + 1) / tiles);
@@ -674,13 +665,10 @@ impl Ahead {
         }
         for q in 0..self.panels {
             let at = self.from.wrapping_add(q * self.stride + p * NR);
-            #[cfg(target_arch = "x86_64")]
             // SAFETY: a prefetch never faults, whatever the address.
             unsafe {
                 std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(at.cast())
             };
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = at;
         }
     }
 }
@@ -718,12 +706,19 @@ fn panels_bf16(
         // first tile reads a block from memory, faster than memory
         // delivers, and the other tiles leave the memory idle: at decode
         // sizes (few tiles) that cost a tenth of the projection's rate.
-        let next = if kb + KC < k1 {
-            let kn = (KC.min(k1 - kb - KC)).div_ceil(2);
-            Ahead::new(words.wrapping_add((kb + KC) / 2 * NR), e2 * NR, kn, n)
-        } else {
-            let kn = (KC.min(k1 - k0)).div_ceil(2);
-            Ahead::new(words.wrapping_add((n * e2 + k0 / 2) * NR), e2 * NR, kn, n)
+        #[cfg(target_arch = "x86_64")]
+        let next = {
+            let (at, steps) = if kb + KC < k1 {
+                ((kb + KC) / 2, KC.min(k1 - kb - KC))
+            } else {
+                (n * e2 + k0 / 2, KC.min(k1 - k0))
+            };
+            Ahead {
+                from: words.wrapping_add(at * NR),
+                stride: e2 * NR,
+                lines: steps.div_ceil(2),
+                panels: n,
+            }
         };
         let mut r0 = 0;
         for tile in 0..tiles {
