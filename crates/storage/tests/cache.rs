@@ -36,12 +36,26 @@ fn lease_pins_rows_until_the_gather_has_run() {
     let t = CachedTable::open(files, gpu.clone(), cfg(4, 4)).unwrap();
     let rb = 320;
     let s = gpu.create_stream().unwrap();
-    // A slow kernel first, so the gather queued behind it runs late.
-    let sleep = gpu.kernel("storage_test", "sleep").unwrap();
-    gpu.launch(sleep, LaunchConfig::linear(1, 1))
-        .u32(300)
-        .run(s)
-        .unwrap();
+    // A kernel that holds the stream until the test opens it, so the gather
+    // queued behind it runs late however slow the machine.
+    let open = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let o2 = open.clone();
+    gpu.register_host_kernel(
+        "storage_test",
+        "hold",
+        &[],
+        Arc::new(move |_mem, _cfg, _args| {
+            // Bounded, so a failing test ends instead of holding the stream.
+            let t0 = std::time::Instant::now();
+            while !o2.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(())
+        }),
+    )
+    .unwrap();
+    let hold = gpu.kernel("storage_test", "hold").unwrap();
+    gpu.launch(hold, LaunchConfig::linear(1, 1)).run(s).unwrap();
     let a = [1u64, 5, 9, 30];
     let mut refs = vec![RowRef::default(); 4];
     let lease = t.resolve(&a, &mut refs).unwrap();
@@ -54,7 +68,12 @@ fn lease_pins_rows_until_the_gather_has_run() {
         !gathered.load(Ordering::SeqCst),
         "the gather must still be queued here"
     );
-    // Four other rows need all four slots: only possible once the gather ran.
+    // Four other rows need all four slots: only possible once the gather ran,
+    // which the stream allows a while after the resolve below has started.
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(100));
+        open.store(true, Ordering::Release);
+    });
     let b = [2u64, 6, 10, 31];
     let mut refs_b = vec![RowRef::default(); 4];
     let lease_b = t.resolve(&b, &mut refs_b).unwrap();
@@ -63,6 +82,7 @@ fn lease_pins_rows_until_the_gather_has_run() {
         "slots were taken before the gather that reads them ran"
     );
     assert_eq!(t.stats().evictions, 4);
+    opener.join().unwrap();
     t.release(lease_b, gpu.as_ref(), None).unwrap();
     let (out, _) = bufs.read(gpu.as_ref(), s);
     for (i, &id) in a.iter().enumerate() {

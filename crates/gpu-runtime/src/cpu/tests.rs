@@ -249,7 +249,10 @@ fn pointers_are_checked_again_when_the_operation_runs() {
         &[],
         Arc::new(
             move |_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
-                while !o2.swap(false, Ordering::AcqRel) {
+                // Bounded, so a failing test ends instead of holding the
+                // stream.
+                let t0 = std::time::Instant::now();
+                while !o2.swap(false, Ordering::AcqRel) && t0.elapsed() < Duration::from_secs(60) {
                     std::thread::sleep(Duration::from_millis(1));
                 }
                 Ok(())

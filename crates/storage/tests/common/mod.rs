@@ -127,19 +127,6 @@ pub fn backend() -> (Arc<dyn GpuBackend>, Arc<AtomicBool>) {
         }),
     )
     .unwrap();
-    gpu.register_host_kernel(
-        "storage_test",
-        "sleep",
-        &[ArgKind::U32],
-        Arc::new(|_mem, _cfg, args| {
-            let KernelArg::U32(ms) = args[0] else {
-                return Err(GpuError::kernel("bad arguments"));
-            };
-            std::thread::sleep(std::time::Duration::from_millis(ms as u64));
-            Ok(())
-        }),
-    )
-    .unwrap();
     (gpu, flag)
 }
 
