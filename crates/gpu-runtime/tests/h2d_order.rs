@@ -6,47 +6,16 @@
 
 mod common;
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
-use metrale_gpu_runtime::cpu::CpuBackend;
+use metrale_gpu_runtime::cpu::{CpuBackend, Latch};
 use metrale_gpu_runtime::gpu::{GpuBackend, GpuError, LaunchConfig};
 
-/// A gate a host kernel blocks on until the test opens it.
-#[derive(Default)]
-struct Gate {
-    open: Mutex<bool>,
-    cv: Condvar,
-}
-
-impl Gate {
-    fn wait(&self) {
-        let mut o = self.open.lock().unwrap();
-        while !*o {
-            o = self.cv.wait(o).unwrap();
-        }
-    }
-
-    fn open(&self) {
-        *self.open.lock().unwrap() = true;
-        self.cv.notify_all();
-    }
-}
-
-/// A backend with kernel `t::gate` (blocks on `gate`) and `t::inc` (adds 1
+/// A backend with kernel `t::gate` (waits for `gate`) and `t::inc` (adds 1
 /// to each of `n` bytes at a pointer).
-fn backend(gate: &Arc<Gate>) -> CpuBackend {
+fn backend(gate: &Arc<Latch>) -> CpuBackend {
     let gpu = CpuBackend::new_debug();
-    let g = gate.clone();
-    gpu.register_host_kernel(
-        "t",
-        "gate",
-        &[],
-        Arc::new(move |_, _, _| {
-            g.wait();
-            Ok(())
-        }),
-    )
-    .unwrap();
+    gate.kernel(&gpu, "t", "gate").unwrap();
     common::register_inc(&gpu, "t");
     gpu
 }
@@ -59,7 +28,7 @@ fn read(gpu: &dyn GpuBackend, p: metrale_gpu_runtime::gpu::DevicePtr, n: usize) 
 
 #[test]
 fn h2d_behind_queued_work_waits_its_turn() {
-    let gate = Arc::new(Gate::default());
+    let gate = Latch::new();
     let cpu = backend(&gate);
     let gpu: &dyn GpuBackend = &cpu;
     let n = 4096;
@@ -88,7 +57,7 @@ fn h2d_behind_queued_work_waits_its_turn() {
 
 #[test]
 fn h2d_behind_an_event_wait_waits_for_the_event() {
-    let gate = Arc::new(Gate::default());
+    let gate = Latch::new();
     let cpu = backend(&gate);
     let gpu: &dyn GpuBackend = &cpu;
     let n = 1000;
@@ -120,7 +89,7 @@ fn h2d_behind_an_event_wait_waits_for_the_event() {
 
 #[test]
 fn h2d_on_an_idle_stream_is_seen_by_later_work_and_owns_its_source() {
-    let gate = Arc::new(Gate::default());
+    let gate = Latch::new();
     gate.open();
     let cpu = backend(&gate);
     let gpu: &dyn GpuBackend = &cpu;

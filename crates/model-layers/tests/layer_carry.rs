@@ -545,39 +545,20 @@ fn fp8_rows_give_the_same_highway_as_their_bf16_rounding() {
 
 #[test]
 fn leases_outlive_the_call_until_the_gather_has_run() {
-    use metrale_gpu_runtime::gpu::{HostMemory, KernelArg, LaunchConfig};
+    use metrale_gpu_runtime::cpu::Latch;
+    use metrale_gpu_runtime::gpu::LaunchConfig;
     let fx = Fx::new(9);
     let g = fx.g();
     let layer = fx.layer(8);
     let c = layer.channels();
     let s = g.create_stream().unwrap();
-    // A kernel that holds the stream until the test opens it, so the
-    // forward's gather is still queued when the forward returns, however slow
-    // the machine.
-    let open = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let o2 = open.clone();
-    g.register_host_kernel(
-        "test",
-        "stall",
-        &[],
-        Arc::new(
-            move |_: &dyn HostMemory, _: &LaunchConfig, _: &[KernelArg]| {
-                // Bounded, so a failing test ends instead of holding the stream.
-                let t0 = std::time::Instant::now();
-                while !o2.swap(false, std::sync::atomic::Ordering::AcqRel)
-                    && t0.elapsed() < std::time::Duration::from_secs(60)
-                {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
-                Ok(())
-            },
-        ),
-    )
-    .unwrap();
-    let stall = g.kernel("test", "stall").unwrap();
     let mut st = layer.new_seq_state(g).unwrap();
     let hw = upload(g, &vec![0.5; 3 * c], "hw");
     for staged in [false, true] {
+        // Holds the stream until the test opens it, so the forward's gather
+        // is still queued when the forward returns, however slow the machine.
+        let latch = Latch::new();
+        let stall = latch.kernel(g, "test", &format!("stall_{staged}")).unwrap();
         g.launch(stall, LaunchConfig::linear(1, 1)).run(s).unwrap();
         if staged {
             layer.prestage_batch(&mut [&mut st], &[4], 1, g, s).unwrap();
@@ -600,7 +581,7 @@ fn leases_outlive_the_call_until_the_gather_has_run() {
             fx.table.pinned(g) > 0,
             "pins dropped before the gather ran (staged: {staged})"
         );
-        open.store(true, std::sync::atomic::Ordering::Release);
+        latch.open();
         g.synchronize(s).unwrap();
         assert_eq!(
             fx.table.pinned(g),

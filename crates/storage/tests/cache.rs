@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
+use metrale_gpu_runtime::cpu::Latch;
 use metrale_gpu_runtime::gpu::LaunchConfig;
 use metrale_storage::StorageError;
 use metrale_storage::cached::{CacheConfig, CachedTable};
@@ -38,23 +39,8 @@ fn lease_pins_rows_until_the_gather_has_run() {
     let s = gpu.create_stream().unwrap();
     // A kernel that holds the stream until the test opens it, so the gather
     // queued behind it runs late however slow the machine.
-    let open = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let o2 = open.clone();
-    gpu.register_host_kernel(
-        "storage_test",
-        "hold",
-        &[],
-        Arc::new(move |_mem, _cfg, _args| {
-            // Bounded, so a failing test ends instead of holding the stream.
-            let t0 = std::time::Instant::now();
-            while !o2.load(Ordering::Acquire) && t0.elapsed() < Duration::from_secs(60) {
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Ok(())
-        }),
-    )
-    .unwrap();
-    let hold = gpu.kernel("storage_test", "hold").unwrap();
+    let latch = Latch::new();
+    let hold = latch.kernel(gpu.as_ref(), "storage_test", "hold").unwrap();
     gpu.launch(hold, LaunchConfig::linear(1, 1)).run(s).unwrap();
     let a = [1u64, 5, 9, 30];
     let mut refs = vec![RowRef::default(); 4];
@@ -72,7 +58,7 @@ fn lease_pins_rows_until_the_gather_has_run() {
     // which the stream allows a while after the resolve below has started.
     let opener = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(100));
-        open.store(true, Ordering::Release);
+        latch.open();
     });
     let b = [2u64, 6, 10, 31];
     let mut refs_b = vec![RowRef::default(); 4];

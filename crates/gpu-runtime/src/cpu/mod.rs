@@ -37,11 +37,15 @@
 //!
 //! Layout: this module is the [`CpuBackend`] handle and its [`GpuBackend`]
 //! calls; `exec` the shared state, submission checks and execution on
-//! workers; `stream` the queues, events and captures; `ledger` the memory.
+//! workers; `stream` the queues, events and captures; `ledger` the memory;
+//! `latch` a host-side gate that holds a stream for tests.
 
 mod exec;
+mod latch;
 pub mod ledger;
 mod stream;
+
+pub use latch::Latch;
 
 use std::collections::HashMap;
 use std::sync::Arc;

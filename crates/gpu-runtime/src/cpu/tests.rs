@@ -238,53 +238,36 @@ fn pointers_are_checked_again_when_the_operation_runs() {
     )
     .unwrap();
     let kread = gpu.kernel("t", "read").unwrap();
-    // The stream's worker runs as soon as work is queued, so without a gate
+    // The stream's worker runs as soon as work is queued, so without a latch
     // the free could run before the next submission is checked, and that
     // submission, not its execution, would be refused.
-    let open = Arc::new(AtomicBool::new(false));
-    let o2 = open.clone();
-    gpu.register_host_kernel(
-        "t",
-        "hold",
-        &[],
-        Arc::new(
-            move |_m: &dyn HostMemory, _c: &LaunchConfig, _a: &[KernelArg]| {
-                // Bounded, so a failing test ends instead of holding the
-                // stream.
-                let t0 = std::time::Instant::now();
-                while !o2.swap(false, Ordering::AcqRel) && t0.elapsed() < Duration::from_secs(60) {
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-                Ok(())
-            },
-        ),
-    )
-    .unwrap();
-    let khold = gpu.kernel("t", "hold").unwrap();
+    let (first, second) = (Latch::new(), Latch::new());
+    let khold1 = first.kernel(&*gpu, "t", "hold1").unwrap();
+    let khold2 = second.kernel(&*gpu, "t", "hold2").unwrap();
     let s = gpu.create_stream().unwrap();
     let x = gpu.alloc(64, "victim").unwrap();
     let y = gpu.alloc(64, "bystander").unwrap();
     // Both submissions are valid when queued; the buffer is gone by the time
     // they run.
-    gpu.launch_kernel(khold, LaunchConfig::linear(1, 1), &[], s)
+    gpu.launch_kernel(khold1, LaunchConfig::linear(1, 1), &[], s)
         .unwrap();
     gpu.launch_kernel(kfree, LaunchConfig::linear(1, 1), &[KernelArg::U64(x.0)], s)
         .unwrap();
     gpu.memset_async(x, 1, 64, s).unwrap();
-    open.store(true, Ordering::Release);
+    first.open();
     let e = gpu.synchronize(s).unwrap_err().to_string();
     assert!(
         e.contains(&format!("memset_async on stream {s}: use after free: {x}"))
             && e.contains("'victim'"),
         "{e}"
     );
-    gpu.launch_kernel(khold, LaunchConfig::linear(1, 1), &[], s)
+    gpu.launch_kernel(khold2, LaunchConfig::linear(1, 1), &[], s)
         .unwrap();
     gpu.launch_kernel(kfree, LaunchConfig::linear(1, 1), &[KernelArg::U64(y.0)], s)
         .unwrap();
     gpu.launch_kernel(kread, LaunchConfig::linear(1, 1), &[KernelArg::Ptr(y)], s)
         .unwrap();
-    open.store(true, Ordering::Release);
+    second.open();
     let e = gpu.synchronize(s).unwrap_err().to_string();
     assert!(
         e.contains("t::read: argument 0: use after free") && e.contains("'bystander'"),
