@@ -17,7 +17,7 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_testkit::Rng;
 use metrale_testkit::drive::sequential_run;
-use metrale_testkit::faulty::{FaultyCall, FaultySite};
+use metrale_testkit::hooked_site::{HookedSite, SiteCall};
 use metrale_testkit::tiny::{TinySpec, tiny_engine, tiny_site};
 
 fn spec() -> TinySpec {
@@ -213,10 +213,13 @@ fn scheduled_fault(
     calls: &Arc<AtomicU64>,
     left: &Arc<AtomicU64>,
     every: u64,
-) -> impl Fn(FaultyCall) -> Option<String> + Send + Sync + 'static {
+) -> impl Fn(SiteCall<'_>) -> Option<String> + Send + Sync + 'static {
     let (calls, left) = (calls.clone(), left.clone());
     move |call| {
-        if call == FaultyCall::Restore {
+        if !matches!(
+            call,
+            SiteCall::Forward { .. } | SiteCall::ForwardBatch { .. }
+        ) {
             return None;
         }
         let n = calls.fetch_add(1, Ordering::Relaxed) + 1;
@@ -231,13 +234,13 @@ fn scheduled_fault(
 fn flaky_engine(
     gpu: &Arc<dyn GpuBackend>,
     faults: u64,
-) -> (Engine<FaultySite<PleSite>>, Arc<AtomicU64>) {
+) -> (Engine<HookedSite<PleSite>>, Arc<AtomicU64>) {
     let calls = Arc::new(AtomicU64::new(0));
     let left = Arc::new(AtomicU64::new(faults));
     let sites = (0..2)
         .map(|i| {
             let site = tiny_site(gpu, &spec(), i, 3).unwrap();
-            FaultySite::new(site, scheduled_fault(&calls, &left, 7))
+            HookedSite::new(site, scheduled_fault(&calls, &left, 7))
         })
         .collect();
     (Engine::new(gpu.clone(), sites, engine_cfg()).unwrap(), left)
@@ -331,8 +334,9 @@ fn malformed_requests_and_settings_are_refused() {
     server.into_engine().close().unwrap();
 }
 
-/// What a [`Watched`] site saw: the tokens of each step prefetch entry,
-/// of each look-ahead entry, and of each batched decode.
+/// What the site of `the_next_decode_batch_is_read_a_step_ahead` saw: the
+/// last token of each step prefetch entry, of each look-ahead entry, and of
+/// each batched decode.
 #[derive(Debug, PartialEq)]
 enum Seen {
     Step(Vec<u32>),
@@ -340,88 +344,26 @@ enum Seen {
     Batch(Vec<u32>),
 }
 
-/// `inner`, with its prefetches and batched decodes noted in `seen`.
-struct Watched<S> {
-    inner: S,
-    seen: Arc<std::sync::Mutex<Vec<Seen>>>,
-}
-
-impl<S> Watched<S> {
-    fn note(&self, s: Seen) {
-        self.seen.lock().unwrap().push(s);
-    }
-}
-
 /// The last token of each entry.
 fn last_tokens(work: &[(&[u32], &[u32])]) -> Vec<u32> {
     work.iter().map(|(_, t)| *t.last().unwrap()).collect()
 }
 
-impl<S: Site> Site for Watched<S> {
-    type State = S::State;
-
-    fn geometry(&self) -> metrale_model_layers::layers::ple::SiteSpec {
-        self.inner.geometry()
-    }
-    fn max_tokens(&self) -> usize {
-        self.inner.max_tokens()
-    }
-    fn new_state(&self, gpu: &dyn GpuBackend) -> metrale_engine::SiteResult<S::State> {
-        self.inner.new_state(gpu)
-    }
-    fn forward(
-        &self,
-        st: &mut S::State,
-        tokens: &[u32],
-        highway: metrale_gpu_runtime::gpu::DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: metrale_gpu_runtime::gpu::StreamId,
-    ) -> metrale_engine::SiteResult<()> {
-        self.inner.forward(st, tokens, highway, fresh, gpu, stream)
-    }
-    fn forward_batch(
-        &self,
-        states: &mut [&mut S::State],
-        tokens: &[u32],
-        highway: metrale_gpu_runtime::gpu::DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: metrale_gpu_runtime::gpu::StreamId,
-    ) -> metrale_engine::SiteResult<()> {
-        self.note(Seen::Batch(tokens.to_vec()));
-        self.inner
-            .forward_batch(states, tokens, highway, gpu, stream)
-    }
-    fn snapshot(
-        &self,
-        st: &S::State,
-        gpu: &dyn GpuBackend,
-        stream: metrale_gpu_runtime::gpu::StreamId,
-    ) -> metrale_engine::SiteResult<Vec<u8>> {
-        self.inner.snapshot(st, gpu, stream)
-    }
-    fn restore(
-        &self,
-        st: &mut S::State,
-        blob: &[u8],
-        gpu: &dyn GpuBackend,
-        stream: metrale_gpu_runtime::gpu::StreamId,
-    ) -> metrale_engine::SiteResult<()> {
-        self.inner.restore(st, blob, gpu, stream)
-    }
-    fn release(&self, st: &mut S::State, gpu: &dyn GpuBackend) -> metrale_engine::SiteResult<()> {
-        self.inner.release(st, gpu)
-    }
-    fn free(&mut self, gpu: &dyn GpuBackend) -> metrale_engine::SiteResult<()> {
-        self.inner.free(gpu)
-    }
-    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> metrale_engine::SiteResult<()> {
-        self.note(Seen::Step(last_tokens(work)));
-        self.inner.prefetch_step(work)
-    }
-    fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> metrale_engine::SiteResult<()> {
-        self.note(Seen::Ahead(last_tokens(work)));
-        self.inner.prefetch_ahead(work)
+/// A hook that notes prefetches and batched decodes in `seen` and fails
+/// nothing.
+fn watch(
+    seen: &Arc<std::sync::Mutex<Vec<Seen>>>,
+) -> impl Fn(SiteCall<'_>) -> Option<String> + Send + Sync + 'static {
+    let seen = seen.clone();
+    move |call| {
+        let s = match call {
+            SiteCall::PrefetchStep { work } => Seen::Step(last_tokens(work)),
+            SiteCall::PrefetchAhead { work } => Seen::Ahead(last_tokens(work)),
+            SiteCall::ForwardBatch { tokens } => Seen::Batch(tokens.to_vec()),
+            _ => return None,
+        };
+        seen.lock().unwrap().push(s);
+        None
     }
 }
 
@@ -453,10 +395,10 @@ fn the_next_decode_batch_is_read_a_step_ahead() {
     let reqs = decode_heavy(24, 10, 11);
     for ahead in [true, false] {
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let sites = vec![Watched {
-            inner: tiny_site(&gpu, &spec(), 0, 3).unwrap(),
-            seen: seen.clone(),
-        }];
+        let sites = vec![HookedSite::new(
+            tiny_site(&gpu, &spec(), 0, 3).unwrap(),
+            watch(&seen),
+        )];
         let engine = Engine::new(gpu.clone(), sites, engine_cfg()).unwrap();
         let want = reference(engine.sites(), gpu.as_ref(), &reqs);
         seen.lock().unwrap().clear();

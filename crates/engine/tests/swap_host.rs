@@ -11,7 +11,7 @@ use metrale_engine::{Engine, EngineConfig, EngineError, SwapTarget};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_testkit::drive::reference_run;
-use metrale_testkit::faulty::{FaultyCall, FaultySite};
+use metrale_testkit::hooked_site::{HookedSite, SiteCall};
 use metrale_testkit::rows::rows_for;
 use metrale_testkit::toy::ToySite;
 
@@ -25,8 +25,8 @@ fn a_failed_host_swap_in_changes_nothing_and_the_retry_continues_bit_identically
     let sites = (0..2)
         .map(|i| {
             let refuse = refuse.clone();
-            FaultySite::new(ToySite::new(8, 2, i, 16), move |call| {
-                (i == 1 && call == FaultyCall::Restore && refuse.load(Ordering::SeqCst))
+            HookedSite::new(ToySite::new(8, 2, i, 16), move |call| {
+                (i == 1 && call == SiteCall::Restore && refuse.load(Ordering::SeqCst))
                     .then(|| "flaky: restore refused".to_string())
             })
         })

@@ -13,7 +13,8 @@
 //! - [`fixtures`]: the golden fixtures the numpy references write;
 //! - [`files`]: checkpoint files damaged on purpose (a tensor replaced or
 //!   reshaped) for refusal tests;
-//! - [`faulty`]: a site wrapper that fails the calls a test names;
+//! - [`hooked_site`]: a site wrapper that shows each call to a test's
+//!   hook, which notes it or fails it;
 //! - [`hooked`]: a row table wrapper that counts or logs resolves;
 //! - [`drive`]: the plain sequential reference run and the randomised
 //!   engine driver that checks every output row against it;
@@ -21,10 +22,10 @@
 
 pub mod drive;
 pub mod families;
-pub mod faulty;
 pub mod files;
 pub mod fixtures;
 pub mod hooked;
+pub mod hooked_site;
 pub mod rng;
 pub mod rows;
 pub mod shards;
