@@ -46,10 +46,8 @@ use metrale_gpu_runtime::gpu::{
     StreamId,
 };
 use metrale_model_layers::layers::ple::ModelSpec;
-use metrale_model_layers::layers::ple::SiteSpec;
 use metrale_model_layers::layers::ple::device_kernels::{LaunchShapes, load_ple_module};
 use metrale_model_layers::layers::ple::kernels::{self, pack_projection};
-use metrale_storage::table::TableStats;
 use thiserror::Error;
 
 use crate::engine::{Site, SiteResult};
@@ -653,21 +651,18 @@ fn plan<S: Site>(
 impl<S: Site> Site for Layered<S> {
     type State = S::State;
 
-    fn geometry(&self) -> SiteSpec {
-        self.inner.geometry()
-    }
+    crate::delegate_site!(inner:
+        geometry, carry_bytes, new_state, snapshot, restore, release,
+        supports_graphs, max_prestage_batch, prestage_batch, note_replayed,
+        rearm, prefetch, prefetch_step, prefetch_ahead, table_stats,
+    );
+
     fn max_tokens(&self) -> usize {
         let m = self.inner.max_tokens();
         match &self.backbone {
             Some(b) => m.min(b.max_rows()),
             None => m,
         }
-    }
-    fn carry_bytes(&self) -> usize {
-        self.inner.carry_bytes()
-    }
-    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<Self::State> {
-        self.inner.new_state(gpu)
     }
     fn forward(
         &self,
@@ -695,26 +690,6 @@ impl<S: Site> Site for Layered<S> {
                 .forward_batch(states, tokens, highway, gpu, stream)
         })
     }
-    fn snapshot(
-        &self,
-        st: &Self::State,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<Vec<u8>> {
-        self.inner.snapshot(st, gpu, stream)
-    }
-    fn restore(
-        &self,
-        st: &mut Self::State,
-        blob: &[u8],
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.inner.restore(st, blob, gpu, stream)
-    }
-    fn release(&self, st: &mut Self::State, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        self.inner.release(st, gpu)
-    }
     fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
         let r = self.inner.free(gpu);
         if !self.freed {
@@ -726,22 +701,6 @@ impl<S: Site> Site for Layered<S> {
             }
         }
         r
-    }
-    fn supports_graphs(&self) -> bool {
-        self.inner.supports_graphs()
-    }
-    fn max_prestage_batch(&self) -> Option<usize> {
-        self.inner.max_prestage_batch()
-    }
-    fn prestage_batch(
-        &self,
-        states: &mut [&mut Self::State],
-        tokens: &[u32],
-        rows: usize,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.inner.prestage_batch(states, tokens, rows, gpu, stream)
     }
     fn forward_prestaged(
         &self,
@@ -755,29 +714,6 @@ impl<S: Site> Site for Layered<S> {
         self.inner
             .forward_prestaged(states, highway, rows, gpu, stream)?;
         self.blocks_around(self.after, highway, rows, gpu, stream)
-    }
-    fn note_replayed(
-        &self,
-        states: &mut [&mut Self::State],
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.inner.note_replayed(states, gpu, stream)
-    }
-    fn rearm(&self, st: &mut Self::State) {
-        self.inner.rearm(st);
-    }
-    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
-        self.inner.prefetch(history, tokens)
-    }
-    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        self.inner.prefetch_step(work)
-    }
-    fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        self.inner.prefetch_ahead(work)
-    }
-    fn table_stats(&self) -> TableStats {
-        self.inner.table_stats()
     }
 }
 

@@ -15,7 +15,9 @@
 //!   prefill, batched decode, fault retries, statistics;
 //! - [`ple_site`]: the PLE layer as an engine site;
 //! - [`backbone`]: GEMM blocks standing in for the model's layers around
-//!   the sites, so table reads have compute to hide behind.
+//!   the sites, so table reads have compute to hide behind;
+//! - [`delegate`]: [`delegate_site!`], the methods of a wrapper site that
+//!   pass calls on unchanged.
 //!
 //! Tiny test models and the other shared test helpers live in the
 //! `metrale-testkit` crate, a dev-dependency only.
@@ -24,6 +26,7 @@ pub mod backbone;
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod budget;
+pub mod delegate;
 pub mod engine;
 pub mod ple_site;
 pub mod prefix_cache;

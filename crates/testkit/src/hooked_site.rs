@@ -8,8 +8,6 @@
 
 use metrale_engine::{Site, SiteResult};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
-use metrale_model_layers::layers::ple::SiteSpec;
-use metrale_storage::table::TableStats;
 
 /// The calls a [`HookedSite`] shows its hook, with what the hook may want
 /// to note of them.
@@ -74,18 +72,12 @@ impl<S: Site> HookedSite<S> {
 impl<S: Site> Site for HookedSite<S> {
     type State = S::State;
 
-    fn geometry(&self) -> SiteSpec {
-        self.inner.geometry()
-    }
-    fn max_tokens(&self) -> usize {
-        self.inner.max_tokens()
-    }
-    fn carry_bytes(&self) -> usize {
-        self.inner.carry_bytes()
-    }
-    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<S::State> {
-        self.inner.new_state(gpu)
-    }
+    metrale_engine::delegate_site!(inner:
+        geometry, max_tokens, carry_bytes, new_state, release, free,
+        supports_graphs, max_prestage_batch, prestage_batch, forward_prestaged,
+        note_replayed, rearm, prefetch, table_stats,
+    );
+
     fn forward(
         &self,
         st: &mut S::State,
@@ -129,53 +121,6 @@ impl<S: Site> Site for HookedSite<S> {
         self.check(SiteCall::Restore)?;
         self.inner.restore(st, blob, gpu, stream)
     }
-    fn release(&self, st: &mut S::State, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        self.inner.release(st, gpu)
-    }
-    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        self.inner.free(gpu)
-    }
-    fn supports_graphs(&self) -> bool {
-        self.inner.supports_graphs()
-    }
-    fn max_prestage_batch(&self) -> Option<usize> {
-        self.inner.max_prestage_batch()
-    }
-    fn prestage_batch(
-        &self,
-        states: &mut [&mut S::State],
-        tokens: &[u32],
-        rows: usize,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.inner.prestage_batch(states, tokens, rows, gpu, stream)
-    }
-    fn forward_prestaged(
-        &self,
-        states: &mut [&mut S::State],
-        highway: DevicePtr,
-        rows: usize,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.inner
-            .forward_prestaged(states, highway, rows, gpu, stream)
-    }
-    fn note_replayed(
-        &self,
-        states: &mut [&mut S::State],
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.inner.note_replayed(states, gpu, stream)
-    }
-    fn rearm(&self, st: &mut S::State) {
-        self.inner.rearm(st);
-    }
-    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
-        self.inner.prefetch(history, tokens)
-    }
     fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
         self.check(SiteCall::PrefetchStep { work })?;
         self.inner.prefetch_step(work)
@@ -183,8 +128,5 @@ impl<S: Site> Site for HookedSite<S> {
     fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
         self.check(SiteCall::PrefetchAhead { work })?;
         self.inner.prefetch_ahead(work)
-    }
-    fn table_stats(&self) -> TableStats {
-        self.inner.table_stats()
     }
 }
