@@ -4,7 +4,8 @@
 //! time of its phases, and the packed copy is removed after the run. With
 //! `--corpus`, the decode tokens are a corpus's documents, and a bad
 //! corpus is refused naming its file and line. With `--micro-batches`, each
-//! step decodes its sequences in groups.
+//! step decodes its sequences in groups; `--cache-slots` sizes the row
+//! cache, at most an eighth of the table.
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -169,4 +170,46 @@ fn offload_decodes_in_micro_batches_and_refuses_more_than_its_sequences() {
         stderr.contains("--micro-batches must be between 1 and the run's 2 sequences"),
         "{stderr}"
     );
+}
+
+/// `--cache-slots`: the cache the run reports is the one asked for, and a
+/// cache larger than an eighth of the table, or empty, is refused naming
+/// the bound.
+#[test]
+fn offload_sizes_the_cache_and_refuses_one_over_an_eighth_of_the_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let slots =
+        |n: &str| smoke_without_backbone(&ck, &[OsStr::new("--cache-slots"), OsStr::new(n)]);
+    let out = slots("2048");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["table_rows"], 1 << 14, "{report:#}");
+    assert_eq!(report["cache_slots"], 2048, "{report:#}");
+    assert_eq!(report["cache_bytes"], 2048 * 320, "{report:#}");
+    let cached: Vec<&Value> = report["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["table"] == "cached")
+        .collect();
+    assert!(!cached.is_empty(), "{report:#}");
+    for row in cached {
+        assert!(row["hit_rate"].as_f64().is_some(), "{row:#}");
+    }
+    for bad in ["2049", "0"] {
+        let out = slots(bad);
+        assert_eq!(out.status.code(), Some(2), "--cache-slots {bad}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            stderr.contains(&format!(
+                "--cache-slots {bad}: must be between 1 and an eighth of the table's 16384 stored rows (2048)"
+            )),
+            "{stderr}"
+        );
+    }
 }

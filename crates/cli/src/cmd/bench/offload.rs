@@ -148,6 +148,11 @@ pub struct OffloadArgs {
     /// backbone, at the price of smaller batches).
     #[arg(long, default_value_t = 1, value_name = "N")]
     micro_batches: usize,
+    /// Row-cache slots per site (default: the run's, 2^20 full, 2^16
+    /// quick). At most an eighth of the table's stored rows, so the table
+    /// stays at least 8 times the cache.
+    #[arg(long, value_name = "N")]
+    cache_slots: Option<usize>,
     /// Reads the row cache keeps in flight (its io_uring depth, or pread
     /// threads up to 16).
     #[arg(long, default_value_t = DEFAULT_IO_DEPTH, value_name = "N")]
@@ -435,6 +440,17 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         return Err(input(anyhow::anyhow!("--backbone-scale must be positive")));
     }
     let ck = checkpoint(&dir, &sizes)?;
+    if let Some(n) = args.cache_slots {
+        let most = ck.sites.first().map_or(0, |s| s.table.stored_rows / 8);
+        if n == 0 || n as u64 > most {
+            return Err(input(anyhow::anyhow!(
+                "--cache-slots {n}: must be between 1 and an eighth of the table's {} stored \
+                 rows ({most}), so the table stays at least 8 times the cache",
+                most * 8
+            )));
+        }
+        sizes.slots = n;
+    }
     let (source, workload) = match &args.corpus {
         None => (
             Source::Zipf(Arc::new(Zipf::new(
