@@ -25,6 +25,20 @@ fn smoke_without_backbone(ck: &Path, extra: &[&OsStr]) -> Output {
         .expect("run metrale-ple")
 }
 
+/// The JSON report of a run that must have succeeded.
+fn report_of(out: &Output) -> Value {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "status {:?}: {stderr}", out.status);
+    serde_json::from_slice(&out.stdout).expect("one JSON object")
+}
+
+/// Asserts that a run was refused as bad input (exit 2) with `message`.
+fn assert_refused(out: &Output, message: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(message), "{stderr}");
+}
+
 #[test]
 fn offload_measures_the_packed_table_and_reports_reads_per_missed_byte_and_phases() {
     let dir = tempfile::tempdir().unwrap();
@@ -150,10 +164,7 @@ fn offload_decodes_in_micro_batches_and_refuses_more_than_its_sequences() {
     let ck = dir.path().join("ck");
     let groups =
         |n: &str| smoke_without_backbone(&ck, &[OsStr::new("--micro-batches"), OsStr::new(n)]);
-    let out = groups("2");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "status {:?}: {stderr}", out.status);
-    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let report = report_of(&groups("2"));
     assert_eq!(report["micro_batches"], 2);
     let rows = report["rows"].as_array().expect("a rows array");
     assert_eq!(rows.len(), 6, "{report:#}");
@@ -163,12 +174,9 @@ fn offload_decodes_in_micro_batches_and_refuses_more_than_its_sequences() {
             "{row:#}"
         );
     }
-    let out = groups("3");
-    assert_eq!(out.status.code(), Some(2));
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        stderr.contains("--micro-batches must be between 1 and the run's 2 sequences"),
-        "{stderr}"
+    assert_refused(
+        &groups("3"),
+        "--micro-batches must be between 1 and the run's 2 sequences",
     );
 }
 
@@ -181,13 +189,7 @@ fn offload_sizes_the_cache_and_refuses_one_over_an_eighth_of_the_table() {
     let ck = dir.path().join("ck");
     let slots =
         |n: &str| smoke_without_backbone(&ck, &[OsStr::new("--cache-slots"), OsStr::new(n)]);
-    let out = slots("2048");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = report_of(&slots("2048"));
     assert_eq!(report["table_rows"], 1 << 14, "{report:#}");
     assert_eq!(report["cache_slots"], 2048, "{report:#}");
     assert_eq!(report["cache_bytes"], 2048 * 320, "{report:#}");
@@ -202,14 +204,12 @@ fn offload_sizes_the_cache_and_refuses_one_over_an_eighth_of_the_table() {
         assert!(row["hit_rate"].as_f64().is_some(), "{row:#}");
     }
     for bad in ["2049", "0"] {
-        let out = slots(bad);
-        assert_eq!(out.status.code(), Some(2), "--cache-slots {bad}");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            stderr.contains(&format!(
-                "--cache-slots {bad}: must be between 1 and an eighth of the table's 16384 stored rows (2048)"
-            )),
-            "{stderr}"
+        assert_refused(
+            &slots(bad),
+            &format!(
+                "--cache-slots {bad}: must be between 1 and an eighth of the table's 16384 \
+                 stored rows (2048)"
+            ),
         );
     }
 }
