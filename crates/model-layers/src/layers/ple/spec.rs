@@ -34,9 +34,8 @@ use thiserror::Error;
 
 use super::carry_blob;
 use super::ids::{
-    DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, IdError, MAX_NGRAM_SIZE, PleHashParams,
-    PleIdDims, engram_head_sizes, engram_multipliers, longcat_layout, running_offsets,
-    validate_family,
+    DerivedPleIds, IdError, MAX_NGRAM_SIZE, PleHashParams, PleIdDims, engram_head_sizes,
+    engram_multipliers, longcat_layout, running_offsets, validate_family,
 };
 pub use super::ids::{HashFamily, TokenMap};
 
@@ -49,6 +48,7 @@ pub use combine::{Combine, GatedSpec, NormForm};
 pub use error::SpecError;
 pub use site::SiteSpec;
 pub mod longcat;
+pub mod qwen;
 
 pub use engram::{EngramKeys, EngramSpec, load_token_map, parse_token_map};
 pub use longcat::{LongCatKeys, LongCatSpec};
@@ -347,102 +347,7 @@ impl ModelSpec {
             }
         }
 
-        let vocab_size = f.vocab_size()?;
-        let hidden_size = f.count("hidden_size", 1)?;
-        let hc_mult = f.count("hc_mult", 1)?;
-        let eps_v = f.get("rms_norm_eps")?;
-        let rms_norm_eps = match eps_v.as_f64() {
-            Some(e) if e.is_finite() && e > 0.0 => e,
-            _ => {
-                return Err(f.field_err(
-                    "rms_norm_eps",
-                    format!("must be a positive number, got {eps_v}"),
-                ));
-            }
-        };
-
-        let eos_token_id = f.eos()?;
-
-        let ngram_size = f.ngram_size("ngram_size")?;
-        let heads_per_ngram = f.count("heads_per_ngram", 1)?;
-        let ngram_vocab_size_base = f.u64("ngram_vocab_size_base")?;
-        let divisible = f
-            .u64_opt("make_ngram_vocab_size_divisible_by")?
-            .unwrap_or(DEFAULT_DIVISIBLE_BY);
-        let divisible_by = f.count_of("make_ngram_vocab_size_divisible_by", divisible, 1)? as u64;
-        let split_ngram_parts = f.count("split_ngram_parts", 1)?;
-        let conv_kernel_size = f.count("ple_conv_kernel_size", 1)?;
-
-        let ids_v = f.get("ple_layer_ids")?;
-        let Some(items) = ids_v.as_array() else {
-            return Err(f.field_err(
-                "ple_layer_ids",
-                format!("must be a list of layer numbers, got {ids_v}"),
-            ));
-        };
-        if items.is_empty() {
-            return Err(f.field_err("ple_layer_ids", "is empty (no PLE site)".into()));
-        }
-        let mut ple_layer_ids = Vec::with_capacity(items.len());
-        for (i, v) in items.iter().enumerate() {
-            let name = format!("ple_layer_ids[{i}]");
-            let n = f.count_of(&name, f.u64_of(&name, v)?, 1)?;
-            if ple_layer_ids.contains(&n) {
-                return Err(f.field_err("ple_layer_ids", format!("lists layer {n} twice")));
-            }
-            ple_layer_ids.push(n);
-        }
-        let hash_seed = f.u64_opt("ple_hash_seed")?.unwrap_or(DEFAULT_HASH_SEED);
-
-        let ngram_heads = (ngram_size - 1)
-            .checked_mul(heads_per_ngram)
-            .ok_or_else(|| SpecError::TooLarge {
-                file: source.to_string(),
-                what: "(ngram_size - 1) * heads_per_ngram",
-            })?;
-        let head_dim = match f.u64_opt("ple_head_dim")? {
-            None => {
-                if hidden_size % ngram_heads != 0 {
-                    return Err(f.field_err(
-                        "ple_head_dim",
-                        format!(
-                            "is absent and hidden_size {hidden_size} is not a multiple of \
-                             ngram_heads {ngram_heads}"
-                        ),
-                    ));
-                }
-                hidden_size / ngram_heads
-            }
-            Some(d) => f.count_of("ple_head_dim", d, 1)?,
-        };
-        let max_layer = ple_layer_ids.iter().copied().max().unwrap_or(0);
-        let num_hidden_layers = match f.u64_opt("num_hidden_layers")? {
-            None => max_layer,
-            Some(n) => f.count_of("num_hidden_layers", n, 0)?,
-        };
-        let table_rows = f.u64_opt(TABLE_ROWS_KEY)?;
-
-        let spec = ModelSpec {
-            vocab_size,
-            hidden_size,
-            hc_mult,
-            rms_norm_eps,
-            eos_token_id,
-            ngram_size,
-            heads_per_ngram,
-            head_dim,
-            ngram_vocab_size_base,
-            divisible_by,
-            split_ngram_parts,
-            conv_kernel_size,
-            ple_layer_ids,
-            hash_seed,
-            num_hidden_layers,
-            table_rows,
-            family: ModelFamily::Qwen4Exp,
-        };
-        spec.validate(source)?;
-        Ok(spec)
+        qwen::parse(&f)
     }
 
     /// This Engram spec with its compressed-token map (checked with
@@ -861,7 +766,7 @@ impl ModelSpec {
     /// The `config.json` text of this spec.
     pub fn to_config_json(&self) -> String {
         let mut v = match &self.family {
-            ModelFamily::Qwen4Exp => self.qwen_json(),
+            ModelFamily::Qwen4Exp => qwen::to_json(self),
             ModelFamily::Engram(e) => engram::to_json(self, e),
             ModelFamily::LongCat(l) => longcat::to_json(self, l),
         };
@@ -871,28 +776,6 @@ impl ModelSpec {
         let mut s = serde_json::to_string_pretty(&v).expect("a JSON value always serialises");
         s.push('\n');
         s
-    }
-
-    fn qwen_json(&self) -> Value {
-        serde_json::json!({
-            "architectures": ["Qwen4ExpForCausalLM"],
-            "model_type": "qwen4exp",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "hc_mult": self.hc_mult,
-            "rms_norm_eps": self.rms_norm_eps,
-            "eos_token_id": self.eos_token_id,
-            "num_hidden_layers": self.num_hidden_layers,
-            "ngram_size": self.ngram_size,
-            "heads_per_ngram": self.heads_per_ngram,
-            "ple_head_dim": self.head_dim,
-            "ngram_vocab_size_base": self.ngram_vocab_size_base,
-            "make_ngram_vocab_size_divisible_by": self.divisible_by,
-            "split_ngram_parts": self.split_ngram_parts,
-            "ple_conv_kernel_size": self.conv_kernel_size,
-            "ple_layer_ids": self.ple_layer_ids,
-            "ple_hash_seed": self.hash_seed,
-        })
     }
 }
 

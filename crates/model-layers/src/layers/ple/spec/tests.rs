@@ -88,11 +88,12 @@ fn site_validation_names_the_field() {
 fn errors_name_field_and_file() {
     let cases = [
         (
-            "vocab_size",
+            "eos_token_id",
             "DELETE",
-            "missing required field `vocab_size`",
+            "missing required field `eos_token_id`",
         ),
-        ("ngram_size", "null", "missing required field `ngram_size`"),
+        ("ple_layer_ids", "null", "missing required field `ple_layer_ids`"),
+        ("vocab_size", "0", "`vocab_size` must be at least 1"),
         ("ngram_size", "1", "`ngram_size` must be at least 2"),
         (
             "ngram_size",
@@ -118,9 +119,12 @@ fn errors_name_field_and_file() {
             "[2, 0]",
             "`ple_layer_ids[1]` must be at least 1",
         ),
-        ("ple_layer_ids", "[2, 2]", "lists layer 2 twice"),
         ("ple_layer_ids", "2", "must be a list"),
-        ("hidden_size", "2561", "not a multiple of ngram_heads 16"),
+        (
+            "hidden_size",
+            "2561",
+            "is not a multiple of the 16 n-gram heads",
+        ),
         (
             "make_ngram_vocab_size_divisible_by",
             "0",
@@ -209,4 +213,142 @@ fn a_site_fingerprint_names_its_combination() {
     let mut b = Vec::new();
     other.encode_canonical(&mut b);
     assert_ne!(a, b);
+}
+
+/// A config as transformers' `Qwen4ExpTextConfig.save_pretrained` writes it
+/// (the PLE keys and the ones around them).
+const TRANSFORMERS: &str = r#"{
+    "architectures": ["Qwen4ExpForCausalLM"], "model_type": "qwen4_exp_text",
+    "vocab_size": 4096, "hidden_size": 64, "hc_count": 4, "rms_norm_eps": 1e-6,
+    "eos_token_id": 2, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "indexed_attention"],
+    "ngram_size": 3, "heads_per_ngram": 2, "ple_embed_dim": 64, "ngram_vocab_size_base": 50000,
+    "make_ngram_vocab_size_divisible_by": 128, "split_ngram_parts": 2,
+    "ple_conv_kernel_size": 4, "ple_layer_ids": [2, 3], "seed": 99
+}"#;
+
+fn edit(base: &str, f: impl FnOnce(&mut Value)) -> String {
+    let mut v: Value = serde_json::from_str(base).unwrap();
+    f(&mut v);
+    v.to_string()
+}
+
+#[test]
+fn transformers_keys_are_read() {
+    let c = ModelSpec::from_json_str(TRANSFORMERS, "c.json").unwrap();
+    assert_eq!((c.hc_mult, c.hash_seed, c.head_dim), (4, 99, 16));
+    assert_eq!(
+        (c.ple_layer_ids.clone(), c.num_hidden_layers),
+        (vec![2, 3], 4)
+    );
+    // The seed reaches the multipliers: 99 and 1234 hash differently.
+    let other = edit(TRANSFORMERS, |v| v["seed"] = 1234.into());
+    let o = ModelSpec::from_json_str(&other, "c.json").unwrap();
+    assert_ne!(
+        c.derive(0).unwrap().dims.multipliers,
+        o.derive(0).unwrap().dims.multipliers
+    );
+    // Each site pads its own table (transformers: 200,192 and 200,320 rows).
+    assert_eq!(c.derive(0).unwrap().padded_rows, 200_192);
+    assert_eq!(c.derive(1).unwrap().padded_rows, 200_320);
+    // ple_embed_dim is the total width.
+    let wide = edit(TRANSFORMERS, |v| v["ple_embed_dim"] = 128.into());
+    assert_eq!(
+        ModelSpec::from_json_str(&wide, "c.json").unwrap().head_dim,
+        32
+    );
+    // The config round-trips through the writer.
+    let back = ModelSpec::from_json_str(&c.to_config_json(), "back.json").unwrap();
+    assert_eq!(back, c);
+}
+
+#[test]
+fn transformers_defaults_fill_absent_keys() {
+    let v = r#"{"model_type": "qwen4_exp_text", "eos_token_id": [248044, 248046],
+        "ple_layer_ids": [3, 1, 3]}"#;
+    let c = ModelSpec::from_json_str(v, "c.json").unwrap();
+    assert_eq!(c.vocab_size, 248_320);
+    assert_eq!(
+        (c.hidden_size, c.hc_mult, c.ngram_size, c.heads_per_ngram),
+        (2048, 4, 3, 8)
+    );
+    assert_eq!(
+        (c.ngram_vocab_size_base, c.split_ngram_parts),
+        (20_000_000, 512)
+    );
+    assert_eq!(
+        (c.hash_seed, c.head_dim, c.num_hidden_layers),
+        (1234, 128, 40)
+    );
+    // Sorted and deduplicated, as transformers does.
+    assert_eq!(c.ple_layer_ids, vec![1, 3]);
+    assert_eq!(c.eos_token_id, 248_044);
+}
+
+#[test]
+fn multimodal_configs_nest_the_text_keys() {
+    let inner: Value = serde_json::from_str(TRANSFORMERS).unwrap();
+    let outer = serde_json::json!({
+        "architectures": ["Qwen4ExpForConditionalGeneration"],
+        "model_type": "qwen4_exp", "text_config": inner, "vision_config": {"depth": 2},
+    });
+    let c = ModelSpec::from_json_str(&outer.to_string(), "c.json").unwrap();
+    assert_eq!(c, ModelSpec::from_json_str(TRANSFORMERS, "c.json").unwrap());
+}
+
+#[test]
+fn keys_that_change_the_math_are_never_ignored() {
+    let cases: [(&str, Box<dyn Fn(&mut Value)>, &str); 6] = [
+        (
+            "old and new seed disagree",
+            Box::new(|v| v["ple_hash_seed"] = 7.into()),
+            "`seed` = 99, but the older key `ple_hash_seed` says 7",
+        ),
+        (
+            "old and new stream count disagree",
+            Box::new(|v| v["hc_mult"] = 2.into()),
+            "`hc_count` = 4, but the older key `hc_mult` says 2",
+        ),
+        (
+            "old head width disagrees",
+            Box::new(|v| v["ple_head_dim"] = 8.into()),
+            "`ple_embed_dim` = 64, but the older key `ple_head_dim` = 8",
+        ),
+        (
+            "width not divisible",
+            Box::new(|v| v["ple_embed_dim"] = 66.into()),
+            "ple_embed_dim = 66 is not a multiple of the 4 n-gram heads",
+        ),
+        (
+            "PLE on an attention layer",
+            Box::new(|v| v["ple_layer_ids"] = serde_json::json!([2, 4])),
+            "`ple_layer_ids[1]` = 4 is a `indexed_attention` layer",
+        ),
+        (
+            "seed not an integer",
+            Box::new(|v| v["seed"] = "99".into()),
+            "`seed` must be a non-negative integer",
+        ),
+    ];
+    for (what, f, want) in cases {
+        let text = edit(TRANSFORMERS, |v| f(v));
+        let e = format!(
+            "{:#}",
+            ModelSpec::from_json_str(&text, "m/config.json").unwrap_err()
+        );
+        assert!(
+            e.contains(want) && e.contains("m/config.json"),
+            "{what}: {e}"
+        );
+    }
+    // Without layer_types, a transformers config takes the default pattern
+    // (every fourth layer is attention).
+    let text = edit(TRANSFORMERS, |v| {
+        v.as_object_mut().unwrap().remove("layer_types");
+        v["ple_layer_ids"] = serde_json::json!([4]);
+    });
+    let e = ModelSpec::from_json_str(&text, "c.json")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("is a `indexed_attention` layer"), "{e}");
 }
