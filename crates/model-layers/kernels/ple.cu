@@ -7,7 +7,8 @@
 // | name        | args                                                      |
 // |-------------|-----------------------------------------------------------|
 // | gather      | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3, 2 FP8 E4M3  |
-// |             | with a UE8M0 scale per 32 values after the row), out      |
+// |             | with a UE8M0 scale per 32 values after the row, 3 F32),   |
+// |             | out                                                       |
 // | gather_runs | refs, n, head_dim, dtype, out, run, stride: ref i to out  |
 // |             | row (i / run) * stride + i % run                          |
 // | project     | x, w (packed), y, T, E, O                                 |
@@ -120,6 +121,9 @@ __device__ __forceinline__ float ue8m0_to_f32(u8 e) {
 __device__ __forceinline__ u64 row_bytes_of(u32 dtype, u32 head_dim) {
     if (dtype == 0u) {
         return (u64)head_dim * 2u;
+    }
+    if (dtype == 3u) {
+        return (u64)head_dim * 4u;
     }
     if (dtype == 2u) {
         return (u64)head_dim + (head_dim + 31u) / 32u;
@@ -262,10 +266,12 @@ __device__ __forceinline__ u64 rounds_end(u64 items, u64 count) {
 
 // out[i, :] = row i of the references, as f32: BF16 values exactly; FP8
 // values times the row's scale (dtype 1) or their block's UE8M0 scale
-// (dtype 2), rounded to BF16.
+// (dtype 2), rounded to BF16; F32 values (dtype 3) as stored.
 __device__ float gather_value(RowRef r, u32 j, u32 head_dim, u32 dtype) {
     if (dtype == 0u) {
         return bf16_to_f32(((const u16*)r.data)[j]);
+    } else if (dtype == 3u) {
+        return ((const float*)r.data)[j];
     } else if (dtype == 2u) {
         return fp8_block_value((const u8*)r.data, head_dim, j);
     }
@@ -317,6 +323,8 @@ extern "C" __global__ void gather_ids(const u64* ids, u32 n, u32 head_dim, u32 d
             v = __uint_as_float(0x7FC00000u);
         } else if (dtype == 0u) {
             v = bf16_to_f32(((const u16*)(table + id * row_bytes))[j]);
+        } else if (dtype == 3u) {
+            v = ((const float*)(table + id * row_bytes))[j];
         } else if (dtype == 2u) {
             v = fp8_block_value(table + id * row_bytes, head_dim, j);
         } else {

@@ -17,10 +17,15 @@
 //! stride that divides the direct-I/O granule keep every row inside one
 //! granule, so a miss reads one granule instead of two.
 //!
+//! A table split as transformers splits it (`torch.chunk` into
+//! `split_ngram_parts`) has shards of `ceil(rows / parts)` rows and a last
+//! one that may hold fewer; the id arithmetic is the same.
+//!
 //! Invariants of an opened [`TableFiles`]:
-//! - every shard has the same shape and dtype, checked at open from the
-//!   headers alone (no data is read);
-//! - `info.rows == shards.len() * rows_per_shard`, and, when the caller
+//! - every shard has the same width, dtype and stride, and every shard but
+//!   the last `rows_per_shard` rows (the last at most that many), checked
+//!   at open from the headers alone (no data is read);
+//! - `info.rows` is the sum of the shards' rows, and, when the caller
 //!   states the expected row count, equal to it;
 //! - [`TableFiles::locate`] refuses ids `>= info.rows` with an error naming
 //!   the id and the table size;
@@ -46,6 +51,9 @@ pub struct Shard {
     pub scale_offset: Option<u64>,
     /// The file's length when opened.
     pub file_len: u64,
+    /// Rows this shard holds: [`TableFiles::rows_per_shard`], or fewer for
+    /// the last shard of a table cut as `torch.chunk` cuts it.
+    pub rows: u64,
 }
 
 /// Where one row is.
@@ -153,6 +161,7 @@ impl TableFiles {
             let width = declared_row_width(&h, name)?.unwrap_or(stored);
             let dtype = match t.dtype {
                 Dtype::BF16 => RowDType::Bf16,
+                Dtype::F32 => RowDType::F32,
                 // Bytes with no per-row scale beside them, `33 * d / 32`
                 // wide: FP8 rows of `d` values with their UE8M0 block scales
                 // inline (DeepSeek-V4.1's table).
@@ -164,7 +173,7 @@ impl TableFiles {
                 Dtype::F8E4M3 | Dtype::U8 => RowDType::Fp8E4M3,
                 other => {
                     return Err(err(format!(
-                        "{p}: shard {i} tensor '{name}': dtype {} is not a table dtype (BF16, F8_E4M3 or U8)",
+                        "{p}: shard {i} tensor '{name}': dtype {} is not a table dtype (BF16, F32, F8_E4M3 or U8)",
                         other.name()
                     )));
                 }
@@ -177,10 +186,13 @@ impl TableFiles {
                     t.shape
                 )));
             }
+            // Only the last shard may be shorter (torch.chunk's remainder).
+            let last = i + 1 == shards.len();
             match &geom {
                 None => geom = Some((rows, dim, dtype, stride, name.clone())),
                 Some((r0, d0, t0, s0, n0)) => {
-                    if (*r0, *d0, *t0, *s0) != (rows, dim, dtype, stride) {
+                    let rows_ok = rows == *r0 || (last && rows < *r0);
+                    if !rows_ok || (*d0, *t0, *s0) != (dim, dtype, stride) {
                         return Err(err(format!(
                             "{p}: shard {i} tensor '{name}' is [{rows}, {dim}] {dtype:?} rows {stride} bytes apart, but shard 0 ('{n0}') is [{r0}, {d0}] {t0:?} rows {s0} bytes apart"
                         )));
@@ -211,11 +223,13 @@ impl TableFiles {
                 data_offset: t.offset,
                 scale_offset,
                 file_len: h.file_len,
+                rows,
             });
         }
         let (rows_per_shard, dim, dtype, row_stride, _) = geom.expect("at least one shard");
-        let rows = rows_per_shard
-            .checked_mul(out.len() as u64)
+        let rows = out
+            .iter()
+            .try_fold(0u64, |a, s| a.checked_add(s.rows))
             .ok_or_else(|| StorageError::layout(None, None, "table row count overflows"))?;
         if let Some(want) = expected_rows
             && rows != want
@@ -224,7 +238,7 @@ impl TableFiles {
                 None,
                 None,
                 format!(
-                    "the table's {} shards of {rows_per_shard} rows hold {rows} rows, expected {want}",
+                    "the table's {} shards of (at most) {rows_per_shard} rows hold {rows} rows, expected {want}",
                     out.len()
                 ),
             ));

@@ -44,9 +44,8 @@ impl MappedTable {
             bases: Vec::new(),
             maps: Vec::new(),
         };
-        let shard_bytes =
-            (files.rows_per_shard - 1) * files.row_stride + files.info.row_bytes() as u64;
         for (i, s) in files.shards.iter().enumerate() {
+            let shard_bytes = (s.rows - 1) * files.row_stride + files.info.row_bytes() as u64;
             let p = s.path.display();
             let f = File::open(&s.path).io_ctx(&s.path, || "opening")?;
             // SAFETY: the mapping is read-only and the module contract

@@ -87,9 +87,11 @@ pub fn relay_rows(
     progress(0, rows);
     for (k, shard) in dst.shards.iter().enumerate() {
         let out = &files[&shard.path];
+        // The last shard may be shorter than the others.
+        let rows_here = shard.rows as usize;
         let mut r = 0usize;
-        while r < rps {
-            let n = (rps - r).min(CHUNK_ROWS);
+        while r < rows_here {
+            let n = (rows_here - r).min(CHUNK_ROWS);
             for i in 0..n {
                 let logical = order[k * rps + r + i] as u64;
                 let loc = src.locate(logical)?;

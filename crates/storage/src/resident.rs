@@ -114,8 +114,6 @@ impl ResidentTable {
         let info = files.info;
         let row_bytes = info.row_bytes() as u64;
         let shard_bytes = files.rows_per_shard * row_bytes;
-        // What the shard spans on disk (the last row's padding excepted).
-        let disk_bytes = (files.rows_per_shard - 1) * files.row_stride + row_bytes;
         let total = usize::try_from(info.rows * row_bytes).map_err(|_| {
             StorageError::invalid(format!(
                 "a table of {} bytes is too large for this host",
@@ -136,6 +134,8 @@ impl ResidentTable {
             DevicePtr::NULL
         };
         for (i, s) in files.shards.iter().enumerate() {
+            // What the shard spans on disk (the last row's padding excepted).
+            let disk_bytes = (s.rows - 1) * files.row_stride + row_bytes;
             let f = File::open(&s.path).io_ctx(&s.path, || "opening")?;
             let len = f
                 .metadata()
@@ -155,20 +155,20 @@ impl ResidentTable {
                 &f,
                 &s.path,
                 s.data_offset,
-                files.rows_per_shard,
+                s.rows,
                 row_bytes,
                 files.row_stride,
                 data.offset((i as u64 * shard_bytes) as usize),
             )?;
             if let Some(so) = s.scale_offset {
-                let sb = files.rows_per_shard * 4;
+                let sb = s.rows * 4;
                 upload(
                     gpu.as_ref(),
                     &f,
                     &s.path,
                     so,
                     sb,
-                    scales.offset((i as u64 * sb) as usize),
+                    scales.offset((i as u64 * files.rows_per_shard * 4) as usize),
                 )?;
             }
         }

@@ -33,6 +33,10 @@ pub enum RowDType {
     /// [`crate::dtype::FP8_BLOCK`] values, inline in the row: a row of 256
     /// values is 264 bytes. `head_dim` must be a multiple of the block.
     Fp8E4M3Block32,
+    /// `head_dim` F32 values, 4 bytes each: a table saved in float32 by
+    /// transformers, served as stored (the layer projects the values
+    /// exactly; `table pack` does not convert it).
+    F32,
 }
 
 impl RowDType {
@@ -40,6 +44,7 @@ impl RowDType {
     /// on top, see [`Self::row_bytes`]).
     pub fn elem_bytes(self) -> usize {
         match self {
+            RowDType::F32 => 4,
             RowDType::Bf16 => 2,
             RowDType::Fp8E4M3 | RowDType::Fp8E4M3Block32 => 1,
         }

@@ -160,6 +160,7 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
             },
             match t.dtype {
                 RowDType::Bf16 => "BF16".to_string(),
+                RowDType::F32 => "F32".to_string(),
                 RowDType::Fp8E4M3 => "FP8 E4M3 + f32 row scales".to_string(),
                 RowDType::Fp8E4M3Block32 => "FP8 E4M3 + UE8M0 scale per 32 values".to_string(),
             },

@@ -29,6 +29,8 @@ pub enum GatherDType {
     /// `2`: FP8 E4M3, one byte per value, then one UE8M0 scale byte per 32
     /// values in the row itself (`head_dim` a multiple of 32).
     Fp8E4M3Block32,
+    /// `3`: F32, four little-endian bytes per value, taken as stored.
+    F32,
 }
 
 impl GatherDType {
@@ -38,8 +40,10 @@ impl GatherDType {
             0 => Ok(GatherDType::Bf16),
             1 => Ok(GatherDType::Fp8E4M3),
             2 => Ok(GatherDType::Fp8E4M3Block32),
+            3 => Ok(GatherDType::F32),
             _ => Err(metrale_gpu_runtime::GpuError::kernel(format!(
-                "gather: dtype {v} is not 0 (BF16), 1 (FP8 E4M3) or 2 (FP8 E4M3, 32-value blocks)"
+                "gather: dtype {v} is not 0 (BF16), 1 (FP8 E4M3), 2 (FP8 E4M3, 32-value blocks) \
+                 or 3 (F32)"
             ))),
         }
     }
@@ -50,6 +54,7 @@ impl GatherDType {
             GatherDType::Bf16 => 0,
             GatherDType::Fp8E4M3 => 1,
             GatherDType::Fp8E4M3Block32 => 2,
+            GatherDType::F32 => 3,
         }
     }
 
@@ -59,6 +64,7 @@ impl GatherDType {
             RowDType::Bf16 => GatherDType::Bf16,
             RowDType::Fp8E4M3 => GatherDType::Fp8E4M3,
             RowDType::Fp8E4M3Block32 => GatherDType::Fp8E4M3Block32,
+            RowDType::F32 => GatherDType::F32,
         }
     }
 
@@ -70,6 +76,7 @@ impl GatherDType {
     /// Bytes per value.
     pub fn elem_bytes(self) -> usize {
         match self {
+            GatherDType::F32 => 4,
             GatherDType::Bf16 => 2,
             GatherDType::Fp8E4M3 | GatherDType::Fp8E4M3Block32 => 1,
         }
@@ -98,6 +105,14 @@ pub struct RowSrc<'a> {
 pub fn gather_bf16_row(src: &[u8], out: &mut [f32]) {
     for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
         *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
+    }
+}
+
+/// One F32 row, as stored.
+#[inline]
+pub fn gather_f32_row(src: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(src.chunks_exact(4)) {
+        *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
 }
 
@@ -171,6 +186,7 @@ pub fn gather_rows(
             for (orow, r) in o.chunks_exact_mut(head_dim).zip(rs) {
                 match dtype {
                     GatherDType::Bf16 => gather_bf16_row(r.data, orow),
+                    GatherDType::F32 => gather_f32_row(r.data, orow),
                     GatherDType::Fp8E4M3 => gather_fp8_row(r.data, r.scale, orow),
                     GatherDType::Fp8E4M3Block32 => gather_fp8_block_row(r.data, orow),
                 }

@@ -264,7 +264,7 @@ fn gather_into(
             .with_context(|| format!("{kernel}: row {i} data at {data}"))?;
         regions.push(Region::new(format!("row {i}"), data, row_bytes, false));
         let scale = match dtype {
-            GatherDType::Bf16 | GatherDType::Fp8E4M3Block32 => 0.0,
+            GatherDType::Bf16 | GatherDType::Fp8E4M3Block32 | GatherDType::F32 => 0.0,
             GatherDType::Fp8E4M3 => {
                 ensure!(
                     !scale_ptr.is_null(),
