@@ -2,7 +2,9 @@
 //!
 //! [`Checkpoint::open`] checks everything a layer relies on before anything
 //! is built from it: the config parses and its hash constants derive; the
-//! weight map names only plain files inside the directory; every safetensors
+//! weights are one `model.safetensors` or the files a
+//! `model.safetensors.index.json` names (as `save_pretrained` writes
+//! either), and the weight map names only plain files inside the directory; every safetensors
 //! header parses and every extent lies inside its file; every tensor the
 //! format requires is present with the right dtype and shape; the stored
 //! hash buffers equal their derivation (odd multipliers first); norm,
@@ -17,6 +19,12 @@
 //! projections side by side. An Engram checkpoint's token map
 //! ([`TOKEN_MAP_FILE`], or the tensor [`TOKEN_MAP_TENSOR`]) goes into the
 //! spec before any site is built.
+//!
+//! Dense weights may be stored in any float dtype transformers saves (F32,
+//! BF16, F16): projections become BF16 (rounded to nearest even when they
+//! were wider), norms, conv and biases F32. A Qwen4Exp table is served as
+//! stored: BF16, FP8, or F32 rows as `save_pretrained` writes a float32
+//! model.
 //!
 //! Only the dense weights are read (tens of MB at the flagship geometry,
 //! 315 MB for DeepSeek-V4.1's projections); table shards are checked from
@@ -46,7 +54,8 @@ use serde::Deserialize;
 use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
 use crate::names::{
-    CONFIG_FILE, EngramDemoNames, INDEX_FILE, SiteNames, TOKEN_MAP_FILE, TOKEN_MAP_TENSOR, V41Names,
+    CONFIG_FILE, EngramDemoNames, INDEX_FILE, SINGLE_FILE, TOKEN_MAP_FILE, TOKEN_MAP_TENSOR,
+    V41Names,
 };
 use crate::release::{SplitTable, check_split, is_block_scale};
 use crate::token_map::decode_token_map;
@@ -134,6 +143,9 @@ pub struct Checkpoint {
     pub dir: PathBuf,
     /// The parsed and validated config.
     pub spec: ModelSpec,
+    /// Where its tensors are (the family's names; for Qwen4Exp, whether
+    /// they sit in a multimodal model).
+    pub layout: Layout,
     /// Every site, in `ple_layer_ids` order.
     pub sites: Vec<Site>,
     /// Every safetensors file, sorted by name.
@@ -305,12 +317,37 @@ impl Files {
         Ok((h.path.clone(), bytes))
     }
 
-    fn read_f32(&self, tensor: &str, shape: &[u64]) -> Result<Vec<f32>> {
-        let (file, b) = self.read(tensor, Dtype::F32, shape)?;
-        let v: Vec<f32> = b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+    /// A float tensor of `shape` as f32 values, in whichever float dtype
+    /// it was saved (F32, BF16 or F16; each converts exactly); refuses
+    /// non-finite values, naming the element.
+    fn read_floats(&self, tensor: &str, shape: &[u64]) -> Result<(Dtype, Vec<f32>)> {
+        let (h, t) = self.find(tensor)?;
+        let dtype = match t.dtype {
+            d @ (Dtype::F32 | Dtype::BF16 | Dtype::F16) => d,
+            other => {
+                return Err(CheckpointError::DType {
+                    file: h.path.clone(),
+                    tensor: tensor.to_string(),
+                    expected: "a float dtype (F32, BF16 or F16)".into(),
+                    found: other.name().to_string(),
+                });
+            }
+        };
+        let (file, b) = self.read(tensor, dtype, shape)?;
+        let v: Vec<f32> = match dtype {
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| bf16_to_f32(u16::from_le_bytes(c.try_into().unwrap())))
+                .collect(),
+            _ => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes(c.try_into().unwrap()).to_f32())
+                .collect(),
+        };
         if let Some(i) = v.iter().position(|x| !x.is_finite()) {
             return Err(CheckpointError::Value {
                 file,
@@ -318,24 +355,24 @@ impl Files {
                 msg: format!("element {i} is {}, not a finite number", v[i]),
             });
         }
-        Ok(v)
+        Ok((dtype, v))
     }
 
+    /// A norm, conv or bias weight as f32.
+    fn read_f32(&self, tensor: &str, shape: &[u64]) -> Result<Vec<f32>> {
+        Ok(self.read_floats(tensor, shape)?.1)
+    }
+
+    /// A projection as BF16 bit patterns: BF16 as stored; F32 and F16
+    /// rounded to the nearest BF16 (ties to even), the precision the
+    /// projection runs at.
     fn read_bf16(&self, tensor: &str, shape: &[u64]) -> Result<Vec<u16>> {
-        let (file, b) = self.read(tensor, Dtype::BF16, shape)?;
-        let v: Vec<u16> = b
-            .chunks_exact(2)
-            .map(|c| u16::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        // BF16 shares f32's exponent: all-ones exponent bits mean Inf/NaN.
-        if let Some(i) = v.iter().position(|x| x & 0x7F80 == 0x7F80) {
-            return Err(CheckpointError::Value {
-                file,
-                tensor: tensor.to_string(),
-                msg: format!("element {i} (bits {:#06x}) is not a finite number", v[i]),
-            });
-        }
-        Ok(v)
+        Ok(self
+            .read_floats(tensor, shape)?
+            .1
+            .into_iter()
+            .map(f32_to_bf16)
+            .collect())
     }
 
     /// A `[rows, cols]` FP8 E4M3 tensor with one UE8M0 scale per 32 x 32
@@ -447,9 +484,10 @@ impl Checkpoint {
         let spec = read_spec(dir)?;
         let files = Self::open_files(dir)?;
         let spec = with_token_map(spec, dir, &files)?;
+        let layout = Layout::detect(&spec, files.weight_map.keys());
         let mut sites = Vec::with_capacity(spec.sites());
         for s in 0..spec.sites() {
-            sites.push(Self::open_site(&spec, &files, s, opts)?);
+            sites.push(Self::open_site(&spec, &files, layout, s, opts)?);
         }
         let mut summaries: Vec<FileSummary> = files
             .headers
@@ -465,15 +503,42 @@ impl Checkpoint {
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             spec,
+            layout,
             sites,
             files: summaries,
         })
     }
 
+    /// The weight map: [`INDEX_FILE`]'s, or, without one, every tensor of
+    /// [`SINGLE_FILE`] (the single file `save_pretrained` writes for a
+    /// model that fits one).
     fn open_files(dir: &Path) -> Result<Files> {
         let index_path = dir.join(INDEX_FILE);
-        let text = std::fs::read_to_string(&index_path)
-            .map_err(|e| CheckpointError::io(&index_path, e))?;
+        let single = dir.join(SINGLE_FILE);
+        if !index_path.exists() && single.is_file() {
+            let h = Header::read(&single).map_err(|e| header_err(&single, e))?;
+            let weight_map = h
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), SINGLE_FILE.to_string()))
+                .collect();
+            return Ok(Files {
+                dir: dir.to_path_buf(),
+                index_path: single,
+                weight_map,
+                headers: HashMap::from([(SINGLE_FILE.to_string(), h)]),
+            });
+        }
+        let text = std::fs::read_to_string(&index_path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                CheckpointError::Invalid(format!(
+                    "{}: no weights: neither {INDEX_FILE} nor {SINGLE_FILE} is there",
+                    dir.display()
+                ))
+            } else {
+                CheckpointError::io(&index_path, e)
+            }
+        })?;
         let raw: RawIndex = serde_json::from_str(&text).map_err(|e| CheckpointError::Index {
             file: index_path.clone(),
             msg: e.to_string(),
@@ -524,7 +589,13 @@ impl Checkpoint {
             .collect()
     }
 
-    fn open_site(g: &ModelSpec, files: &Files, s: usize, opts: OpenOptions) -> Result<Site> {
+    fn open_site(
+        g: &ModelSpec,
+        files: &Files,
+        layout: Layout,
+        s: usize,
+        opts: OpenOptions,
+    ) -> Result<Site> {
         let layer = g.site_layer(s);
         let derived = g.derive(s).map_err(|source| CheckpointError::Config {
             file: files.dir.join(CONFIG_FILE),
@@ -532,9 +603,8 @@ impl Checkpoint {
         })?;
         let dims = derived.dims;
         let spec = g.site_with(s, dims);
-        let layout = Layout::of(g);
         let weights = match layout {
-            Layout::Qwen4Exp => Self::qwen_weights(g, files, &spec)?,
+            Layout::Qwen4Exp { .. } => Self::qwen_weights(g, files, layout, &spec)?,
             Layout::EngramDemo => Self::demo_weights(g, files, &spec)?,
             Layout::EngramV41 => Self::v41_weights(g, files, &spec)?,
             Layout::LongCat { .. } => Self::longcat_weights(g, files, layout)?,
@@ -550,8 +620,15 @@ impl Checkpoint {
         })
     }
 
-    fn qwen_weights(g: &ModelSpec, files: &Files, spec: &SiteSpec) -> Result<PleWeights> {
-        let n = SiteNames::new(spec.layer);
+    fn qwen_weights(
+        g: &ModelSpec,
+        files: &Files,
+        layout: Layout,
+        spec: &SiteSpec,
+    ) -> Result<PleWeights> {
+        let n = layout
+            .site_names(spec.layer)
+            .expect("a Qwen4Exp layout has site names");
         let dims = &spec.dims;
         let (file, m) = files.read_i64(&n.layer_multipliers(), g.ngram_size)?;
         if let Some(i) = m.iter().position(|x| x % 2 == 0) {
@@ -693,8 +770,7 @@ impl Checkpoint {
         };
         let names = layout.table_tensors(g, s);
         let parts = names.len();
-        if layout == Layout::Qwen4Exp {
-            let n = SiteNames::new(layer);
+        if let Some(n) = layout.site_names(layer) {
             let mut present: Vec<usize> = files
                 .weight_map
                 .keys()
@@ -703,8 +779,10 @@ impl Checkpoint {
             present.sort_unstable();
             if let Some(&extra) = present.iter().find(|&&i| i >= parts) {
                 return Err(shards_err(format!(
-                    "shard {extra} is past split_ngram_parts = {parts} ({})",
-                    n.shard_weight(extra)
+                    "shard {extra} ({}) is one too many: the table's rows cut into \
+                     split_ngram_parts = {} make {parts} shards",
+                    n.shard_weight(extra),
+                    g.split_ngram_parts
                 )));
             }
         }
@@ -738,6 +816,7 @@ impl Checkpoint {
             // The release's pair converts to inline block rows.
             Dtype::F8E4M3 if split.is_some() => (RowDType::Fp8E4M3Block32, Dtype::F8E4M3, hd),
             Dtype::BF16 => (RowDType::Bf16, Dtype::BF16, hd),
+            Dtype::F32 if layout.site_names(layer).is_some() => (RowDType::F32, Dtype::F32, hd),
             Dtype::F8E4M3 => (RowDType::Fp8E4M3, Dtype::F8E4M3, hd),
             Dtype::U8 if t0_width == Some(block_width) && block_width != hd => {
                 (RowDType::Fp8E4M3Block32, Dtype::U8, block_width)
@@ -747,7 +826,9 @@ impl Checkpoint {
                 return Err(CheckpointError::DType {
                     file: h0.path.clone(),
                     tensor: names[0].clone(),
-                    expected: "BF16, F8_E4M3, or U8 (FP8 rows with inline block scales)".into(),
+                    expected: "BF16, F8_E4M3, U8 (FP8 rows with inline block scales), or F32 \
+                               (Qwen4Exp)"
+                        .into(),
                     found: other.name().into(),
                 });
             }
@@ -769,10 +850,16 @@ impl Checkpoint {
         } else {
             Vec::new()
         };
+        // Qwen4Exp's whole table is cut as torch.chunk cuts it (the last
+        // shard may be shorter); the rest as before.
+        let qwen_rows = match (layout, g.table_rows) {
+            (Layout::Qwen4Exp { .. }, None) => layout.part_rows(g, s, padded_rows),
+            _ => Vec::new(),
+        };
         let expect_rows = |i: usize| -> u64 {
             match (layout.sub_tables(), g.table_rows) {
                 (true, None) => logical[i],
-                _ => rows_per_shard,
+                _ => qwen_rows.get(i).copied().unwrap_or(rows_per_shard),
             }
         };
         let mut shards = Vec::with_capacity(parts);

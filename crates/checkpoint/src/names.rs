@@ -1,8 +1,12 @@
 //! The file and tensor names of the checkpoint format.
 //!
 //! One Qwen4Exp PLE site at model layer `L` (0-based, `ple_layer_ids[s] -
-//! 1`) owns every tensor under `model.layers.{L}.ple.` ([`SiteNames`]). The
-//! other families keep their released names: the Engram demo's module
+//! 1`) owns every tensor under `model.layers.{L}.ple.` ([`SiteNames`]), as
+//! transformers' `Qwen4ExpForCausalLM` names them: the projections, norms
+//! and conv directly, the hash buffers and the table shards under
+//! `ple.ple_embedding.`. The multimodal `Qwen4ExpForConditionalGeneration`
+//! puts the same names under `model.language_model.` ([`MULTIMODAL_ROOT`]).
+//! The other families keep their released names: the Engram demo's module
 //! names under `model.layers.{L}.engram.` ([`EngramDemoNames`]),
 //! DeepSeek-V4.1's under `layers.{L}.engram.` ([`V41Names`]), LongCat's
 //! `model.ngram_embeddings.*` or LongCat-2.0's `model.oe_*`
@@ -13,6 +17,9 @@
 pub const CONFIG_FILE: &str = "config.json";
 /// The weight map: tensor name to safetensors file.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The one weights file `save_pretrained` writes when the model fits one
+/// (then there is no [`INDEX_FILE`]).
+pub const SINGLE_FILE: &str = "model.safetensors";
 
 /// The row remap of the table of the site at model layer `layer` (0-based),
 /// written by `table pack --hot-rows` (format: [`crate::remap`]).
@@ -25,6 +32,12 @@ pub fn shard_file(k: usize, n: usize) -> String {
     format!("model-{k:05}-of-{n:05}.safetensors")
 }
 
+/// Where a text model's layers live (`Qwen4ExpForCausalLM`).
+pub const TEXT_ROOT: &str = "model.";
+/// Where the multimodal model's text layers live
+/// (`Qwen4ExpForConditionalGeneration`).
+pub const MULTIMODAL_ROOT: &str = "model.language_model.";
+
 /// The tensor names of the PLE site at model layer `layer`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SiteNames {
@@ -32,70 +45,85 @@ pub struct SiteNames {
 }
 
 impl SiteNames {
-    /// Names for model layer `layer` (0-based).
+    /// Names for model layer `layer` (0-based) of a text model.
     pub fn new(layer: usize) -> Self {
+        Self::with_root(TEXT_ROOT, layer)
+    }
+
+    /// Names for model layer `layer` (0-based) under `root`
+    /// ([`TEXT_ROOT`] or [`MULTIMODAL_ROOT`]).
+    pub fn with_root(root: &str, layer: usize) -> Self {
         SiteNames {
-            prefix: format!("model.layers.{layer}.ple."),
+            prefix: format!("{root}layers.{layer}.ple."),
         }
     }
 
     fn name(&self, suffix: &str) -> String {
         format!("{}{suffix}", self.prefix)
     }
+
+    /// A name of the n-gram embedding submodule (`ple_embedding.`).
+    fn embedding(&self, suffix: &str) -> String {
+        format!("{}ple_embedding.{suffix}", self.prefix)
+    }
     /// The prefix of every tensor of the site, without its final dot.
     pub fn prefix(&self) -> &str {
         self.prefix.trim_end_matches('.')
     }
 
-    /// `key_proj.weight`, `[C, E]` BF16.
+    /// `key_proj.weight`, `[C, E]`. Dense weights may be stored in any
+    /// float dtype transformers saves (F32, BF16, F16); the loader converts
+    /// projections to BF16 and norms and conv to F32.
     pub fn key_proj(&self) -> String {
         self.name("key_proj.weight")
     }
-    /// `value_proj.weight`, `[H, E]` BF16.
+    /// `value_proj.weight`, `[H, E]`.
     pub fn value_proj(&self) -> String {
         self.name("value_proj.weight")
     }
-    /// `norm_key.weight`, `[C]` F32.
+    /// `norm_key.weight`, `[C]`.
     pub fn norm_key(&self) -> String {
         self.name("norm_key.weight")
     }
-    /// `norm_query.weight`, `[C]` F32.
+    /// `norm_query.weight`, `[C]`.
     pub fn norm_query(&self) -> String {
         self.name("norm_query.weight")
     }
-    /// `norm_conv.weight`, `[C]` F32.
+    /// `norm_conv.weight`, `[C]`.
     pub fn norm_conv(&self) -> String {
         self.name("norm_conv.weight")
     }
-    /// `conv1d.weight`, `[C, 1, K]` F32.
+    /// `conv1d.weight`, `[C, 1, K]`.
     pub fn conv1d(&self) -> String {
         self.name("conv1d.weight")
     }
-    /// `layer_multipliers`, `[N]` I64.
+    /// `ple_embedding.layer_multipliers`, `[N]` I64.
     pub fn layer_multipliers(&self) -> String {
-        self.name("layer_multipliers")
+        self.embedding("layer_multipliers")
     }
-    /// `ngram_heads_vocab_sizes`, `[ngram_heads]` I64.
+    /// `ple_embedding.ngram_heads_vocab_sizes`, `[ngram_heads]` I64.
     pub fn vocab_sizes(&self) -> String {
-        self.name("ngram_heads_vocab_sizes")
+        self.embedding("ngram_heads_vocab_sizes")
     }
-    /// `ngram_heads_offsets`, `[ngram_heads]` I64.
+    /// `ple_embedding.ngram_heads_offsets`, `[ngram_heads]` I64.
     pub fn offsets(&self) -> String {
-        self.name("ngram_heads_offsets")
+        self.embedding("ngram_heads_offsets")
     }
-    /// `ngram_embedding.shard_{i}.weight`, `[rows_per_shard, head_dim]`
-    /// BF16 or F8_E4M3.
+    /// `ple_embedding.ngram_embedding.shard_{i}.weight`, `[rows, head_dim]`
+    /// BF16, F32 or F8_E4M3 (transformers' `torch.chunk` of the table into
+    /// `split_ngram_parts`: every shard but a shorter last one equal).
     pub fn shard_weight(&self, i: usize) -> String {
-        self.name(&format!("ngram_embedding.shard_{i}.weight"))
+        self.embedding(&format!("ngram_embedding.shard_{i}.weight"))
     }
-    /// `ngram_embedding.shard_{i}.scale`, `[rows_per_shard]` F32 (FP8 only).
+    /// `ple_embedding.ngram_embedding.shard_{i}.scale`, `[rows]` F32 (FP8
+    /// only; this project's extension).
     pub fn shard_scale(&self, i: usize) -> String {
-        self.name(&format!("ngram_embedding.shard_{i}.scale"))
+        self.embedding(&format!("ngram_embedding.shard_{i}.scale"))
     }
     /// The shard index of `name` if it is one of this site's shard weights.
     pub fn parse_shard_weight(&self, name: &str) -> Option<usize> {
         name.strip_prefix(&self.prefix)?
-            .strip_prefix("ngram_embedding.shard_")?
+            .strip_prefix("ple_embedding.ngram_embedding.shard_")?
             .strip_suffix(".weight")?
             .parse()
             .ok()
@@ -288,11 +316,19 @@ mod tests {
         assert_eq!(n.key_proj(), "model.layers.1.ple.key_proj.weight");
         assert_eq!(
             n.shard_weight(3),
-            "model.layers.1.ple.ngram_embedding.shard_3.weight"
+            "model.layers.1.ple.ple_embedding.ngram_embedding.shard_3.weight"
         );
         assert_eq!(
             n.shard_scale(0),
-            "model.layers.1.ple.ngram_embedding.shard_0.scale"
+            "model.layers.1.ple.ple_embedding.ngram_embedding.shard_0.scale"
+        );
+        assert_eq!(
+            n.offsets(),
+            "model.layers.1.ple.ple_embedding.ngram_heads_offsets"
+        );
+        assert_eq!(
+            SiteNames::with_root(MULTIMODAL_ROOT, 1).key_proj(),
+            "model.language_model.layers.1.ple.key_proj.weight"
         );
         assert_eq!(n.parse_shard_weight(&n.shard_weight(12)), Some(12));
         assert_eq!(

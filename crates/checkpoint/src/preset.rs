@@ -19,8 +19,10 @@ pub enum Preset {
     Tiny,
     /// Hidden 256, 4 streams, 8 heads of 32, one site, a ~2M-row table.
     Small,
-    /// The Qwen4Exp geometry of docs/SPEC.md, "Geometry"; the table is cut to the
-    /// rows asked for (ids folded into them).
+    /// transformers' `Qwen4ExpTextConfig` defaults (docs/SPEC.md §2
+    /// (Geometry)): vocabulary 248,320, hidden 2048, 4 streams, 16 heads of
+    /// 128, base 20,000,000, 512 parts, one site at layer 2 of 40; the
+    /// table is cut to the rows asked for (ids folded into them).
     Flagship,
     /// The Engram demo (`engram_demo_v1.py`): DeepSeek-V3's 129,280-token
     /// vocabulary, orders 2 and 3 with bases 5 * 129,280, 8 heads of 64,
@@ -107,7 +109,7 @@ impl Preset {
                 divisible_by: 128,
                 split_ngram_parts: 2,
                 conv_kernel_size: 4,
-                ple_layer_ids: vec![2, 4],
+                ple_layer_ids: vec![2, 3],
                 hash_seed: 1234,
                 num_hidden_layers: 4,
                 table_rows: None,
@@ -133,21 +135,21 @@ impl Preset {
                 family: ModelFamily::Qwen4Exp,
             },
             Preset::Flagship => ModelSpec {
-                vocab_size: 151_936,
-                hidden_size: 2560,
+                vocab_size: 248_320,
+                hidden_size: 2048,
                 hc_mult: 4,
                 rms_norm_eps: 1e-6,
-                eos_token_id: 151_645,
+                eos_token_id: 248_044,
                 ngram_size: 3,
                 heads_per_ngram: 8,
-                head_dim: 160,
+                head_dim: 128,
                 ngram_vocab_size_base: 20_000_000,
                 divisible_by: 128,
-                split_ngram_parts: 8,
+                split_ngram_parts: 512,
                 conv_kernel_size: 4,
                 ple_layer_ids: vec![2],
                 hash_seed: 1234,
-                num_hidden_layers: 4,
+                num_hidden_layers: 40,
                 table_rows: None,
                 family: ModelFamily::Qwen4Exp,
             },
@@ -253,7 +255,7 @@ mod tests {
             serde_json::from_str(&Preset::Tiny.spec().to_config_json()).unwrap();
         for (field, value, want) in [
             (
-                "hc_mult",
+                "hc_count",
                 serde_json::json!(477_777_776_777_777_777u64),
                 "hc_mult * hidden_size",
             ),
@@ -291,13 +293,13 @@ mod tests {
     fn flagship_matches_the_spec() {
         let g = Preset::Flagship.spec();
         assert_eq!(g.ngram_heads(), 16);
-        assert_eq!(g.emb_dim(), 2560);
-        assert_eq!(g.channels(), 10240);
+        assert_eq!(g.emb_dim(), 2048);
+        assert_eq!(g.channels(), 8192);
         assert_eq!(g.state_len(), 9);
-        assert_eq!(g.aux_blob_bytes(), 368_652);
+        assert_eq!(g.aux_blob_bytes(), 294_924);
         let site = g.site(0).unwrap();
-        assert_eq!(site.aux_blob_len(), 368_652);
-        assert_eq!(site.conv_bytes(), 368_640);
+        assert_eq!(site.aux_blob_len(), 294_924);
+        assert_eq!(site.conv_bytes(), 294_912);
         assert_eq!(site.layer, 1);
     }
 
@@ -306,8 +308,8 @@ mod tests {
         let mut v: serde_json::Value =
             serde_json::from_str(&Preset::Tiny.spec().to_config_json()).unwrap();
         v["eos_token_id"] = serde_json::json!([7, 9]);
-        v.as_object_mut().unwrap().remove("ple_hash_seed");
-        v.as_object_mut().unwrap().remove("ple_head_dim");
+        v.as_object_mut().unwrap().remove("seed");
+        v.as_object_mut().unwrap().remove("ple_embed_dim");
         let g = ModelSpec::from_json_str(&v.to_string(), "c.json").unwrap();
         assert_eq!(g.eos_token_id, 7);
         assert_eq!(g.hash_seed, 1234);
@@ -319,11 +321,11 @@ mod tests {
         let base: serde_json::Value =
             serde_json::from_str(&Preset::Tiny.spec().to_config_json()).unwrap();
         let cases: [(&str, serde_json::Value, &str); 4] = [
-            ("hc_mult", serde_json::json!(0), "`hc_mult`"),
+            ("hc_count", serde_json::json!(0), "`hc_count`"),
             (
                 "ple_layer_ids",
                 serde_json::json!([4, 2]),
-                "strictly increasing",
+                "is a `indexed_attention` layer",
             ),
             (
                 "eos_token_id",
@@ -348,15 +350,15 @@ mod tests {
             );
         }
         let mut v = base.clone();
-        v.as_object_mut().unwrap().remove("hidden_size");
+        v.as_object_mut().unwrap().remove("eos_token_id");
         let e = ModelSpec::from_json_str(&v.to_string(), "c.json").unwrap_err();
         assert!(
-            matches!(&e, SpecError::Missing { field, .. } if field == "hidden_size"),
+            matches!(&e, SpecError::Missing { field, .. } if field == "eos_token_id"),
             "{e}"
         );
         let msg = e.to_string();
         assert!(
-            msg.contains("c.json") && msg.contains("`hidden_size`"),
+            msg.contains("c.json") && msg.contains("`eos_token_id`"),
             "{msg}"
         );
     }

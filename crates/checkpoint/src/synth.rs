@@ -194,7 +194,7 @@ fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
     let f32f = |center, amp| Fill::F32 { center, amp };
     let mut v = Vec::new();
     match Layout::of(g) {
-        Layout::Qwen4Exp => {
+        Layout::Qwen4Exp { .. } => {
             let n = SiteNames::new(layer);
             v.push(Dense::new(
                 n.key_proj(),
@@ -458,23 +458,18 @@ fn derive_site(g: &ModelSpec, s: usize) -> Result<DerivedPleIds> {
 }
 
 /// Rows stored in each table tensor of site `s` (in [`Layout::table_tensors`]
-/// order), `stored` being the site's stored rows.
-fn part_rows(g: &ModelSpec, d: &DerivedPleIds, stored: u64) -> Vec<u64> {
-    let layout = Layout::of(g);
-    let parts = layout.table_parts(g);
-    if layout.sub_tables() && g.table_rows.is_none() {
-        return d.dims.head_vocab_sizes.clone();
-    }
-    vec![stored / parts as u64; parts]
+/// order).
+fn part_rows(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<u64> {
+    Layout::of(g).part_rows(g, s, d.padded_rows)
 }
 
 /// Bytes `init` will write for `opts` (tensor data, not headers).
 pub fn planned_bytes(opts: &InitOptions) -> Result<u64> {
-    let (g, stored) = init_spec(opts)?;
-    planned(&g, stored, opts.dtype)
+    let (g, _) = init_spec(opts)?;
+    planned(&g, opts.dtype)
 }
 
-fn planned(g: &ModelSpec, stored: u64, dtype: TableDType) -> Result<u64> {
+fn planned(g: &ModelSpec, dtype: TableDType) -> Result<u64> {
     let mut total = 0;
     for s in 0..g.sites() {
         let d = derive_site(g, s)?;
@@ -482,7 +477,7 @@ fn planned(g: &ModelSpec, stored: u64, dtype: TableDType) -> Result<u64> {
             .iter()
             .map(Dense::bytes)
             .sum::<u64>();
-        total += part_rows(g, &d, stored).iter().sum::<u64>() * dtype.row_bytes(g.head_dim as u64);
+        total += part_rows(g, s, &d).iter().sum::<u64>() * dtype.row_bytes(g.head_dim as u64);
     }
     Ok(total)
 }
@@ -505,8 +500,8 @@ pub fn write_synthetic_as(
     layout: TableLayout,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ModelSpec> {
-    let (g, stored) = init_spec(opts)?;
-    write_planned(dir, g, stored, (opts.dtype, layout), opts.seed, progress)
+    let (g, _) = init_spec(opts)?;
+    write_planned(dir, g, (opts.dtype, layout), opts.seed, progress)
 }
 
 /// Write a synthetic checkpoint of any valid `spec` (tests build small
@@ -533,14 +528,13 @@ pub fn write_spec_synthetic_as(
     layout: TableLayout,
 ) -> Result<ModelSpec> {
     spec.validate("the given spec")?;
-    let (g, stored) = plan(spec.clone(), "given", table_rows)?;
-    write_planned(dir, g, stored, (dtype, layout), seed, &mut |_, _| {})
+    let (g, _) = plan(spec.clone(), "given", table_rows)?;
+    write_planned(dir, g, (dtype, layout), seed, &mut |_, _| {})
 }
 
 fn write_planned(
     dir: &Path,
     g: ModelSpec,
-    stored: u64,
     (dtype, table_layout): (TableDType, TableLayout),
     seed: u64,
     progress: &mut dyn FnMut(u64, u64),
@@ -570,7 +564,7 @@ fn write_planned(
             g.head_dim
         )));
     }
-    let total = planned(&g, stored, dtype)?;
+    let total = planned(&g, dtype)?;
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -580,14 +574,7 @@ fn write_planned(
         std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
     }
     std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-    let r = write_into(
-        &partial,
-        &g,
-        stored,
-        (dtype, table_layout, seed),
-        total,
-        progress,
-    );
+    let r = write_into(&partial, &g, (dtype, table_layout, seed), total, progress);
     if let Err(e) = r {
         let _ = std::fs::remove_dir_all(&partial);
         return Err(e);
@@ -613,15 +600,19 @@ fn st_err(path: &Path, e: StorageError) -> CheckpointError {
 fn write_into(
     dir: &Path,
     g: &ModelSpec,
-    stored: u64,
     (dtype, table_layout, seed): (TableDType, TableLayout, u64),
     total: u64,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
     let release = table_layout == TableLayout::Release;
     let layout = Layout::of(g);
-    let parts = layout.table_parts(g);
-    let nfiles = 1 + g.sites() * parts;
+    let tables: Vec<(Vec<String>, Vec<u64>)> = (0..g.sites())
+        .map(|s| {
+            let d = derive_site(g, s)?;
+            Ok((layout.table_tensors(g, s), part_rows(g, s, &d)))
+        })
+        .collect::<Result<_>>()?;
+    let nfiles = 1 + tables.iter().map(|(n, _)| n.len()).sum::<usize>();
     let mut weight_map: BTreeMap<String, String> = BTreeMap::new();
     let mut done = 0u64;
     progress(0, total);
@@ -660,11 +651,11 @@ fn write_into(
     drop(dense);
 
     let hd = g.head_dim;
-    for s in 0..g.sites() {
-        let d = derive_site(g, s)?;
-        let rows = part_rows(g, &d, stored);
-        for (i, (name, &r)) in layout.table_tensors(g, s).iter().zip(&rows).enumerate() {
-            let file = shard_file(2 + s * parts + i, nfiles);
+    let mut file_no = 2;
+    for (s, (names, rows)) in tables.iter().enumerate() {
+        for (i, (name, &r)) in names.iter().zip(rows).enumerate() {
+            let file = shard_file(file_no, nfiles);
+            file_no += 1;
             let path = dir.join(&file);
             let mut rng = Stream::new(seed, s, 0x100 + i as u64);
             let part = TablePart {

@@ -96,7 +96,7 @@ fn print_spec(g: &ModelSpec) {
         layout.table_parts(g),
         match layout {
             Layout::LongCat { .. } => "sub-tables",
-            Layout::Qwen4Exp => "shards",
+            Layout::Qwen4Exp { .. } => "shards",
             Layout::EngramDemo | Layout::EngramV41 => "table tensor",
         }
     );
@@ -121,7 +121,8 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
         }
     };
     let mut gathered_per_token = 0u64;
-    let layout = Layout::of(&ck.spec);
+    let layout = ck.layout;
+    println!("layout              {}", layout.name());
     println!("sites");
     for s in &ck.sites {
         let t = &s.table;

@@ -92,7 +92,11 @@ fn errors_name_field_and_file() {
             "DELETE",
             "missing required field `eos_token_id`",
         ),
-        ("ple_layer_ids", "null", "missing required field `ple_layer_ids`"),
+        (
+            "ple_layer_ids",
+            "null",
+            "missing required field `ple_layer_ids`",
+        ),
         ("vocab_size", "0", "`vocab_size` must be at least 1"),
         ("ngram_size", "1", "`ngram_size` must be at least 2"),
         (
