@@ -55,7 +55,7 @@ fn a_synthetic_checkpoint_loads_with_its_spec() {
     let ck = small(tmp.path());
     let c = Checkpoint::open(&ck).unwrap();
     let g = &c.spec;
-    assert_eq!(g.ple_layer_ids, vec![2, 4]);
+    assert_eq!(g.ple_layer_ids, vec![2, 3]);
     assert_eq!(g.table_rows, Some(4096));
     assert_eq!(c.sites.len(), 2);
     for (s, site) in c.sites.iter().enumerate() {
@@ -172,15 +172,88 @@ fn a_wrong_dtype_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = small(tmp.path());
     let g = Checkpoint::open(&ck).unwrap().spec;
-    let name = SiteNames::new(3).norm_conv();
+    let name = SiteNames::new(2).norm_conv();
     let c = g.channels() as u64;
-    let spec = TensorSpec::new(&name, metrale_storage::safetensors::Dtype::BF16, &[c]);
-    replace_tensor(&dense(&ck), &name, spec, vec![0u8; (c * 2) as usize]);
+    let spec = TensorSpec::new(&name, metrale_storage::safetensors::Dtype::I32, &[c]);
+    replace_tensor(&dense(&ck), &name, spec, vec![0u8; (c * 4) as usize]);
     let msg = refusal(&ck);
     assert!(
-        msg.contains(&format!("tensor {name} has dtype BF16, expected F32")),
+        msg.contains(&format!(
+            "tensor {name} has dtype I32, expected a float dtype (F32, BF16 or F16)"
+        )),
         "{msg}"
     );
+}
+
+/// Any float dtype transformers saves converts: a BF16 norm reads as the
+/// same f32 values, an F16 norm exactly, an F32 projection rounds to BF16.
+#[test]
+fn dense_weights_in_any_float_dtype_convert() {
+    use metrale_storage::dtype::{bf16_to_f32, f32_to_bf16};
+    use metrale_storage::safetensors::Dtype;
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = small(tmp.path());
+    let before = Checkpoint::open(&ck).unwrap();
+    let g = before.spec.clone();
+    let c = g.channels();
+    let site = &before.sites[1];
+    // norm_conv as BF16 of its values (rounded), F16 for norm_key.
+    let n = SiteNames::new(2);
+    let conv_bf: Vec<u16> = site
+        .weights
+        .norm_conv
+        .iter()
+        .map(|&v| f32_to_bf16(v))
+        .collect();
+    let bytes: Vec<u8> = conv_bf.iter().flat_map(|v| v.to_le_bytes()).collect();
+    replace_tensor(
+        &dense(&ck),
+        &n.norm_conv(),
+        TensorSpec::new(n.norm_conv(), Dtype::BF16, &[c as u64]),
+        bytes,
+    );
+    let key_f16: Vec<u8> = site
+        .weights
+        .norm_key
+        .iter()
+        .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+        .collect();
+    replace_tensor(
+        &dense(&ck),
+        &n.norm_key(),
+        TensorSpec::new(n.norm_key(), Dtype::F16, &[c as u64]),
+        key_f16,
+    );
+    let e = g.emb_dim();
+    let value_f32: Vec<u8> = site
+        .weights
+        .value_proj
+        .iter()
+        .flat_map(|&b| (bf16_to_f32(b) * (1.0 + 2f32.powi(-12))).to_le_bytes())
+        .collect();
+    replace_tensor(
+        &dense(&ck),
+        &n.value_proj(),
+        TensorSpec::new(
+            n.value_proj(),
+            Dtype::F32,
+            &[g.hidden_size as u64, e as u64],
+        ),
+        value_f32,
+    );
+    let after = Checkpoint::open(&ck).unwrap();
+    let w = &after.sites[1].weights;
+    let want: Vec<f32> = conv_bf.iter().map(|&b| bf16_to_f32(b)).collect();
+    assert_eq!(w.norm_conv, want);
+    let want: Vec<f32> = site
+        .weights
+        .norm_key
+        .iter()
+        .map(|&v| half::f16::from_f32(v).to_f32())
+        .collect();
+    assert_eq!(w.norm_key, want);
+    // A value a hair above a BF16 value rounds back to it.
+    assert_eq!(w.value_proj, site.weights.value_proj);
 }
 
 #[test]
@@ -198,7 +271,7 @@ fn an_even_multiplier_is_refused() {
 fn hash_buffers_must_match_their_derivation() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = small(tmp.path());
-    let name = SiteNames::new(3).offsets();
+    let name = SiteNames::new(2).offsets();
     patch_i64(&dense(&ck), &name, 1, 5);
     let msg = refusal(&ck);
     assert!(
@@ -228,7 +301,7 @@ fn a_missing_shard_is_refused() {
     let msg = refusal(&ck);
     assert!(msg.contains("model-00003-of-00005.safetensors"), "{msg}");
     assert!(
-        msg.contains("model.layers.1.ple.ngram_embedding.shard_1.weight"),
+        msg.contains("model.layers.1.ple.ple_embedding.ngram_embedding.shard_1.weight"),
         "{msg}"
     );
 
@@ -243,12 +316,14 @@ fn a_missing_shard_is_refused() {
     v["weight_map"]
         .as_object_mut()
         .unwrap()
-        .remove("model.layers.3.ple.ngram_embedding.shard_0.weight");
+        .remove("model.layers.2.ple.ple_embedding.ngram_embedding.shard_0.weight");
     std::fs::write(&ipath, v.to_string()).unwrap();
     let msg = refusal(&ck2);
     assert!(msg.contains(INDEX_FILE), "{msg}");
     assert!(
-        msg.contains("tensor model.layers.3.ple.ngram_embedding.shard_0.weight is missing"),
+        msg.contains(
+            "tensor model.layers.2.ple.ple_embedding.ngram_embedding.shard_0.weight is missing"
+        ),
         "{msg}"
     );
 }
@@ -297,8 +372,10 @@ fn a_short_table_without_a_fold_is_refused() {
     v.as_object_mut().unwrap().remove("ple_table_rows");
     std::fs::write(&cpath, v.to_string()).unwrap();
     let msg = refusal(&ck);
+    // Without the fold, each shard must hold its torch.chunk share of the
+    // site's 200,192 padded rows.
     assert!(
-        msg.contains("table shards of layer 1") && msg.contains("fewer than"),
+        msg.contains("shard_0.weight has shape [2048, 16], expected [100096, 16]"),
         "{msg}"
     );
 }

@@ -192,7 +192,7 @@ fn offload_sizes_the_cache_and_refuses_one_over_an_eighth_of_the_table() {
     let report = report_of(&slots("2048"));
     assert_eq!(report["table_rows"], 1 << 14, "{report:#}");
     assert_eq!(report["cache_slots"], 2048, "{report:#}");
-    assert_eq!(report["cache_bytes"], 2048 * 320, "{report:#}");
+    assert_eq!(report["cache_bytes"], 2048 * 256, "{report:#}");
     let cached: Vec<&Value> = report["rows"]
         .as_array()
         .unwrap()

@@ -169,7 +169,7 @@ fn packed_hot_rows_give_the_same_highway_and_come_first() {
 fn padded_rows_give_the_same_highway_in_every_mode() {
     let tmp = tempfile::tempdir().unwrap();
     let tokens: Vec<u32> = (0..6u32).map(|i| (i * 7919 + 11) % 151_936).collect();
-    for (dtype, stride) in [("bf16", 512u64), ("fp8", 256)] {
+    for (dtype, stride) in [("bf16", 256u64), ("fp8", 128)] {
         let src = init_preset(tmp.path(), "flagship", dtype, Some("2048"));
         let ck = Checkpoint::open(&src).unwrap();
         let want = highway(&ck, TableMode::Resident, &tokens);
@@ -194,8 +194,10 @@ fn padded_rows_give_the_same_highway_in_every_mode() {
             }
             let (o, out, err) = run(&["inspect", dst.to_str().unwrap()]);
             assert!(o.status.success(), "{err}");
+            // Flagship's 256-byte BF16 rows already tile 512-byte granules:
+            // nothing to pad, so inspect names no padding.
             assert!(
-                out.contains(&format!("padded to {stride} B apart on disk")),
+                dtype == "bf16" || out.contains(&format!("padded to {stride} B apart on disk")),
                 "{out}"
             );
             for mode in [TableMode::Resident, TableMode::Mapped, TableMode::Cached] {

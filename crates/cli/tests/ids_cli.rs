@@ -136,7 +136,7 @@ fn config_mode_matches_flags() {
     let b = bad.to_str().unwrap();
     fails_with(
         &["--config", b, "--tokens", "1"],
-        "missing required field `hidden_size`",
+        "missing required field `eos_token_id`",
     );
     fails_with(&["--config", b, "--tokens", "1"], "ids_cli_bad_config.json");
     fails_with(

@@ -413,11 +413,11 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
                 .ptr(refs_d)
                 .u32(1)
                 .u32(HD as u32)
-                .u32(3)
+                .u32(4)
                 .ptr(out)
                 .run(0)
         });
-        assert!(e.contains("dtype 3"), "{e}");
+        assert!(e.contains("dtype 4"), "{e}");
         f.finish()?;
     }
     {

@@ -272,6 +272,19 @@ mod tests {
     }
 
     #[test]
+    fn f32_rows_are_taken_as_stored() {
+        let v = [1.0f32 + f32::EPSILON, -3.25, 1e-30];
+        let data: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let rows = [RowSrc {
+            data: &data,
+            scale: 0.0,
+        }];
+        let mut out = vec![0.0f32; 3];
+        gather_rows(&rows, 3, GatherDType::F32, &mut out).unwrap();
+        assert_eq!(out, v);
+    }
+
+    #[test]
     fn bad_shapes_are_errors() {
         let d = [0u8; 4];
         let rows = [RowSrc {
@@ -284,10 +297,11 @@ mod tests {
         let mut out = vec![0.0f32; 2];
         assert!(gather_rows(&rows, 3, GatherDType::Bf16, &mut out).is_err());
         assert!(
-            GatherDType::from_arg(3)
+            GatherDType::from_arg(4)
                 .unwrap_err()
                 .to_string()
-                .contains("dtype 3")
+                .contains("dtype 4")
         );
+        assert_eq!(GatherDType::from_arg(3).unwrap(), GatherDType::F32);
     }
 }
