@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::layers::ple::ids::splitmix64;
-use crate::layers::ple::kernels::math::bf16_round;
+use crate::layers::ple::kernels::math::{bf16_round, bf16_to_f32};
 
 /// A deterministic pseudo-random BF16 value in about [-2, 2).
 fn val(seed: u64) -> u16 {
