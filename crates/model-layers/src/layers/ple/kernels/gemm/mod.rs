@@ -75,6 +75,11 @@ const MR: usize = 6;
 const KC: usize = 256;
 /// Token rows sharing one pass over the weights (a multiple of `MR`).
 const TILE_ROWS: usize = 96;
+/// Token rows sharing one pass over the weights on the AMX path.
+#[cfg(target_arch = "x86_64")]
+const AMX_TILE_ROWS: usize = amx::TILE_ROWS;
+#[cfg(not(target_arch = "x86_64"))]
+const AMX_TILE_ROWS: usize = TILE_ROWS;
 /// Panels one single-row task reads side by side.
 #[cfg(target_arch = "x86_64")]
 const GROUP: usize = 4;
@@ -86,6 +91,8 @@ enum Kernel {
     Avx2,
     Avx512Fma,
     Avx512Dot,
+    /// `tdpbf16ps` tiles: a bit class of its own (see `amx`).
+    Amx,
 }
 
 impl Kernel {
@@ -102,16 +109,18 @@ impl Kernel {
         v
     }
 
-    /// The kernel of `path` for activations `x` (the `vdpbf16ps` kernel
-    /// needs exact BF16 values).
+    /// The kernel of `path` for activations `x` (the `vdpbf16ps` and AMX
+    /// kernels need exact BF16 values; on the AMX path other activations
+    /// run the AVX-512 kernel, in the FMA chain's bit class).
     fn pick(path: CpuPath, x: &[f32]) -> Kernel {
+        let exact = || x.iter().all(|v| v.to_bits() & 0xFFFF == 0);
         match path {
+            CpuPath::Amx if exact() => Kernel::Amx,
+            CpuPath::Amx => Kernel::pick(CpuPath::Avx512Bf16, x),
             CpuPath::Portable => Kernel::Portable,
             CpuPath::Avx2Fma => Kernel::Avx2,
             CpuPath::Avx512Bf16 => match super::cpu::avx512_projection() {
-                Avx512Projection::Dot if x.iter().all(|v| v.to_bits() & 0xFFFF == 0) => {
-                    Kernel::Avx512Dot
-                }
+                Avx512Projection::Dot if exact() => Kernel::Avx512Dot,
                 _ => Kernel::Avx512Fma,
             },
         }
@@ -341,7 +350,7 @@ fn project_checked(
     let min_len = (np / (rayon::current_num_threads() * 8)).max(1);
     let yp = SyncPtr(y.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    if kernel != Kernel::Portable && t == 1 {
+    if !matches!(kernel, Kernel::Portable | Kernel::Amx) && t == 1 {
         // One row is bound by reading the weights: convert them in registers
         // and keep GROUP panels (2 * GROUP independent FMA chains) in flight.
         let groups = np.div_ceil(GROUP);
@@ -400,10 +409,19 @@ fn project_checked(
     // panel (see `Tile`) where whole panels fill `y` exactly.
     let staged = o.is_multiple_of(NR);
     #[cfg(target_arch = "x86_64")]
-    let mut scratch = avx512::Scratch::default();
+    let (mut scratch, mut amx_scratch) = (avx512::Scratch::default(), amx::Scratch::default());
     let mut snapshot: Vec<f32> = Vec::new();
-    for t0 in (0..t).step_by(TILE_ROWS) {
-        let rows = TILE_ROWS.min(t - t0);
+    // The staged layout of a cut projection depends on the token tiles, so
+    // every call of one keeps `TILE_ROWS`; a whole call on the AMX path
+    // takes larger tiles (its weights stream from memory once a tile).
+    let whole = k0 == 0 && k1 == e && !accumulate;
+    let tile_rows = if kernel == Kernel::Amx && whole {
+        AMX_TILE_ROWS
+    } else {
+        TILE_ROWS
+    };
+    for t0 in (0..t).step_by(tile_rows) {
+        let rows = tile_rows.min(t - t0);
         let store_staged = k1 < e && staged;
         let staged_from = (accumulate && staged).then(|| {
             if store_staged {
@@ -434,6 +452,11 @@ fn project_checked(
         if matches!(kernel, Kernel::Avx512Fma | Kernel::Avx512Dot) {
             let dot = kernel == Kernel::Avx512Dot;
             avx512::token_tile(dot, xt, w, tile, np, e, (k0, k1), accumulate, &mut scratch);
+            continue;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if kernel == Kernel::Amx {
+            amx::token_tile(xt, w, tile, np, e, (k0, k1), accumulate, &mut amx_scratch);
             continue;
         }
         (0..np).into_par_iter().with_min_len(min_len).for_each(|p| {
@@ -649,6 +672,19 @@ fn panel(
     }
 }
 
+/// Instructions per second of the AMX peak loop, for `cpu::mul_add_rate`
+/// (see `amx::peak`).
+///
+/// # Safety
+/// `cpu::amx_ready()` must hold.
+#[cfg(target_arch = "x86_64")]
+pub(super) unsafe fn amx_peak(iters: usize) -> f32 {
+    // SAFETY: forwarded from the caller.
+    unsafe { amx::peak(iters) }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
