@@ -67,6 +67,12 @@ use rayon::prelude::*;
 use super::cpu::{Avx512Projection, CpuPath};
 use super::error::KernelError;
 
+/// The granularity at which a projection cut into ranges stays
+/// bit-identical to one call on every path: any even step does on the
+/// paths of the FMA chain, multiples of 32 (one `tdpbf16ps` block) on the
+/// AMX path too.
+pub const CUT_STEPS: usize = 32;
+
 /// Output columns per panel (two AVX2 registers of f32).
 pub const NR: usize = 16;
 /// Rows of the register tile.
