@@ -59,8 +59,8 @@ impl CpuPath {
             CpuPath::Amx,
         ]
         .into_iter()
-            .filter(|p| p.available())
-            .collect()
+        .filter(|p| p.available())
+        .collect()
     }
 }
 
@@ -119,7 +119,13 @@ fn amx_permission() -> bool {
     // SAFETY: arch_prctl with this request only reads its integer argument
     // and changes this process's permitted XSAVE features; it touches no
     // memory of ours.
-    let r = unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) };
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
     r == 0
 }
 

@@ -129,7 +129,11 @@ impl PleLayer {
             }
             used += gids.len();
             let end = (h0 + run) * hd;
-            let to = if end == e { e } else { end / CUT_STEPS * CUT_STEPS };
+            let to = if end == e {
+                e
+            } else {
+                end / CUT_STEPS * CUT_STEPS
+            };
             if to <= projected {
                 continue;
             }

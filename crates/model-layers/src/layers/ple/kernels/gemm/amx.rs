@@ -42,14 +42,11 @@ const KB: usize = 32;
 /// Rows of every tile (token rows of a sum or activation tile, step pairs
 /// of a weight tile).
 const TR: usize = 16;
-/// Blocks of steps a task runs for all its token blocks before the next:
-/// the two panels' weights of a chunk (2 x 8 KiB) stay in L1 while every
-/// token block multiplies them.
-const CHUNK: usize = 8;
 /// Token rows sharing one pass over the weights on this path when the call
-/// is not cut into ranges: a 512-token prefill chunk streams the weights
-/// from memory once.
-pub(super) const TILE_ROWS: usize = 512;
+/// is not cut into ranges: their activations (1.25 MiB at E = 2560) stay
+/// in a 2 MiB L2 while every panel streams past them. (Measured: 512 rows
+/// a tile were no faster, 128 slower.)
+pub(super) const TILE_ROWS: usize = 256;
 /// Bytes between the rows of a weight tile and of a sum tile.
 const ROW_BYTES: usize = 64;
 
@@ -96,11 +93,12 @@ struct Run {
     c0: *mut f32,
     /// The same for panel 1.
     c1: *mut f32,
-    /// Activation pairs of token block 0, first block of the run; token
-    /// block 1 is `16 * sa` bytes after it.
+    /// Activation tile of token block 0, first block of the run (1 KiB,
+    /// rows 64 bytes apart); the next block is 1 KiB after it, token
+    /// block 1 `ta` bytes after it.
     a: *const u32,
-    /// Bytes between two token rows of the activation pairs.
-    sa: usize,
+    /// Bytes between the tiles of two token blocks.
+    ta: usize,
     /// Weight tiles of panels 0 and 1, first block; the next block is 1
     /// KiB after.
     b0: *const u32,
@@ -133,16 +131,22 @@ unsafe fn run<const TWO: bool>(r: &Run) {
                 "tileloadd tmm2, [{c0} + {s}*1 + 1024]",
                 "tileloadd tmm3, [{c1} + {s}*1 + 1024]",
                 "2:",
-                "tileloadd tmm4, [{a0} + {sa}*1]",
+                ".irp off,0,64,128,192,256,320,384,448,512,576,640,704,768,832,896,960",
+                "prefetcht0 [{a0} + 2048 + \\off]",
+                "prefetcht0 [{a1} + 2048 + \\off]",
+                "prefetcht0 [{b0} + 2048 + \\off]",
+                "prefetcht0 [{b1} + 2048 + \\off]",
+                ".endr",
+                "tileloadd tmm4, [{a0} + {s}*1]",
                 "tileloadd tmm6, [{b0} + {s}*1]",
                 "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
-                "tileloadd tmm5, [{a1} + {sa}*1]",
+                "tileloadd tmm5, [{a1} + {s}*1]",
                 "tdpbf16ps tmm1, tmm4, tmm7",
                 "tdpbf16ps tmm2, tmm5, tmm6",
                 "tdpbf16ps tmm3, tmm5, tmm7",
-                "add {a0}, 64",
-                "add {a1}, 64",
+                "add {a0}, 1024",
+                "add {a1}, 1024",
                 "add {b0}, 1024",
                 "add {b1}, 1024",
                 "dec {n}",
@@ -155,8 +159,7 @@ unsafe fn run<const TWO: bool>(r: &Run) {
                 c1 = in(reg) r.c1,
                 s = in(reg) ROW_BYTES,
                 a0 = inout(reg) r.a => _,
-                a1 = inout(reg) r.a.cast::<u8>().add(TR * r.sa) => _,
-                sa = in(reg) r.sa,
+                a1 = inout(reg) r.a.cast::<u8>().add(r.ta) => _,
                 b0 = inout(reg) r.b0 => _,
                 b1 = inout(reg) r.b1 => _,
                 n = inout(reg) r.blocks => _,
@@ -167,12 +170,17 @@ unsafe fn run<const TWO: bool>(r: &Run) {
                 "tileloadd tmm0, [{c0} + {s}*1]",
                 "tileloadd tmm1, [{c1} + {s}*1]",
                 "2:",
-                "tileloadd tmm4, [{a0} + {sa}*1]",
+                ".irp off,0,64,128,192,256,320,384,448,512,576,640,704,768,832,896,960",
+                "prefetcht0 [{a0} + 2048 + \\off]",
+                "prefetcht0 [{b0} + 2048 + \\off]",
+                "prefetcht0 [{b1} + 2048 + \\off]",
+                ".endr",
+                "tileloadd tmm4, [{a0} + {s}*1]",
                 "tileloadd tmm6, [{b0} + {s}*1]",
                 "tileloadd tmm7, [{b1} + {s}*1]",
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 "tdpbf16ps tmm1, tmm4, tmm7",
-                "add {a0}, 64",
+                "add {a0}, 1024",
                 "add {b0}, 1024",
                 "add {b1}, 1024",
                 "dec {n}",
@@ -183,7 +191,6 @@ unsafe fn run<const TWO: bool>(r: &Run) {
                 c1 = in(reg) r.c1,
                 s = in(reg) ROW_BYTES,
                 a0 = inout(reg) r.a => _,
-                sa = in(reg) r.sa,
                 b0 = inout(reg) r.b0 => _,
                 b1 = inout(reg) r.b1 => _,
                 n = inout(reg) r.blocks => _,
@@ -218,20 +225,36 @@ pub(super) fn token_tile(
 ) {
     let rows = tile.rows;
     let rp = rows.div_ceil(TR) * TR;
-    // Blocks aligned to step 0; `kw` pair words a token row.
+    // Blocks aligned to step 0.
     let (j0, j1) = (k0 / KB, k1.div_ceil(KB));
-    let kw = (j1 - j0) * KB / 2;
+    let nb = j1 - j0;
+    // Tile-major: the tile of token block `tb`, block `j0 + jb` is the 256
+    // words at `(tb * nb + jb) * 256`, token row `r` of it 16 words from
+    // `r * 16`: each tile one contiguous KiB, where rows 64 bytes apart in
+    // rows of `E` steps would touch a page a row.
     let pairs = &mut scratch.pairs;
     pairs.clear();
-    pairs.resize(rp * kw, 0);
-    for (r, row) in xt.chunks_exact(e).enumerate() {
-        let dst = &mut pairs[r * kw..(r + 1) * kw];
-        for i in k0 / 2..k1.div_ceil(2) {
-            let hi = row[2 * i].to_bits() >> 16;
-            let lo = row.get(2 * i + 1).map_or(0, |v| v.to_bits() >> 16);
-            dst[i - j0 * KB / 2] = (hi << 16) | lo;
-        }
-    }
+    pairs.resize(rp * nb * KB / 2, 0);
+    let (lo, hi) = (k0 / 2, k1.div_ceil(2));
+    let base = j0 * KB / 2;
+    pairs
+        .par_chunks_mut(nb * TR * KB / 2)
+        .zip(xt.par_chunks(TR * e))
+        .for_each(|(dst, rows)| {
+            let mut line = vec![0u32; nb * KB / 2];
+            for (tr, row) in rows.chunks_exact(e).enumerate() {
+                for (i, v) in line[lo - base..hi - base].iter_mut().enumerate() {
+                    let k = 2 * (lo + i);
+                    let even = row[k].to_bits() & 0xFFFF_0000;
+                    let odd = row.get(k + 1).map_or(0, |v| v.to_bits() >> 16);
+                    *v = even | odd;
+                }
+                for (jb, part) in line.chunks_exact(KB / 2).enumerate() {
+                    let at = jb * TR * KB / 2 + tr * KB / 2;
+                    dst[at..at + KB / 2].copy_from_slice(part);
+                }
+            }
+        });
     let pairs = &pairs[..];
     let pl = panel_len(e);
     let pw = pl / 2;
@@ -267,30 +290,32 @@ pub(super) fn token_tile(
             // `CpuPath::Amx` is available; released below before the task
             // ends.
             unsafe { cfg.load() };
-            for c0 in (j0..j1).step_by(CHUNK) {
-                let c1 = (c0 + CHUNK).min(j1);
-                // The chunk as runs of blocks: whole blocks straight from
-                // the panels, a cut first or last block from `cut`.
-                let first_cut = c0 == j0 && k0 % KB != 0;
-                let last_cut = c1 == j1 && k1 % KB != 0 && !(first_cut && c1 - c0 == 1);
-                let mut segs: [(usize, usize, bool); 3] = [(0, 0, false); 3];
-                let mut ns = 0;
-                let mut j = c0;
-                if first_cut {
-                    segs[ns] = (j, j + 1, true);
-                    ns += 1;
-                    j += 1;
-                }
-                let whole_end = if last_cut { c1 - 1 } else { c1 };
-                if whole_end > j {
-                    segs[ns] = (j, whole_end, false);
-                    ns += 1;
-                    j = whole_end;
-                }
-                if last_cut && j < c1 {
-                    segs[ns] = (j, c1, true);
-                    ns += 1;
-                }
+            // The steps as runs of blocks: whole blocks straight from the
+            // panels, a cut first or last block from `cut`. A whole run
+            // keeps its sums in the tiles from its first block to its last
+            // (reloading them every few blocks, to keep a chunk of weights
+            // in L1 for all token blocks, measured slower).
+            let first_cut = k0 % KB != 0;
+            let last_cut = k1 % KB != 0 && !(first_cut && j1 - j0 == 1);
+            let mut segs: [(usize, usize, bool); 3] = [(0, 0, false); 3];
+            let mut ns = 0;
+            let mut j = j0;
+            if first_cut {
+                segs[ns] = (j, j + 1, true);
+                ns += 1;
+                j += 1;
+            }
+            let whole_end = if last_cut { j1 - 1 } else { j1 };
+            if whole_end > j {
+                segs[ns] = (j, whole_end, false);
+                ns += 1;
+                j = whole_end;
+            }
+            if last_cut && j < j1 {
+                segs[ns] = (j, j1, true);
+                ns += 1;
+            }
+            {
                 for &(ja, jb, is_cut) in &segs[..ns] {
                     let (b0, b1) = if is_cut {
                         // Pairs `lo..hi` of block `ja`, the call's steps.
@@ -338,18 +363,18 @@ pub(super) fn token_tile(
                         let r = Run {
                             c0: c0p,
                             c1: c1p,
-                            // SAFETY: token row `tb * 16`, pair word
-                            // `(ja - j0) * 16` lies in `pairs`.
-                            a: unsafe { pairs.as_ptr().add(tb * TR * kw + (ja - j0) * KB / 2) },
-                            sa: kw * 4,
+                            // SAFETY: tile `(tb, ja - j0)` lies in
+                            // `pairs` (`rp / 16` token blocks of `nb`).
+                            a: unsafe { pairs.as_ptr().add((tb * nb + ja - j0) * TR * KB / 2) },
+                            ta: nb * TR * KB / 2 * 4,
                             b0,
                             b1,
                             blocks: jb - ja,
                         };
                         // SAFETY: configured above; `r` names tiles inside
-                        // `acc`/`spare`, `pairs` (rows `tb * 16 ..`, words
-                        // up to `(jb - j0) * 16 <= kw`) and the panels or
-                        // `cut`.
+                        // `acc`/`spare`, `pairs` (tiles `ja - j0 .. jb - j0`
+                        // of token blocks `tb` and, when `two`, `tb + 1`)
+                        // and the panels or `cut`.
                         unsafe {
                             if two {
                                 run::<true>(&r)

@@ -327,7 +327,11 @@ fn amx_error_is_within_its_bound() {
         let amx = error_units(&y, &want, &mag);
         let naive_y = naive(&x, &w, t, e, o);
         let chain = error_units(&naive_y, &want, &mag);
-        differ += y.iter().zip(&naive_y).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+        differ += y
+            .iter()
+            .zip(&naive_y)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
         total += y.len();
         assert!(
             amx <= AMX_BOUND_UNITS,
@@ -362,7 +366,12 @@ fn amx_rows_do_not_depend_on_the_batch() {
         let all = amx_bits(&x, wb, t, e, o);
         for (t0, n) in [(0, 1), (5, 1), (17, 3), (3, 16), (20, 20), (t - 1, 1)] {
             let part = amx_bits(&x[t0 * e..(t0 + n) * e], wb, n, e, o);
-            assert_eq!(part, all[t0 * o..(t0 + n) * o], "rows {t0}..{} of T={t}", t0 + n);
+            assert_eq!(
+                part,
+                all[t0 * o..(t0 + n) * o],
+                "rows {t0}..{} of T={t}",
+                t0 + n
+            );
         }
         // Another thread count changes only which task runs a panel.
         let one = rayon::ThreadPoolBuilder::new()
