@@ -22,6 +22,14 @@
 //! does twice the products per second, and it has no subnormal caveat.
 //! [`mul_add_rate`] is that measurement, also used by benches for the
 //! peak of an instruction.
+//!
+//! On CPUs with AMX-BF16, where Linux grants the process the tile data
+//! state ([`amx_ready`]: CPUID, then `arch_prctl(ARCH_REQ_XCOMP_PERM)` once
+//! per process), [`CpuPath::Amx`] is the default: the projection runs
+//! `tdpbf16ps` tiles, every other kernel the AVX2 path. Its projection is
+//! a bit class of its own (see `gemm`), the one exception to "same bits on
+//! every path"; `METRALE_CPU_PATH=avx512bf16` keeps such a CPU in the
+//! common class.
 
 use std::sync::OnceLock;
 

@@ -35,13 +35,22 @@
 //! to be exact BF16 values (rows gathered from a BF16 table are); a call
 //! with any other `x` runs the FMA kernel.
 //!
-//! AMX (`tdpbf16ps`) is not used, though it would be several times faster:
-//! on a Sapphire Rapids-class CPU its sums over random BF16 operands
-//! matched neither the sequential chain (even or odd element first), nor a
-//! pair-then-add, nor a per-tile sum added once (300,939 to 443,119
-//! of 512,000 outputs differed from each), so its results could not be
-//! reproduced by any other path or host, and a carry moved between hosts
-//! would no longer continue bit for bit.
+//! AMX (`tdpbf16ps`, [`CpuPath::Amx`]) is the exception, a bit class of its
+//! own: on a Sapphire Rapids-class CPU its sums over random BF16 operands
+//! match neither the sequential chain (even or odd element first), nor a
+//! pair-then-add, nor a per-tile sum added once, so no other path can
+//! reproduce them. It is more accurate than the chain (docs/SPEC.md gives
+//! the measured bound against the f64 reference), and keeps the
+//! invariants above in its own form (see `amx`): bits independent of `T`,
+//! the tiling and the thread count, and cut projections equal to one call
+//! where the cuts fall on multiples of [`CUT_STEPS`]. It runs only for
+//! exact BF16 activations (others take the AVX-512 kernel, in the chain's
+//! class) and only where CPUID and Linux's tile permission allow.
+//!
+//! Files, one a path behind this entry point: `portable` (the chain in
+//! plain Rust), `avx2`, `avx512` (FMA and `vdpbf16ps` tiles, the
+//! single-row kernel), `amx` (tile configuration, `tileloadd`,
+//! `tdpbf16ps`, `tilestored`).
 //!
 //! Partial reductions: [`project_range`] runs the chain over steps
 //! `from..to` only, starting from zero or from the sums a call over the
