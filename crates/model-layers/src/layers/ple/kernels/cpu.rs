@@ -105,7 +105,7 @@ pub fn amx_ready() -> bool {
 
 #[cfg(target_arch = "x86_64")]
 fn amx_detected() -> bool {
-    // SAFETY-free: `__cpuid_count` is safe on x86-64 (CPUID always exists).
+    // CPUID exists on every x86-64 CPU, so these calls are safe.
     let max = std::arch::x86_64::__cpuid(0).eax;
     if max < 7 {
         return false;
