@@ -14,6 +14,8 @@ Not part of CI: it needs `pip install torch`. Usage:
 
 import argparse
 import math
+import os
+import tempfile
 import time
 
 import torch
@@ -89,6 +91,43 @@ class Model:
         times[3] += time.perf_counter() - t0
 
 
+def onednn_report(dtype):
+    """What oneDNN ran for one projection-shaped linear in `dtype`: the
+    primitive and implementation names from its verbose log (read from the
+    process's stdout, where oneDNN writes it), or that it ran none."""
+    if not torch.backends.mkldnn.is_available():
+        return "oneDNN not built in"
+    x = torch.rand(32, E).to(dtype)
+    w = torch.rand(C + H, E).to(dtype)
+    torch.nn.functional.linear(x, w)
+    with tempfile.TemporaryFile(mode="w+b") as f:
+        import sys
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)
+        try:
+            with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+                torch.nn.functional.linear(x, w)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        f.seek(0)
+        log = f.read().decode(errors="replace")
+    used = set()
+    for line in log.splitlines():
+        parts = line.split(",")
+        if parts[0].startswith("onednn_verbose") and "exec" in parts:
+            i = parts.index("exec")
+            # exec, engine, primitive kind, implementation
+            if i + 3 < len(parts):
+                used.add(f"{parts[i + 2]} {parts[i + 3]}")
+    isa = next((l.split("isa:", 1)[1].strip() for l in log.splitlines() if ",info,cpu,isa:" in l), None)
+    if used:
+        return "oneDNN ran " + "; ".join(sorted(used)) + (f" (oneDNN ISA: {isa})" if isa else "")
+    return "oneDNN ran no primitive for the linear (ATen's own kernel)"
+
+
 def summary(steps):
     s = sorted(steps)
     return s[len(s) // 2], s[0]
@@ -117,7 +156,8 @@ def main():
         torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"table {a.rows} rows BF16, projection in {'f32' if a.fp32_weights else 'BF16'}, "
-          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{onednn_report(torch.float32 if a.fp32_weights else torch.bfloat16)}")
     gen = torch.Generator().manual_seed(1234)
     t0 = time.perf_counter()
     m = Model(a.rows, gen, a.fp32_weights)

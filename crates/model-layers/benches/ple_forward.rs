@@ -7,20 +7,26 @@
 //! as the baseline measured in the same run, a naive scalar projection
 //! against the packed GEMM with their ratio.
 //!
-//! Then, side by side in the same run when `python3` can import torch (or
-//! when `PLE_TORCH=1` demands it; `PLE_TORCH=0` skips it), the same
-//! figures from `reference/torch_bench.py` (PyTorch's CPU path doing the same
-//! math) and the ratio of ours to PyTorch's: `PLE_BENCH_ROUNDS` rounds
-//! (default 3), ours and PyTorch's in turn, so that a machine whose speed
-//! drifts slows both alike, the ratio being the median of the rounds'. Beside
+//! Then, side by side in the same run when the Python interpreter
+//! (`PLE_PYTHON`, default `python3`) can import torch (or when `PLE_TORCH=1`
+//! demands it; `PLE_TORCH=0` skips it), the same figures from
+//! `reference/torch_bench.py` (PyTorch's CPU path doing the same math) and,
+//! where it can import transformers' Qwen4-Exp, from
+//! `reference/transformers_bench.py` (transformers' own
+//! `Qwen4ExpTextPLELayer` in bfloat16 with its cache), and the ratio of ours
+//! to each: `PLE_BENCH_ROUNDS` rounds (default 3), ours and theirs in turn,
+//! so that a machine whose speed drifts slows all alike, the ratio being
+//! the median of the rounds'. Beside
 //! it, the ratio ours would reach were our projection at the measured peak
 //! of its instruction and the rest as measured: where PyTorch's projection
 //! is itself near that peak, no projection kernel can take the ratio past
 //! it.
 //!
-//! Against the machine, in the same run: the projection's GFLOP/s beside
-//! the measured peak of the instruction it multiplies with (a tight loop of
-//! it on independent accumulators, on every rayon thread at once), and
+//! Against the machine, in the same run: the measured peak of every
+//! multiply instruction this CPU runs (a tight loop of it on independent
+//! accumulators, on every rayon thread at once: FMA on 8 and 16 lanes,
+//! `vdpbf16ps`, AMX `tdpbf16ps`), and the projection's GFLOP/s beside the
+//! peak of the instruction it multiplies with and beside the best one; and
 //! decode at batch 1 (which reads every weight once a step) its weight
 //! bytes/s beside the measured read bandwidth of a buffer of the weights'
 //! size (what decode rereads every step, as cache-resident as it can be)
@@ -167,15 +173,45 @@ fn projection_loop(path: CpuPath) -> Option<MulAddLoop> {
             Avx512Projection::Fma => MulAddLoop::Fma512,
             Avx512Projection::Dot => MulAddLoop::Dot512,
         }),
+        // The bench's rows are BF16 values, so the tiles run.
+        CpuPath::Amx => Some(MulAddLoop::Amx),
     }
+}
+
+/// Every multiply loop, in the order printed.
+const LOOPS: [MulAddLoop; 4] = [
+    MulAddLoop::Fma256,
+    MulAddLoop::Fma512,
+    MulAddLoop::Dot512,
+    MulAddLoop::Amx,
+];
+
+/// The CPU's model name from `/proc/cpuinfo`, or "unknown CPU".
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_string())
 }
 
 /// Peak GFLOP/s of `l` (two FLOPs a product) on every rayon thread at
 /// once: each thread's best of three runs, summed.
 fn peak_gflops(l: MulAddLoop) -> Option<f64> {
+    // A tile instruction does 256 times the products of a vector one; the
+    // loop runs about as long.
+    let iters = if l == MulAddLoop::Amx {
+        400_000
+    } else {
+        20_000_000
+    };
     let per_thread = rayon::broadcast(|_| {
         (0..3)
-            .filter_map(|_| mul_add_rate(l, 20_000_000))
+            .filter_map(|_| mul_add_rate(l, iters))
             .fold(0.0f64, f64::max)
     });
     let instr: f64 = per_thread.iter().sum();
@@ -183,8 +219,49 @@ fn peak_gflops(l: MulAddLoop) -> Option<f64> {
 }
 
 /// XOR of the 64-bit words of `b`, in 64-byte strides with eight
-/// independent lanes so the loads, not the XORs, set the pace.
+/// independent lanes so the loads, not the XORs, set the pace; with
+/// 512-bit loads where the CPU has them (the projection's own width: a
+/// narrower loop measures less than the memory delivers).
 fn read_all(b: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present (checked just above).
+        return unsafe { read_all_512(b) };
+    }
+    read_all_scalar(b)
+}
+
+/// [`read_all`] with four independent 512-bit accumulators.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn read_all_512(b: &[u64]) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_setzero_si512(); 4];
+    let blocks = b.chunks_exact(32);
+    let tail = read_all_scalar(blocks.remainder());
+    for c in blocks {
+        for (i, a) in acc.iter_mut().enumerate() {
+            // SAFETY: `c` holds 32 words, lanes `8 i .. 8 i + 8` of them;
+            // the load is unaligned.
+            let v = unsafe { _mm512_loadu_si512(c.as_ptr().add(8 * i).cast()) };
+            *a = _mm512_xor_si512(*a, v);
+        }
+    }
+    let x = _mm512_xor_si512(
+        _mm512_xor_si512(acc[0], acc[1]),
+        _mm512_xor_si512(acc[2], acc[3]),
+    );
+    let mut words = [0u64; 8];
+    // SAFETY: `words` holds 64 bytes; the store is unaligned.
+    unsafe { _mm512_storeu_si512(words.as_mut_ptr().cast(), x) };
+    words.iter().fold(tail, |x, y| x ^ y)
+}
+
+/// [`read_all`] on 64-bit words.
+fn read_all_scalar(b: &[u64]) -> u64 {
     let mut acc = [0u64; 8];
     for c in b.chunks_exact(8) {
         for (a, v) in acc.iter_mut().zip(c) {
@@ -313,10 +390,20 @@ fn main() {
     let reps = env_usize("PLE_BENCH_REPS", 5).max(1);
     println!(
         "PLE forward, flagship geometry: H {H}, hc {HC}, {HEADS} heads x {HEAD_DIM}, conv {KSIZE} dil {DIL}; \
-         table {rows} rows resident BF16; {} rayon threads; CPU path {:?}",
+         table {rows} rows resident BF16; {} rayon threads",
         rayon::current_num_threads(),
-        cpu::best_path()
     );
+    let path = cpu::best_path();
+    println!(
+        "CPU {}; ISA path {path:?} (METRALE_CPU_PATH forces one); projection multiplies with {}",
+        cpu_model(),
+        projection_loop(path).map_or("scalar FMAs".to_string(), |l| format!("{l:?}")),
+    );
+    if path == CpuPath::Amx {
+        println!(
+            "  (AMX tiles for BF16-exact activations, as the table's rows are; others run the AVX-512 FMA kernel)"
+        );
+    }
     let mut rng = Rng::new(0x5EED);
     let t0 = Instant::now();
     let table: Vec<u8> = (0..rows * HEAD_DIM)
@@ -502,27 +589,34 @@ fn machine_figures(
 ) -> Option<f64> {
     let path = cpu::best_path();
     let threads = rayon::current_num_threads();
-    let found = projection_loop(path).and_then(|l| Some((l, peak_gflops(l)?)));
-    match found {
-        Some((l, peak)) => {
+    let peaks: Vec<(MulAddLoop, f64)> = LOOPS
+        .iter()
+        .filter_map(|&l| Some((l, peak_gflops(l)?)))
+        .collect();
+    println!("multiply peaks on {threads} threads (two FLOPs a product):");
+    for (l, g) in &peaks {
+        println!(
+            "  {:<8} {g:>8.1} GFLOP/s ({} products an instruction)",
+            format!("{l:?}"),
+            l.products()
+        );
+    }
+    let best = peaks.iter().copied().max_by(|a, b| a.1.total_cmp(&b.1));
+    let found = projection_loop(path).and_then(|l| peaks.iter().copied().find(|p| p.0 == l));
+    match (found, best) {
+        (Some((l, peak)), Some((bl, bpeak))) => {
             println!(
-                "projection vs peak: {l:?} loop on {threads} threads measures {peak:.1} GFLOP/s \
-                 (two FLOPs a product, {} products an instruction)",
-                l.products()
+                "projection vs peak: it multiplies with {l:?} ({peak:.1} GFLOP/s); the best loop is {bl:?} ({bpeak:.1} GFLOP/s)"
             );
-            if l != MulAddLoop::Dot512
-                && let Some(dot) = peak_gflops(MulAddLoop::Dot512)
-            {
-                println!("  (the BF16 dot product, Dot512, measures {dot:.1} GFLOP/s)");
-            }
             for (label, g) in gflops {
                 println!(
-                    "  {label:<18} projection {g:>7.1} GFLOP/s, {:>5.1}% of peak",
-                    100.0 * g / peak
+                    "  {label:<18} projection {g:>7.1} GFLOP/s, {:>5.1}% of its loop's peak, {:>5.1}% of the best",
+                    100.0 * g / peak,
+                    100.0 * g / bpeak
                 );
             }
         }
-        None => println!("projection vs peak: no vector multiply loop on path {path:?}"),
+        _ => println!("projection vs peak: no vector multiply loop on path {path:?}"),
     }
     if let Some(pm) = decode1_proj {
         // Decode at batch 1 reads every packed weight once a step.
@@ -542,9 +636,60 @@ fn machine_figures(
     found.map(|(_, peak)| peak)
 }
 
+/// The Python interpreter for the side by side (`PLE_PYTHON`, default
+/// `python3`).
+fn python() -> String {
+    std::env::var("PLE_PYTHON").unwrap_or_else(|_| "python3".to_string())
+}
+
+/// Whether the interpreter imports `module`.
+fn can_import(module: &str) -> bool {
+    std::process::Command::new(python())
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false)
+}
+
+/// Run `reference/<script>` with the bench's table size and repetitions;
+/// its stdout, or why not.
+fn run_reference(script: &str, rows: usize, reps: usize) -> Result<String, String> {
+    let path = format!("{}/../../reference/{script}", env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new(python())
+        .args([
+            path.as_str(),
+            "--rows",
+            &rows.to_string(),
+            "--reps",
+            &reps.to_string(),
+        ])
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", python()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{script} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The median tokens/s a reference script printed for `label` (lines
+/// like "decode batch  32: median  1234.5 tokens/s").
+fn parse_figure(text: &str, label: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let (head, rest) = l.split_once(": median")?;
+        if head.split_whitespace().collect::<Vec<_>>() != label.split(' ').collect::<Vec<_>>() {
+            return None;
+        }
+        rest.split_whitespace().next()?.parse::<f64>().ok()
+    })
+}
+
 /// One size in one round of the side by side: ours tokens/s, PyTorch's,
-/// and ours were our projection at the measured peak.
-type Round = (f64, f64, Option<f64>);
+/// transformers' layer's (where it ran), and ours were our projection at
+/// the measured peak.
+type Round = (f64, f64, Option<f64>, Option<f64>);
 
 /// Median of `v` (not empty).
 fn median(mut v: Vec<f64>) -> f64 {
@@ -552,13 +697,14 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Run `reference/torch_bench.py` with the same table size and repetitions,
+/// Run `reference/torch_bench.py` (and `reference/transformers_bench.py`
+/// where transformers imports) with the same table size and repetitions,
 /// `rounds` times, alternating with a round of ours (`first`, then `again`
-/// for each later round), so a drifting machine slows both alike; print
-/// each size's median tokens/s of both, the median over rounds of the
-/// round's ratio with its range, and, with the projection's `peak`
-/// (GFLOP/s), the ratio ours would reach were our projection at that peak
-/// and everything else unchanged: no projection kernel can pass it.
+/// for each later round), so a drifting machine slows all alike; print
+/// each size's median tokens/s, the median over rounds of the round's
+/// ratio with its range, and, with the projection's `peak` (GFLOP/s), the
+/// ratio to PyTorch ours would reach were our projection at that peak and
+/// everything else unchanged: no projection kernel can pass it.
 fn torch_side_by_side(
     rows: usize,
     reps: usize,
@@ -571,111 +717,129 @@ fn torch_side_by_side(
     if want.as_deref() == Some("0") {
         return;
     }
-    let has_torch = std::process::Command::new("python3")
-        .args(["-c", "import torch"])
-        .output()
-        .map(|o| o.status.success())
-        .unwrap_or(false);
-    if !has_torch {
-        println!("PyTorch side by side: skipped (python3 cannot import torch; pip install torch)");
+    if !can_import("torch") {
+        println!(
+            "PyTorch side by side: skipped ({} cannot import torch; pip install torch, or set PLE_PYTHON)",
+            python()
+        );
         if want.as_deref() == Some("1") {
             std::process::exit(1);
         }
         return;
     }
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../reference/torch_bench.py"
-    );
+    let with_tf = can_import("transformers.models.qwen4_exp.modeling_qwen4_exp");
     let flop_token = 2.0 * (E * O) as f64;
     let mut paired: Vec<(String, Vec<Round>)> = first
         .iter()
         .map(|f| (f.label.clone(), Vec::new()))
         .collect();
-    let mut header = String::new();
+    let (mut header, mut tf_header) = (String::new(), String::new());
     let mut ours = first;
     for round in 0..rounds {
         if round > 0 {
             ours = again();
         }
-        let out = std::process::Command::new("python3")
-            .args([
-                script,
-                "--rows",
-                &rows.to_string(),
-                "--reps",
-                &reps.to_string(),
-            ])
-            .output();
-        let text = match out {
-            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
-            Ok(o) => {
-                println!(
-                    "PyTorch side by side: torch_bench.py failed: {}",
-                    String::from_utf8_lossy(&o.stderr)
-                );
-                return;
-            }
+        let text = match run_reference("torch_bench.py", rows, reps) {
+            Ok(t) => t,
             Err(e) => {
-                println!("PyTorch side by side: cannot run python3: {e}");
+                println!("PyTorch side by side: {e}");
                 return;
             }
         };
-        if let Some(line) = text.lines().next() {
-            header = line.to_string();
-        }
-        for (f, (label, pairs)) in ours.iter().zip(paired.iter_mut()) {
-            // torch_bench.py prints e.g. "decode batch  32: median  1234.5 tokens/s".
-            let theirs = text.lines().find_map(|l| {
-                let (head, rest) = l.split_once(": median")?;
-                if head.split_whitespace().collect::<Vec<_>>()
-                    != label.split(' ').collect::<Vec<_>>()
-                {
-                    return None;
+        header = text.lines().next().unwrap_or_default().to_string();
+        let tf_text = if with_tf {
+            match run_reference("transformers_bench.py", rows, reps) {
+                Ok(t) => {
+                    tf_header = t.lines().next().unwrap_or_default().to_string();
+                    Some(t)
                 }
-                rest.split_whitespace().next()?.parse::<f64>().ok()
-            });
+                Err(e) => {
+                    println!("transformers side by side: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        for (f, (label, pairs)) in ours.iter().zip(paired.iter_mut()) {
             let at_peak = peak.map(|g| {
                 let proj = f.tokens as f64 * flop_token / (g * 1e9);
                 f.tokens as f64 / (f.step - f.project + proj)
             });
-            if let Some(v) = theirs {
-                pairs.push((f.tokens_per_s(), v, at_peak));
+            let tf = tf_text.as_deref().and_then(|t| parse_figure(t, label));
+            if let Some(v) = parse_figure(&text, label) {
+                pairs.push((f.tokens_per_s(), v, tf, at_peak));
             }
         }
     }
     println!(
-        "PyTorch side by side ({header}); {rounds} rounds, ours and PyTorch in turn; \
+        "PyTorch side by side ({header}); {rounds} rounds, ours and theirs in turn; \
          ratio: the median of the rounds' ratios (lowest..highest)"
     );
+    if with_tf {
+        println!("  transformers: {tf_header}");
+    } else {
+        println!(
+            "  transformers: skipped ({} cannot import transformers' Qwen4-Exp)",
+            python()
+        );
+    }
     println!(
-        "  {:<18} {:>11} {:>11} {:>7} {:>15} {:>14}",
-        "step", "ours tok/s", "torch tok/s", "ratio", "range", "at peak"
+        "  {:<18} {:>11} {:>11} {:>7} {:>15} {:>9} {:>11} {:>7} {:>15}",
+        "step",
+        "ours tok/s",
+        "torch tok/s",
+        "ratio",
+        "range",
+        "at peak",
+        "tf tok/s",
+        "ratio",
+        "range"
     );
     for (label, pairs) in &paired {
         if pairs.is_empty() {
             println!("  {label:<18} {:>11} {:>11} {:>7}", "?", "?", "?");
             continue;
         }
-        let ratios: Vec<f64> = pairs.iter().map(|(a, b, _)| a / b).collect();
-        let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = ratios.iter().copied().fold(0.0f64, f64::max);
+        let ratios: Vec<f64> = pairs.iter().map(|(a, b, _, _)| a / b).collect();
         let ceiling = pairs
             .iter()
-            .map(|(_, b, p)| p.map(|p| p / b))
+            .map(|(_, b, _, p)| p.map(|p| p / b))
             .collect::<Option<Vec<f64>>>()
             .map_or("-".to_string(), |v| format!("{:.2}x", median(v)));
+        let tf: Vec<(f64, f64)> = pairs
+            .iter()
+            .filter_map(|(a, _, t, _)| Some((*a, (*t)?)))
+            .collect();
+        let tf_cols = if tf.is_empty() {
+            format!("{:>11} {:>7} {:>15}", "-", "-", "-")
+        } else {
+            let r: Vec<f64> = tf.iter().map(|(a, t)| a / t).collect();
+            format!(
+                "{:>11.1} {:>6.2}x {:>15}",
+                median(tf.iter().map(|p| p.1).collect()),
+                median(r.clone()),
+                range(&r)
+            )
+        };
         println!(
-            "  {label:<18} {:>11.1} {:>11.1} {:>6.2}x {:>15} {:>14}",
+            "  {label:<18} {:>11.1} {:>11.1} {:>6.2}x {:>15} {:>9} {tf_cols}",
             median(pairs.iter().map(|p| p.0).collect()),
             median(pairs.iter().map(|p| p.1).collect()),
-            median(ratios),
-            format!("{lo:.2}x..{hi:.2}x"),
+            median(ratios.clone()),
+            range(&ratios),
             ceiling
         );
     }
     println!(
-        "  (at peak: the ratio were our projection at the measured peak of its instruction, \
-         everything else as measured)"
+        "  (at peak: the ratio to PyTorch were our projection at the measured peak of its \
+         instruction, everything else as measured; tf: transformers' Qwen4ExpTextPLELayer in bfloat16)"
     );
+}
+
+/// "lowest..highest" of ratios.
+fn range(r: &[f64]) -> String {
+    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = r.iter().copied().fold(0.0f64, f64::max);
+    format!("{lo:.2}x..{hi:.2}x")
 }

@@ -240,11 +240,11 @@ fn run_row(
         CpuPath::Portable => conv_row(dims, ti, xn, state, wt, gated, hw, y),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller checked that the CPU has AVX2 and FMA.
-        CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => unsafe {
+        CpuPath::Avx2Fma | CpuPath::Avx512Bf16 | CpuPath::Amx => unsafe {
             conv_row_avx2(dims, ti, xn, state, wt, gated, hw, y)
         },
         #[cfg(not(target_arch = "x86_64"))]
-        CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => {
+        CpuPath::Avx2Fma | CpuPath::Avx512Bf16 | CpuPath::Amx => {
             unreachable!("AVX2 is never available off x86-64")
         }
     }

@@ -22,6 +22,14 @@
 //! does twice the products per second, and it has no subnormal caveat.
 //! [`mul_add_rate`] is that measurement, also used by benches for the
 //! peak of an instruction.
+//!
+//! On CPUs with AMX-BF16, where Linux grants the process the tile data
+//! state ([`amx_ready`]: CPUID, then `arch_prctl(ARCH_REQ_XCOMP_PERM)` once
+//! per process), [`CpuPath::Amx`] is the default: the projection runs
+//! `tdpbf16ps` tiles, every other kernel the AVX2 path. Its projection is
+//! a bit class of its own (see `gemm`), the one exception to "same bits on
+//! every path"; `METRALE_CPU_PATH=avx512bf16` keeps such a CPU in the
+//! common class.
 
 use std::sync::OnceLock;
 
@@ -34,6 +42,9 @@ pub enum CpuPath {
     Avx2Fma,
     /// x86-64 AVX2 + FMA, and AVX-512 BF16 dot products for the projection.
     Avx512Bf16,
+    /// x86-64 AVX2 + FMA, and AMX-BF16 tiles (`tdpbf16ps`) for the
+    /// projection: its own bit class (see the module docs).
+    Amx,
 }
 
 impl CpuPath {
@@ -43,15 +54,21 @@ impl CpuPath {
             CpuPath::Portable => true,
             CpuPath::Avx2Fma => avx2_fma_detected(),
             CpuPath::Avx512Bf16 => avx2_fma_detected() && avx512_bf16_detected(),
+            CpuPath::Amx => avx2_fma_detected() && avx512_bf16_detected() && amx_ready(),
         }
     }
 
     /// Every path this CPU can run, portable first.
     pub fn all_available() -> Vec<CpuPath> {
-        [CpuPath::Portable, CpuPath::Avx2Fma, CpuPath::Avx512Bf16]
-            .into_iter()
-            .filter(|p| p.available())
-            .collect()
+        [
+            CpuPath::Portable,
+            CpuPath::Avx2Fma,
+            CpuPath::Avx512Bf16,
+            CpuPath::Amx,
+        ]
+        .into_iter()
+        .filter(|p| p.available())
+        .collect()
     }
 }
 
@@ -76,8 +93,57 @@ fn avx512_bf16_detected() -> bool {
     false
 }
 
+/// Whether this process may run AMX-BF16 tile instructions: the CPU has
+/// them (CPUID leaf 7: AMX-TILE, AMX-BF16) and Linux granted the tile data
+/// state (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, asked once
+/// per process; a kernel without AMX support refuses it). Never assumed
+/// from the CPU alone: without the permission the first tile load faults.
+pub fn amx_ready() -> bool {
+    static READY: OnceLock<bool> = OnceLock::new();
+    *READY.get_or_init(|| amx_detected() && amx_permission())
+}
+
+#[cfg(target_arch = "x86_64")]
+fn amx_detected() -> bool {
+    // CPUID exists on every x86-64 CPU, so these calls are safe.
+    let max = std::arch::x86_64::__cpuid(0).eax;
+    if max < 7 {
+        return false;
+    }
+    let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+    // EDX bit 22: AMX-BF16, bit 24: AMX-TILE.
+    edx & (1 << 22) != 0 && edx & (1 << 24) != 0
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn amx_detected() -> bool {
+    false
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn amx_permission() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with this request only reads its integer argument
+    // and changes this process's permitted XSAVE features; it touches no
+    // memory of ours.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        )
+    };
+    r == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn amx_permission() -> bool {
+    false
+}
+
 /// The fastest path this CPU runs, detected once per process.
-/// `METRALE_CPU_PATH=portable|avx2|avx512bf16` picks a slower one instead
+/// `METRALE_CPU_PATH=portable|avx2|avx512bf16|amx` picks another instead
 /// (for comparisons); a path this CPU lacks, or an unknown name, is ignored.
 pub fn best_path() -> CpuPath {
     static BEST: OnceLock<CpuPath> = OnceLock::new();
@@ -86,12 +152,15 @@ pub fn best_path() -> CpuPath {
             Ok("portable") => Some(CpuPath::Portable),
             Ok("avx2") => Some(CpuPath::Avx2Fma),
             Ok("avx512bf16") => Some(CpuPath::Avx512Bf16),
+            Ok("amx") => Some(CpuPath::Amx),
             _ => None,
         };
         if let Some(p) = forced.filter(|p| p.available()) {
             return p;
         }
-        if CpuPath::Avx512Bf16.available() {
+        if CpuPath::Amx.available() {
+            CpuPath::Amx
+        } else if CpuPath::Avx512Bf16.available() {
             CpuPath::Avx512Bf16
         } else if CpuPath::Avx2Fma.available() {
             CpuPath::Avx2Fma
@@ -147,6 +216,8 @@ pub enum MulAddLoop {
     Fma512,
     /// `vdpbf16ps` on 32 BF16 pairs (AVX-512 BF16).
     Dot512,
+    /// `tdpbf16ps` on 16 x 16 f32 sums of 16 BF16 pairs each (AMX-BF16).
+    Amx,
 }
 
 impl MulAddLoop {
@@ -156,6 +227,7 @@ impl MulAddLoop {
             MulAddLoop::Fma256 => 8,
             MulAddLoop::Fma512 => 16,
             MulAddLoop::Dot512 => 32,
+            MulAddLoop::Amx => 16 * 16 * 32,
         }
     }
 
@@ -165,6 +237,7 @@ impl MulAddLoop {
             MulAddLoop::Fma256 => avx2_fma_detected(),
             MulAddLoop::Fma512 => avx512f_detected(),
             MulAddLoop::Dot512 => avx512_bf16_detected(),
+            MulAddLoop::Amx => amx_ready(),
         }
     }
 }
@@ -194,6 +267,7 @@ pub fn mul_add_rate(l: MulAddLoop, iters: usize) -> Option<f64> {
             MulAddLoop::Fma256 => peak::fma256(iters),
             MulAddLoop::Fma512 => peak::fma512(iters),
             MulAddLoop::Dot512 => peak::dot512(iters),
+            MulAddLoop::Amx => super::gemm::amx_peak(iters),
         }
     };
     #[cfg(not(target_arch = "x86_64"))]

@@ -189,11 +189,11 @@ fn run(
                 CpuPath::Portable => gate_row(d, norms, inp, hw, kv, gr, xr),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `run` checked that the CPU has AVX2 and FMA.
-                CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => unsafe {
+                CpuPath::Avx2Fma | CpuPath::Avx512Bf16 | CpuPath::Amx => unsafe {
                     gate_row_avx2(d, norms, inp, hw, kv, gr, xr)
                 },
                 #[cfg(not(target_arch = "x86_64"))]
-                CpuPath::Avx2Fma | CpuPath::Avx512Bf16 => {
+                CpuPath::Avx2Fma | CpuPath::Avx512Bf16 | CpuPath::Amx => {
                     unreachable!("AVX2 is never available off x86-64")
                 }
             }

@@ -19,6 +19,7 @@ use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, table_err};
 use super::{HashedIds, PleLayer, Result};
+use crate::layers::ple::kernels::gemm::CUT_STEPS;
 use crate::layers::ple::staging;
 
 /// Head groups a pipelined step cuts each token's rows into: more groups
@@ -83,7 +84,11 @@ impl PleLayer {
         let o = self.projection_outputs();
         let table = self.table.as_ref();
         let mut used = 0;
-        for (g, &group) in groups.iter().enumerate() {
+        // Steps projected so far. Cuts fall on multiples of `CUT_STEPS`
+        // only (a group's last steps wait for the next group), so every
+        // CPU path, AMX's included, gives the bits of one uncut call.
+        let mut projected = 0;
+        for &group in groups {
             let (h0, run) = group;
             let gids = self.group_ids(ids, group);
             let mut refs = vec![RowRef::default(); gids.len()];
@@ -123,6 +128,16 @@ impl PleLayer {
                 start = end;
             }
             used += gids.len();
+            let end = (h0 + run) * hd;
+            let to = if end == e {
+                e
+            } else {
+                end / CUT_STEPS * CUT_STEPS
+            };
+            if to <= projected {
+                continue;
+            }
+            let from = std::mem::replace(&mut projected, to);
             gpu.launch(
                 self.kernels.project_range,
                 self.kernels.shapes.project(rows, o),
@@ -133,9 +148,9 @@ impl PleLayer {
             .u32(rows as u32)
             .u32(e as u32)
             .u32(o as u32)
-            .u32((h0 * hd) as u32)
-            .u32(((h0 + run) * hd) as u32)
-            .u32(u32::from(g > 0))
+            .u32(from as u32)
+            .u32(to as u32)
+            .u32(u32::from(from > 0))
             .run(stream)
             .device(|| {
                 format!(
