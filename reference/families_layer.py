@@ -21,8 +21,18 @@ Engram, per token and highway stream b (hc streams of width H):
     rows first), out = v + silu(y);
   without it (DeepSeek-V4.1): out = v.
   highway += out.
-  The query and key norms use the f32 machine epsilon (torch.nn.RMSNorm
-  without an eps takes its dtype's).
+  The demo's query and key norms use the f32 machine epsilon
+  (torch.nn.RMSNorm without an eps takes its dtype's).
+
+DeepSeek-V4.1's published gate (`DeepseekV41Engram`) differs in three ways:
+  both norms use config.rms_norm_eps (the fixture picks 0.05, far from the
+  f32 epsilon, so the difference shows);
+  gate_b = sigmoid(copysign(sqrt(max(|g_b|, 1e-6)), g_b)): a dot product of
+    exactly +0 gives sigmoid(1e-3), not 0.5 (the fixture has a token whose
+    highway row is all zeros);
+  a per-token mask: a masked token's gate is 0 (its highway passes through),
+    and its compressed id reads as DEAD in the look-back of the hash, so the
+    next tokens' n-grams stop there (engram_ids_bounded).
 
 LongCat (one stream, at the input; the highway holds the word embedding):
   highway = (highway + sum_i P_i @ row_i) / (1 + k*(n-1)), where the
@@ -43,7 +53,8 @@ import sys
 
 import numpy as np
 
-from families_reference import engram_ids, engram_multipliers, engram_sizes, longcat_ids
+from families_reference import engram_ids, engram_ids_bounded, engram_multipliers
+from families_reference import engram_sizes, longcat_ids
 from families_reference import longcat_layout, offsets_of
 from ple_layer import bf16_bits, from_bf16_bits
 
@@ -126,10 +137,12 @@ def norm(x, w, eps, hc, H):
     return (xs * r).reshape(T, hc * H) * w
 
 
-def engram_layer(g, w, emb, highway, conv_state):
+def engram_layer(g, w, emb, highway, conv_state, masked=None):
     """One Engram forward over T tokens: emb [T, E] (float64), highway
-    [T, C]; conv_state [S, C] or None. Returns (new highway, new conv
-    state, min |g|)."""
+    [T, C]; conv_state [S, C] or None; masked: one flag per token (V4.1
+    only) or None. The gate rule and the query and key epsilons are g's
+    ("gate": "engram_demo" or "deepseek_v41"). Returns (new highway, new
+    conv state, min |g| over the unmasked tokens whose g is not 0)."""
     H, hc = g["hidden"], g["hc_mult"]
     C = H * hc
     T = emb.shape[0]
@@ -138,14 +151,23 @@ def engram_layer(g, w, emb, highway, conv_state):
     key = emb @ wk.T + np.asarray(w["key_bias"], np.float64)
     value = emb @ wv.T + np.asarray(w["value_bias"], np.float64)
     hw = np.asarray(highway, np.float64)
-    nq = norm(hw, np.asarray(w["norm_query"], np.float64), F32_EPS, hc, H).reshape(T, hc, H)
-    nk = norm(key, np.asarray(w["norm_key"], np.float64), F32_EPS, hc, H).reshape(T, hc, H)
+    nq = norm(hw, np.asarray(w["norm_query"], np.float64), g["query_eps"], hc, H).reshape(T, hc, H)
+    nk = norm(key, np.asarray(w["norm_key"], np.float64), g["key_eps"], hc, H).reshape(T, hc, H)
     gdot = np.sum(nq * nk, axis=2) / math.sqrt(H)
-    z = np.sign(gdot) * np.sqrt(np.maximum(np.abs(gdot), 1e-6))
+    root = np.sqrt(np.maximum(np.abs(gdot), 1e-6))
+    if g["gate"] == "deepseek_v41":
+        z = np.copysign(root, gdot)
+    else:
+        z = np.sign(gdot) * root
     sigma = 1.0 / (1.0 + np.exp(-z))
+    if masked is not None:
+        sigma[np.asarray(masked, bool)] = 0.0
     v = (sigma[:, :, None] * value[:, None, :]).reshape(T, C)
+    live = np.abs(gdot)[sigma > 0.0]
+    live = live[live > 0.0]
+    min_gate = float(np.min(live))
     if conv_state is None:
-        return hw + v, None, float(np.min(np.abs(gdot)))
+        return hw + v, None, min_gate
     K, D = g["conv_kernel"], g["dilation"]
     S = (K - 1) * D
     xn = norm(v, np.asarray(w["norm_conv"], np.float64), g["conv_eps"], hc, H)
@@ -156,7 +178,7 @@ def engram_layer(g, w, emb, highway, conv_state):
         back = (K - 1 - j) * D
         y += cw[:, j] * x[S - back:S - back + T]
     out = v + y / (1.0 + np.exp(-y))
-    return hw + out, x[-S:].copy(), float(np.min(np.abs(gdot)))
+    return hw + out, x[-S:].copy(), min_gate
 
 
 def longcat_layer(g, w, emb, highway):
@@ -177,7 +199,10 @@ def rows_of(table, ids):
 
 
 def engram_site(name, rng, *, hc, H, n, heads, head_dim, bases, hashed_vocab, pad, seed,
-                layer, conv, fp8, tokens, chunks):
+                layer, conv, fp8, tokens, chunks, v41=None):
+    """v41: None for the demo's gate, else DeepSeek-V4.1's published gate
+    with {"rms_eps": e, "zero_rows": [t, ...] (highway rows set to 0, so
+    their dot products are exactly 0), "masked": [t, ...]}."""
     sizes = engram_sizes(bases, heads, layer + 1)[layer]
     offsets, rows = offsets_of(sizes)
     mults = engram_multipliers(hashed_vocab, n, seed, layer)
@@ -188,8 +213,14 @@ def engram_site(name, rng, *, hc, H, n, heads, head_dim, bases, hashed_vocab, pa
         "head_vocab_sizes": sizes, "head_offsets": offsets, "pad_id": pad,
         "hashed_vocab": hashed_vocab, "table_rows": rows, "conv": conv,
         "conv_kernel": 4 if conv else 1, "dilation": n, "conv_eps": 1e-5,
-        "query_eps": F32_EPS, "key_eps": F32_EPS,
+        "query_eps": F32_EPS, "key_eps": F32_EPS, "gate": "engram_demo",
     }
+    masked = None
+    if v41 is not None:
+        eps = float(np.float32(v41["rms_eps"]))
+        masked = [t in v41["masked"] for t in range(len(tokens))]
+        g.update({"gate": "deepseek_v41", "rms_eps": eps, "query_eps": eps, "key_eps": eps,
+                  "masked": masked, "zero_rows": v41["zero_rows"]})
     if fp8:
         values = (rng.standard_normal((rows, head_dim)) *
                   np.exp(rng.uniform(-4, 2, (rows, 1)))).astype(np.float32)
@@ -212,17 +243,37 @@ def engram_site(name, rng, *, hc, H, n, heads, head_dim, bases, hashed_vocab, pa
         "norm_conv": (1.0 + 0.1 * rng.standard_normal(C)).astype(np.float32) if conv else [],
         "conv1d": (0.5 * rng.standard_normal(C * 4)).astype(np.float32) if conv else [],
     }
-    ids = engram_ids(tokens, None, pad, mults, sizes, offsets, n, heads)
+    if masked is None:
+        ids = engram_ids(tokens, None, pad, mults, sizes, offsets, n, heads)
+    else:
+        ids = engram_ids_bounded(tokens, [False] * len(tokens), masked, None, pad, mults,
+                                 sizes, offsets, n, heads)
     emb = rows_of(table, ids)
     hw_in = rng.standard_normal((len(tokens), C)).astype(np.float32)
+    if v41 is not None:
+        wk = from_bf16_bits(w["key_proj"]).astype(np.float64).reshape(C, -1)
+        key = (emb @ wk.T + np.asarray(w["key_bias"], np.float64)) * w["norm_key"]
+        for t in v41["zero_rows"]:
+            hw_in[t] = 0.0
+            # A positive key term in every stream makes the f32 sum of the
+            # products +0 (-0 terms alone would sum to -0, the other side).
+            assert all(np.any(key[t, b * H:(b + 1) * H] > 0) for b in range(hc))
     state = np.zeros((3 * n, C)) if conv else None
-    hw_out, state, min_gate = engram_layer(g, w, emb, hw_in, state)
+    hw_out, state, min_gate = engram_layer(g, w, emb, hw_in, state, masked)
+    history = tokens[-(n - 1):]
+    if masked is not None and any(masked):
+        # A masked token blocks every later look-back at it, so the carried
+        # history reads as the pad id at and before the last masked token
+        # (as the start of a sequence does).
+        last = max(t for t in range(len(tokens)) if masked[t])
+        history = [pad if len(tokens) - (n - 1) + i <= last else v
+                   for i, v in enumerate(history)]
     g.update({
         "weights": {k: ([int(b) for b in np.asarray(v).reshape(-1)] if k.endswith("proj")
                         else f32_list(v)) for k, v in w.items()},
         "tokens": tokens, "chunks": chunks, "ids": ids,
         "highway_in": f32_list(hw_in), "highway_out": f32_list(hw_out),
-        "history_out": tokens[-(n - 1):],
+        "history_out": history,
         "conv_state_out": f32_list(state) if conv else [],
         "min_abs_gate": min_gate,
     })
@@ -297,7 +348,8 @@ def main():
         engram_site("engram_v41_fp8", rng, hc=2, H=16, n=4, heads=2, head_dim=32,
                     bases=[53, 59, 61], hashed_vocab=101, pad=0, seed=3, layer=2, conv=False,
                     fp8=True, tokens=toks(17, 101, [(0, 0), (9, 0)]),
-                    chunks=[3, 1, 1, 8, 4]),
+                    chunks=[3, 1, 1, 8, 4],
+                    v41={"rms_eps": 0.05, "zero_rows": [6], "masked": [2, 11, 12]}),
         longcat_site("longcat", rng, vocab=50, eos=2, n=3, k=2, head_dim=8, m=60,
                      tokens=toks(18, 50, [(5, 2), (6, 2), (13, 2)]),
                      chunks=[2, 5, 1, 1, 9]),

@@ -690,6 +690,35 @@ impl<S: Site> Site for Layered<S> {
                 .forward_batch(states, tokens, highway, gpu, stream)
         })
     }
+    fn forward_masked(
+        &self,
+        st: &mut Self::State,
+        tokens: &[u32],
+        masked: &[bool],
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.measured(highway, tokens.len(), gpu, stream, || {
+            self.inner
+                .forward_masked(st, tokens, masked, highway, fresh, gpu, stream)
+        })
+    }
+    fn forward_batch_masked(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        masked: &[bool],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.measured(highway, tokens.len(), gpu, stream, || {
+            self.inner
+                .forward_batch_masked(states, tokens, masked, highway, gpu, stream)
+        })
+    }
     fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
         let r = self.inner.free(gpu);
         if !self.freed {

@@ -74,6 +74,33 @@ macro_rules! delegate_site {
             self.$f.forward_batch(states, tokens, highway, gpu, stream)
         }
     };
+    (@one $f:ident forward_masked) => {
+        fn forward_masked(
+            &self,
+            st: &mut Self::State,
+            tokens: &[u32],
+            masked: &[bool],
+            highway: $crate::delegate::types::DevicePtr,
+            fresh: bool,
+            gpu: &dyn $crate::delegate::types::GpuBackend,
+            stream: $crate::delegate::types::StreamId,
+        ) -> $crate::delegate::types::SiteResult<()> {
+            self.$f.forward_masked(st, tokens, masked, highway, fresh, gpu, stream)
+        }
+    };
+    (@one $f:ident forward_batch_masked) => {
+        fn forward_batch_masked(
+            &self,
+            states: &mut [&mut Self::State],
+            tokens: &[u32],
+            masked: &[bool],
+            highway: $crate::delegate::types::DevicePtr,
+            gpu: &dyn $crate::delegate::types::GpuBackend,
+            stream: $crate::delegate::types::StreamId,
+        ) -> $crate::delegate::types::SiteResult<()> {
+            self.$f.forward_batch_masked(states, tokens, masked, highway, gpu, stream)
+        }
+    };
     (@one $f:ident snapshot) => {
         fn snapshot(
             &self,

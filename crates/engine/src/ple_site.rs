@@ -219,6 +219,64 @@ impl Site for PleSite {
         )?)
     }
 
+    fn forward_masked(
+        &self,
+        st: &mut PleSeqState,
+        tokens: &[u32],
+        masked: &[bool],
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        // The layer checks the mask (its length, and that the site takes
+        // one) and refuses with `LayerError::TokenMask`.
+        let ctx = ForwardContext::new(gpu)
+            .with_host_ids(tokens)
+            .with_masked(masked);
+        let hashed = self.hashed();
+        Ok(self.layer.forward_hashed(
+            st,
+            highway,
+            tokens.len(),
+            fresh,
+            &ctx,
+            hashed.as_deref(),
+            stream,
+        )?)
+    }
+
+    fn forward_batch_masked(
+        &self,
+        states: &mut [&mut PleSeqState],
+        tokens: &[u32],
+        masked: &[bool],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        if tokens.len() != states.len() {
+            return Err(format!(
+                "PLE site: {} tokens for a batch of {} sequences",
+                tokens.len(),
+                states.len()
+            )
+            .into());
+        }
+        let ctx = ForwardContext::new(gpu)
+            .with_host_ids(tokens)
+            .with_masked(masked);
+        let hashed = self.hashed();
+        Ok(self.layer.forward_batch_hashed(
+            states,
+            highway,
+            states.len(),
+            &ctx,
+            hashed.as_deref(),
+            stream,
+        )?)
+    }
+
     fn forward_batch(
         &self,
         states: &mut [&mut PleSeqState],

@@ -13,7 +13,7 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::carry_blob;
 use metrale_testkit::drive::{drive, reference_run};
-use metrale_testkit::families::{TinyFamily, family_engine};
+use metrale_testkit::families::{TinyFamily, family_engine, family_site};
 use metrale_testkit::rows::rows_for;
 
 const MAX_TOKENS: usize = 16;
@@ -259,4 +259,56 @@ fn out_of_vocabulary_tokens_are_refused_at_every_entry_point() {
         e.close().unwrap();
         assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
     }
+}
+
+#[test]
+fn only_the_v41_site_takes_a_token_mask_through_the_site_api() {
+    use metrale_engine::Site;
+    use metrale_model_layers::layers::ple::LayerError;
+
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let g = gpu.as_ref();
+    let base = g.live_alloc_count();
+    for family in [
+        TinyFamily::EngramV41,
+        TinyFamily::EngramConv,
+        TinyFamily::LongCat,
+    ] {
+        let mut site = family_site(&gpu, family, 0, 11, MAX_TOKENS).unwrap();
+        let c = site.geometry().channels();
+        let tokens = [3u32, 4, 5, 6];
+        let rows: Vec<f32> = (0..tokens.len() * c).map(|i| i as f32 * 0.25).collect();
+        let hw = g.alloc(rows.len() * 4, "test.highway").unwrap();
+        let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+        g.copy_h2d(&bytes, hw).unwrap();
+        let mut st = site.new_state(g).unwrap();
+        let masked = [true; 4];
+        let r = site.forward_masked(&mut st, &tokens, &masked, hw, true, g, 0);
+        if family == TinyFamily::EngramV41 {
+            r.unwrap();
+            // Every gate shut: the highway comes back bit for bit.
+            let mut back = vec![0u8; bytes.len()];
+            g.copy_d2h(hw, &mut back).unwrap();
+            assert_eq!(back, bytes);
+            let mut one = [&mut st];
+            site.forward_batch_masked(&mut one, &[7], &[true], hw, g, 0)
+                .unwrap();
+        } else {
+            let e = r.unwrap_err();
+            let layer = e.downcast_ref::<LayerError>();
+            assert!(
+                matches!(layer, Some(LayerError::TokenMask(_))),
+                "{family:?}: {e}"
+            );
+            let mut one = [&mut st];
+            assert!(
+                site.forward_batch_masked(&mut one, &[7], &[false], hw, g, 0)
+                    .is_err()
+            );
+        }
+        site.release(&mut st, g).unwrap();
+        g.free(hw).unwrap();
+        site.free(g).unwrap();
+    }
+    assert_eq!(g.live_alloc_count(), base);
 }

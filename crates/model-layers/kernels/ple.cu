@@ -17,7 +17,8 @@
 // | gate        | highway, kv, norm_q, norm_k, norm_conv, gated, xn,        |
 // |             | T, H, hc, eps                                             |
 // | gate_norms  | highway, kv, norm_q, norm_k, norm_conv, gated, xn,        |
-// |             | T, H, hc, eps_q, eps_k, eps_conv, form (0 1+w, 1 w), conv |
+// |             | T, H, hc, eps_q, eps_k, eps_conv, form, conv: form bit 0 |
+// |             | the norm (0 1+w, 1 w), bit 1 the zero-dot rule (copysign) |
 // | conv        | xn, gated, state, w, highway, T, C, K, D                  |
 // | conv_batch  | xn, gated, states, w, highway, B, C, K, D                 |
 // | bias_add    | y, bias, T, O                                             |
@@ -184,6 +185,16 @@ __device__ __forceinline__ float gate_sigma(float g) {
     // sign (NaN) still makes the result NaN.
     float a = fmaxf(fabsf(g), 1e-6f);
     return sigmoid(sign * sqrtf(a));
+}
+
+// DeepSeek-V4.1's gate: sigmoid(copysign(sqrt(max(|g|, 1e-6)), g)); the
+// sign bit of a zero g picks the side, and NaN stays NaN as torch's
+// clamp_min keeps it (fmaxf would drop it).
+__device__ __forceinline__ float gate_sigma_copysign(float g) {
+    if (g != g) {
+        return g;
+    }
+    return sigmoid(copysignf(sqrtf(fmaxf(fabsf(g), 1e-6f)), g));
 }
 
 // Fold the 16 lanes of a group (lane l holds lane sum l) with the host's
@@ -475,7 +486,7 @@ __device__ __forceinline__ void gate_rows(const float* highway, const float* kv,
                                           const float* norm_q, const float* norm_k,
                                           const float* norm_conv, float* gated, float* xn, u32 T,
                                           u32 H, u32 hc, float eps_q, float eps_k, float eps_c,
-                                          float off, bool conv) {
+                                          float off, bool conv, bool copysign) {
     u32 C = H * hc;
     Rows rs = rows_split();
     u64 pairs = (u64)T * hc;
@@ -496,7 +507,8 @@ __device__ __forceinline__ void gate_rows(const float* highway, const float* kv,
         float dot = lane_sum(
             [&](u32 i) { return (q[i] * rq * (off + wq[i])) * (k[i] * rk * (off + wk[i])); }, n,
             rs.lane, rs.coop);
-        float sigma = gate_sigma(dot * inv_sqrt_h);
+        float g = dot * inv_sqrt_h;
+        float sigma = copysign ? gate_sigma_copysign(g) : gate_sigma(g);
         for (u32 i = rs.lane; i < n; i += rs.step) {
             gs[i] = sigma * value[i];
         }
@@ -518,17 +530,21 @@ extern "C" __global__ void gate(const float* highway, const float* kv, const flo
                                 const float* norm_k, const float* norm_conv, float* gated,
                                 float* xn, u32 T, u32 H, u32 hc, float eps) {
     gate_rows(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps, eps, eps, 1.0f,
-              true);
+              true, false);
 }
 
-// The gate with a norm form (0: 1 + w, 1: w) and an eps per norm; without
-// `conv` neither norm_conv nor xn is touched.
+// The gate with a norm form (form bit 0; 0: 1 + w, 1: w), a zero-dot rule
+// (form bit 1: copysign) and an eps per norm; without `conv` neither
+// norm_conv nor xn is touched. A form with other bits computes nothing.
 extern "C" __global__ void gate_norms(const float* highway, const float* kv, const float* norm_q,
                                       const float* norm_k, const float* norm_conv, float* gated,
                                       float* xn, u32 T, u32 H, u32 hc, float eps_q, float eps_k,
                                       float eps_conv, u32 form, u32 conv) {
+    if ((form & ~3u) != 0u) {
+        return;
+    }
     gate_rows(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps_q, eps_k,
-              eps_conv, form == 0u ? 1.0f : 0.0f, conv != 0u);
+              eps_conv, (form & 1u) == 0u ? 1.0f : 0.0f, conv != 0u, (form & 2u) != 0u);
 }
 
 // Grouped RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w) over each

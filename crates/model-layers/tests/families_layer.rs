@@ -6,7 +6,10 @@
 //! chunks, token by token, through `forward_batch` (eager and prestaged),
 //! through the single-sequence prestage, and across a snapshot and restore;
 //! every path must give the same bits, and those bits must match the
-//! reference to FP32 accuracy. Also the FP8 block converter of
+//! reference to FP32 accuracy. The V4.1 site follows the published gate:
+//! `rms_norm_eps` in both gate norms, `copysign` at a zero dot product (a
+//! token with an all-zero highway row) and masked tokens, passed on every
+//! path. Also the FP8 block converter of
 //! `metrale_storage::dtype` against the bytes and values the reference
 //! computes.
 
@@ -20,7 +23,8 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::{
-    Combine, ForwardContext, GatedSpec, HashFamily, PleLayer, PleSeqState, PleWeights, SiteSpec,
+    Combine, ForwardContext, GatedSpec, HashFamily, LayerError, PleLayer, PleSeqState, PleWeights,
+    SiteSpec,
 };
 use metrale_storage::dtype::{fp8_block_bytes_to_f32, quantize_fp8_block_row};
 use serde_json::Value;
@@ -62,6 +66,8 @@ struct Site {
     hw_in: Vec<f32>,
     want: Vec<f32>,
     c: usize,
+    /// One flag per token (V4.1), else `None`.
+    masked: Option<Vec<bool>>,
 }
 
 impl Site {
@@ -109,7 +115,15 @@ impl Site {
         if longcat {
             spec.combine = Combine::Mean;
         } else {
-            let g = GatedSpec::engram(m["conv"].as_bool().unwrap());
+            let conv = m["conv"].as_bool().unwrap();
+            let g = match m["gate"].as_str().unwrap() {
+                "engram_demo" => GatedSpec::engram(conv),
+                "deepseek_v41" => {
+                    spec.rms_eps = m["rms_eps"].as_f64().unwrap() as f32;
+                    GatedSpec::deepseek_v41(conv)
+                }
+                other => panic!("gate rule {other}"),
+            };
             // The reference's epsilons are those of the family.
             assert_eq!(
                 g.eps(spec.rms_eps),
@@ -124,7 +138,15 @@ impl Site {
         spec.validate().unwrap();
         let tokens = u64s(&m["tokens"]).into_iter().map(|t| t as u32).collect();
         let chunks = u64s(&m["chunks"]).into_iter().map(|t| t as usize).collect();
+        let masked = m.get("masked").map(|v| {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|f| f.as_bool().unwrap())
+                .collect()
+        });
         Site {
+            masked,
             hw_in: f32s(&m["highway_in"]),
             want: f32s(&m["highway_out"]),
             c: hidden * hc,
@@ -174,6 +196,20 @@ impl Site {
     fn t(&self) -> usize {
         self.tokens.len()
     }
+
+    /// The context of tokens `t0..t0 + n`, with their mask flags.
+    fn ctx<'a>(&'a self, g: &'a dyn GpuBackend, t0: usize, n: usize) -> ForwardContext<'a> {
+        let ctx = ForwardContext::new(g).with_host_ids(&self.tokens[t0..t0 + n]);
+        self.with_mask(ctx, t0, n)
+    }
+
+    /// `ctx` with the mask flags of tokens `t0..t0 + n`, when the site has any.
+    fn with_mask<'a>(&'a self, ctx: ForwardContext<'a>, t0: usize, n: usize) -> ForwardContext<'a> {
+        match &self.masked {
+            Some(m) => ctx.with_masked(&m[t0..t0 + n]),
+            None => ctx,
+        }
+    }
 }
 
 /// The layer over `chunks` of the site's tokens on one sequence (the first
@@ -191,7 +227,7 @@ fn run_chunks(
     let mut t0 = from;
     for &n in chunks {
         let hw = upload(g, &site.hw_in[t0 * c..(t0 + n) * c], "test.highway");
-        let ctx = ForwardContext::new(g).with_host_ids(&site.tokens[t0..t0 + n]);
+        let ctx = site.ctx(g, t0, n);
         layer.forward(st, hw, n, t0 == 0, &ctx, 0).unwrap();
         got.extend(download(g, hw, n * c, 0));
         g.free(hw).unwrap();
@@ -214,13 +250,17 @@ fn run_batch(layer: &PleLayer, site: &Site, g: &dyn GpuBackend) -> [Vec<f32>; 2]
         rows.extend(vec![0.5f32; c]);
         layer_common::write(g, &rows, hw, 0);
         let toks = [site.tokens[t]; 2];
+        let flags = site.masked.as_ref().map(|m| [m[t]; 2]);
         let mut states = [&mut a, &mut b];
+        let mut ctx = ForwardContext::new(g);
+        if let Some(f) = &flags {
+            ctx = ctx.with_masked(f);
+        }
         if t % 2 == 1 {
             layer.prestage_batch(&mut states, &toks, 3, g, 0).unwrap();
-            let ctx = ForwardContext::new(g);
             layer.forward_batch(&mut states, hw, 3, &ctx, 0).unwrap();
         } else {
-            let ctx = ForwardContext::new(g).with_host_ids(&toks);
+            let ctx = ctx.with_host_ids(&toks);
             layer.forward_batch(&mut states, hw, 3, &ctx, 0).unwrap();
         }
         let got = download(g, hw, 3 * c, 0);
@@ -246,9 +286,8 @@ fn run_prestaged(layer: &PleLayer, site: &Site, g: &dyn GpuBackend) -> Vec<f32> 
             .prestage(&mut st, &site.tokens[t..t + 1], g, 0)
             .unwrap();
         let hw = upload(g, &site.hw_in[t * c..(t + 1) * c], "test.highway");
-        layer
-            .forward(&mut st, hw, 1, false, &ForwardContext::new(g), 0)
-            .unwrap();
+        let ctx = site.with_mask(ForwardContext::new(g), t, 1);
+        layer.forward(&mut st, hw, 1, false, &ctx, 0).unwrap();
         got.extend(download(g, hw, c, 0));
         g.free(hw).unwrap();
     }
@@ -353,7 +392,9 @@ fn check_site(name: &str) {
     layer.release_seq_state(&mut st, g).unwrap();
     let mut back = layer.new_seq_state(g).unwrap();
     layer.restore_aux(&mut back, &blob, g, 0).unwrap();
-    assert_eq!(back.history(), &site.tokens[half - (hist.len())..half]);
+    if site.masked.is_none() {
+        assert_eq!(back.history(), &site.tokens[half - (hist.len())..half]);
+    }
     got.extend(run_chunks(&layer, &site, g, &mut back, half, &[t - half]));
     assert_same_bits(&format!("{name} restored"), &got, &whole);
     assert_eq!(got.len(), t * c);
@@ -427,5 +468,94 @@ fn weights_a_combination_does_not_use_are_refused() {
         .to_string();
     assert!(e.contains("Fp8E4M3Block32") && e.contains("16"), "{e}");
     odd.free(g);
+    assert_no_leaks(g, start);
+}
+
+#[test]
+fn a_token_mask_is_refused_where_the_published_layer_has_none() {
+    let gpu = CpuBackend::new_debug();
+    let g: &dyn GpuBackend = &gpu;
+    let start = g.live_alloc_count();
+    for (name, takes) in [
+        ("engram_demo_conv", false),
+        ("longcat", false),
+        ("engram_v41_fp8", true),
+    ] {
+        let site = Site::new(name);
+        let table = site.table(g);
+        let mut layer =
+            PleLayer::new(&site.spec, site.weights(), Arc::clone(&table) as _, 4, g).unwrap();
+        let mut st = layer.new_seq_state(g).unwrap();
+        let c = site.c;
+        let hw = upload(g, &site.hw_in[..2 * c], "test.highway");
+        let toks = &site.tokens[..2];
+        // An all-clear mask is refused too where no mask exists: silently
+        // ignoring it would hide a caller's mistake.
+        let clear = [false, false];
+        let ctx = ForwardContext::new(g)
+            .with_host_ids(toks)
+            .with_masked(&clear);
+        let r = layer.forward(&mut st, hw, 2, true, &ctx, 0);
+        if takes {
+            r.unwrap();
+        } else {
+            let e = r.unwrap_err();
+            assert!(matches!(e, LayerError::TokenMask(_)), "{name}: {e:?}");
+            assert!(e.to_string().contains("no token mask"), "{name}: {e}");
+            // Nothing ran: the carry is still fresh.
+            assert!(st.history().is_empty(), "{name}");
+        }
+        // One flag per token.
+        let short = [true];
+        let ctx = ForwardContext::new(g)
+            .with_host_ids(toks)
+            .with_masked(&short);
+        let e = layer.forward(&mut st, hw, 2, true, &ctx, 0).unwrap_err();
+        assert!(matches!(e, LayerError::TokenMask(_)), "{name}: {e:?}");
+        if takes {
+            assert!(e.to_string().contains("1 flags for 2 tokens"), "{e}");
+            // A set flag cannot be captured: nothing would redo it on replay.
+            let one = [true];
+            let ctx = ForwardContext::new(g)
+                .with_host_ids(&toks[..1])
+                .with_masked(&one)
+                .capturing(true);
+            let e = layer.forward(&mut st, hw, 1, false, &ctx, 0).unwrap_err();
+            assert!(matches!(e, LayerError::Capture(_)), "{e:?}");
+        }
+        g.free(hw).unwrap();
+        layer.release_seq_state(&mut st, g).unwrap();
+        layer.free(g).unwrap();
+        table.free(g);
+    }
+    assert_no_leaks(g, start);
+}
+
+#[test]
+fn a_masked_token_leaves_its_highway_rows_and_restarts_the_look_back() {
+    // Every token masked: the highway passes through bit for bit, and the
+    // carried history reads the pad id (as a fresh sequence's does).
+    let site = Site::new("engram_v41_fp8");
+    let gpu = CpuBackend::new_debug();
+    let g: &dyn GpuBackend = &gpu;
+    let start = g.live_alloc_count();
+    let table = site.table(g);
+    let mut layer =
+        PleLayer::new(&site.spec, site.weights(), Arc::clone(&table) as _, 4, g).unwrap();
+    let (t, c) = (site.t(), site.c);
+    let mut st = layer.new_seq_state(g).unwrap();
+    let hw = upload(g, &site.hw_in, "test.highway");
+    let all = vec![true; t];
+    let ctx = ForwardContext::new(g)
+        .with_host_ids(&site.tokens)
+        .with_masked(&all);
+    layer.forward(&mut st, hw, t, true, &ctx, 0).unwrap();
+    assert_same_bits("all masked", &download(g, hw, t * c, 0), &site.hw_in);
+    let pad = usize_of(&site.meta, "pad_id") as u32;
+    assert!(st.history().iter().all(|&v| v == pad), "{:?}", st.history());
+    g.free(hw).unwrap();
+    layer.release_seq_state(&mut st, g).unwrap();
+    layer.free(g).unwrap();
+    table.free(g);
     assert_no_leaks(g, start);
 }

@@ -74,6 +74,9 @@ pub type SeqId = u64;
 /// What the default graph methods of [`Site`] say.
 const NO_GRAPHS: &str = "this site cannot replay decode graphs";
 
+/// What the default masked forwards of [`Site`] say.
+const NO_MASK: &str = "this site takes no token mask (only DeepSeek-V4.1's Engram gate has one)";
+
 /// [`Site::prefetch`] for each entry of `work`: what the step prefetches do
 /// for a site that does not batch them.
 fn prefetch_each<S: Site + ?Sized>(site: &S, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
@@ -120,6 +123,40 @@ pub trait Site: Send + Sync {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<()>;
+    /// [`Self::forward`] with one mask flag per token (`true`: masked), for
+    /// a site whose published layer takes a token mask (DeepSeek-V4.1's
+    /// Engram gate: a masked token's gate is 0 and the hash's look-back
+    /// stops at it). The default refuses any mask: a site that cannot apply
+    /// one must not run as if it had none.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_masked(
+        &self,
+        st: &mut Self::State,
+        tokens: &[u32],
+        masked: &[bool],
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let _ = (st, tokens, masked, highway, fresh, gpu, stream);
+        Err(NO_MASK.into())
+    }
+    /// [`Self::forward_batch`] with one mask flag per sequence; the default
+    /// refuses any mask, as [`Self::forward_masked`] does.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_batch_masked(
+        &self,
+        states: &mut [&mut Self::State],
+        tokens: &[u32],
+        masked: &[bool],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let _ = (states, tokens, masked, highway, gpu, stream);
+        Err(NO_MASK.into())
+    }
     /// The carry's aux blob (the seed's format).
     fn snapshot(
         &self,

@@ -146,6 +146,15 @@ pub struct ForwardContext<'a> {
     pub capturing: bool,
     /// Tokens that replace the others and never consume a prestage.
     pub token_override: Option<&'a [u32]>,
+    /// Masked tokens, one flag per token (per batch row in a batch step),
+    /// `true` where masked: DeepSeek-V4.1's `token_mask` with the opposite
+    /// polarity (there `False` shuts the gate). A masked token's gate is 0,
+    /// so its highway rows pass through unchanged, and it stops the hash's
+    /// look-back of the tokens after it (docs/SPEC.md §11 (Families)). Only
+    /// a site whose combination takes a mask accepts one
+    /// ([`super::GatedSpec::token_mask`]); any other refuses it with
+    /// [`LayerError::TokenMask`], even when no flag is set.
+    pub masked: Option<&'a [bool]>,
 }
 
 impl<'a> ForwardContext<'a> {
@@ -157,6 +166,7 @@ impl<'a> ForwardContext<'a> {
             device_ids: None,
             capturing: false,
             token_override: None,
+            masked: None,
         }
     }
     /// With host token ids.
@@ -172,6 +182,11 @@ impl<'a> ForwardContext<'a> {
     /// With a token override.
     pub fn with_override(mut self, ids: &'a [u32]) -> Self {
         self.token_override = Some(ids);
+        self
+    }
+    /// With masked tokens (see [`Self::masked`]).
+    pub fn with_masked(mut self, masked: &'a [bool]) -> Self {
+        self.masked = Some(masked);
         self
     }
     /// Marked as capturing.

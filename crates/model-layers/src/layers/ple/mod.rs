@@ -29,5 +29,5 @@ mod staging;
 
 pub use layer::{ForwardContext, HashedIds, LayerError, PleLayer, PleSeqState, PleWeights};
 pub use spec::{
-    Combine, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
+    Combine, GateSign, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
 };

@@ -44,7 +44,7 @@ pub mod engram;
 mod error;
 mod site;
 
-pub use combine::{Combine, GatedSpec, NormForm};
+pub use combine::{Combine, GateSign, GatedSpec, NormForm};
 pub use error::SpecError;
 pub use site::SiteSpec;
 pub mod longcat;
@@ -754,10 +754,14 @@ impl ModelSpec {
     /// How the family's sites combine their rows with the highway: the
     /// Qwen4Exp layer; Engram's gated layer, with the short conv when
     /// `conv_kernel_size` is at least 2 (the demo) and without it at 1
-    /// (DeepSeek-V4.1); LongCat's mean with the word embedding.
+    /// (DeepSeek-V4.1), under the published V4.1 gate rules when the config
+    /// uses V4.1's `engram_*` keys; LongCat's mean with the word embedding.
     pub fn combine(&self) -> Combine {
         match &self.family {
             ModelFamily::Qwen4Exp => Combine::qwen4exp(),
+            ModelFamily::Engram(e) if e.keys == engram::EngramKeys::V41 => {
+                Combine::Gated(GatedSpec::deepseek_v41(self.conv_kernel_size >= 2))
+            }
             ModelFamily::Engram(_) => Combine::Gated(GatedSpec::engram(self.conv_kernel_size >= 2)),
             ModelFamily::LongCat(_) => Combine::Mean,
         }

@@ -7,6 +7,10 @@
 //! the conv norm. Both run the same row code, so [`gate`] equals
 //! [`gate_norms`] with [`GateNorms::qwen4exp`] bit for bit.
 //!
+//! The zero-dot rule is part of [`GateNorms`]: `copysign` selects
+//! DeepSeek-V4.1's `sigmoid(copysign(sqrt(max(|g|, 1e-6)), g))` in place of
+//! `sign(0) = 0`.
+//!
 //! Invariants: each output row depends only on its own input row and the
 //! weights; the sums use the fixed lane order of `math`, so a row's result is
 //! the same whatever `T`, the thread split or the CPU path. Rows run in
@@ -16,7 +20,7 @@ use rayon::prelude::*;
 
 use super::cpu::CpuPath;
 use super::error::KernelError;
-use super::math::{gate_sigma, normed_dot_off, rms_factor};
+use super::math::{gate_sigma, gate_sigma_copysign, normed_dot_off, rms_factor};
 
 /// Rows per rayon task (a row is `hc * H` values, tens of KiB at most).
 const ROWS_PER_TASK: usize = 4;
@@ -48,6 +52,9 @@ pub struct GateNorms {
     pub eps_conv: f32,
     /// Whether `xn` is written; without it `norm_conv` and `xn` are empty.
     pub conv: bool,
+    /// The sign of the signed square root is `copysign` (DeepSeek-V4.1), not
+    /// `sign` with `sign(0) = 0`.
+    pub copysign: bool,
 }
 
 impl GateNorms {
@@ -59,16 +66,22 @@ impl GateNorms {
             eps_k: eps,
             eps_conv: eps,
             conv: true,
+            copysign: false,
         }
     }
 
-    /// Decode the `form` kernel argument (0: `1 + w`, 1: `w`).
+    /// Decode the `form` kernel argument's norm form (bit 0; 0: `1 + w`,
+    /// 1: `w`). `None` when a bit other than the two known ones is set.
     pub fn offset_of_form(form: u32) -> Option<f32> {
-        match form {
-            0 => Some(1.0),
-            1 => Some(0.0),
-            _ => None,
+        if form & !3 != 0 {
+            return None;
         }
+        Some(if form & 1 == 0 { 1.0 } else { 0.0 })
+    }
+
+    /// Decode the `form` kernel argument's zero-dot rule (bit 1: copysign).
+    pub fn copysign_of_form(form: u32) -> bool {
+        form & 2 != 0
     }
 }
 
@@ -263,7 +276,11 @@ fn gate_row(
             &inp.norm_k[r.clone()],
             off,
         ) * inv_sqrt_h;
-        let sigma = gate_sigma(g);
+        let sigma = if norms.copysign {
+            gate_sigma_copysign(g)
+        } else {
+            gate_sigma(g)
+        };
         let gs = &mut gated[r.clone()];
         for (o, &v) in gs.iter_mut().zip(value) {
             *o = sigma * v;

@@ -388,7 +388,9 @@ pub(super) fn gate_norms_kernel(
     let a = Args::new(K, args, 15)?;
     let form = a.usize(13, "form")? as u32;
     let Some(offset) = GateNorms::offset_of_form(form) else {
-        bail!("{K}: form {form} is not 0 (1 + w) or 1 (w)");
+        bail!(
+            "{K}: form {form} is not a norm form (bit 0: 1 + w or w) with a zero-dot rule (bit 1: copysign)"
+        );
     };
     let norms = GateNorms {
         offset,
@@ -396,6 +398,7 @@ pub(super) fn gate_norms_kernel(
         eps_k: a.f32(11, "eps_k")?,
         eps_conv: a.f32(12, "eps_conv")?,
         conv: a.usize(14, "conv")? != 0,
+        copysign: GateNorms::copysign_of_form(form),
     };
     gate_common(K, mem, &a, norms, true)
 }

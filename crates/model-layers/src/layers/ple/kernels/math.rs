@@ -104,6 +104,19 @@ pub fn gate_sigma(g: f32) -> f32 {
     sigmoid(sign * g.abs().max(1e-6).sqrt())
 }
 
+/// DeepSeek-V4.1's gate of one stream:
+/// `sigmoid(copysign(sqrt(max(|g|, 1e-6)), g))`. The sign bit of `g` picks
+/// the side even at zero (`+0` gives `sigmoid(1e-3)`, `-0`
+/// `sigmoid(-1e-3)`), and NaN stays NaN (torch's `clamp_min` propagates it,
+/// where `f32::max` would not).
+#[inline(always)]
+pub fn gate_sigma_copysign(g: f32) -> f32 {
+    if g.is_nan() {
+        return g;
+    }
+    sigmoid(g.abs().max(1e-6).sqrt().copysign(g))
+}
+
 /// `1 / (1 + exp(-z))`.
 #[inline(always)]
 pub fn sigmoid(z: f32) -> f32 {
@@ -183,6 +196,13 @@ mod tests {
         // Tiny |g| is clamped to 1e-6 before the root.
         assert_eq!(gate_sigma(1e-12), sigmoid(1e-3));
         assert!(gate_sigma(f32::NAN).is_nan());
+        // The published V4.1 gate: zero keeps its sign, the clamp applies.
+        assert_eq!(gate_sigma_copysign(0.0), sigmoid(1e-3));
+        assert_eq!(gate_sigma_copysign(-0.0), sigmoid(-1e-3));
+        assert!(gate_sigma_copysign(0.0) > 0.5002);
+        assert_eq!(gate_sigma_copysign(4.0), gate_sigma(4.0));
+        assert_eq!(gate_sigma_copysign(-4.0), gate_sigma(-4.0));
+        assert!(gate_sigma_copysign(f32::NAN).is_nan());
     }
 
     #[test]

@@ -370,22 +370,37 @@ impl PleLayer {
             "PLE forward_batch with a null highway"
         );
         let capturing = Self::check_capture(ctx, stream)?;
+        let masked = self.check_mask(ctx.masked, b, capturing)?;
         let staged: Vec<Option<u64>> = states.iter_mut().map(|s| s.prestaged_va.take()).collect();
         if ctx.token_override.is_none() && staged.iter().any(Option::is_some) {
-            return self.run_batch_staged(gpu, states, &staged, highway, rows, capturing, stream);
-        }
-        if capturing {
-            Self::refuse_unstaged(ctx, stream)?;
-        }
-        let tokens = self.tokens_from(ctx, 0, b, capturing, stream)?;
-        let projected =
-            self.stage_batch(states, &tokens, rows, gpu, stream, Stage::Gather, hashed)?;
-        let conv = ConvTarget::Table(self.staging.lock().conv_table());
-        if projected {
-            self.launch_after_projection(gpu, highway, rows, conv, stream)
+            self.run_batch_staged(
+                gpu, states, &staged, highway, rows, capturing, masked, stream,
+            )?;
         } else {
-            self.launch_rest(gpu, highway, rows, conv, stream)
+            if capturing {
+                Self::refuse_unstaged(ctx, stream)?;
+            }
+            let tokens = self.tokens_from(ctx, 0, b, capturing, stream)?;
+            let projected =
+                self.stage_batch(states, &tokens, rows, gpu, stream, Stage::Gather, hashed)?;
+            let conv = ConvTarget::Table(self.staging.lock().conv_table());
+            if projected {
+                self.launch_after_projection(gpu, highway, rows, conv, masked, stream)?;
+            } else {
+                self.launch_rest(gpu, highway, rows, conv, masked, stream)?;
+            }
         }
+        // Each sequence's history has advanced by its token (at the
+        // prestage or in the step); a masked token now blocks the
+        // look-back of everything after it.
+        if let Some(m) = masked {
+            for (st, &flag) in states.iter_mut().zip(m) {
+                if flag {
+                    st.history.fill(self.dims.eos_token_id);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Check that `staged[i]` is batch slot `i` of the current batch prestage,
@@ -444,6 +459,7 @@ impl PleLayer {
         highway: DevicePtr,
         rows: usize,
         capturing: bool,
+        masked: Option<&[bool]>,
         stream: StreamId,
     ) -> Result<()> {
         let mut stg = self.staging.lock();
@@ -460,7 +476,14 @@ impl PleLayer {
         }
         let table_ptr = stg.conv_table();
         drop(stg);
-        self.launch_rest(gpu, highway, rows, ConvTarget::Table(table_ptr), stream)
+        self.launch_rest(
+            gpu,
+            highway,
+            rows,
+            ConvTarget::Table(table_ptr),
+            masked,
+            stream,
+        )
     }
 
     /// Call right after each `launch_graph` of a captured decode step whose

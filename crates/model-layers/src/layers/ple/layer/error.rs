@@ -131,6 +131,10 @@ pub enum LayerError {
     /// work that reads fixed addresses, never host work.
     #[error("{0}")]
     Capture(String),
+    /// A token mask given to a site whose published layer has none (only
+    /// DeepSeek-V4.1's Engram gate takes one), or one of the wrong length.
+    #[error("{0}")]
+    TokenMask(String),
     /// A prestage that cannot be consumed: stale, reused, already gathered,
     /// or not where the batch step expects it.
     #[error("{0}")]

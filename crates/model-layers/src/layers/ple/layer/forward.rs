@@ -4,6 +4,13 @@
 //! the site's combination). Also the staging-ring upload the seed's
 //! `prestage` uses.
 //!
+//! A token mask (DeepSeek-V4.1) shuts the gate of masked tokens by zeroing
+//! their rows of `gated` between the gate and the highway add, hashes the
+//! tokens with the look-back stopped at masked positions, and leaves the
+//! history reading the pad id at and before the last masked token: every
+//! later look-back is blocked there, exactly as at a sequence start, so the
+//! carry needs no flags of its own.
+//!
 //! Invariant: the history advances once per token, chunk by chunk, only
 //! after the chunk's kernels were queued, and never under capture (a
 //! captured forward must consume a prestage made before the capture).
@@ -13,6 +20,7 @@ use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
 use super::{ConvTarget, ForwardContext, HashedIds, PleLayer, PleSeqState, Result};
+use crate::layers::ple::ids::Boundaries;
 use crate::layers::ple::spec::Combine;
 use crate::layers::ple::staging::{self, StagedAt};
 
@@ -124,6 +132,62 @@ impl PleLayer {
         Ok(ctx.capturing || ctx.gpu.stream_is_capturing(stream)?)
     }
 
+    /// The mask of a call over `n` tokens (or batch rows), checked: refused
+    /// on a site whose combination takes none, when its length is not `n`,
+    /// and, with a flag set, under capture (zeroing rows and resetting
+    /// histories is per-step work a replayed graph would not redo). `None`
+    /// when no flag is set, so an all-clear mask costs nothing.
+    pub(super) fn check_mask<'m>(
+        &self,
+        masked: Option<&'m [bool]>,
+        n: usize,
+        capturing: bool,
+    ) -> Result<Option<&'m [bool]>> {
+        let Some(m) = masked else {
+            return Ok(None);
+        };
+        let takes = self.spec.combine.gated().is_some_and(|g| g.token_mask);
+        layer_ensure!(
+            takes,
+            TokenMask,
+            "PLE token mask refused: this {} site's published layer has no token mask (only \
+             DeepSeek-V4.1's Engram gate without a short conv takes one); leave the mask out",
+            self.dims.family.name()
+        );
+        layer_ensure!(
+            m.len() == n,
+            TokenMask,
+            "PLE token mask holds {} flags for {n} tokens; give one flag per token",
+            m.len()
+        );
+        if !m.contains(&true) {
+            return Ok(None);
+        }
+        layer_ensure!(
+            !capturing,
+            Capture,
+            "PLE forward refused under capture: a masked token's gate and history are reset by \
+             host-issued work that a graph replay would not repeat; run masked steps eagerly"
+        );
+        Ok(Some(m))
+    }
+
+    /// After masked tokens: the history reads the raw pad id (the fill of a
+    /// fresh history) at and before the last masked token, which blocks the
+    /// look-back of every later token (docs/SPEC.md §11 (Families)).
+    /// `chunk_masked` flags the chunk that has just advanced `history`.
+    fn apply_mask_to_history(&self, history: &mut [u32], chunk_masked: &[bool]) {
+        let Some(last) = chunk_masked.iter().rposition(|&m| m) else {
+            return;
+        };
+        // The masked token is `after` tokens before the end of the history.
+        let after = chunk_masked.len() - 1 - last;
+        if after < history.len() {
+            let upto = history.len() - after;
+            history[..upto].fill(self.dims.eos_token_id);
+        }
+    }
+
     /// Run the forward over `num_tokens` new tokens of one sequence, adding
     /// into `highway [num_tokens, C]`, with the semantics of docs/SPEC.md §6
     /// (Carry lifecycle): reset when `fresh` or the history has the wrong
@@ -167,6 +231,7 @@ impl PleLayer {
         layer_ensure!(num_tokens > 0, Usage, "PLE forward over zero tokens");
         layer_ensure!(!highway.is_null(), Usage, "PLE forward with a null highway");
         let capturing = Self::check_capture(ctx, stream)?;
+        let masked = self.check_mask(ctx.masked, num_tokens, capturing)?;
         let staged = st.prestaged_va.take();
         let needs_reset = fresh || st.history.len() != self.dims.context_len();
         if needs_reset {
@@ -200,13 +265,18 @@ impl PleLayer {
                 stg.mark_gathered(at, self.table.as_ref(), gpu, stream)?;
             }
             drop(stg);
-            return self.launch_rest(gpu, highway, 1, ConvTarget::Single(st.conv), stream);
+            self.launch_rest(gpu, highway, 1, ConvTarget::Single(st.conv), masked, stream)?;
+            // The prestage advanced the history by this token already.
+            if let Some(m) = masked {
+                self.apply_mask_to_history(&mut st.history, m);
+            }
+            return Ok(());
         }
         if capturing {
             Self::refuse_unstaged(ctx, stream)?;
         }
         let tokens = self.tokens_from(ctx, 0, num_tokens, capturing, stream)?;
-        self.forward_eager(gpu, st, highway, &tokens, hashed, stream)
+        self.forward_eager(gpu, st, highway, &tokens, hashed, masked, stream)
     }
 
     pub(super) fn refuse_unstaged(ctx: &ForwardContext<'_>, stream: StreamId) -> Result<()> {
@@ -226,7 +296,9 @@ impl PleLayer {
 
     /// Hash `tokens` against the history, gather their rows chunk by chunk
     /// through the eager staging part and run the kernels, advancing the
-    /// history after each chunk.
+    /// history after each chunk. With `masked`, the hash stops its look-back
+    /// at masked tokens and their gates are shut.
+    #[allow(clippy::too_many_arguments)]
     fn forward_eager(
         &self,
         gpu: &dyn GpuBackend,
@@ -234,12 +306,28 @@ impl PleLayer {
         highway: DevicePtr,
         tokens: &[u32],
         hashed: Option<&HashedIds>,
+        masked: Option<&[bool]>,
         stream: StreamId,
     ) -> Result<()> {
         let heads = self.dims.ngram_heads();
-        let all = match hashed.and_then(|h| h.lookup(&st.history, tokens)) {
-            Some(ids) => ids.to_vec(),
-            None => {
+        let ahead = hashed.filter(|_| masked.is_none());
+        let all = match (ahead.and_then(|h| h.lookup(&st.history, tokens)), masked) {
+            (Some(ids), _) => ids.to_vec(),
+            (None, Some(m)) => {
+                // The history holds no masked token (the pad fill stands in
+                // for one), so only the new tokens carry flags.
+                let mut flags = vec![false; st.history.len()];
+                flags.extend_from_slice(m);
+                let bounds = Boundaries {
+                    doc_start: &[],
+                    masked: &flags,
+                };
+                let mut all = vec![0u64; tokens.len() * heads];
+                self.hasher
+                    .engram_ids_bounded_into(&st.history, tokens, bounds, &mut all)?;
+                all
+            }
+            (None, None) => {
                 let mut all = vec![0u64; tokens.len() * heads];
                 self.hasher
                     .ids_with_history_into(&st.history, tokens, &mut all)?;
@@ -253,6 +341,7 @@ impl PleLayer {
             let chunk = &all[t0 * heads..(t0 + tn) * heads];
             let at = highway.offset(t0 * c * 4);
             let conv = ConvTarget::Single(st.conv);
+            let chunk_masked = masked.map(|m| &m[t0..t0 + tn]);
             match &self.pipeline_groups(chunk) {
                 Some(groups) => {
                     let mut stg = self.staging.lock();
@@ -260,17 +349,20 @@ impl PleLayer {
                     let refs = stg.eager_ref(0);
                     self.gather_project_in_groups(groups, chunk, tn, refs, gpu, stream)?;
                     drop(stg);
-                    self.launch_after_projection(gpu, at, tn, conv, stream)?;
+                    self.launch_after_projection(gpu, at, tn, conv, chunk_masked, stream)?;
                 }
                 None => {
                     self.gather_eager(gpu, chunk, stream)?;
-                    self.launch_rest(gpu, at, tn, conv, stream)?;
+                    self.launch_rest(gpu, at, tn, conv, chunk_masked, stream)?;
                 }
             }
             // Per chunk, so a failure in a later chunk leaves a carry that is
             // consistent with the chunks that ran.
             self.dims
                 .advance_history(&mut st.history, &tokens[t0..t0 + tn]);
+            if let Some(m) = chunk_masked {
+                self.apply_mask_to_history(&mut st.history, m);
+            }
             t0 += tn;
         }
         Ok(())
@@ -333,13 +425,15 @@ impl PleLayer {
     /// Queue what follows the gather over `t` rows of `emb` and `highway`,
     /// as the site's combination says: the projection, its bias, then the
     /// gate and the conv (or the plain add of a gated site without one), or
-    /// the mean with the word embedding.
+    /// the mean with the word embedding. `masked` (checked by
+    /// [`Self::check_mask`]) flags rows whose gate is shut.
     pub(super) fn launch_rest(
         &self,
         gpu: &dyn GpuBackend,
         highway: DevicePtr,
         t: usize,
         conv: ConvTarget,
+        masked: Option<&[bool]>,
         stream: StreamId,
     ) -> Result<()> {
         let e = self.dims.ngram_heads() * self.spec.head_dim;
@@ -353,7 +447,7 @@ impl PleLayer {
             .u32(o as u32)
             .run(stream)
             .device(|| format!("launching PLE projection over {t} rows"))?;
-        self.launch_after_projection(gpu, highway, t, conv, stream)
+        self.launch_after_projection(gpu, highway, t, conv, masked, stream)
     }
 
     /// Outputs of the projection: the keys of every stream and the value
@@ -373,6 +467,7 @@ impl PleLayer {
         highway: DevicePtr,
         t: usize,
         conv: ConvTarget,
+        masked: Option<&[bool]>,
         stream: StreamId,
     ) -> Result<()> {
         let c = self.channels();
@@ -433,12 +528,15 @@ impl PleLayer {
                     .f32(eq)
                     .f32(ek)
                     .f32(ec)
-                    .u32(g.norm.code())
+                    .u32(g.form_code())
                     .u32(u32::from(g.conv))
                     .run(stream)
             }
         }
         .device(|| format!("launching PLE gate over {t} rows of highway {highway}"))?;
+        if let Some(m) = masked {
+            self.shut_gates(gpu, m, stream)?;
+        }
         if !g.conv {
             let k = self
                 .kernels
@@ -470,6 +568,29 @@ impl PleLayer {
             .u32(self.spec.dilation as u32)
             .run(stream)
             .device(|| format!("launching PLE conv over {t} rows (state {state})"))
+    }
+
+    /// Zero the rows of `gated` of each run of masked rows: a shut gate
+    /// passes none of the value, so the highway add leaves those rows as
+    /// they were. Only sites without a conv take a mask ([`Self::check_mask`]).
+    fn shut_gates(&self, gpu: &dyn GpuBackend, masked: &[bool], stream: StreamId) -> Result<()> {
+        let row_bytes = self.channels() * 4;
+        let mut r = 0;
+        while r < masked.len() {
+            if !masked[r] {
+                r += 1;
+                continue;
+            }
+            let end = masked[r..]
+                .iter()
+                .position(|&m| !m)
+                .map_or(masked.len(), |n| r + n);
+            let at = self.bufs.gated.offset(r * row_bytes);
+            gpu.memset_async(at, 0, (end - r) * row_bytes, stream)
+                .device(|| format!("shutting the PLE gates of masked rows {r}..{end}"))?;
+            r = end;
+        }
+        Ok(())
     }
 
     /// One sequence's single decode token on row `row` of a batch highway
@@ -506,6 +627,15 @@ impl PleLayer {
             sub.host_ids = Some(&h[r]);
         }
         sub.device_ids = ctx.device_ids.map(|d| d.offset(row * 4));
+        if let Some(m) = ctx.masked {
+            layer_ensure!(
+                row < m.len(),
+                TokenMask,
+                "PLE forward_row: row {row} but the token mask holds {} rows",
+                m.len()
+            );
+            sub.masked = Some(&m[row..row + 1]);
+        }
         self.forward(
             st,
             highway.offset(row * self.channels() * 4),

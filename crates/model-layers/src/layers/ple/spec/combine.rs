@@ -7,7 +7,8 @@
 //!   through an optional dilated short conv and is added to the stream. The
 //!   families differ only in the parameters of [`GatedSpec`]: the form of
 //!   the norms, their epsilons, the projection biases and whether the conv
-//!   exists.
+//!   exists, the gate's value at a dot product of exactly 0, and whether a
+//!   per-token mask may shut the gate (DeepSeek-V4.1 only).
 //! - [`Combine::Mean`] (LongCat, at the input): the projected rows are
 //!   added to the word embedding the highway holds and the sum is divided by
 //!   `1 + ngram_heads` (the word embedding and every sub-table count once).
@@ -53,6 +54,32 @@ impl NormForm {
     }
 }
 
+/// What the gate gives when the normed dot product `g` is exactly zero:
+/// the published layers write the signed square root two ways.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GateSign {
+    /// `sigmoid(sign(g) * sqrt(max(|g|, 1e-6)))` with `sign(0) = 0`, so
+    /// `g == 0` gives exactly 0.5 (Qwen4Exp, the Engram demo's
+    /// `torch.sign`).
+    ZeroIsHalf,
+    /// `sigmoid(copysign(sqrt(max(|g|, 1e-6)), g))`: `g == +0` gives
+    /// `sigmoid(1e-3)` and `g == -0` gives `sigmoid(-1e-3)` (DeepSeek-V4.1's
+    /// `torch.copysign`).
+    CopySign,
+}
+
+impl GateSign {
+    /// The bit this rule adds to the gate kernels' `form` argument (bit 0 is
+    /// the norm form): 0 for [`GateSign::ZeroIsHalf`], 2 for
+    /// [`GateSign::CopySign`].
+    pub fn form_bit(self) -> u32 {
+        match self {
+            GateSign::ZeroIsHalf => 0,
+            GateSign::CopySign => 2,
+        }
+    }
+}
+
 /// The parameters of the gated combination (Qwen4Exp, Engram).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct GatedSpec {
@@ -71,6 +98,11 @@ pub struct GatedSpec {
     /// Whether the short conv runs (`out = v + silu(conv(norm(v)))`);
     /// without it `out = v` and the site carries no conv state.
     pub conv: bool,
+    /// The gate's value at a zero dot product.
+    pub sign: GateSign,
+    /// Whether a per-token mask may shut the gate (DeepSeek-V4.1's
+    /// `token_mask`); a site without it refuses a mask.
+    pub token_mask: bool,
 }
 
 impl GatedSpec {
@@ -85,13 +117,16 @@ impl GatedSpec {
             key_bias: false,
             value_bias: false,
             conv: true,
+            sign: GateSign::ZeroIsHalf,
+            token_mask: false,
         }
     }
 
-    /// Engram's gated layer: `w` norms whose query and key epsilons are the
-    /// f32 machine epsilon (`torch.nn.RMSNorm` without an eps uses its
-    /// dtype's), biased key and value projections, and, when `conv`, the
-    /// short conv whose norm has eps `1e-5` (the demo's `ShortConv`).
+    /// The Engram demo's gated layer: `w` norms whose query and key
+    /// epsilons are the f32 machine epsilon (`torch.nn.RMSNorm` without an
+    /// eps uses its dtype's), biased key and value projections, a gate of
+    /// 0.5 at a zero dot product, no mask, and, when `conv`, the short conv
+    /// whose norm has eps `1e-5` (the demo's `ShortConv`).
     pub const fn engram(conv: bool) -> GatedSpec {
         GatedSpec {
             norm: NormForm::Weight,
@@ -101,7 +136,33 @@ impl GatedSpec {
             key_bias: true,
             value_bias: true,
             conv,
+            sign: GateSign::ZeroIsHalf,
+            token_mask: false,
         }
+    }
+
+    /// DeepSeek-V4.1's Engram gate as published (`DeepseekV41Engram`):
+    /// [`Self::engram`]'s norms and biases, but the query and key norms use
+    /// the site's `rms_eps` (`config.rms_norm_eps`), the signed square root
+    /// is a `copysign` (so a zero dot product does not give 0.5), and a
+    /// per-token mask shuts the gate of masked tokens. `conv` keeps the
+    /// demo's short conv for a config that asks for one; the published
+    /// layer has none, so nothing defines a mask there and such a site
+    /// takes none.
+    pub const fn deepseek_v41(conv: bool) -> GatedSpec {
+        GatedSpec {
+            query_eps: None,
+            key_eps: None,
+            sign: GateSign::CopySign,
+            token_mask: !conv,
+            ..GatedSpec::engram(conv)
+        }
+    }
+
+    /// The gate kernels' `form` argument: the norm form (bit 0) and the
+    /// zero-dot rule (bit 1).
+    pub fn form_code(&self) -> u32 {
+        self.norm.code() | self.sign.form_bit()
     }
 
     /// The three epsilons (query, key, conv) with `rms_eps` for the unset.
@@ -170,6 +231,14 @@ impl Combine {
                     u8::from(g.value_bias),
                     u8::from(g.conv),
                 ]);
+                // Only the published V4.1 rules add bytes, so the encodings
+                // of the sites that existed before them are unchanged.
+                if g.sign == GateSign::CopySign {
+                    out.extend_from_slice(b"copysign");
+                }
+                if g.token_mask {
+                    out.extend_from_slice(b"mask");
+                }
             }
             Combine::Mean => out.extend_from_slice(b"mean"),
         }
@@ -191,6 +260,14 @@ mod tests {
             GatedSpec::engram(true).eps(1e-6),
             [f32::EPSILON, f32::EPSILON, 1e-5]
         );
+        // V4.1 reads `rms_norm_eps` for both gate norms.
+        assert_eq!(
+            GatedSpec::deepseek_v41(false).eps(1e-20),
+            [1e-20, 1e-20, 1e-5]
+        );
+        assert_eq!(GatedSpec::engram(false).form_code(), 1);
+        assert_eq!(GatedSpec::deepseek_v41(false).form_code(), 3);
+        assert_eq!(GatedSpec::qwen4exp().form_code(), 0);
         let enc = |c: Combine| {
             let mut v = Vec::new();
             c.encode_canonical(&mut v);
@@ -200,6 +277,7 @@ mod tests {
             enc(Combine::qwen4exp()),
             enc(Combine::Gated(GatedSpec::engram(true))),
             enc(Combine::Gated(GatedSpec::engram(false))),
+            enc(Combine::Gated(GatedSpec::deepseek_v41(false))),
             enc(Combine::Mean),
         ];
         for i in 0..all.len() {

@@ -178,7 +178,11 @@ fn each_family_derives_its_combination() {
     // DeepSeek-V4.1: no conv, so no conv state and a history-only blob.
     let v41 = family_config("deepseek_v41.json");
     let s = v41.site(1).unwrap();
-    assert_eq!(s.combine, Combine::Gated(GatedSpec::engram(false)));
+    // The published V4.1 gate: `rms_norm_eps` in its norms, copysign, a mask.
+    assert_eq!(s.combine, Combine::Gated(GatedSpec::deepseek_v41(false)));
+    let g = *s.combine.gated().unwrap();
+    assert_eq!(g.eps(s.rms_eps)[..2], [v41.rms_norm_eps as f32; 2]);
+    assert!(g.token_mask);
     assert_eq!((s.state_len(), s.conv_bytes(), s.carry_bytes()), (0, 0, 0));
     assert_eq!(s.aux_blob_len(), 4 + 4 * 3);
     assert_eq!(v41.aux_blob_bytes(), s.aux_blob_len());
