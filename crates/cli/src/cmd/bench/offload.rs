@@ -491,6 +491,7 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         reader: None,
         policy: args.cache_policy,
         host_rows: args.host_rows,
+        ..CacheOptions::default()
     };
     let mut trace_reread = false;
     let (packed, _packed_scratch) = if args.packed {
