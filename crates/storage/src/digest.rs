@@ -136,7 +136,6 @@ impl Sha256 {
     }
 }
 
-
 /// `bytes` in lower-case hex.
 pub fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write as _;

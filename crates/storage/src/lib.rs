@@ -42,7 +42,7 @@ use std::sync::Arc;
 
 use metrale_gpu_runtime::gpu::GpuBackend;
 
-pub use error::{Result, StorageError};
+pub use error::{RemoteFault, Result, StorageError};
 pub use mode::TableMode;
 
 /// Open the table stored in `files`, serving its rows as `mode` says;

@@ -90,6 +90,24 @@ pub fn open_tier(urls: &str, timeout_ms: u64) -> Result<Arc<RedisTier>, CmdError
         .map_err(input)
 }
 
+/// Refuse a tier that does not hold a complete load of every table of
+/// `ck` (each server's manifest checked, as the row caches will at open),
+/// naming the server and what is wrong.
+pub fn check_loaded(ck: &Checkpoint, tier: &dyn RemoteTier) -> anyhow::Result<()> {
+    for s in 0..ck.sites.len() {
+        for (part, files) in stored_tables(ck, s)?.iter().enumerate() {
+            tier.open(files).with_context(|| {
+                format!(
+                    "the table of layer {} (part {part}) is not served by {}",
+                    ck.sites[s].layer,
+                    tier.describe()
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
 #[derive(Serialize)]
 struct PushedTable {
     layer: usize,
@@ -116,7 +134,11 @@ pub fn push(a: PushArgs) -> Result<(), CmdError> {
     };
     let mut tables = Vec::new();
     for s in 0..ck.sites.len() {
-        for (part, files) in stored_tables(&ck, s).map_err(input)?.into_iter().enumerate() {
+        for (part, files) in stored_tables(&ck, s)
+            .map_err(input)?
+            .into_iter()
+            .enumerate()
+        {
             tables.push((ck.sites[s].layer, part, files));
         }
     }
@@ -126,9 +148,11 @@ pub fn push(a: PushArgs) -> Result<(), CmdError> {
     } else {
         let pb = ProgressBar::new(total);
         pb.set_style(
-            ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} rows {per_sec} eta {eta}")
-                .expect("a valid template")
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "{msg:>10} [{bar:40}] {pos}/{len} rows {per_sec} eta {eta}",
+            )
+            .expect("a valid template")
+            .progress_chars("=> "),
         );
         pb.set_message("push");
         pb
@@ -136,9 +160,11 @@ pub fn push(a: PushArgs) -> Result<(), CmdError> {
     let mut report = Vec::new();
     let mut base = 0;
     for (layer, part, files) in &tables {
-        let r = push_table(&tier, files, &opts, &mut |done, _| bar.set_position(base + done))
-            .with_context(|| format!("pushing the table of layer {layer} (part {part})"))
-            .map_err(failure)?;
+        let r = push_table(&tier, files, &opts, &mut |done, _| {
+            bar.set_position(base + done)
+        })
+        .with_context(|| format!("pushing the table of layer {layer} (part {part})"))
+        .map_err(failure)?;
         base += files.info.rows;
         bar.set_position(base);
         report.push(PushedTable {
@@ -156,7 +182,10 @@ pub fn push(a: PushArgs) -> Result<(), CmdError> {
     }
     bar.finish_and_clear();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report).map_err(failure)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(failure)?
+        );
     } else {
         println!(
             "metrale-ple table push: {} tables of {} to {}",

@@ -55,7 +55,7 @@ use metrale_ple_cli::parse::{parse_prompts, parse_text};
 
 use super::common::{Device, bytes, cache_root, open_backend};
 use super::faults::FlakyReader;
-use super::remote::{RemoteSummary, open_tier};
+use super::remote::{RemoteSummary, check_loaded, open_tier};
 use super::{CmdError, failure, input};
 
 mod store;
@@ -808,7 +808,11 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     let total_tokens: u64 = plans.iter().map(|p| p.tokens.len() as u64).sum();
 
     let remote = match &a.remote {
-        Some(urls) => Some(open_tier(urls, a.store_timeout_ms)?),
+        Some(urls) => {
+            let t = open_tier(urls, a.store_timeout_ms)?;
+            check_loaded(&ck, t.as_ref()).map_err(input)?;
+            Some(t)
+        }
         None => None,
     };
     let mode = match a.table {

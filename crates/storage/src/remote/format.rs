@@ -114,7 +114,12 @@ pub fn manifest_key(d: &TableDigest) -> String {
 /// Bytes of a row's payload in a value: the row as stored, then for
 /// [`RowDType::Fp8E4M3`] its f32 scale (4 bytes, as stored).
 pub fn payload_bytes(info: &TableInfo) -> usize {
-    info.row_bytes() + if info.dtype == RowDType::Fp8E4M3 { 4 } else { 0 }
+    info.row_bytes()
+        + if info.dtype == RowDType::Fp8E4M3 {
+            4
+        } else {
+            0
+        }
 }
 
 /// The name a manifest gives a row type.
@@ -326,7 +331,9 @@ impl Manifest {
         if !(rows_digest.is_empty()
             || rows_digest.len() == 64 && rows_digest.bytes().all(|b| b.is_ascii_hexdigit()))
         {
-            return Err(bad("field 'rows_digest' is neither empty nor 64 hex digits".into()));
+            return Err(bad(
+                "field 'rows_digest' is neither empty nor 64 hex digits".into(),
+            ));
         }
         let m = Manifest {
             table,
@@ -357,7 +364,9 @@ impl Manifest {
             )));
         }
         if m.complete && (m.pushed_through != m.rows || m.rows_digest.is_empty()) {
-            return Err(bad("complete, but not every row pushed or no rows digest".into()));
+            return Err(bad(
+                "complete, but not every row pushed or no rows digest".into()
+            ));
         }
         Ok(m)
     }
@@ -413,7 +422,12 @@ impl<'a> LocalRows<'a> {
             let len = (k as usize - 1) * stride + rb;
             span.resize(len, 0);
             fd.read_exact_at(&mut span, loc.offset).map_err(|e| {
-                StorageError::io_at(path, loc.offset, format!("reading rows {id}..{}", id + k), e)
+                StorageError::io_at(
+                    path,
+                    loc.offset,
+                    format!("reading rows {id}..{}", id + k),
+                    e,
+                )
             })?;
             let mut scales = Vec::new();
             if let Some(so) = loc.scale_offset {
@@ -513,7 +527,10 @@ mod tests {
         let t = TableDigest::parse_hex("000102030405060708090a0b0c0d0e0f").unwrap();
         assert_eq!(t.hex(), "000102030405060708090a0b0c0d0e0f");
         assert_eq!(row_key(&t, 255), "mple:000102030405060708090a0b0c0d0e0f:ff");
-        assert_eq!(manifest_key(&t), "mple:000102030405060708090a0b0c0d0e0f:manifest");
+        assert_eq!(
+            manifest_key(&t),
+            "mple:000102030405060708090a0b0c0d0e0f:manifest"
+        );
         assert!(TableDigest::parse_hex("00").is_none());
         assert!(TableDigest::parse_hex(&"g".repeat(32)).is_none());
         // splitmix64's published first output for seed 0.
@@ -546,7 +563,9 @@ mod tests {
         let bad = |f: &dyn Fn(&mut serde_json::Value)| {
             let mut v: serde_json::Value = serde_json::from_str(&m.to_json()).unwrap();
             f(&mut v);
-            Manifest::parse(v.to_string().as_bytes()).unwrap_err().to_string()
+            Manifest::parse(v.to_string().as_bytes())
+                .unwrap_err()
+                .to_string()
         };
         assert!(bad(&|v| v["server"] = 3.into()).contains("server 3 of 3"));
         assert!(bad(&|v| v["version"] = 2.into()).contains("version 2"));

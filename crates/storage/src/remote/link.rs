@@ -172,6 +172,14 @@ impl RedisLink {
         }
     }
 
+    /// Start a backoff after a failure found above the connection (a
+    /// server that answers but lacks what it should hold): later calls
+    /// wait for the backoff, as after a connection failure, so a caller
+    /// retrying does not spin against a server being reloaded.
+    pub(crate) fn mark_failed(&self, cause: String) {
+        self.mark_down(cause);
+    }
+
     fn mark_down(&self, cause: String) {
         self.failures.fetch_add(1, Ordering::Relaxed);
         lock(&self.idle).clear();

@@ -143,7 +143,12 @@ pub fn push_table(
                 continue;
             }
             value.clear();
-            encode_value(&digest, row, &buf[r as usize * payload..][..payload], &mut value);
+            encode_value(
+                &digest,
+                row,
+                &buf[r as usize * payload..][..payload],
+                &mut value,
+            );
             hashers[s].update(&value);
             here[s] += 1;
             if row >= resume[s] {
@@ -161,7 +166,10 @@ pub fn push_table(
         for (i, p) in pipes.iter_mut().enumerate() {
             if let Some(p) = p {
                 let m = manifest(i, through, here[i], String::new());
-                p.cmd("SET").arg(manifest_key(&digest)).arg(m.to_json()).ignore();
+                p.cmd("SET")
+                    .arg(manifest_key(&digest))
+                    .arg(m.to_json())
+                    .ignore();
             }
         }
         send_all(tier, &mut pipes)?;
@@ -177,7 +185,10 @@ pub fn push_table(
             }
             let m = manifest(i, rows, here[i], hex(&h.finish()));
             let mut p = redis::pipe();
-            p.cmd("SET").arg(manifest_key(&digest)).arg(m.to_json()).ignore();
+            p.cmd("SET")
+                .arg(manifest_key(&digest))
+                .arg(m.to_json())
+                .ignore();
             pipes[i] = Some(p);
         }
         send_all(tier, &mut pipes)?;

@@ -13,8 +13,9 @@
 //! finds it backing off waits for the backoff when it ends within the
 //! timeout, so a restarted server is tried again without a burst of
 //! failures); a missing row ([`RemoteFault::MissingRow`]: a server
-//! restarted empty) or a refused value ([`RemoteFault::BadValue`]) fails
-//! the batch too, without touching the link.
+//! restarted empty) fails the batch and starts the link's backoff too, so
+//! calls retried while the server is reloaded wait rather than spin; a
+//! refused value ([`RemoteFault::BadValue`]) fails the batch.
 //!
 //! Invariant: nothing is written into a slot but the payload of a value
 //! accepted for that table and that row.
@@ -75,7 +76,9 @@ impl RedisTier {
     /// addresses are checked here; nothing connects.
     pub fn open(urls: &[String], cfg: LinkConfig) -> Result<RedisTier> {
         if urls.is_empty() {
-            return Err(StorageError::invalid("a remote tier needs at least one server"));
+            return Err(StorageError::invalid(
+                "a remote tier needs at least one server",
+            ));
         }
         for (i, u) in urls.iter().enumerate() {
             if urls[..i].contains(u) {
@@ -87,9 +90,9 @@ impl RedisTier {
         let links = urls
             .iter()
             .map(|u| {
-                RedisLink::open(u, cfg.clone()).map(Arc::new).map_err(|e| {
-                    StorageError::invalid(format!("remote server address '{u}': {e}"))
-                })
+                RedisLink::open(u, cfg.clone())
+                    .map(Arc::new)
+                    .map_err(|e| StorageError::invalid(format!("remote server address '{u}': {e}")))
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(RedisTier {
@@ -117,12 +120,15 @@ impl RedisTier {
             return Err(remote_error(
                 link.url(),
                 RemoteFault::NotLoaded,
-                format!("manifest {key} is {} bytes, more than a manifest has", b.len()),
+                format!(
+                    "manifest {key} is {} bytes, more than a manifest has",
+                    b.len()
+                ),
             ));
         }
-        Manifest::parse(&b).map(Some).map_err(|e| {
-            remote_error(link.url(), RemoteFault::NotLoaded, format!("{key}: {e}"))
-        })
+        Manifest::parse(&b)
+            .map(Some)
+            .map_err(|e| remote_error(link.url(), RemoteFault::NotLoaded, format!("{key}: {e}")))
     }
 
     /// Why server `i`'s manifest `m` (of table `d`) is not a complete load
@@ -193,8 +199,11 @@ impl RedisTier {
                 _ => 0,
             })
         };
-        let busy: Vec<(usize, &Vec<String>)> =
-            per.iter().enumerate().filter(|(_, k)| !k.is_empty()).collect();
+        let busy: Vec<(usize, &Vec<String>)> = per
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| !k.is_empty())
+            .collect();
         let results: Vec<Result<u64>> = std::thread::scope(|s| {
             let mut it = busy.iter();
             let first = it.next();
@@ -327,7 +336,11 @@ impl RedisRows {
                         remote_error(
                             link.url(),
                             RemoteFault::BadValue,
-                            format!("row {} ({}): {e}; not used", d.id, row_key(&self.digest, d.id)),
+                            format!(
+                                "row {} ({}): {e}; not used",
+                                d.id,
+                                row_key(&self.digest, d.id)
+                            ),
                         )
                     })?;
                     d.row.copy_from_slice(&p[..self.row_bytes]);
@@ -336,6 +349,7 @@ impl RedisRows {
                 }
                 redis::Value::Nil => {
                     self.counters.missing_rows.fetch_add(1, Relaxed);
+                    link.mark_failed(format!("row {} missing", d.id));
                     return Err(remote_error(
                         link.url(),
                         RemoteFault::MissingRow,
@@ -350,7 +364,11 @@ impl RedisRows {
                     return Err(remote_error(
                         link.url(),
                         RemoteFault::Protocol,
-                        format!("row {}: a reply that is not a value: {:.80}", d.id, format!("{other:?}")),
+                        format!(
+                            "row {}: a reply that is not a value: {:.80}",
+                            d.id,
+                            format!("{other:?}")
+                        ),
                     ));
                 }
             }
@@ -394,8 +412,11 @@ impl RemoteRows for RedisRows {
         for d in dst.iter_mut() {
             per[server_of(&self.digest, d.id, n)].push(d);
         }
-        let mut busy: Vec<(usize, Vec<&mut RowDst<'_>>)> =
-            per.into_iter().enumerate().filter(|(_, v)| !v.is_empty()).collect();
+        let mut busy: Vec<(usize, Vec<&mut RowDst<'_>>)> = per
+            .into_iter()
+            .enumerate()
+            .filter(|(_, v)| !v.is_empty())
+            .collect();
         let mut other_cpu = 0u64;
         let results: Vec<Result<u64>> = if busy.len() == 1 {
             let (i, mut rows) = busy.pop().expect("one");
@@ -438,10 +459,8 @@ impl RemoteRows for RedisRows {
             }
         }
         c.bytes.fetch_add(bytes, Relaxed);
-        c.cpu_ns.fetch_add(
-            thread_cpu_ns().saturating_sub(cpu0) + other_cpu,
-            Relaxed,
-        );
+        c.cpu_ns
+            .fetch_add(thread_cpu_ns().saturating_sub(cpu0) + other_cpu, Relaxed);
         if let Some(e) = first_err {
             c.failed_batches.fetch_add(1, Relaxed);
             return Err(e);
@@ -501,9 +520,10 @@ pub fn compare_rows(
             .collect();
         rows.fetch(&mut dst)?;
     }
-    Ok((0..n).find(|&k| {
-        let r = k as usize * p..(k as usize + 1) * p;
-        got[r.clone()] != want[r]
-    })
-    .map(|k| first + k))
+    Ok((0..n)
+        .find(|&k| {
+            let r = k as usize * p..(k as usize + 1) * p;
+            got[r.clone()] != want[r]
+        })
+        .map(|k| first + k))
 }
