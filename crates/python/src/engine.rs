@@ -289,8 +289,7 @@ impl Engine {
                 "block_size, prefill_chunk and max_batch must be positive",
             ));
         }
-        let (mode, remote) =
-            args::table_setup(table, remote, remote_timeout_ms, remote_fallback)?;
+        let (mode, remote) = args::table_setup(table, remote, remote_timeout_ms, remote_fallback)?;
         let setup = Setup {
             mode,
             remote,

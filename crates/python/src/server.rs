@@ -213,8 +213,7 @@ impl Server {
                 "block_size, prefill_chunk, decode_batch and in_flight must be positive",
             ));
         }
-        let (mode, remote) =
-            args::table_setup(table, remote, remote_timeout_ms, remote_fallback)?;
+        let (mode, remote) = args::table_setup(table, remote, remote_timeout_ms, remote_fallback)?;
         let setup = Setup {
             mode,
             remote,
