@@ -39,7 +39,8 @@ enum Command {
     /// Run the project's benchmarks and print each figure beside its
     /// same-run baseline and the ratio.
     Bench(cmd::bench::BenchArgs),
-    /// Table file tools: `table pack` realigns shards to 4 KiB.
+    /// Table tools: `table pack` realigns shards to 4 KiB, `table push`
+    /// loads tables onto remote row servers.
     Table(cmd::table::TableArgs),
     /// Build Engram's compressed-token map from a tokenizer.json and
     /// write it as the JSON array `ids --token-map` reads.

@@ -171,6 +171,49 @@ pub(crate) fn values<'a>(rw: &'a mut PyReadwriteArrayDyn<'_, f32>) -> PyResult<&
         .map_err(|e| value_error(format!("highway: {e}")))
 }
 
+/// How the rows are served: a table mode by name, or `"remote"` (a row
+/// cache reading its misses from the servers `remote` names, with
+/// timeouts of `timeout_ms` and, with `fallback`, the shard files behind).
+pub(crate) fn table_setup(
+    name: &str,
+    remote: Option<String>,
+    timeout_ms: u64,
+    fallback: bool,
+) -> PyResult<(TableMode, Option<RemoteSetup>)> {
+    if name.eq_ignore_ascii_case("remote") {
+        let Some(urls) = remote else {
+            return Err(value_error(
+                "table='remote' needs remote='redis://H:P[,redis://H:P...]'",
+            ));
+        };
+        return Ok((
+            TableMode::Cached,
+            Some(RemoteSetup {
+                urls,
+                timeout_ms,
+                fallback,
+            }),
+        ));
+    }
+    if remote.is_some() || fallback {
+        return Err(value_error(
+            "remote and remote_fallback go with table='remote'",
+        ));
+    }
+    Ok((table_mode(name)?, None))
+}
+
+/// The remote row servers of `table="remote"`.
+#[derive(Clone, Debug)]
+pub(crate) struct RemoteSetup {
+    /// The servers, comma-separated, in `table push`'s order.
+    pub urls: String,
+    /// Connect, read and write timeout (ms).
+    pub timeout_ms: u64,
+    /// Read a failed batch from the shard files.
+    pub fallback: bool,
+}
+
 /// A table mode by name.
 pub(crate) fn table_mode(name: &str) -> PyResult<TableMode> {
     name.parse::<TableMode>().map_err(|_| {

@@ -24,6 +24,8 @@ use metrale_engine::{EngineConfig, EngineStats, SeqId, Site, SwapTarget};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::cached::CacheConfig;
+use metrale_storage::remote::RemoteTier;
+use metrale_storage::remote::redis::{RedisTier, link_config, parse_urls};
 use metrale_storage::table::TableStats;
 
 use crate::args::{self, Width};
@@ -40,6 +42,8 @@ pub(crate) struct Setup {
     pub mode: TableMode,
     /// Row-cache slots per site (cached tables).
     pub slots: usize,
+    /// The remote servers a cached table reads its misses from.
+    pub remote: Option<args::RemoteSetup>,
     /// Most rows per layer forward (prefill chunk and decode batch).
     pub max_tokens: usize,
     /// Carries the device budget holds; 0: no limit.
@@ -72,10 +76,22 @@ pub(crate) fn build(ck: &CkInner, s: &Setup) -> anyhow::Result<(Inner, Facts)> {
         "slots must be positive"
     );
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let remote: Option<Arc<dyn RemoteTier>> = match &s.remote {
+        Some(r) => Some(Arc::new(RedisTier::open(
+            &parse_urls(&r.urls),
+            link_config(r.timeout_ms),
+        )?)),
+        None => None,
+    };
     let mut sites = Vec::with_capacity(ck.sites.len());
     for i in 0..ck.sites.len() {
         let table = match s.mode {
-            TableMode::Cached => ck.open_cached_table(i, CacheConfig::new(s.slots), gpu.clone())?,
+            TableMode::Cached => {
+                let mut cfg = CacheConfig::new(s.slots);
+                cfg.remote = remote.clone();
+                cfg.remote_fallback = s.remote.as_ref().is_some_and(|r| r.fallback);
+                ck.open_cached_table(i, cfg, gpu.clone())?
+            }
             m => ck.open_table(i, m, gpu.clone())?,
         };
         let layer = ck.build_layer(i, table, s.max_tokens, gpu.as_ref())?;
@@ -247,7 +263,8 @@ impl Engine {
     #[pyo3(signature = (
         checkpoint, *, table = "cached", block_size = 64, prefix_cache_mib = 64,
         resident_carries = 32, prefill_chunk = 128, max_batch = 64, slots = 65536,
-        preempt_to = "host", swap_dir = None
+        preempt_to = "host", swap_dir = None, remote = None, remote_timeout_ms = 250,
+        remote_fallback = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn py_new(
@@ -262,6 +279,9 @@ impl Engine {
         slots: usize,
         preempt_to: &str,
         swap_dir: Option<PathBuf>,
+        remote: Option<String>,
+        remote_timeout_ms: u64,
+        remote_fallback: bool,
     ) -> PyResult<Engine> {
         let ck = Checkpoint::from_arg(py, checkpoint)?;
         if block_size == 0 || prefill_chunk == 0 || max_batch == 0 {
@@ -269,8 +289,10 @@ impl Engine {
                 "block_size, prefill_chunk and max_batch must be positive",
             ));
         }
+        let (mode, remote) = args::table_setup(table, remote, remote_timeout_ms, remote_fallback)?;
         let setup = Setup {
-            mode: args::table_mode(table)?,
+            mode,
+            remote,
             slots,
             max_tokens: prefill_chunk.max(max_batch),
             resident_carries,

@@ -186,7 +186,8 @@ impl Server {
     #[pyo3(signature = (
         checkpoint, *, table = "cached", block_size = 64, prefix_cache_mib = 64,
         resident_carries = 32, slots = 65536, in_flight = 48, prefill_chunk = 128,
-        decode_batch = 16, prefetch = true, retries = None
+        decode_batch = 16, prefetch = true, retries = None, remote = None,
+        remote_timeout_ms = 250, remote_fallback = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn py_new(
@@ -202,6 +203,9 @@ impl Server {
         decode_batch: usize,
         prefetch: bool,
         retries: Option<u32>,
+        remote: Option<String>,
+        remote_timeout_ms: u64,
+        remote_fallback: bool,
     ) -> PyResult<Server> {
         let ck = Checkpoint::from_arg(py, checkpoint)?;
         if block_size == 0 || prefill_chunk == 0 || decode_batch == 0 || in_flight == 0 {
@@ -209,8 +213,10 @@ impl Server {
                 "block_size, prefill_chunk, decode_batch and in_flight must be positive",
             ));
         }
+        let (mode, remote) = args::table_setup(table, remote, remote_timeout_ms, remote_fallback)?;
         let setup = Setup {
-            mode: args::table_mode(table)?,
+            mode,
+            remote,
             slots,
             max_tokens: prefill_chunk.max(decode_batch),
             resident_carries,

@@ -180,6 +180,17 @@ pub enum StorageError {
         /// What is wrong.
         message: String,
     },
+    /// A remote row server failed, or holds something the table cannot
+    /// use (see [`RemoteFault`]). Nothing a failed fetch wrote is served.
+    #[error("remote rows at {server}: {message}")]
+    Remote {
+        /// The server's address.
+        server: String,
+        /// What kind of fault.
+        fault: RemoteFault,
+        /// What happened, naming the row or the manifest field.
+        message: String,
+    },
     /// A worker thread could not be started.
     #[error("spawning {what}: {cause}")]
     Thread {
@@ -188,6 +199,27 @@ pub enum StorageError {
         /// The OS error.
         cause: io::Error,
     },
+}
+
+/// The kind of a [`StorageError::Remote`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RemoteFault {
+    /// The server is backing off after a failure; nothing was sent.
+    Unavailable,
+    /// A call took longer than the timeout.
+    Timeout,
+    /// The connection failed (refused, reset, closed).
+    Connection,
+    /// A reply that is not what the command returns, or a server error.
+    Protocol,
+    /// A value of the wrong length, table, row or checksum.
+    BadValue,
+    /// A row the server should hold is not there (restarted empty?).
+    MissingRow,
+    /// The server holds no complete load of this table (not pushed, pushed
+    /// partly, for another table, or for another server list).
+    NotLoaded,
 }
 
 fn where_in_header(tensor: &Option<String>, field: &Option<String>) -> String {

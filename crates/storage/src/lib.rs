@@ -15,10 +15,14 @@
 //! fallible call returns [`StorageError`]. [`parts`] splits batches larger than a
 //! table's `max_resolve`; [`pack`] aligns a shard's data section to 4 KiB;
 //! [`relay`] rewrites a table's rows in a new order (hot rows together).
+//! [`remote`] is the remote row tier a row cache can read its misses from
+//! instead of the shard files (rows on Redis-protocol servers), and
+//! `table push`'s loader; [`digest`] the one SHA-256.
 
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod cached;
+pub mod digest;
 pub mod dtype;
 pub mod error;
 pub mod io;
@@ -28,6 +32,7 @@ mod mode;
 pub mod pack;
 pub mod parts;
 pub mod relay;
+pub mod remote;
 pub mod resident;
 pub mod safetensors;
 pub mod shared;
@@ -37,7 +42,7 @@ use std::sync::Arc;
 
 use metrale_gpu_runtime::gpu::GpuBackend;
 
-pub use error::{Result, StorageError};
+pub use error::{RemoteFault, Result, StorageError};
 pub use mode::TableMode;
 
 /// Open the table stored in `files`, serving its rows as `mode` says;

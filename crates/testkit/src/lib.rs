@@ -18,7 +18,8 @@
 //! - [`hooked`]: a row table wrapper that counts or logs resolves;
 //! - [`drive`]: the plain sequential reference run and the randomised
 //!   engine driver that checks every output row against it;
-//! - [`same_bits`]: equality of two output slices bit for bit.
+//! - [`same_bits`]: equality of two output slices bit for bit;
+//! - [`redis`]: `redis-server` processes on free loopback ports.
 
 pub mod drive;
 pub mod families;
@@ -26,6 +27,7 @@ pub mod files;
 pub mod fixtures;
 pub mod hooked;
 pub mod hooked_site;
+pub mod redis;
 pub mod rng;
 pub mod rows;
 pub mod shards;

@@ -64,6 +64,7 @@ use super::run::{EngineSetup, build_engine};
 use super::{CmdError, failure, input};
 
 mod offload;
+mod remote;
 mod report;
 mod stream;
 

@@ -8,6 +8,7 @@ pub mod faults;
 pub mod ids;
 pub mod init;
 pub mod inspect;
+pub mod remote;
 pub mod run;
 pub mod soak;
 pub mod table;

@@ -47,12 +47,15 @@ use metrale_engine::{Engine, EngineConfig, Site, SwapTarget};
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::cached::{CacheConfig, DEFAULT_IO_DEPTH, Policy};
 use metrale_storage::io::{PageReader, default_reader};
+use metrale_storage::remote::RemoteTier;
+use metrale_storage::remote::redis::RedisTier;
 use serde::Serialize;
 
 use metrale_ple_cli::parse::{parse_prompts, parse_text};
 
 use super::common::{Device, bytes, cache_root, open_backend};
 use super::faults::FlakyReader;
+use super::remote::{RemoteSummary, check_loaded, open_tier};
 use super::{CmdError, failure, input};
 
 mod store;
@@ -74,6 +77,9 @@ pub enum TableArg {
     /// Rows placed once per host in shared memory (/dev/shm) that every
     /// process maps.
     Shared,
+    /// Rows fetched from Redis-protocol servers (--remote, loaded by
+    /// `table push`) into a row cache.
+    Remote,
 }
 
 /// Arguments of `run`.
@@ -112,7 +118,7 @@ pub struct RunArgs {
     /// How table rows are served.
     #[arg(long, value_enum, default_value = "cached")]
     pub table: TableArg,
-    /// Row slots per site in the row cache (--table cached).
+    /// Row slots per site in the row cache (--table cached or remote).
     #[arg(long, default_value_t = 65536)]
     pub slots: usize,
     /// Which rows the row cache keeps: clock, or s3fifo (one-off n-grams
@@ -201,9 +207,18 @@ pub struct RunArgs {
     /// checkpoint's config.json.
     #[arg(long)]
     pub model_id: Option<String>,
-    /// Carry store connect, read and write timeout in milliseconds.
+    /// Carry store and remote row server connect, read and write timeout
+    /// in milliseconds.
     #[arg(long, default_value_t = 250)]
     pub store_timeout_ms: u64,
+    /// The remote row servers of --table remote, comma-separated, listed
+    /// as `table push --to` listed them.
+    #[arg(long, value_name = "redis://H:P[,redis://H:P...]")]
+    pub remote: Option<String>,
+    /// With --table remote: read the rows of a failed remote fetch from the
+    /// checkpoint's shard files instead of failing the call.
+    #[arg(long)]
+    pub remote_fallback: bool,
     /// Most block boundaries probed in the carry store per new sequence.
     #[arg(long, default_value_t = 8)]
     pub store_probes: usize,
@@ -235,6 +250,8 @@ struct PassConfig {
     prefetch: bool,
     /// The backbone around the sites.
     backbone: Option<BackboneConfig>,
+    /// The remote tier a cached table reads its misses from.
+    remote: Option<Arc<RedisTier>>,
 }
 
 /// What one pass measured.
@@ -275,6 +292,10 @@ pub(super) struct CacheOptions {
     pub(super) policy: Option<Policy>,
     /// Rows of the host-memory tier (0: none).
     pub(super) host_rows: usize,
+    /// Read misses from this remote tier instead of the shard files.
+    pub(super) remote: Option<Arc<dyn RemoteTier>>,
+    /// Read the rows of a failed remote fetch from the shard files.
+    pub(super) remote_fallback: bool,
 }
 
 /// The PLE site of every site of `ck`, each layer taking up to
@@ -296,6 +317,8 @@ pub(super) fn build_sites(
                     cfg.policy = p;
                 }
                 cfg.host_rows = cache.host_rows;
+                cfg.remote = cache.remote.clone();
+                cfg.remote_fallback = cache.remote_fallback;
                 ck.open_cached_table(s, cfg, gpu.clone())?
             }
             mode => ck.open_table(s, mode, gpu.clone())?,
@@ -343,6 +366,8 @@ fn pass(
         reader: timed.clone().map(|t| t as Arc<dyn PageReader>),
         policy: a.cache_policy,
         host_rows: a.host_rows,
+        remote: pc.remote.clone().map(|t| t as Arc<dyn RemoteTier>),
+        remote_fallback: a.remote_fallback,
     };
     let sites = build_sites(ck, &gpu, &pc.setup, max_tokens, &cache)?;
     let engine_cfg = engine_config(&pc.setup, &sites);
@@ -354,8 +379,9 @@ fn pass(
         prefetch_ahead: !a.no_prefetch_ahead,
         backbone: pc.backbone.clone(),
         decode_graphs: pc.graphs,
-        // Failed calls are tolerated (and rerun) only with injected faults.
-        retries: pc.setup.faults.is_some().then_some(a.retries),
+        // Failed calls are tolerated (and rerun) only with injected faults
+        // or remote servers, whose faults fail calls as disk faults do.
+        retries: (pc.setup.faults.is_some() || pc.remote.is_some()).then_some(a.retries),
     };
     let mut server = Server::build(gpu.clone(), sites, engine_cfg, cfg)?;
     if let Some(t) = timed {
@@ -419,6 +445,7 @@ struct Summary {
     faults: Option<FaultSummary>,
     verify: Option<VerifySummary>,
     carry_store: Option<store::StoreSummary>,
+    remote: Option<RemoteRun>,
 }
 
 #[derive(Serialize)]
@@ -447,6 +474,17 @@ struct Phase2 {
     seconds: f64,
     tokens_per_second: f64,
     step: usize,
+}
+
+/// The remote tier's figures and the calls its faults failed.
+#[derive(Serialize)]
+struct RemoteRun {
+    #[serde(flatten)]
+    tier: RemoteSummary,
+    failed_calls: u64,
+    retried_sequences: u64,
+    failed_sequences: usize,
+    first_error: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -610,6 +648,19 @@ fn render(s: &Summary) -> String {
     if let Some(cs) = &s.carry_store {
         o.push_str(&store::render(cs));
     }
+    if let Some(r) = &s.remote {
+        o.push_str(&r.tier.render());
+        let _ = writeln!(
+            o,
+            "                  {} calls failed, {} sequences rerun, {} given up{}",
+            r.failed_calls,
+            r.retried_sequences,
+            r.failed_sequences,
+            r.first_error
+                .as_deref()
+                .map_or(String::new(), |e| format!("; first: {e}"))
+        );
+    }
     let _ = writeln!(o, "  wall time       {:.2} s", s.wall_seconds);
     match &s.verify {
         Some(VerifySummary {
@@ -708,6 +759,15 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             "--fault-percent injects read faults into the row cache; it needs --table cached"
         )));
     }
+    if (a.table == TableArg::Remote) != a.remote.is_some() {
+        return Err(input(anyhow!(
+            "--table remote and --remote go together: --remote names the servers \
+             (redis://H:P[,redis://H:P...]) the rows are read from"
+        )));
+    }
+    if a.remote_fallback && a.table != TableArg::Remote {
+        return Err(input(anyhow!("--remote-fallback needs --table remote")));
+    }
     if a.block_size == 0 {
         return Err(input(anyhow!("--block-size must be positive")));
     }
@@ -747,8 +807,16 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     };
     let total_tokens: u64 = plans.iter().map(|p| p.tokens.len() as u64).sum();
 
+    let remote = match &a.remote {
+        Some(urls) => {
+            let t = open_tier(urls, a.store_timeout_ms)?;
+            check_loaded(&ck, t.as_ref()).map_err(input)?;
+            Some(t)
+        }
+        None => None,
+    };
     let mode = match a.table {
-        TableArg::Cached => TableMode::Cached,
+        TableArg::Cached | TableArg::Remote => TableMode::Cached,
         TableArg::Mapped => TableMode::Mapped,
         TableArg::Resident => TableMode::Resident,
         TableArg::Shared => TableMode::Shared,
@@ -783,6 +851,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         backbone: a
             .backbone
             .then(|| BackboneConfig::for_model(&ck.spec, a.backbone_scale)),
+        remote: remote.clone(),
     };
     let bar = sequence_bar(plans.len(), "run");
     let r = pass(&ck, &plans, a, &main, &bar).map_err(failure)?;
@@ -806,6 +875,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             // change an output bit.
             prefetch: false,
             backbone: None,
+            remote: None,
         };
         let bar = sequence_bar(plans.len(), "verify");
         let v = pass(&ck, &plans, a, &check, &bar).map_err(failure)?;
@@ -830,7 +900,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         in_flight: a.in_flight,
         tokens: total_tokens,
         table: format!("{:?}", a.table).to_lowercase(),
-        slots_per_site: (a.table == TableArg::Cached).then_some(a.slots),
+        slots_per_site: matches!(a.table, TableArg::Cached | TableArg::Remote).then_some(a.slots),
         prefill: Phase2 {
             tokens: st.prefill_tokens,
             seconds: r.report.prefill_time.as_secs_f64(),
@@ -914,6 +984,13 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         carry_store: main.store.as_ref().map(|cs| {
             let per_token = r.report.prefill_time.as_secs_f64() / st.prefill_tokens.max(1) as f64;
             store::summary(cs, &st.carry_store, per_token)
+        }),
+        remote: remote.as_ref().map(|t| RemoteRun {
+            tier: RemoteSummary::of(t.describe(), &t.stats()),
+            failed_calls: r.report.failed_calls,
+            retried_sequences: r.report.retried,
+            failed_sequences: r.report.failed.len(),
+            first_error: r.report.first_fault.clone(),
         }),
     };
     if a.json {

@@ -78,6 +78,13 @@ enum TableCmd {
         after_help = "Examples:\n  metrale-ple table pack ckpt/model-00002-of-00005.safetensors /fast/shard.safetensors\n  metrale-ple table pack ~/.cache/metrale-ple/tiny /tmp/tiny-packed\n  metrale-ple table pack --hot-rows trace.txt ~/.cache/metrale-ple/tiny /tmp/tiny-hot\n  metrale-ple table pack --hot-corpus prompts.jsonl ~/.cache/metrale-ple/tiny /tmp/tiny-hot\n  metrale-ple table pack --pad-rows ~/.cache/metrale-ple/tiny /tmp/tiny-padded"
     )]
     Pack(PackArgs),
+    /// Load a checkpoint's tables onto Redis-protocol servers for `run
+    /// --table remote` (pipelined, resumable, each server's load checked
+    /// by a manifest).
+    #[command(
+        after_help = "Examples:\n  metrale-ple table push ~/.cache/metrale-ple/tiny --to redis://127.0.0.1:6379\n  metrale-ple table push /data/flagship --to redis://10.0.0.5:7000,redis://10.0.0.5:7001,redis://10.0.0.6:7000"
+    )]
+    Push(super::remote::PushArgs),
 }
 
 /// Arguments of `table pack`.
@@ -113,6 +120,7 @@ pub struct PackArgs {
 pub fn run(a: TableArgs) -> Result<(), CmdError> {
     match a.cmd {
         TableCmd::Pack(p) => pack_cmd(p),
+        TableCmd::Push(p) => super::remote::push(p),
     }
 }
 

@@ -1,7 +1,8 @@
 //! A carry store in Redis: one key per snapshot (`SET` of the whole value,
 //! so a reader sees a whole value or none), through the synchronous
 //! client with connect, read and write timeouts and a small pool of
-//! connections.
+//! connections (the connection handling is [`RedisLink`], shared with the
+//! remote row tier).
 //!
 //! Faults: any failed operation (refused, reset, timed out, a reply that
 //! does not parse) drops the connection it used and every idle one, and
@@ -15,9 +16,9 @@
 //! Invariant: no call blocks longer than about the connect timeout plus
 //! the read and write timeouts.
 
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use metrale_storage::remote::link::{LinkConfig, LinkError, RedisLink};
 
 use super::{CarryStore, StoreError, StoreKey};
 
@@ -54,105 +55,42 @@ impl Default for RedisConfig {
     }
 }
 
-struct Health {
-    down_until: Option<Instant>,
-    backoff: Duration,
-    last_error: String,
-    was_down: bool,
-}
-
 /// A Redis-backed store. See the module docs.
 pub struct RedisStore {
-    client: redis::Client,
-    url: String,
+    link: RedisLink,
     cfg: RedisConfig,
-    idle: Mutex<Vec<redis::Connection>>,
-    health: Mutex<Health>,
-    reconnects: AtomicU64,
-    failures: AtomicU64,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl RedisStore {
     /// A store at `url` (`redis://HOST:PORT[/DB]`). Only the address is
     /// checked here; nothing connects until the first call.
     pub fn open(url: &str, cfg: RedisConfig) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| StoreError::Address {
+        let link_cfg = LinkConfig {
+            connect_timeout: cfg.connect_timeout,
+            io_timeout: cfg.io_timeout,
+            pool_size: cfg.pool_size,
+            backoff_min: cfg.backoff_min,
+            backoff_max: cfg.backoff_max,
+        };
+        let link = RedisLink::open(url, link_cfg).map_err(|e| StoreError::Address {
             url: url.to_string(),
             reason: e.to_string(),
         })?;
-        Ok(RedisStore {
-            client,
-            url: url.to_string(),
-            health: Mutex::new(Health {
-                down_until: None,
-                backoff: cfg.backoff_min,
-                last_error: String::new(),
-                was_down: false,
-            }),
-            cfg,
-            idle: Mutex::new(Vec::new()),
-            reconnects: AtomicU64::new(0),
-            failures: AtomicU64::new(0),
-        })
+        Ok(RedisStore { link, cfg })
     }
 
     /// Connections opened again after the store had been marked down.
     pub fn reconnects(&self) -> u64 {
-        self.reconnects.load(Ordering::Relaxed)
+        self.link.reconnects()
     }
 
     /// Operations that failed (each one started a backoff).
     pub fn failures(&self) -> u64 {
-        self.failures.load(Ordering::Relaxed)
+        self.link.failures()
     }
 
     fn key(&self, key: &StoreKey) -> String {
         format!("{}{}", self.cfg.key_prefix, key.hex())
-    }
-
-    fn check_up(&self) -> Result<(), StoreError> {
-        let h = lock(&self.health);
-        match h.down_until {
-            Some(t) if Instant::now() < t => Err(StoreError::Unavailable {
-                retry_in_ms: (t - Instant::now()).as_millis() as u64,
-                cause: h.last_error.clone(),
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    fn mark_down(&self, cause: &str) {
-        self.failures.fetch_add(1, Ordering::Relaxed);
-        lock(&self.idle).clear();
-        let mut h = lock(&self.health);
-        h.down_until = Some(Instant::now() + h.backoff);
-        h.backoff = (h.backoff * 2).min(self.cfg.backoff_max);
-        h.last_error = cause.to_string();
-        h.was_down = true;
-    }
-
-    fn mark_up(&self) {
-        let mut h = lock(&self.health);
-        h.down_until = None;
-        h.backoff = self.cfg.backoff_min;
-    }
-
-    fn connect(&self) -> Result<redis::Connection, redis::RedisError> {
-        let c = self
-            .client
-            .get_connection_with_timeout(self.cfg.connect_timeout)?;
-        c.set_read_timeout(Some(self.cfg.io_timeout))?;
-        c.set_write_timeout(Some(self.cfg.io_timeout))?;
-        let mut h = lock(&self.health);
-        if h.was_down {
-            h.was_down = false;
-            self.reconnects.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(c)
     }
 
     fn run<T>(
@@ -160,56 +98,35 @@ impl RedisStore {
         op: &'static str,
         f: impl FnOnce(&mut redis::Connection) -> redis::RedisResult<T>,
     ) -> Result<T, StoreError> {
-        self.check_up()?;
-        let pooled = lock(&self.idle).pop();
-        let mut conn = match pooled {
-            Some(c) => c,
-            None => match self.connect() {
-                Ok(c) => c,
-                Err(e) => {
-                    let err = map_err(op, &e);
-                    self.mark_down(&err.to_string());
-                    return Err(err);
-                }
-            },
-        };
-        match f(&mut conn) {
-            Ok(v) => {
-                self.mark_up();
-                let mut idle = lock(&self.idle);
-                if idle.len() < self.cfg.pool_size {
-                    idle.push(conn);
-                }
-                Ok(v)
-            }
-            Err(e) => {
-                let err = map_err(op, &e);
-                self.mark_down(&err.to_string());
-                Err(err)
-            }
-        }
+        // A carry store is an optimisation: while the server backs off,
+        // calls fail at once rather than wait.
+        self.link.run(op, None, f).map_err(|e| map_err(op, e))
     }
 }
 
-fn map_err(op: &'static str, e: &redis::RedisError) -> StoreError {
+fn map_err(op: &'static str, e: LinkError) -> StoreError {
     if e.is_timeout() {
-        StoreError::Timeout { op }
-    } else if e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() {
-        StoreError::Backend {
+        return StoreError::Timeout { op };
+    }
+    let connection = e.is_connection();
+    match e {
+        LinkError::Unavailable { retry_in_ms, cause } => {
+            StoreError::Unavailable { retry_in_ms, cause }
+        }
+        LinkError::Redis(e) if connection => StoreError::Backend {
             op,
             message: e.to_string(),
-        }
-    } else {
-        StoreError::Protocol {
+        },
+        LinkError::Redis(e) => StoreError::Protocol {
             op,
             what: e.to_string(),
-        }
+        },
     }
 }
 
 impl CarryStore for RedisStore {
     fn describe(&self) -> String {
-        self.url.clone()
+        self.link.url().to_string()
     }
 
     fn put(&self, key: &StoreKey, value: &[u8]) -> Result<(), StoreError> {

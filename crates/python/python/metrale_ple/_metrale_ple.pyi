@@ -187,6 +187,9 @@ class Engine:
         slots: int = 65536,
         preempt_to: str = "host",
         swap_dir: str | os.PathLike[str] | None = None,
+        remote: str | None = None,
+        remote_timeout_ms: int = 250,
+        remote_fallback: bool = False,
     ) -> None: ...
     def add_sequence(self, prompt: Tokens) -> tuple[int, int]: ...
     def prefill(self, seq_id: int, tokens: Tokens, hidden: Highway) -> None: ...
@@ -241,6 +244,9 @@ class Server:
         decode_batch: int = 16,
         prefetch: bool = True,
         retries: int | None = None,
+        remote: str | None = None,
+        remote_timeout_ms: int = 250,
+        remote_fallback: bool = False,
     ) -> None: ...
     def run(
         self,

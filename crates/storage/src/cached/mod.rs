@@ -83,6 +83,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::{Result, StorageError};
 use crate::io::{AlignedBuf, PageReader, ShardFile, default_reader};
 use crate::layout::TableFiles;
+use crate::remote::{RemoteRows, RemoteTier};
 use crate::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len};
 
 mod host;
@@ -150,6 +151,15 @@ pub struct CacheConfig {
     /// about `host_rows * row bytes`, and copied back on a later miss
     /// instead of read from disk.
     pub host_rows: usize,
+    /// Read misses from this remote tier instead of the shard files: the
+    /// table is opened on it at [`CachedTable::open`] (refused unless its
+    /// servers hold a complete load of it, see [`crate::remote`]), and
+    /// every miss the host tier does not hold is fetched from it.
+    pub remote: Option<Arc<dyn RemoteTier>>,
+    /// With `remote`: read the rows of a failed remote fetch from the
+    /// shard files instead (else the resolve fails, as a failed disk read
+    /// does).
+    pub remote_fallback: bool,
 }
 
 /// The policy of [`CacheConfig::new`]: S3-FIFO, which keeps more hot rows
@@ -189,6 +199,8 @@ impl CacheConfig {
             pin_wait: Duration::from_secs(10),
             policy: DEFAULT_POLICY,
             host_rows: 0,
+            remote: None,
+            remote_fallback: false,
         }
     }
 }
@@ -246,6 +258,10 @@ struct Inner {
     /// Most slots prefetches may hold queued or loading.
     prefetch_cap: usize,
     host: Option<HostTier>,
+    /// Where misses are read from instead of the shard files.
+    remote: Option<Arc<dyn RemoteRows>>,
+    /// Read the rows of a failed remote fetch from the shard files.
+    remote_fallback: bool,
     /// Slots in the arena (fixed at open; also `st.slots.len()`).
     slot_count: usize,
     pin_wait: Duration,
@@ -317,6 +333,10 @@ impl CachedTable {
             .iter()
             .map(|s| ShardFile::open(&s.path, cfg.direct))
             .collect::<Result<Vec<_>>>()?;
+        let remote = match &cfg.remote {
+            Some(tier) => Some(tier.open(&files)?),
+            None => None,
+        };
         let reader = match cfg.reader {
             Some(r) => r,
             None => default_reader(cfg.io_depth)?,
@@ -353,6 +373,8 @@ impl CachedTable {
             max_resolve,
             prefetch_cap: cfg.slots - max_resolve,
             host: (cfg.host_rows > 0).then(|| HostTier::new(cfg.host_rows, host_entry)),
+            remote,
+            remote_fallback: cfg.remote_fallback,
             slot_count: cfg.slots,
             pin_wait: cfg.pin_wait,
             st: Mutex::new(State {
@@ -375,6 +397,10 @@ impl CachedTable {
         let worker = std::thread::Builder::new()
             .name("table-prefetch".into())
             .spawn(move || {
+                if w.remote.is_some() {
+                    w.remote_prefetch(&rx);
+                    return;
+                }
                 let mut feed = read::PrefetchFeed::new(&w, &rx);
                 while feed.wait() {
                     w.reader.read_feed(&mut feed);

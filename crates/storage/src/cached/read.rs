@@ -24,6 +24,7 @@ use crossbeam_channel::Receiver;
 use super::Inner;
 use crate::error::{Result, StorageError};
 use crate::io::{AlignedBuf, FeedRead, ReadFeed, ReadReq};
+use crate::remote::{RemoteRows, RowDst};
 
 /// Largest single read: adjacent pages are merged up to this size.
 const MAX_EXTENT: u64 = 128 * 1024;
@@ -244,8 +245,11 @@ impl Inner {
         }
     }
 
-    /// Read the rows of `loads` into their slots. The slots are `LOADING`
-    /// and owned by the caller; nothing else reads or writes them.
+    /// Read the rows of `loads` into their slots: from the host tier when
+    /// it holds them, else from the remote tier when there is one (and,
+    /// when its fetch fails and fallback is on, from the shard files), else
+    /// from the shard files. The slots are `LOADING` and owned by the
+    /// caller; nothing else reads or writes them.
     pub(super) fn load(&self, loads: &[(u32, u64)]) -> Result<()> {
         let from_disk;
         let loads = match &self.host {
@@ -258,6 +262,57 @@ impl Inner {
                 &from_disk[..]
             }
         };
+        if let Some(remote) = &self.remote {
+            match self.fetch_remote(remote.as_ref(), loads) {
+                Ok(()) => return Ok(()),
+                Err(e) if self.remote_fallback => {
+                    tracing::debug!(error = %e, rows = loads.len(), "remote fetch failed; reading the rows from the shard files");
+                    remote.fell_back(loads.len() as u64);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.load_disk(loads)
+    }
+
+    /// Fetch the rows of `loads` from the remote tier straight into their
+    /// slots (`LOADING`, owned by the caller).
+    fn fetch_remote(&self, remote: &dyn RemoteRows, loads: &[(u32, u64)]) -> Result<()> {
+        let mut dst: Vec<RowDst<'_>> = loads
+            .iter()
+            .map(|&(s, id)| {
+                let s = s as usize;
+                // SAFETY: the slot is LOADING and owned by this load (see
+                // `load`), so nothing else reads or writes it; both ranges
+                // lie inside the arena and are disjoint from every other
+                // slot's.
+                let (row, scale) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(
+                            self.arena.host.add(s * self.stride),
+                            self.row_bytes,
+                        ),
+                        if self.fp8 {
+                            std::slice::from_raw_parts_mut(
+                                self.arena.host.add(self.scale_base + s * 4),
+                                4,
+                            )
+                        } else {
+                            &mut [][..]
+                        },
+                    )
+                };
+                RowDst { id, row, scale }
+            })
+            .collect();
+        let bytes = remote.fetch(&mut dst)?;
+        self.stats.bytes_read.fetch_add(bytes, Relaxed);
+        self.stats.read_calls.fetch_add(1, Relaxed);
+        Ok(())
+    }
+
+    /// Read the rows of `loads` from the shard files into their slots.
+    fn load_disk(&self, loads: &[(u32, u64)]) -> Result<()> {
         let plan = self.plan(loads)?;
         let mut buf = self.take_buf(plan.total);
         let results = {
@@ -297,6 +352,32 @@ impl Inner {
         }
         self.give_buf(buf);
         Ok(())
+    }
+
+    /// The prefetch thread of a cache over a remote tier: each request's
+    /// rows (and those of every request queued behind it) claimed, then
+    /// loaded as one batch (one request per server), then published; a
+    /// failed batch leaves its rows unmapped for a resolve to read itself.
+    pub(super) fn remote_prefetch(&self, rx: &Receiver<Vec<u64>>) {
+        while let Ok(ids) = rx.recv() {
+            let mut claimed = self.claim_prefetch(&ids);
+            while let Ok(more) = rx.try_recv() {
+                claimed.extend(self.claim_prefetch(&more));
+            }
+            let loads = self.start_prefetch(&claimed);
+            if loads.is_empty() {
+                continue;
+            }
+            let r = self.load(&loads);
+            if let Err(e) = &r {
+                // Advice only: a resolve that needs these rows fetches them
+                // itself and reports a lasting fault.
+                tracing::debug!(error = %e, "remote prefetch failed; rows left unmapped");
+            }
+            let mut g = self.st.lock();
+            g.prefetching -= loads.len();
+            self.finish_loads(&mut g, &loads, r.is_ok());
+        }
     }
 
     /// Make the rows of a prefetch visible: `ready` ones `READY`, `failed`

@@ -75,6 +75,7 @@ use metrale_model_layers::bench::Rng;
 use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
+use metrale_storage::remote::RemoteTier;
 use metrale_storage::table::{RowRef, TableStats};
 use serde::Serialize;
 
@@ -167,6 +168,15 @@ pub struct OffloadArgs {
     /// says so).
     #[arg(long, value_name = "FILE")]
     corpus: Option<PathBuf>,
+    /// Also serve the checkpoint from these Redis-protocol servers (the
+    /// `remote` rows; its tables are pushed first, resuming a load already
+    /// there), and measure a step's batch through the remote tier against
+    /// raw MGETs of the same keys.
+    #[arg(long, value_name = "redis://H:P[,redis://H:P...]")]
+    remote: Option<String>,
+    /// Connect, read and write timeout of each remote server (ms).
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    remote_timeout_ms: u64,
 }
 
 /// A setting to keep.
@@ -378,6 +388,8 @@ struct Report {
     /// measured streams read all of it, the fill its second half, the
     /// hot-row count of `--packed` its second quarter).
     corpus_reread: bool,
+    /// The remote tier's figures (`--remote`).
+    remote: Option<super::remote::RemoteBench>,
     rows: Vec<OffloadRow>,
 }
 
@@ -491,6 +503,7 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         reader: None,
         policy: args.cache_policy,
         host_rows: args.host_rows,
+        ..CacheOptions::default()
     };
     let mut trace_reread = false;
     let (packed, _packed_scratch) = if args.packed {
@@ -511,6 +524,15 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
     } else {
         (None, None)
     };
+    let remote = match &args.remote {
+        Some(urls) => {
+            let tier = crate::cmd::remote::open_tier(urls, args.remote_timeout_ms)?;
+            let per_step = sizes.sequences * ck.sites[0].spec.dims.ngram_heads();
+            let bench = super::remote::measure(&ck, &tier, per_step).map_err(failure)?;
+            Some((tier, bench))
+        }
+        None => None,
+    };
     let mut report = measure_all(
         &ck,
         packed.as_ref(),
@@ -521,8 +543,16 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         backbones,
         &tuning,
         args.read_depth,
+        remote.as_ref().map(|r| &r.0),
     )
     .map_err(failure)?;
+    report.remote = remote.map(|(tier, mut bench)| {
+        bench.served = Some(crate::cmd::remote::RemoteSummary::of(
+            tier.describe(),
+            &tier.stats(),
+        ));
+        bench
+    });
     report.workload = workload;
     report.corpus_reread |= trace_reread;
     if report.corpus_reread {
@@ -837,6 +867,8 @@ struct Setting<'a> {
     backbone: Option<&'a BackboneConfig>,
     tuning: &'a CacheOptions,
     depth: usize,
+    /// The tier the `remote` table reads its misses from.
+    remote: Option<&'a super::remote::Tier>,
 }
 
 /// The sites' waits for rows not covered by the blocks before them.
@@ -855,6 +887,7 @@ fn measure_all(
     backbones: &[bool],
     tuning: &CacheOptions,
     depth: usize,
+    remote: Option<&super::remote::Tier>,
 ) -> Result<Report> {
     let site = &ck.sites[0];
     let stored = site.table.stored_rows;
@@ -899,6 +932,9 @@ fn measure_all(
     if let Some(p) = padded {
         tables.push(("padded", TableMode::Cached, p));
     }
+    if remote.is_some() {
+        tables.push(("remote", TableMode::Cached, ck));
+    }
     let mut rows = Vec::new();
     let mut reread = false;
     for &backbone in backbones {
@@ -912,6 +948,7 @@ fn measure_all(
                 backbone: bb.as_ref(),
                 tuning,
                 depth,
+                remote,
             };
             let group = measure_group(&setting, &tables)
                 .with_context(|| format!("prefetch {prefetch}, backbone {backbone}"))?;
@@ -964,6 +1001,7 @@ fn measure_all(
         workload: String::new(),
         corpus_documents: source.documents(),
         corpus_reread: reread,
+        remote: None,
         rows,
     })
 }
@@ -1298,6 +1336,7 @@ impl Config {
             backbone,
             tuning,
             depth,
+            remote,
         } = *set;
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
         let setup = EngineSetup {
@@ -1314,13 +1353,17 @@ impl Config {
         let t_open = Instant::now();
         let rows = sizes.sequences.max(sizes.prompt);
         let cached = mode == TableMode::Cached;
-        let timed = if cached {
+        // The remote table reads no disk: no timed reader, so its read
+        // share is left out rather than shown as nothing.
+        let remote = remote.filter(|_| name == "remote");
+        let timed = if cached && remote.is_none() {
             Some(Arc::new(TimedReader::new(default_reader(depth)?)))
         } else {
             None
         };
         let cache = CacheOptions {
             reader: timed.clone().map(|t| t as Arc<dyn PageReader>),
+            remote: remote.map(|t| t.clone() as Arc<dyn RemoteTier>),
             ..tuning.clone()
         };
         let sites = build_sites(ck, &gpu, &setup, rows, &cache)?;
@@ -1626,6 +1669,9 @@ fn print(r: &Report, json: bool) -> Result<()> {
             r.disk_read_cpu_us
         )
     )?;
+    if let Some(rb) = &r.remote {
+        write!(out, "{}", super::remote::lines(rb, r.disk_read_cpu_us))?;
+    }
     writeln!(
         out,
         "backbone: {} layers of GEMM blocks at 1/{} width where on; row cache policy {}, \
