@@ -55,10 +55,11 @@ use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
 use crate::names::{
     CONFIG_FILE, EngramDemoNames, INDEX_FILE, SINGLE_FILE, TOKEN_MAP_FILE, TOKEN_MAP_TENSOR,
-    V41Names,
+    TOKENIZER_FILE, V41Names,
 };
 use crate::release::{SplitTable, check_split, is_block_scale};
 use crate::token_map::decode_token_map;
+use metrale_model_layers::layers::ple::spec::engram::tokenizer::token_map_from_tokenizer_json;
 
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -178,9 +179,12 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
 /// `spec` with the checkpoint's compressed-token map, when it is an Engram
 /// spec and the directory has one, as the file [`TOKEN_MAP_FILE`] or the
 /// tensor [`TOKEN_MAP_TENSOR`] listed in `files` (both only if they agree
-/// entry for entry): the map must cover the raw vocabulary (`vocab_size`
-/// entries) and map onto exactly `engram_compressed_vocab_size` ids
-/// containing the pad id.
+/// entry for entry), or else built from the checkpoint's `tokenizer.json`
+/// as the engines that serve DeepSeek's releases build it (a release ships
+/// no map). The map must cover the raw vocabulary (`vocab_size` entries)
+/// and map onto exactly `engram_compressed_vocab_size` ids containing the
+/// pad id. An Engram checkpoint with none of the three is refused: hashing
+/// raw ids would address other rows without a word.
 fn with_token_map(spec: ModelSpec, dir: &Path, files: &Files) -> Result<ModelSpec> {
     if !matches!(spec.family, ModelFamily::Engram(_)) {
         return Ok(spec);
@@ -210,7 +214,24 @@ fn with_token_map(spec: ModelSpec, dir: &Path, files: &Files) -> Result<ModelSpe
         None
     };
     let (source, map) = match (from_file, from_tensor) {
-        (None, None) => return Ok(spec),
+        (None, None) => {
+            let tok = dir.join(TOKENIZER_FILE);
+            if !tok.is_file() {
+                return Err(CheckpointError::Invalid(format!(
+                    "{}: an Engram checkpoint hashes compressed token ids, but it has no token \
+                     map: none of {TOKEN_MAP_FILE}, the tensor {TOKEN_MAP_TENSOR} or \
+                     {TOKENIZER_FILE} is there (`metrale-ple token-map tokenizer.json -o \
+                     {TOKEN_MAP_FILE}` writes one)",
+                    dir.display()
+                )));
+            }
+            let built = token_map_from_tokenizer_json(&tok)
+                .map_err(|e| CheckpointError::Invalid(format!("{e}")))?;
+            (
+                format!("{} (built from the tokenizer)", tok.display()),
+                built.map.to_vec(),
+            )
+        }
         (Some(m), None) | (None, Some(m)) => m,
         (Some((file, a)), Some((tensor, b))) => {
             if let Some(i) = (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i)) {

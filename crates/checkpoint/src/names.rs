@@ -136,6 +136,10 @@ impl SiteNames {
 /// through it.
 pub const TOKEN_MAP_FILE: &str = "engram_token_map.json";
 
+/// The tokenizer a Hugging Face checkpoint ships; an Engram checkpoint
+/// without a token map has its map built from it.
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
 /// The compressed-token map as a tensor of the checkpoint instead of
 /// [`TOKEN_MAP_FILE`]: `[vocab_size]` I64, I32 or U32, listed in the index
 /// like any tensor (`crate::token_map`).

@@ -306,7 +306,8 @@ fn multimodal_configs_nest_the_text_keys() {
 
 #[test]
 fn keys_that_change_the_math_are_never_ignored() {
-    let cases: [(&str, Box<dyn Fn(&mut Value)>, &str); 6] = [
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let cases: [(&str, Edit, &str); 6] = [
         (
             "old and new seed disagree",
             Box::new(|v| v["ple_hash_seed"] = 7.into()),
