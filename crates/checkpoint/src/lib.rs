@@ -19,6 +19,7 @@
 //! Invariant: a [`load::Checkpoint`] exists only for a directory that
 //! passed every check in [`load`].
 
+pub mod backbone;
 pub mod concat;
 pub mod error;
 pub mod family;

@@ -7,6 +7,7 @@
 //! models' real configs (key names, widths, hash constants, logical table
 //! sizes); `init` cuts their tables to the rows asked for.
 
+use crate::backbone::Backbone;
 use metrale_model_layers::layers::ple::spec::{
     EngramKeys, EngramSpec, LongCatKeys, LongCatSpec, ModelFamily, ModelSpec,
 };
@@ -90,6 +91,48 @@ impl Preset {
             | Preset::EngramDemo
             | Preset::DeepseekV41
             | Preset::LongcatFlashLite => Some(1 << 20),
+        }
+    }
+
+    /// The rest of the model `init` writes beside the PLE sites so that
+    /// transformers loads it whole: the small Qwen4-Exp presets. The
+    /// flagship's backbone (80 B parameters) and the other families' are
+    /// not written.
+    pub fn backbone(self) -> Option<Backbone> {
+        let tiny = Backbone {
+            attention_heads: 2,
+            kv_heads: 1,
+            head_dim: 32,
+            linear_key_heads: 2,
+            linear_value_heads: 2,
+            linear_key_dim: 16,
+            linear_value_dim: 16,
+            linear_conv_kernel: 4,
+            experts: 4,
+            experts_per_token: 2,
+            moe_intermediate: 32,
+            shared_intermediate: 32,
+            hc_lowrank: 16,
+            indexer_heads: 2,
+            indexer_head_dim: 32,
+            indexer_budget: 8,
+            indexer_compress_ratio: 4,
+        };
+        match self {
+            Preset::Tiny => Some(tiny),
+            Preset::Small => Some(Backbone {
+                attention_heads: 4,
+                head_dim: 64,
+                linear_value_heads: 4,
+                linear_key_dim: 32,
+                linear_value_dim: 32,
+                moe_intermediate: 64,
+                shared_intermediate: 64,
+                hc_lowrank: 32,
+                indexer_head_dim: 64,
+                ..tiny
+            }),
+            _ => None,
         }
     }
 

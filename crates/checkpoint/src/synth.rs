@@ -35,6 +35,7 @@ use metrale_storage::dtype::{
 use metrale_storage::layout::scale_name;
 use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 
+use crate::backbone::{Backbone, Init};
 use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
 use crate::names::{
@@ -501,7 +502,8 @@ pub fn write_synthetic_as(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<ModelSpec> {
     let (g, _) = init_spec(opts)?;
-    write_planned(dir, g, (opts.dtype, layout), opts.seed, progress)
+    let backbone = opts.preset.backbone();
+    write_planned(dir, g, backbone, (opts.dtype, layout), opts.seed, progress)
 }
 
 /// Write a synthetic checkpoint of any valid `spec` (tests build small
@@ -529,12 +531,13 @@ pub fn write_spec_synthetic_as(
 ) -> Result<ModelSpec> {
     spec.validate("the given spec")?;
     let (g, _) = plan(spec.clone(), "given", table_rows)?;
-    write_planned(dir, g, (dtype, layout), seed, &mut |_, _| {})
+    write_planned(dir, g, None, (dtype, layout), seed, &mut |_, _| {})
 }
 
 fn write_planned(
     dir: &Path,
     g: ModelSpec,
+    backbone: Option<Backbone>,
     (dtype, table_layout): (TableDType, TableLayout),
     seed: u64,
     progress: &mut dyn FnMut(u64, u64),
@@ -564,7 +567,13 @@ fn write_planned(
             g.head_dim
         )));
     }
-    let total = planned(&g, dtype)?;
+    let total = planned(&g, dtype)?
+        + backbone.map_or(0, |b| {
+            b.tensors(&g)
+                .iter()
+                .map(|(_, shape, _)| 2 * shape.iter().product::<u64>())
+                .sum()
+        });
     let name = dir
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -574,7 +583,14 @@ fn write_planned(
         std::fs::remove_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
     }
     std::fs::create_dir_all(&partial).map_err(|e| CheckpointError::io(&partial, e))?;
-    let r = write_into(&partial, &g, (dtype, table_layout, seed), total, progress);
+    let r = write_into(
+        &partial,
+        &g,
+        backbone,
+        (dtype, table_layout, seed),
+        total,
+        progress,
+    );
     if let Err(e) = r {
         let _ = std::fs::remove_dir_all(&partial);
         return Err(e);
@@ -600,6 +616,7 @@ fn st_err(path: &Path, e: StorageError) -> CheckpointError {
 fn write_into(
     dir: &Path,
     g: &ModelSpec,
+    backbone: Option<Backbone>,
     (dtype, table_layout, seed): (TableDType, TableLayout, u64),
     total: u64,
     progress: &mut dyn FnMut(u64, u64),
@@ -629,6 +646,25 @@ fn write_into(
                 t.dtype = Dtype::F8E8M0;
             }
             dense.push((s, t));
+        }
+    }
+    // The rest of the model, for transformers (never read by the runtime).
+    if let Some(b) = backbone {
+        for (i, (name, shape, init)) in b.tensors(g).into_iter().enumerate() {
+            let fill = match init {
+                Init::Random => Fill::Bf16 {
+                    center: 0.0,
+                    amp: 0.02,
+                },
+                Init::Constant(v) => Fill::Bf16 {
+                    center: v,
+                    amp: 0.0,
+                },
+            };
+            dense.push((
+                0,
+                Dense::new(name, Dtype::BF16, &shape, 0x9000 + i as u64, fill),
+            ));
         }
     }
     let specs: Vec<TensorSpec> = dense
@@ -685,7 +721,20 @@ fn write_into(
     text.push('\n');
     std::fs::write(&ipath, text).map_err(|e| CheckpointError::io(&ipath, e))?;
     let cpath = dir.join(CONFIG_FILE);
-    std::fs::write(&cpath, g.to_config_json()).map_err(|e| CheckpointError::io(&cpath, e))?;
+    let config = match backbone {
+        None => g.to_config_json(),
+        Some(b) => {
+            let mut v: serde_json::Value =
+                serde_json::from_str(&g.to_config_json()).expect("the spec writes JSON");
+            if let (Some(o), serde_json::Value::Object(extra)) = (v.as_object_mut(), b.config()) {
+                o.extend(extra);
+            }
+            let mut text = serde_json::to_string_pretty(&v).expect("a JSON value serialises");
+            text.push('\n');
+            text
+        }
+    };
+    std::fs::write(&cpath, config).map_err(|e| CheckpointError::io(&cpath, e))?;
     if let ModelFamily::Engram(e) = &g.family {
         let map = synthetic_token_map(g.vocab_size, e.compressed_vocab_size);
         let mpath = dir.join(TOKEN_MAP_FILE);

@@ -723,6 +723,20 @@ pub(super) fn checkpoint_dir(dir: &Option<PathBuf>) -> Result<PathBuf, CmdError>
         return Ok(d.clone());
     }
     let d = cache_root()?.join("tiny");
+    // A tiny checkpoint an earlier metrale-ple wrote in the project's
+    // earlier layout (before transformers' names) is written anew.
+    let config = d.join(metrale_checkpoint::names::CONFIG_FILE);
+    if d.exists()
+        && std::fs::read_to_string(&config).is_ok_and(|t| !t.contains("\"qwen4_exp_text\""))
+    {
+        eprintln!(
+            "rewriting the tiny checkpoint at {} (an earlier layout)",
+            d.display()
+        );
+        std::fs::remove_dir_all(&d)
+            .with_context(|| format!("removing {}", d.display()))
+            .map_err(failure)?;
+    }
     if !d.exists() {
         eprintln!("writing the tiny checkpoint to {} (first use)", d.display());
         if let Some(parent) = d.parent() {
