@@ -263,10 +263,19 @@ impl Fields<'_> {
     /// `ngram_vocab_size_ratio` or `oe_vocab_size_ratio`), else Qwen4Exp.
     /// Keys of two families at once are refused.
     fn family_keys(&self) -> Result<Option<FamilyKeys>, SpecError> {
-        let v41 = self
-            .map
-            .keys()
-            .any(|k| k.starts_with("engram_") && k != "engram_vocab_size");
+        // V4.1 is named by its geometry keys; other `engram_*` keys (a
+        // quantised repack's `engram_rotation_config`) name no family.
+        const V41_KEYS: [&str; 8] = [
+            "engram_layer_ids",
+            "engram_max_ngram_size",
+            "engram_n_heads",
+            "engram_head_dim",
+            "engram_pad_token_id",
+            "engram_pad_id",
+            "engram_compressed_vocab_size",
+            "engram_num_embeddings",
+        ];
+        let v41 = V41_KEYS.iter().any(|k| self.has(k));
         let engram = if v41 {
             Some(EngramKeys::V41)
         } else if self.has("engram_vocab_size") {
@@ -274,7 +283,26 @@ impl Fields<'_> {
         } else {
             None
         };
-        let use_oe = self.map.get("use_oe_embedding").and_then(Value::as_bool) != Some(false);
+        // SGLang reads `use_oe_embedding` by truthiness and vLLM ignores it:
+        // only a boolean is unambiguous.
+        let use_oe = match self.map.get("use_oe_embedding") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(self.field_err(
+                    "use_oe_embedding",
+                    format!("must be true or false, got {v}"),
+                ));
+            }
+        };
+        if !use_oe && self.has("oe_vocab_size_ratio") && !self.has("ngram_vocab_size_ratio") {
+            return Err(self.field_err(
+                "use_oe_embedding",
+                "is false: the config turns its n-gram embedding off, so it has no site to \
+                 serve"
+                    .into(),
+            ));
+        }
         let longcat = if self.has("ngram_vocab_size_ratio") {
             Some(LongCatKeys::Flash)
         } else if self.has("oe_vocab_size_ratio") && use_oe {

@@ -136,8 +136,25 @@ pub(super) fn parse(f: &Fields, keys: EngramKeys) -> Result<ModelSpec, SpecError
         ple_layer_ids.push(one_based);
     }
 
+    // transformers' DeepSeek-V4.1 config spells the pad `engram_pad_id`,
+    // vLLM reads `engram_pad_token_id`; either is the pad, both must agree.
     let pad_name = k("pad_id", "engram_pad_token_id");
-    let pad_id = u32_of(f, pad_name, f.u64(pad_name)?)?;
+    let pad = match (
+        f.u64_opt(pad_name)?,
+        v41.then(|| f.u64_opt("engram_pad_id"))
+            .transpose()?
+            .flatten(),
+    ) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(f.field_err(
+                pad_name,
+                format!("= {a}, but `engram_pad_id` says {b}; give one of them"),
+            ));
+        }
+        (Some(a), _) | (None, Some(a)) => a,
+        (None, None) => f.u64(pad_name)?,
+    };
+    let pad_id = u32_of(f, pad_name, pad)?;
     let cv_name = k("compressed_vocab_size", "engram_compressed_vocab_size");
     let compressed_vocab_size = if v41 {
         f.u64(cv_name)?
@@ -145,6 +162,18 @@ pub(super) fn parse(f: &Fields, keys: EngramKeys) -> Result<ModelSpec, SpecError
         f.u64_opt(cv_name)?.unwrap_or(vocab_size)
     };
     let hash_seed = f.u64_opt(k("seed", "engram_seed"))?.unwrap_or(0);
+    if v41 && hash_seed != 0 {
+        // The published V4.1 code and the engines that serve it hash with
+        // seed 0 and read no seed key: a seed here would address other rows
+        // than the model's.
+        return Err(f.field_err(
+            "engram_seed",
+            format!(
+                "= {hash_seed}, but DeepSeek-V4.1 hashes with seed 0 and its published code \
+                 reads no seed key; remove it"
+            ),
+        ));
+    }
     let kernel_name = k("kernel_size", "engram_kernel_size");
     let conv_kernel_size = match f.u64_opt(kernel_name)? {
         Some(v) => f.count_of(kernel_name, v, 1)?,
@@ -230,8 +259,9 @@ pub(super) fn to_json(spec: &ModelSpec, e: &EngramSpec) -> Value {
                 "engram_head_dim": spec.head_dim,
                 "engram_pad_token_id": e.pad_id,
                 "engram_compressed_vocab_size": e.compressed_vocab_size,
-                "engram_seed": spec.hash_seed,
-                "engram_kernel_size": spec.conv_kernel_size,
+                // This project's extension (the published model has no
+                // conv); written only when it is used.
+                "engram_kernel_size": (spec.conv_kernel_size != 1).then_some(spec.conv_kernel_size),
             })
         }
     };

@@ -361,3 +361,55 @@ fn keys_that_change_the_math_are_never_ignored() {
         .to_string();
     assert!(e.contains("is a `indexed_attention` layer"), "{e}");
 }
+
+/// Released DeepSeek-V4.1 and LongCat configs as the serving engines read
+/// them: the pad's two spellings, a repack's extra `engram_*` key, the
+/// seed no engine reads, and `use_oe_embedding`.
+#[test]
+fn released_engram_and_longcat_keys() {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/families/deepseek_v41.json");
+    let doc: Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let base = doc["config"].clone();
+    let parse = |v: &Value| ModelSpec::from_json_str(&v.to_string(), "c.json");
+    let want = parse(&base).unwrap();
+    // transformers' spelling of the pad.
+    let mut v = base.clone();
+    let pad = v["engram_pad_token_id"].clone();
+    v.as_object_mut().unwrap().remove("engram_pad_token_id");
+    v["engram_pad_id"] = pad.clone();
+    assert_eq!(parse(&v).unwrap(), want);
+    v["engram_pad_token_id"] = (pad.as_u64().unwrap() + 1).into();
+    let e = parse(&v).unwrap_err().to_string();
+    assert!(e.contains("`engram_pad_id` says"), "{e}");
+    // A quantised repack's top-level key names no family: text_config is read.
+    let nested = serde_json::json!({
+        "model_type": "deepseek_v41", "engram_rotation_config": {"x": 1}, "text_config": base,
+    });
+    assert_eq!(parse(&nested).unwrap(), want);
+    // No engine reads a seed.
+    let mut v = base.clone();
+    v["engram_seed"] = 5.into();
+    let e = parse(&v).unwrap_err().to_string();
+    assert!(
+        e.contains("`engram_seed` = 5") && e.contains("seed 0"),
+        "{e}"
+    );
+    v["engram_seed"] = 0.into();
+    assert_eq!(parse(&v).unwrap(), want);
+
+    let oe = serde_json::json!({
+        "vocab_size": 1000, "hidden_size": 64, "eos_token_id": 2,
+        "oe_vocab_size_ratio": 3, "oe_neighbor_num": 3, "oe_split_num": 2,
+    });
+    assert!(parse(&oe).is_ok());
+    let mut v = oe.clone();
+    v["use_oe_embedding"] = false.into();
+    let e = parse(&v).unwrap_err().to_string();
+    assert!(e.contains("`use_oe_embedding` is false"), "{e}");
+    v["use_oe_embedding"] = 0.into();
+    let e = parse(&v).unwrap_err().to_string();
+    assert!(
+        e.contains("`use_oe_embedding` must be true or false"),
+        "{e}"
+    );
+}
