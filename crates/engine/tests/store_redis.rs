@@ -5,7 +5,6 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
@@ -17,6 +16,7 @@ use metrale_engine::{Engine, EngineConfig};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_testkit::drive::reference_run;
+use metrale_testkit::redis::{RedisServer as Server, free_port, have_redis};
 use metrale_testkit::rows::rows_for;
 use metrale_testkit::toy::ToySite;
 
@@ -28,14 +28,6 @@ fn cfg() -> RedisConfig {
         backoff_max: Duration::from_millis(100),
         ..RedisConfig::default()
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A fake server on 127.0.0.1: `garbage` answers every read with bytes
@@ -186,72 +178,6 @@ fn bad_addresses_are_refused() {
     ));
     assert!(metrale_engine::store::open_store("ftp://x", &Default::default()).is_err());
     assert!(metrale_engine::store::open_store("dir:", &Default::default()).is_err());
-}
-
-/// A `redis-server` on a free loopback port, without persistence.
-struct Server {
-    child: Child,
-    port: u16,
-}
-
-impl Server {
-    fn start(port: u16) -> Option<Server> {
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .ok()?;
-        let s = Server { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(mut c) = TcpStream::connect(("127.0.0.1", port)) {
-                c.set_read_timeout(Some(Duration::from_millis(200))).ok();
-                let mut buf = [0u8; 16];
-                if c.write_all(b"PING\r\n").is_ok()
-                    && c.read(&mut buf)
-                        .is_ok_and(|n| buf[..n].starts_with(b"+PONG"))
-                {
-                    return Some(s);
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server on port {port} did not answer PING within 10 s");
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}/0", self.port)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn have_redis() -> bool {
-    let found = Command::new("redis-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok();
-    if !found {
-        println!("skipped: redis-server not installed");
-    }
-    found
 }
 
 #[test]
