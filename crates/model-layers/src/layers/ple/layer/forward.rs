@@ -411,13 +411,13 @@ impl PleLayer {
         first_row: usize,
         stream: StreamId,
     ) -> Result<()> {
-        let cfg = self.kernels.shapes.gather(n, self.spec.head_dim);
+        let cfg = self.kernels.shapes.gather(n, self.row_dim);
         gpu.launch(self.kernels.gather, cfg)
             .ptr(refs)
             .u32(n as u32)
-            .u32(self.spec.head_dim as u32)
+            .u32(self.row_dim as u32)
             .u32(self.dtype_code)
-            .ptr(self.bufs.emb.offset(first_row * self.spec.head_dim * 4))
+            .ptr(self.bufs.emb.offset(first_row * self.row_dim * 4))
             .run(stream)
             .device(|| format!("launching PLE gather of {n} rows from refs at {refs}"))
     }
@@ -436,7 +436,7 @@ impl PleLayer {
         masked: Option<&[bool]>,
         stream: StreamId,
     ) -> Result<()> {
-        let e = self.dims.ngram_heads() * self.spec.head_dim;
+        let e = self.dims.ngram_heads() * self.row_dim;
         let o = self.projection_outputs();
         gpu.launch(self.kernels.project, self.kernels.shapes.project(t, o))
             .ptr(self.bufs.emb)
@@ -473,6 +473,18 @@ impl PleLayer {
         let c = self.channels();
         let o = self.projection_outputs();
         let shapes = self.kernels.shapes;
+        if let Some(s) = &self.shard {
+            // A rank's projection is a partial sum over its columns: the
+            // collective completes it before anything that is not linear.
+            s.reduce
+                .all_reduce_sum(gpu, self.bufs.kv, t * o, stream)
+                .map_err(|error| LayerError::Reduce {
+                    rank: s.tp.rank(),
+                    ranks: s.tp.ranks(),
+                    len: t * o,
+                    error,
+                })?;
+        }
         if let Some(k) = self.kernels.bias_add {
             gpu.launch(k, shapes.elementwise(t * o))
                 .ptr(self.bufs.kv)
