@@ -15,11 +15,9 @@ use metrale_engine::{Engine, EngineConfig, SeqId};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::spec::ModelSpec;
-use metrale_model_layers::layers::ple::{
-    LayerError, PleLayer, ShardError, TensorParallel, Shard,
-};
-use metrale_storage::cached::CacheConfig;
+use metrale_model_layers::layers::ple::{LayerError, PleLayer, Shard, ShardError, TensorParallel};
 use metrale_storage::TableMode;
+use metrale_storage::cached::CacheConfig;
 use metrale_storage::table::RowDType;
 use metrale_testkit::families::{TinyFamily, family_site_of};
 use metrale_testkit::rows::rows_for;
@@ -89,7 +87,9 @@ impl Model {
 
 /// Tokens below 40 are in every family's vocabulary.
 fn tokens(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 7 + salt * 13 + 1) % 40).collect()
+    (0..n as u32)
+        .map(|i| (i * 7 + salt * 13 + 1) % 40)
+        .collect()
 }
 
 /// Chunked prefill of two sequences, batched decode, a snapshot, release
@@ -145,7 +145,7 @@ fn script_with_inputs(e: &mut Engine<PleSite>) -> (Vec<f32>, Vec<f32>) {
 /// The outputs of `ranks` in-process ranks of `model`, one thread and one
 /// backend a rank.
 fn ranks_run(model: Model, ranks: usize) -> Vec<Vec<f32>> {
-    let group = InProcessGroup::new(ranks);
+    let group = InProcessGroup::ranks(ranks);
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..ranks)
             .map(|r| {
@@ -185,7 +185,10 @@ fn tensor_parallel_ranks_reproduce_the_unsharded_site_for_every_family() {
         // The sites change every row well beyond the tolerance below, so
         // matching within it means the ranks computed the sites' updates.
         let moved = max_rel_diff(&want, &inputs);
-        assert!(moved > 1e-2, "{model:?}: the sites moved the rows by {moved:e}");
+        assert!(
+            moved > 1e-2,
+            "{model:?}: the sites moved the rows by {moved:e}"
+        );
         for ranks in [2, 4] {
             let outs = ranks_run(model, ranks);
             for (r, got) in outs.iter().enumerate() {
@@ -258,7 +261,7 @@ fn tensor_parallel_ranks_read_a_share_of_the_table_bytes() {
     let (want, full) = run(&gpu, "full", None);
     assert!(full > 0, "the unsharded cache read nothing");
     for ranks in [2u64, 4] {
-        let group = InProcessGroup::new(ranks as usize);
+        let group = InProcessGroup::ranks(ranks as usize);
         let results: Vec<(Vec<f32>, u64)> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..ranks as usize)
                 .map(|r| {
@@ -289,7 +292,7 @@ fn tensor_parallel_splits_that_do_not_divide_are_refused_by_name() {
     let (site, weights, table) = tiny_weights(&Model::tiny(), 0, SEED);
     let whole = metrale_testkit::tiny::TinyTable::new(gpu.clone(), &table, 16).unwrap();
     // 16 values over 3 ranks.
-    let group = InProcessGroup::new(3);
+    let group = InProcessGroup::ranks(3);
     let e = PleLayer::new_sharded(
         &site,
         weights.clone(),
@@ -310,13 +313,24 @@ fn tensor_parallel_splits_that_do_not_divide_are_refused_by_name() {
         "{e}"
     );
     let msg = e.to_string();
-    assert!(msg.contains("head_dim 16") && msg.contains("3 ranks"), "{msg}");
+    assert!(
+        msg.contains("head_dim 16") && msg.contains("3 ranks"),
+        "{msg}"
+    );
     // DeepSeek-V4.1's 32-value rows over 2 ranks would cut a scale block.
     let f = TinyFamily::EngramV41;
-    let group = InProcessGroup::new(2);
-    let e = family_site_of(&gpu, &f.spec(), f, 0, SEED, MAX_TOKENS, Some(shard_of(&group, 1)))
-        .err()
-        .expect("16 values a rank cut the 32-value scale block");
+    let group = InProcessGroup::ranks(2);
+    let e = family_site_of(
+        &gpu,
+        &f.spec(),
+        f,
+        0,
+        SEED,
+        MAX_TOKENS,
+        Some(shard_of(&group, 1)),
+    )
+    .err()
+    .expect("16 values a rank cut the 32-value scale block");
     let msg = format!("{e:#}");
     assert!(
         msg.contains("32 values over 2 ranks give 16 values a rank")
@@ -325,8 +339,8 @@ fn tensor_parallel_splits_that_do_not_divide_are_refused_by_name() {
     );
     // A whole-width table given to a rank.
     let shard = Shard::new(TensorParallel::new(1, 2).unwrap(), group[1].clone());
-    let e = PleLayer::new_sharded(&site, weights, whole, MAX_TOKENS, gpu.as_ref(), shard)
-        .unwrap_err();
+    let e =
+        PleLayer::new_sharded(&site, weights, whole, MAX_TOKENS, gpu.as_ref(), shard).unwrap_err();
     assert!(
         matches!(
             e,
@@ -349,7 +363,7 @@ fn tensor_parallel_one_rank_is_the_unsharded_layer_bit_for_bit() {
     let mut plain = Model::Qwen.engine(&gpu, None);
     let want = script(&mut plain);
     plain.close().unwrap();
-    let group = InProcessGroup::new(1);
+    let group = InProcessGroup::ranks(1);
     let mut one = Model::Qwen.engine(&gpu, Some(shard_of(&group, 0)));
     assert!(one.sites()[0].layer().tensor_parallel().is_single());
     let got = script(&mut one);

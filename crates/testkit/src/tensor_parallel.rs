@@ -48,7 +48,7 @@ impl InProcessGroup {
     pub const TIMEOUT: Duration = Duration::from_secs(120);
 
     /// One [`Reduce`] per rank of a new group of `ranks`.
-    pub fn new(ranks: usize) -> Vec<Arc<dyn Reduce>> {
+    pub fn ranks(ranks: usize) -> Vec<Arc<dyn Reduce>> {
         let group = Arc::new(InProcessGroup {
             ranks,
             meeting: Mutex::new(Meeting {
@@ -70,16 +70,15 @@ impl InProcessGroup {
     /// Give `part` for `rank`, wait for every rank's, and return the sum
     /// added in rank order.
     fn sum(&self, rank: usize, part: Vec<f32>) -> Result<Arc<Vec<f32>>, ReduceError> {
-        let m = self
-            .meeting
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let m = self.meeting.lock().unwrap_or_else(PoisonError::into_inner);
         // A rank that comes back before the last call's sum was taken by
         // everyone waits for that first.
         let gen0 = m.generation;
         let (mut m, t) = self
             .cv
-            .wait_timeout_while(m, Self::TIMEOUT, |m| m.sum.is_some() && m.generation == gen0)
+            .wait_timeout_while(m, Self::TIMEOUT, |m| {
+                m.sum.is_some() && m.generation == gen0
+            })
             .unwrap_or_else(PoisonError::into_inner);
         if t.timed_out() {
             return Err(format!("rank {rank} waited too long for the last sum to be taken").into());

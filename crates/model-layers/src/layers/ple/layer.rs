@@ -335,7 +335,9 @@ impl PleLayer {
     /// Which share of the site this layer runs ([`super::TensorParallel::SINGLE`]
     /// for an unsharded layer).
     pub fn tensor_parallel(&self) -> super::TensorParallel {
-        self.shard.as_ref().map_or(super::TensorParallel::SINGLE, |s| s.tp)
+        self.shard
+            .as_ref()
+            .map_or(super::TensorParallel::SINGLE, |s| s.tp)
     }
     /// Values of each table row this layer gathers: `head_dim / ranks`.
     pub fn row_dim(&self) -> usize {

@@ -32,7 +32,7 @@ mod staging;
 pub mod tensor_parallel;
 
 pub use layer::{ForwardContext, HashedIds, LayerError, PleLayer, PleSeqState, PleWeights};
-pub use tensor_parallel::{Reduce, ReduceError, Shard, ShardError, TensorParallel};
 pub use spec::{
     Combine, GateSign, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
 };
+pub use tensor_parallel::{Reduce, ReduceError, Shard, ShardError, TensorParallel};

@@ -50,7 +50,9 @@ impl Default for TensorParallel {
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum ShardError {
     /// No ranks, or a rank not below the number of ranks.
-    #[error("tensor-parallel rank {rank} of {ranks} ranks: the rank must be below a positive number of ranks")]
+    #[error(
+        "tensor-parallel rank {rank} of {ranks} ranks: the rank must be below a positive number of ranks"
+    )]
     Rank {
         /// The rank given.
         rank: usize,
@@ -280,7 +282,13 @@ mod tests {
     fn indivisible_and_block_cutting_splits_are_named() {
         let tp = TensorParallel::new(1, 4).unwrap();
         let e = tp.columns(18, RowDType::Bf16).unwrap_err();
-        assert_eq!(e, ShardError::Indivisible { head_dim: 18, ranks: 4 });
+        assert_eq!(
+            e,
+            ShardError::Indivisible {
+                head_dim: 18,
+                ranks: 4
+            }
+        );
         let msg = e.to_string();
         assert!(msg.contains("18") && msg.contains("4 ranks"), "{msg}");
         let e = tp.columns(64, RowDType::Fp8E4M3Block32).unwrap_err();
@@ -308,7 +316,9 @@ mod tests {
 
     #[test]
     fn block_scaled_rows_keep_their_blocks_scales() {
-        let vals: Vec<f32> = (0..64).map(|i| (i as f32 - 20.0) * (1 + i / 32) as f32).collect();
+        let vals: Vec<f32> = (0..64)
+            .map(|i| (i as f32 - 20.0) * (1 + i / 32) as f32)
+            .collect();
         let mut row = Vec::new();
         quantize_fp8_block_row(&vals, &mut row);
         let s = TensorParallel::new(1, 2)

@@ -146,7 +146,9 @@ pub enum LayerError {
     },
     /// The all-reduce of a rank's partial projection failed (the
     /// collective's error boxed, printed in the message).
-    #[error("all-reduce of {len} PLE projection values on tensor-parallel rank {rank} of {ranks}: {error}")]
+    #[error(
+        "all-reduce of {len} PLE projection values on tensor-parallel rank {rank} of {ranks}: {error}"
+    )]
     Reduce {
         /// The rank.
         rank: usize,
