@@ -15,7 +15,9 @@ use metrale_engine::{Engine, EngineConfig, SeqId};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::spec::ModelSpec;
-use metrale_model_layers::layers::ple::{LayerError, PleLayer, Shard, ShardError, TensorParallel};
+use metrale_model_layers::layers::ple::{
+    ForwardContext, LayerError, PleLayer, Shard, ShardError, TensorParallel,
+};
 use metrale_storage::TableMode;
 use metrale_storage::cached::CacheConfig;
 use metrale_storage::table::RowDType;
@@ -369,4 +371,36 @@ fn tensor_parallel_one_rank_is_the_unsharded_layer_bit_for_bit() {
     let got = script(&mut one);
     one.close().unwrap();
     assert!(metrale_testkit::same_bits(&got, &want));
+}
+
+#[test]
+fn tensor_parallel_ranks_without_a_capturable_collective_refuse_graphs() {
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let group = InProcessGroup::ranks(2);
+    let mut e = Model::Qwen.engine(&gpu, Some(shard_of(&group, 0)));
+    assert!(!e.sites()[0].layer().supports_capture());
+    assert!(e.enable_decode_graphs().is_err());
+    assert!(!e.decode_graphs());
+    // The layer itself refuses a capturing forward before touching the
+    // carry.
+    let layer = e.sites()[0].layer();
+    let mut st = layer.new_seq_state(gpu.as_ref()).unwrap();
+    let hw = gpu.alloc(layer.channels() * 4, "highway").unwrap();
+    let ctx = ForwardContext::new(gpu.as_ref())
+        .with_host_ids(&[5])
+        .capturing(true);
+    let err = layer.forward(&mut st, hw, 1, true, &ctx, 0).unwrap_err();
+    assert!(
+        matches!(&err, LayerError::Capture(m) if m.contains("rank 0 of 2")),
+        "{err}"
+    );
+    assert!(st.history().is_empty());
+    layer.release_seq_state(&mut st, gpu.as_ref()).unwrap();
+    gpu.free(hw).unwrap();
+    e.close().unwrap();
+    // One rank captures as before.
+    let one = InProcessGroup::ranks(1);
+    let mut e = Model::Qwen.engine(&gpu, Some(shard_of(&one, 0)));
+    e.enable_decode_graphs().unwrap();
+    e.close().unwrap();
 }

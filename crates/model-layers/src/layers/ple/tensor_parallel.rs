@@ -239,6 +239,14 @@ pub trait Reduce: Send + Sync {
         len: usize,
         stream: StreamId,
     ) -> Result<(), ReduceError>;
+
+    /// Whether [`Self::all_reduce_sum`] may be recorded in a captured graph
+    /// and replayed (a collective queued on the stream, reading and
+    /// writing `buf` at replay). The default says no: a sharded layer then
+    /// refuses capture, and an engine runs its decode eagerly.
+    fn capturable(&self) -> bool {
+        false
+    }
 }
 
 /// A rank's split and the collective it reduces with, as a layer holds it.

@@ -128,8 +128,26 @@ impl PleLayer {
         )
     }
 
-    pub(super) fn check_capture(ctx: &ForwardContext<'_>, stream: StreamId) -> Result<bool> {
-        Ok(ctx.capturing || ctx.gpu.stream_is_capturing(stream)?)
+    pub(super) fn check_capture(&self, ctx: &ForwardContext<'_>, stream: StreamId) -> Result<bool> {
+        let capturing = ctx.capturing || ctx.gpu.stream_is_capturing(stream)?;
+        if capturing && !self.supports_capture() {
+            let tp = self.tensor_parallel();
+            layer_bail!(
+                Capture,
+                "PLE forward refused under capture: tensor-parallel rank {} of {} reduces its \
+                 projection through a collective that cannot be captured; run it eagerly",
+                tp.rank(),
+                tp.ranks()
+            );
+        }
+        Ok(capturing)
+    }
+
+    /// Whether forwards of this layer can be captured in a graph: always
+    /// for one rank; for a tensor-parallel rank, when its collective can
+    /// ([`crate::layers::ple::Reduce::capturable`]).
+    pub fn supports_capture(&self) -> bool {
+        self.shard.as_ref().is_none_or(|s| s.reduce.capturable())
     }
 
     /// The mask of a call over `n` tokens (or batch rows), checked: refused
@@ -230,7 +248,7 @@ impl PleLayer {
         );
         layer_ensure!(num_tokens > 0, Usage, "PLE forward over zero tokens");
         layer_ensure!(!highway.is_null(), Usage, "PLE forward with a null highway");
-        let capturing = Self::check_capture(ctx, stream)?;
+        let capturing = self.check_capture(ctx, stream)?;
         let masked = self.check_mask(ctx.masked, num_tokens, capturing)?;
         let staged = st.prestaged_va.take();
         let needs_reset = fresh || st.history.len() != self.dims.context_len();
