@@ -404,3 +404,54 @@ fn tensor_parallel_ranks_without_a_capturable_collective_refuse_graphs() {
     e.enable_decode_graphs().unwrap();
     e.close().unwrap();
 }
+
+#[test]
+fn tensor_parallel_ranks_continue_an_unsharded_snapshot() {
+    let model = Model::Family(TinyFamily::EngramConv);
+    let prompt = tokens(11, 3);
+    let steps: Vec<u32> = vec![4, 17, 29, 8];
+    // Decode `steps` after `prompt` restored from `snap`: the output rows.
+    let continue_from = |e: &mut Engine<PleSite>, snap: &[u8]| -> Vec<f32> {
+        let w = e.width();
+        let id = e.add_from_snapshot(snap, &prompt).unwrap();
+        let mut toks = prompt.clone();
+        let mut out = Vec::new();
+        for &t in &steps {
+            toks.push(t);
+            let mut hw = rows_for(&toks, toks.len() - 1, toks.len(), w);
+            e.decode(&[(id, t)], &mut hw).unwrap();
+            out.extend_from_slice(&hw);
+        }
+        e.release(id).unwrap();
+        out
+    };
+    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+    let mut e = model.engine(&gpu, None);
+    let id = e.add_sequence(&prompt).unwrap().id;
+    let mut hw = rows_for(&prompt, 0, prompt.len(), e.width());
+    e.prefill(id, &prompt, &mut hw).unwrap();
+    let snap = e.snapshot(id).unwrap();
+    e.release(id).unwrap();
+    let want = continue_from(&mut e, &snap);
+    e.close().unwrap();
+    let group = InProcessGroup::ranks(2);
+    let outs: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let shard = shard_of(&group, r);
+                let (snap, continue_from) = (&snap, &continue_from);
+                s.spawn(move || {
+                    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+                    let mut e = model.engine(&gpu, Some(shard));
+                    let out = continue_from(&mut e, snap);
+                    e.close().unwrap();
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(metrale_testkit::same_bits(&outs[0], &outs[1]));
+    let d = max_rel_diff(&outs[0], &want);
+    assert!(d <= 2e-6, "largest difference {d:e}");
+}
