@@ -4,7 +4,8 @@
 //! or behind the row cache, wrapped in a [`FoldedTable`] when the table is
 //! cut; LongCat's sub-tables are each served (and folded) alone and joined
 //! by a [`ConcatTable`];
-//! [`Checkpoint::build_layer`] builds the site's [`PleLayer`] over it.
+//! [`Checkpoint::build_layer`] builds the site's [`PleLayer`] over it,
+//! [`Checkpoint::build_layer_sharded`] a tensor-parallel rank's.
 //!
 //! Invariant: the layer always sees the full padded id range; whether rows
 //! are folded is decided here from the validated [`SiteTable`] alone.
@@ -16,7 +17,7 @@
 use std::sync::Arc;
 
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::layers::ple::PleLayer;
+use metrale_model_layers::layers::ple::{PleLayer, Shard};
 use metrale_storage::StorageError;
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
@@ -207,5 +208,28 @@ impl Checkpoint {
                 source: Box::new(source),
             }
         })
+    }
+
+    /// [`Self::build_layer`] for tensor-parallel rank `shard.tp`
+    /// (docs/SPEC.md §5, "Tensor-parallel shards"): `table` serves the
+    /// rank's column slice of the site's rows, the layer keeps the rank's
+    /// columns of the checkpoint's projections and completes each
+    /// projection through `shard.reduce`. Refused where the split does not
+    /// divide the rows.
+    pub fn build_layer_sharded(
+        &self,
+        site: usize,
+        table: Arc<dyn RowTable>,
+        max_tokens: usize,
+        gpu: &dyn GpuBackend,
+        shard: Shard,
+    ) -> Result<PleLayer> {
+        let s = &self.sites[site];
+        PleLayer::new_sharded(&s.spec, s.weights.clone(), table, max_tokens, gpu, shard).map_err(
+            |source| CheckpointError::Layer {
+                layer: s.layer,
+                source: Box::new(source),
+            },
+        )
     }
 }

@@ -127,7 +127,9 @@ impl Site for PleSite {
     }
 
     fn supports_graphs(&self) -> bool {
-        true
+        // A tensor-parallel rank whose collective cannot be captured runs
+        // its decode eagerly.
+        self.layer.supports_capture()
     }
 
     fn max_prestage_batch(&self) -> Option<usize> {

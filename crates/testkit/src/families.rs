@@ -25,7 +25,7 @@ use metrale_model_layers::layers::ple::ids::splitmix64;
 use metrale_model_layers::layers::ple::spec::{
     EngramKeys, EngramSpec, LongCatKeys, LongCatSpec, ModelFamily, ModelSpec,
 };
-use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
+use metrale_model_layers::layers::ple::{PleLayer, PleWeights, Shard, SiteSpec};
 use metrale_storage::dtype::{f32_to_bf16, quantize_fp8_block_row};
 use metrale_storage::table::{RowDType, RowTable};
 
@@ -184,29 +184,58 @@ pub fn family_site(
     seed: u64,
     max_tokens: usize,
 ) -> Result<PleSite> {
-    let g = family.spec();
+    family_site_of(gpu, &family.spec(), family, index, seed, max_tokens, None)
+}
+
+/// [`family_site`] of the model `g` (the family's spec, or one changed
+/// for a test, e.g. wider rows), opened for `shard` where given: each
+/// table then holds the rank's column slice of the rows the unsharded
+/// site reads (docs/SPEC.md §5, "Tensor-parallel shards").
+pub fn family_site_of(
+    gpu: &Arc<dyn GpuBackend>,
+    g: &ModelSpec,
+    family: TinyFamily,
+    index: usize,
+    seed: u64,
+    max_tokens: usize,
+    shard: Option<Shard>,
+) -> Result<PleSite> {
     let derived = g.derive(index)?;
     let site = g.site_with(index, derived.dims);
     let dtype = family.row_dtype();
     let row_seed = seed ^ 0x7AB1_E000 ^ index as u64;
+    let width = site.head_dim / shard.as_ref().map_or(1, |s| s.tp.ranks());
+    let table_of = |bytes: Vec<u8>| -> Result<Arc<TinyTable>> {
+        let bytes = match &shard {
+            Some(s) => s.tp.shard_rows(&bytes, site.head_dim, dtype)?,
+            None => bytes,
+        };
+        TinyTable::from_rows(gpu.clone(), &bytes, width, dtype)
+    };
     let table: Arc<dyn RowTable> = if family == TinyFamily::LongCat {
         let mut parts: Vec<Arc<dyn RowTable>> = Vec::new();
         for (i, &rows) in site.dims.head_vocab_sizes.iter().enumerate() {
-            let bytes = random_rows(rows, site.head_dim, dtype, row_seed + i as u64);
-            parts.push(TinyTable::from_rows(
-                gpu.clone(),
-                &bytes,
+            parts.push(table_of(random_rows(
+                rows,
                 site.head_dim,
                 dtype,
-            )?);
+                row_seed + i as u64,
+            ))?);
         }
         Arc::new(ConcatTable::new(parts, gpu.clone())?)
     } else {
-        let bytes = random_rows(derived.padded_rows, site.head_dim, dtype, row_seed);
-        TinyTable::from_rows(gpu.clone(), &bytes, site.head_dim, dtype)?
+        table_of(random_rows(
+            derived.padded_rows,
+            site.head_dim,
+            dtype,
+            row_seed,
+        ))?
     };
     let weights = family_weights(&site, seed, index);
-    let layer = PleLayer::new(&site, weights, table, max_tokens, gpu.as_ref())?;
+    let layer = match shard {
+        Some(s) => PleLayer::new_sharded(&site, weights, table, max_tokens, gpu.as_ref(), s)?,
+        None => PleLayer::new(&site, weights, table, max_tokens, gpu.as_ref())?,
+    };
     Ok(PleSite::new(layer))
 }
 

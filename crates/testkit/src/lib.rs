@@ -8,6 +8,8 @@
 //!   device-resident table, and engines over them;
 //! - [`families`]: tiny real models of the Engram and LongCat families and
 //!   engines over them;
+//! - [`tensor_parallel`]: an in-process all-reduce for tensor-parallel
+//!   ranks, and the tiny models' sites opened for one rank;
 //! - [`toy`]: a toy engine site with the PLE carry's shape and simple math;
 //! - [`shards`]: BF16 table shard files in the checkpoint's naming;
 //! - [`fixtures`]: the golden fixtures the numpy references write;
@@ -31,6 +33,7 @@ pub mod redis;
 pub mod rng;
 pub mod rows;
 pub mod shards;
+pub mod tensor_parallel;
 pub mod tiny;
 pub mod toy;
 

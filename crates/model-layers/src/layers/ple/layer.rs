@@ -274,6 +274,11 @@ pub struct PleLayer {
     /// Width of one stream.
     pub(super) hidden: usize,
     max_tokens: usize,
+    /// Values of each row this layer gathers: `head_dim`, or a
+    /// tensor-parallel rank's share of it.
+    row_dim: usize,
+    /// The rank's split and collective; `None` for one rank.
+    shard: Option<super::tensor_parallel::Shard>,
     table: Arc<dyn RowTable>,
     dtype_code: u32,
     kernels: Kernels,
@@ -292,6 +297,7 @@ impl std::fmt::Debug for PleLayer {
             .field("k_size", &self.spec.kernel)
             .field("dilation", &self.spec.dilation)
             .field("max_tokens", &self.max_tokens)
+            .field("shard", &self.tensor_parallel())
             .field("freed", &self.freed)
             .finish()
     }
@@ -325,6 +331,17 @@ impl PleLayer {
     /// Values per table row.
     pub fn head_dim(&self) -> usize {
         self.spec.head_dim
+    }
+    /// Which share of the site this layer runs ([`super::TensorParallel::SINGLE`]
+    /// for an unsharded layer).
+    pub fn tensor_parallel(&self) -> super::TensorParallel {
+        self.shard
+            .as_ref()
+            .map_or(super::TensorParallel::SINGLE, |s| s.tp)
+    }
+    /// Values of each table row this layer gathers: `head_dim / ranks`.
+    pub fn row_dim(&self) -> usize {
+        self.row_dim
     }
     /// Most tokens per kernel launch (longer forwards are split), and the
     /// largest decode batch.

@@ -15,6 +15,9 @@
 //!   batched decode step and the row staging;
 //! - `staging`: the device staging area for resolved row references and the
 //!   lease rules that keep table rows in place until the gather has run;
+//! - [`tensor_parallel`]: a rank's column share of a site
+//!   ([`TensorParallel`]) and the all-reduce hook ([`Reduce`]) that
+//!   completes its partial projection;
 //! - `aux_state`: the per-sequence carry (reset, prestage, snapshot, restore,
 //!   release).
 
@@ -26,8 +29,10 @@ pub mod kernels;
 mod layer;
 pub mod spec;
 mod staging;
+pub mod tensor_parallel;
 
 pub use layer::{ForwardContext, HashedIds, LayerError, PleLayer, PleSeqState, PleWeights};
 pub use spec::{
     Combine, GateSign, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
 };
+pub use tensor_parallel::{Reduce, ReduceError, Shard, ShardError, TensorParallel};

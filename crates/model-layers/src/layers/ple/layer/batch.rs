@@ -369,7 +369,7 @@ impl PleLayer {
             Usage,
             "PLE forward_batch with a null highway"
         );
-        let capturing = Self::check_capture(ctx, stream)?;
+        let capturing = self.check_capture(ctx, stream)?;
         let masked = self.check_mask(ctx.masked, b, capturing)?;
         let staged: Vec<Option<u64>> = states.iter_mut().map(|s| s.prestaged_va.take()).collect();
         if ctx.token_override.is_none() && staged.iter().any(Option::is_some) {

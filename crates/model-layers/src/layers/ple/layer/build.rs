@@ -20,6 +20,7 @@ use crate::layers::ple::ids::PleIdHasher;
 use crate::layers::ple::kernels;
 use crate::layers::ple::spec::{Combine, NormForm, SiteSpec};
 use crate::layers::ple::staging::Staging;
+use crate::layers::ple::tensor_parallel::Shard;
 
 /// Allocations made so far by a constructor, freed if it fails.
 struct AllocGuard<'a> {
@@ -185,6 +186,39 @@ impl PleLayer {
         max_tokens: usize,
         gpu: &dyn GpuBackend,
     ) -> Result<PleLayer, LayerError> {
+        Self::build(spec, weights, table, max_tokens, gpu, None)
+    }
+
+    /// [`Self::new`] for tensor-parallel rank `shard.tp` (docs/SPEC.md §5,
+    /// "Tensor-parallel shards"): `weights` are the site's whole weights
+    /// (checked against `spec` as [`Self::new`] checks them; the layer
+    /// keeps its rank's input columns of the projections), `table` holds
+    /// the rank's column slice of every row (rows of `head_dim / ranks`
+    /// values, e.g. [`crate::layers::ple::TensorParallel::shard_rows`]),
+    /// and every projection is completed by `shard.reduce` before the
+    /// combination. Refused, naming the numbers, where the split does not
+    /// divide the rows. One rank is [`Self::new`] (the collective is
+    /// never called).
+    pub fn new_sharded(
+        spec: &SiteSpec,
+        weights: PleWeights,
+        table: Arc<dyn RowTable>,
+        max_tokens: usize,
+        gpu: &dyn GpuBackend,
+        shard: Shard,
+    ) -> Result<PleLayer, LayerError> {
+        let shard = (!shard.tp.is_single()).then_some(shard);
+        Self::build(spec, weights, table, max_tokens, gpu, shard)
+    }
+
+    fn build(
+        spec: &SiteSpec,
+        weights: PleWeights,
+        table: Arc<dyn RowTable>,
+        max_tokens: usize,
+        gpu: &dyn GpuBackend,
+        shard: Option<Shard>,
+    ) -> Result<PleLayer, LayerError> {
         spec.validate()?;
         let dims = spec.dims.clone();
         let hasher = PleIdHasher::with_family(&spec.family, &dims)?;
@@ -192,13 +226,31 @@ impl PleLayer {
             return Err(LayerError::NoTokens);
         }
         let heads = spec.ngram_heads();
-        let (e, c, hidden) = (spec.emb_dim(), spec.channels(), spec.hidden);
+        let (c, hidden) = (spec.channels(), spec.hidden);
         let info = table.info();
-        if info.head_dim != spec.head_dim {
-            return Err(LayerError::TableHeadDim {
-                table: info.head_dim,
-                layer: spec.head_dim,
-            });
+        let row_dim = match &shard {
+            None => spec.head_dim,
+            Some(s) => s.tp.columns(spec.head_dim, info.dtype)?.len(),
+        };
+        // The gathered embedding's width on this rank.
+        let e = heads * row_dim;
+        match &shard {
+            Some(s) if info.head_dim != row_dim => {
+                return Err(LayerError::ShardTableWidth {
+                    rank: s.tp.rank(),
+                    ranks: s.tp.ranks(),
+                    table: info.head_dim,
+                    head_dim: spec.head_dim,
+                    width: row_dim,
+                });
+            }
+            None if info.head_dim != spec.head_dim => {
+                return Err(LayerError::TableHeadDim {
+                    table: info.head_dim,
+                    layer: spec.head_dim,
+                });
+            }
+            _ => {}
         }
         if !info.dtype.fits_head_dim(info.head_dim) {
             return Err(LayerError::TableRowType {
@@ -208,6 +260,10 @@ impl PleLayer {
         }
         dims.check_table_rows(info.rows)?;
         check_weights(spec, &weights)?;
+        let weights = match &shard {
+            Some(s) => s.tp.shard_weights(spec, &weights, info.dtype)?,
+            None => weights,
+        };
         let w = &weights;
         // The projection's outputs: the keys of every stream (gated sites)
         // and the value.
@@ -222,7 +278,7 @@ impl PleLayer {
         })?;
         for (what, v) in [
             ("tokens*ngram_heads", tokens_heads),
-            ("head_dim", spec.head_dim),
+            ("head_dim", row_dim),
             ("E", e),
             ("C + hidden", o),
             ("max_tokens", max_tokens),
@@ -342,6 +398,8 @@ impl PleLayer {
             hc_mult: spec.hc_mult,
             hidden,
             max_tokens,
+            row_dim,
+            shard,
             table,
             dtype_code,
             kernels,

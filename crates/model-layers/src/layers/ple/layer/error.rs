@@ -123,6 +123,42 @@ pub enum LayerError {
     /// The layer was freed.
     #[error("this PLE layer was freed")]
     Freed,
+    /// A tensor-parallel split the site cannot take (docs/SPEC.md §5,
+    /// "Tensor-parallel shards").
+    #[error(transparent)]
+    Shard(#[from] crate::layers::ple::tensor_parallel::ShardError),
+    /// A rank's table rows are not the rank's share of the row width.
+    #[error(
+        "PLE table of tensor-parallel rank {rank} of {ranks} holds rows of {table} values; the \
+         rank's share of head_dim {head_dim} is {width} values (open the rank's column slice)"
+    )]
+    ShardTableWidth {
+        /// The rank.
+        rank: usize,
+        /// The number of ranks.
+        ranks: usize,
+        /// Values per row of the table given.
+        table: usize,
+        /// The site's head_dim.
+        head_dim: usize,
+        /// Values per row of the rank's share.
+        width: usize,
+    },
+    /// The all-reduce of a rank's partial projection failed (the
+    /// collective's error boxed, printed in the message).
+    #[error(
+        "all-reduce of {len} PLE projection values on tensor-parallel rank {rank} of {ranks}: {error}"
+    )]
+    Reduce {
+        /// The rank.
+        rank: usize,
+        /// The number of ranks.
+        ranks: usize,
+        /// Values reduced.
+        len: usize,
+        /// The collective's error.
+        error: crate::layers::ple::tensor_parallel::ReduceError,
+    },
     /// A call's arguments do not fit the layer or each other (counts, rows,
     /// a released carry, a null highway, no token source).
     #[error("{0}")]

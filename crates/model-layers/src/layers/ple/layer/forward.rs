@@ -128,8 +128,26 @@ impl PleLayer {
         )
     }
 
-    pub(super) fn check_capture(ctx: &ForwardContext<'_>, stream: StreamId) -> Result<bool> {
-        Ok(ctx.capturing || ctx.gpu.stream_is_capturing(stream)?)
+    pub(super) fn check_capture(&self, ctx: &ForwardContext<'_>, stream: StreamId) -> Result<bool> {
+        let capturing = ctx.capturing || ctx.gpu.stream_is_capturing(stream)?;
+        if capturing && !self.supports_capture() {
+            let tp = self.tensor_parallel();
+            layer_bail!(
+                Capture,
+                "PLE forward refused under capture: tensor-parallel rank {} of {} reduces its \
+                 projection through a collective that cannot be captured; run it eagerly",
+                tp.rank(),
+                tp.ranks()
+            );
+        }
+        Ok(capturing)
+    }
+
+    /// Whether forwards of this layer can be captured in a graph: always
+    /// for one rank; for a tensor-parallel rank, when its collective can
+    /// ([`crate::layers::ple::Reduce::capturable`]).
+    pub fn supports_capture(&self) -> bool {
+        self.shard.as_ref().is_none_or(|s| s.reduce.capturable())
     }
 
     /// The mask of a call over `n` tokens (or batch rows), checked: refused
@@ -230,7 +248,7 @@ impl PleLayer {
         );
         layer_ensure!(num_tokens > 0, Usage, "PLE forward over zero tokens");
         layer_ensure!(!highway.is_null(), Usage, "PLE forward with a null highway");
-        let capturing = Self::check_capture(ctx, stream)?;
+        let capturing = self.check_capture(ctx, stream)?;
         let masked = self.check_mask(ctx.masked, num_tokens, capturing)?;
         let staged = st.prestaged_va.take();
         let needs_reset = fresh || st.history.len() != self.dims.context_len();
@@ -411,13 +429,13 @@ impl PleLayer {
         first_row: usize,
         stream: StreamId,
     ) -> Result<()> {
-        let cfg = self.kernels.shapes.gather(n, self.spec.head_dim);
+        let cfg = self.kernels.shapes.gather(n, self.row_dim);
         gpu.launch(self.kernels.gather, cfg)
             .ptr(refs)
             .u32(n as u32)
-            .u32(self.spec.head_dim as u32)
+            .u32(self.row_dim as u32)
             .u32(self.dtype_code)
-            .ptr(self.bufs.emb.offset(first_row * self.spec.head_dim * 4))
+            .ptr(self.bufs.emb.offset(first_row * self.row_dim * 4))
             .run(stream)
             .device(|| format!("launching PLE gather of {n} rows from refs at {refs}"))
     }
@@ -436,7 +454,7 @@ impl PleLayer {
         masked: Option<&[bool]>,
         stream: StreamId,
     ) -> Result<()> {
-        let e = self.dims.ngram_heads() * self.spec.head_dim;
+        let e = self.dims.ngram_heads() * self.row_dim;
         let o = self.projection_outputs();
         gpu.launch(self.kernels.project, self.kernels.shapes.project(t, o))
             .ptr(self.bufs.emb)
@@ -473,6 +491,18 @@ impl PleLayer {
         let c = self.channels();
         let o = self.projection_outputs();
         let shapes = self.kernels.shapes;
+        if let Some(s) = &self.shard {
+            // A rank's projection is a partial sum over its columns: the
+            // collective completes it before anything that is not linear.
+            s.reduce
+                .all_reduce_sum(gpu, self.bufs.kv, t * o, stream)
+                .map_err(|error| LayerError::Reduce {
+                    rank: s.tp.rank(),
+                    ranks: s.tp.ranks(),
+                    len: t * o,
+                    error,
+                })?;
+        }
         if let Some(k) = self.kernels.bias_add {
             gpu.launch(k, shapes.elementwise(t * o))
                 .ptr(self.bufs.kv)

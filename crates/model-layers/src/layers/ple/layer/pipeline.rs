@@ -41,7 +41,7 @@ impl PleLayer {
         let usable = heads >= 2
             && per < heads
             && self.table.max_resolve() >= heads
-            && (per * self.spec.head_dim).is_multiple_of(2)
+            && (per * self.row_dim).is_multiple_of(2)
             && self.table.would_wait(ids);
         usable.then(|| {
             (0..heads)
@@ -79,7 +79,7 @@ impl PleLayer {
         stream: StreamId,
     ) -> Result<()> {
         let heads = self.dims.ngram_heads();
-        let hd = self.spec.head_dim;
+        let hd = self.row_dim;
         let e = heads * hd;
         let o = self.projection_outputs();
         let table = self.table.as_ref();
@@ -175,13 +175,13 @@ impl PleLayer {
         stream: StreamId,
     ) -> Result<()> {
         let heads = self.dims.ngram_heads();
-        let cfg = self.kernels.shapes.gather(n, self.spec.head_dim);
+        let cfg = self.kernels.shapes.gather(n, self.row_dim);
         gpu.launch(self.kernels.gather_runs, cfg)
             .ptr(refs)
             .u32(n as u32)
-            .u32(self.spec.head_dim as u32)
+            .u32(self.row_dim as u32)
             .u32(self.dtype_code)
-            .ptr(self.bufs.emb.offset(first_row * self.spec.head_dim * 4))
+            .ptr(self.bufs.emb.offset(first_row * self.row_dim * 4))
             .u32(run as u32)
             .u32(heads as u32)
             .run(stream)
