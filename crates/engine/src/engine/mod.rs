@@ -436,9 +436,17 @@ pub struct Engine<S: Site> {
     instance: u64,
 }
 
-/// The family of a site, as a refused token mask names it: the published
-/// layer the site follows.
-fn mask_family(g: &SiteSpec) -> &'static str {
+/// Whether a site of geometry `g` takes a token mask: its published layer
+/// has one (DeepSeek-V4.1's Engram gate without a short conv).
+pub fn takes_token_mask(g: &SiteSpec) -> bool {
+    g.combine.gated().is_some_and(|c| c.token_mask)
+}
+
+/// The family of a site of geometry `g`, as a refused token mask names it:
+/// the published layer the site follows (`"Qwen4-Exp"`, `"Engram demo"`,
+/// `"DeepSeek-V4.1 Engram"`, `"DeepSeek-V4.1 Engram with a short conv"`,
+/// `"LongCat"`).
+pub fn mask_family(g: &SiteSpec) -> &'static str {
     use metrale_model_layers::layers::ple::{GateSign, HashFamily};
     let v41 = |c: &metrale_model_layers::layers::ple::GatedSpec| {
         matches!(c.sign, GateSign::CopySign)
@@ -719,7 +727,7 @@ impl<S: Site> Engine<S> {
             .geoms
             .iter()
             .enumerate()
-            .find(|(_, g)| !g.combine.gated().is_some_and(|c| c.token_mask))
+            .find(|(_, g)| !takes_token_mask(g))
         {
             return Err(EngineError::TokenMaskUnsupported {
                 op,
