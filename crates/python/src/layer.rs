@@ -272,7 +272,7 @@ impl Layer {
         };
         if let Some(family) = self.shared.no_mask {
             return Err(value_error(format!(
-                "mask: this is a {family} site, whose published layer has no token mask (only \
+                "mask: the site follows the {family} layer, which has no token mask (only \
                  DeepSeek-V4.1's Engram gate without a short conv takes one); leave the mask out"
             )));
         }

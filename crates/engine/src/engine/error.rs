@@ -109,7 +109,7 @@ pub enum EngineError {
     /// has none (only DeepSeek-V4.1's Engram gate without a short conv
     /// takes one); nothing of the call ran.
     #[error(
-        "{op}: site {site} is a {family} site, whose published layer has no token mask (only \
+        "{op}: site {site} follows the {family} layer, which has no token mask (only \
          DeepSeek-V4.1's Engram gate without a short conv takes one); leave the mask out"
     )]
     TokenMaskUnsupported {
