@@ -249,14 +249,18 @@ fn a_masked_carry_swaps_and_snapshots_unchanged() {
     let masked = mask_at(toks.len(), &[5, 10]);
     let want = layer_masked_run(e.sites(), gpu.as_ref(), &toks, &masked);
     let head = 11;
-    for target in [SwapTarget::Host, SwapTarget::File] {
-        let id = e
+    for (target, cached) in [(SwapTarget::Host, 0), (SwapTarget::File, 4)] {
+        // The boundary at 4 comes before the first masked token, so the
+        // first sequence cached it and the second restores it.
+        let added = e
             .add_sequence_masked(&toks[..head], &masked[..head])
-            .unwrap()
-            .id;
-        let mut r = rows_for(&toks, 0, head, w);
-        e.prefill_masked(id, &toks[..head], &masked[..head], &mut r)
             .unwrap();
+        assert_eq!(added.cached, cached, "{target:?}");
+        let id = added.id;
+        let mut r = rows_for(&toks, cached, head, w);
+        e.prefill_masked(id, &toks[cached..head], &masked[cached..head], &mut r)
+            .unwrap();
+        assert!(r == want[cached * w..head * w], "{target:?}");
         let snap = e.snapshot(id).unwrap();
         e.swap_out(id, target).unwrap();
         e.swap_in(id).unwrap();
@@ -280,8 +284,8 @@ fn a_masked_carry_swaps_and_snapshots_unchanged() {
         assert!(r == want[head * w..], "{target:?}: from the snapshot");
         e.release(id).unwrap();
     }
-    // None of those carries reached the cache.
-    assert_eq!(e.stats().prefix_cache.entries, 0);
+    // Only the boundary before the first masked token reached the cache.
+    assert_eq!(e.stats().prefix_cache.entries, 1);
     e.close().unwrap();
     assert_eq!(gpu.live_alloc_count(), base, "{}", gpu.live_report());
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
@@ -343,7 +347,12 @@ fn families_without_a_token_mask_refuse_one_by_name() {
         let mut scratch = rows_for(&prompt, 0, prompt.len(), w);
         check(
             "prefill_masked",
-            e.prefill_masked(id, &prompt, &[false, true, false, false, false], &mut scratch),
+            e.prefill_masked(
+                id,
+                &prompt,
+                &[false, true, false, false, false],
+                &mut scratch,
+            ),
         );
         assert!(e.tokens(id).unwrap().is_empty());
         let mut rows = rows_for(&prompt, 0, prompt.len(), w);
@@ -387,13 +396,19 @@ fn a_mask_of_the_wrong_length_is_refused_with_nothing_run() {
     let id = e.add_sequence(&prompt).unwrap().id;
     let mut scratch = rows_for(&prompt, 0, prompt.len(), w);
     let r = e.prefill_masked(id, &prompt, &[true; 6], &mut scratch);
-    assert!(matches!(r, Err(EngineError::MaskSize { flags: 6, .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(EngineError::MaskSize { flags: 6, .. })),
+        "{r:?}"
+    );
     assert!(e.tokens(id).unwrap().is_empty());
     let mut rows = rows_for(&prompt, 0, prompt.len(), w);
     e.prefill(id, &prompt, &mut rows).unwrap();
     let mut one = vec![0.5f32; w];
     let r = e.decode_masked(&[(id, 12)], &[], &mut one);
-    assert!(matches!(r, Err(EngineError::MaskSize { flags: 0, .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(EngineError::MaskSize { flags: 0, .. })),
+        "{r:?}"
+    );
     runs_on_unchanged(&mut e, gpu.as_ref(), id, &prompt);
     e.close().unwrap();
 }

@@ -94,8 +94,8 @@ pub(crate) fn tokens(obj: &Bound<'_, PyAny>, what: &str, vocab: Option<u64>) -> 
 /// one (a torch bool tensor); exactly `n` flags. Ints are refused, so a
 /// mask of ids or of 0/1 weights is not taken for one.
 pub(crate) fn mask(obj: &Bound<'_, PyAny>, what: &str, n: usize) -> PyResult<Vec<bool>> {
-    let empty_seq = (obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>())
-        && obj.len()? == 0;
+    let empty_seq =
+        (obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) && obj.len()? == 0;
     let flags: Vec<bool> = if empty_seq {
         Vec::new()
     } else {

@@ -200,18 +200,23 @@ impl<S: Site> Engine<S> {
                 states.push(&mut st[k]);
             }
             match masked {
-                Some(m) => {
-                    site.forward_batch_masked(&mut states, tokens, m, self.highway, gpu, self.stream)
-                }
+                Some(m) => site.forward_batch_masked(
+                    &mut states,
+                    tokens,
+                    m,
+                    self.highway,
+                    gpu,
+                    self.stream,
+                ),
                 None => site.forward_batch(&mut states, tokens, self.highway, gpu, self.stream),
             }
             .map_err(|e| {
-                    EngineError::site(
-                        k,
-                        format!("site {k} batched decode of {} sequences", tokens.len()),
-                        e,
-                    )
-                })?;
+                EngineError::site(
+                    k,
+                    format!("site {k} batched decode of {} sequences", tokens.len()),
+                    e,
+                )
+            })?;
         }
         gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
             .map_err(|e| EngineError::device("copying the highway rows out", e))

@@ -448,18 +448,15 @@ pub fn takes_token_mask(g: &SiteSpec) -> bool {
 /// `"LongCat"`).
 pub fn mask_family(g: &SiteSpec) -> &'static str {
     use metrale_model_layers::layers::ple::{GateSign, HashFamily};
-    let v41 = |c: &metrale_model_layers::layers::ple::GatedSpec| {
-        matches!(c.sign, GateSign::CopySign)
-    };
+    let v41 =
+        |c: &metrale_model_layers::layers::ple::GatedSpec| matches!(c.sign, GateSign::CopySign);
     match (&g.dims.family, g.combine.gated()) {
         (HashFamily::Qwen4Exp, _) => "Qwen4-Exp",
         (HashFamily::LongCat { .. }, _) => "LongCat",
         (HashFamily::Engram { .. }, Some(c)) if v41(c) && c.conv => {
             "DeepSeek-V4.1 Engram with a short conv"
         }
-        (HashFamily::Engram { .. }, Some(c)) if v41(c) => {
-            "DeepSeek-V4.1 Engram"
-        }
+        (HashFamily::Engram { .. }, Some(c)) if v41(c) => "DeepSeek-V4.1 Engram",
         (HashFamily::Engram { .. }, _) => "Engram demo",
     }
 }

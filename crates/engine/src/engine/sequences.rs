@@ -136,7 +136,10 @@ impl<S: Site> Engine<S> {
         self.check_mask("add_sequence", masked, prompt.len())?;
         // `restore_prefix` leaves at least one token of what it is given,
         // so a prefix never reaches past the first masked token.
-        let usable = masked.iter().position(|&m| m).map_or(prompt.len(), |p| p + 1);
+        let usable = masked
+            .iter()
+            .position(|&m| m)
+            .map_or(prompt.len(), |p| p + 1);
         self.add_checked(prompt, usable)
     }
 
@@ -275,12 +278,14 @@ impl<S: Site> Engine<S> {
             .map_err(|e| EngineError::device("copying the highway rows in", e))?;
         for (i, (site, st)) in self.sites.iter().zip(states.iter_mut()).enumerate() {
             match masked {
-                Some(m) => site.forward_masked(st, tokens, m, self.highway, fresh, gpu, self.stream),
+                Some(m) => {
+                    site.forward_masked(st, tokens, m, self.highway, fresh, gpu, self.stream)
+                }
                 None => site.forward(st, tokens, self.highway, fresh, gpu, self.stream),
             }
             .map_err(|e| {
-                    EngineError::site(i, format!("site {i} forward of {} tokens", tokens.len()), e)
-                })?;
+                EngineError::site(i, format!("site {i} forward of {} tokens", tokens.len()), e)
+            })?;
         }
         gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
             .map_err(|e| EngineError::device("copying the highway rows out", e))
