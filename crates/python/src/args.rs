@@ -89,6 +89,46 @@ pub(crate) fn tokens(obj: &Bound<'_, PyAny>, what: &str, vocab: Option<u64>) -> 
     Ok(out)
 }
 
+/// A token mask: one bool per token (`True`: masked), from a list or tuple
+/// of bools, a 1-D numpy bool array, or anything `numpy.asarray` turns into
+/// one (a torch bool tensor); exactly `n` flags. Ints are refused, so a
+/// mask of ids or of 0/1 weights is not taken for one.
+pub(crate) fn mask(obj: &Bound<'_, PyAny>, what: &str, n: usize) -> PyResult<Vec<bool>> {
+    let empty_seq =
+        (obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) && obj.len()? == 0;
+    let flags: Vec<bool> = if empty_seq {
+        Vec::new()
+    } else {
+        let a = as_ndarray(obj, what)?;
+        if a.ndim() != 1 {
+            return Err(value_error(format!(
+                "{what}: a 1-D sequence of bools is required, got shape {:?}",
+                a.shape()
+            )));
+        }
+        if a.dtype().kind() != b'b' {
+            return Err(value_error(format!(
+                "{what}: bools are required (True: masked), got dtype kind '{}'",
+                a.dtype().kind() as char
+            )));
+        }
+        let arr = a
+            .cast_into::<PyArrayDyn<bool>>()
+            .map_err(|_| value_error(format!("{what}: cannot read as bool")))?;
+        let ro = arr
+            .try_readonly()
+            .map_err(|e| value_error(format!("{what}: {e}")))?;
+        ro.as_array().iter().copied().collect()
+    };
+    if flags.len() != n {
+        return Err(value_error(format!(
+            "{what}: {} flags given for {n} tokens; give one flag per token",
+            flags.len()
+        )));
+    }
+    Ok(flags)
+}
+
 /// The shape of a highway row: `C` values, or `hc` streams of `H`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Width {

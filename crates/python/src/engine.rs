@@ -135,6 +135,8 @@ pub(crate) fn stats_dict<'py>(
     d.set_item("cache_snapshot_failures", st.cache_snapshot_failures)?;
     d.set_item("prefill_tokens", st.prefill_tokens)?;
     d.set_item("decode_tokens", st.decode_tokens)?;
+    d.set_item("masked_boundaries_skipped", st.masked_boundaries_skipped)?;
+    d.set_item("masked_eager_steps", st.masked_eager_steps)?;
     d.set_item("graph_replays", st.graph_replays)?;
     d.set_item("graph_captures", st.graph_captures)?;
     d.set_item("verifies", st.verifies)?;
@@ -313,40 +315,84 @@ impl Engine {
 
     /// Add a sequence that will run `prompt`; returns `(seq_id,
     /// restored_tokens)`: the leading prompt tokens restored from the
-    /// prefix cache. Prefill `prompt[restored_tokens:]` next.
-    fn add_sequence(&self, py: Python<'_>, prompt: &Bound<'_, PyAny>) -> PyResult<(SeqId, usize)> {
+    /// prefix cache. Prefill `prompt[restored_tokens:]` next. With `mask`
+    /// (one bool per prompt token, `True`: masked; DeepSeek-V4.1 sites
+    /// only), only a prefix before the first masked token is restored;
+    /// prefill the rest with `mask[restored_tokens:]`.
+    #[pyo3(signature = (prompt, *, mask = None))]
+    fn add_sequence(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        mask: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(SeqId, usize)> {
         let prompt = args::tokens(prompt, "prompt", Some(self.facts.vocab))?;
-        let a = self.with(py, |e| Ok(e.add_sequence(&prompt)?))?;
+        let mask = mask
+            .map(|m| args::mask(m, "mask", prompt.len()))
+            .transpose()?;
+        let a = self.with(py, |e| {
+            Ok(match &mask {
+                Some(m) => e.add_sequence_masked(&prompt, m)?,
+                None => e.add_sequence(&prompt)?,
+            })
+        })?;
         Ok((a.id, a.cached))
     }
 
     /// Run `tokens` through sequence `seq_id`, adding every site's output
-    /// into `hidden` (`len(tokens)` rows) in place.
+    /// into `hidden` (`len(tokens)` rows) in place. `mask` (one bool per
+    /// token, `True`: masked) shuts a masked token's gate and stops later
+    /// tokens' hash look-back there (DeepSeek-V4.1's `token_mask`, with the
+    /// opposite polarity); any other family raises `ValueError`.
+    #[pyo3(signature = (seq_id, tokens, hidden, *, mask = None))]
     fn prefill(
         &self,
         py: Python<'_>,
         seq_id: SeqId,
         tokens: &Bound<'_, PyAny>,
         hidden: &Bound<'_, PyAny>,
+        mask: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let toks = args::tokens(tokens, "tokens", Some(self.facts.vocab))?;
+        let mask = mask
+            .map(|m| args::mask(m, "mask", toks.len()))
+            .transpose()?;
         let mut rw = args::highway(hidden, toks.len(), self.facts.width, "hidden")?;
         let hw = args::values(&mut rw)?;
-        self.with(py, |e| Ok(e.prefill(seq_id, &toks, hw)?))
+        self.with(py, |e| {
+            match &mask {
+                Some(m) => e.prefill_masked(seq_id, &toks, m, hw)?,
+                None => e.prefill(seq_id, &toks, hw)?,
+            }
+            Ok(())
+        })
     }
 
     /// One decode step: `batch` is a list of `(seq_id, token)` pairs and
-    /// row `b` of `hidden` belongs to `batch[b]`; updated in place.
+    /// row `b` of `hidden` belongs to `batch[b]`; updated in place. `mask`
+    /// holds one bool per pair (`True`: that token is masked), as in
+    /// `prefill`.
+    #[pyo3(signature = (batch, hidden, *, mask = None))]
     fn decode(
         &self,
         py: Python<'_>,
         batch: &Bound<'_, PyAny>,
         hidden: &Bound<'_, PyAny>,
+        mask: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let batch = batch_arg(batch, self.facts.vocab)?;
+        let mask = mask
+            .map(|m| args::mask(m, "mask", batch.len()))
+            .transpose()?;
         let mut rw = args::highway(hidden, batch.len(), self.facts.width, "hidden")?;
         let hw = args::values(&mut rw)?;
-        self.with(py, |e| Ok(e.decode(&batch, hw)?))
+        self.with(py, |e| {
+            match &mask {
+                Some(m) => e.decode_masked(&batch, m, hw)?,
+                None => e.decode(&batch, hw)?,
+            }
+            Ok(())
+        })
     }
 
     /// Speculative verify: run `draft` through `seq_id` (outputs in
@@ -377,17 +423,29 @@ impl Engine {
     }
 
     /// A new sequence whose carry is `snapshot` and whose tokens are
-    /// `tokens` (the tokens the snapshot absorbed). A malformed or foreign
-    /// snapshot raises `ValueError` and changes nothing.
+    /// `tokens` (the tokens the snapshot absorbed), run with `mask` when
+    /// they were masked. A malformed or foreign snapshot, or one whose
+    /// carried history is not that of `tokens` (and `mask`), raises
+    /// `ValueError` and changes nothing.
+    #[pyo3(signature = (snapshot, tokens, *, mask = None))]
     fn add_from_snapshot(
         &self,
         py: Python<'_>,
         snapshot: Cow<'_, [u8]>,
         tokens: &Bound<'_, PyAny>,
+        mask: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<SeqId> {
         let toks = args::tokens(tokens, "tokens", Some(self.facts.vocab))?;
+        let mask = mask
+            .map(|m| args::mask(m, "mask", toks.len()))
+            .transpose()?;
         let blob: &[u8] = &snapshot;
-        self.with(py, |e| Ok(e.add_from_snapshot(blob, &toks)?))
+        self.with(py, |e| {
+            Ok(match &mask {
+                Some(m) => e.add_from_snapshot_masked(blob, &toks, m)?,
+                None => e.add_from_snapshot(blob, &toks)?,
+            })
+        })
     }
 
     /// Move the carry of `seq_id` off the device (`"host"` or `"file"`).

@@ -23,6 +23,7 @@ use pyo3::types::PyBytes;
 
 use metrale_checkpoint::Checkpoint as CkInner;
 use metrale_checkpoint::runtime::TableMode;
+use metrale_engine::engine::{mask_family, takes_token_mask};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
@@ -48,15 +49,25 @@ impl Core {
         self.layer.channels()
     }
 
-    /// `tokens` of one sequence through the layer, in chunks of at most
-    /// `max_tokens`, `hw` rows in and out.
-    fn prefill(&self, st: &mut PleSeqState, tokens: &[u32], hw: &mut [f32]) -> anyhow::Result<()> {
+    /// `tokens` of one sequence (with `masked`, one flag per token)
+    /// through the layer, in chunks of at most `max_tokens`, `hw` rows in
+    /// and out.
+    fn prefill(
+        &self,
+        st: &mut PleSeqState,
+        tokens: &[u32],
+        masked: Option<&[bool]>,
+        hw: &mut [f32],
+    ) -> anyhow::Result<()> {
         let c = self.channels();
         let step = self.layer.max_tokens();
         let g = self.gpu.as_ref();
-        for (t, rows) in tokens.chunks(step).zip(hw.chunks_mut(step * c)) {
+        for (i, (t, rows)) in tokens.chunks(step).zip(hw.chunks_mut(step * c)).enumerate() {
             g.copy_h2d(f32_bytes(rows), self.highway)?;
-            let ctx = ForwardContext::new(g).with_host_ids(t);
+            let mut ctx = ForwardContext::new(g).with_host_ids(t);
+            if let Some(m) = masked {
+                ctx = ctx.with_masked(&m[i * step..i * step + t.len()]);
+            }
             self.layer
                 .forward(st, self.highway, t.len(), false, &ctx, 0)?;
             g.copy_d2h_on_stream(self.highway, f32_bytes_mut(rows), 0)?;
@@ -64,23 +75,29 @@ impl Core {
         Ok(())
     }
 
-    /// One decode token per sequence, batched by `max_batch`.
+    /// One decode token per sequence (with `masked`, one flag per
+    /// sequence), batched by `max_batch`.
     fn decode(
         &self,
         states: &mut [&mut PleSeqState],
         tokens: &[u32],
+        masked: Option<&[bool]>,
         hw: &mut [f32],
     ) -> anyhow::Result<()> {
         let c = self.channels();
         let step = self.layer.max_batch();
         let g = self.gpu.as_ref();
-        for ((sts, t), rows) in states
+        for (i, ((sts, t), rows)) in states
             .chunks_mut(step)
             .zip(tokens.chunks(step))
             .zip(hw.chunks_mut(step * c))
+            .enumerate()
         {
             g.copy_h2d(f32_bytes(rows), self.highway)?;
-            let ctx = ForwardContext::new(g).with_host_ids(t);
+            let mut ctx = ForwardContext::new(g).with_host_ids(t);
+            if let Some(m) = masked {
+                ctx = ctx.with_masked(&m[i * step..i * step + t.len()]);
+            }
             self.layer
                 .forward_batch(sts, self.highway, t.len(), &ctx, 0)?;
             g.copy_d2h_on_stream(self.highway, f32_bytes_mut(rows), 0)?;
@@ -133,6 +150,9 @@ pub(crate) struct Shared {
     state_len: usize,
     head_dim: usize,
     ngram_heads: usize,
+    /// `None` when the site takes a token mask; else its family, as a
+    /// refused mask names it.
+    no_mask: Option<&'static str>,
 }
 
 impl Drop for Shared {
@@ -190,6 +210,7 @@ impl Layer {
             state_len: layer.state_len(),
             head_dim: layer.head_dim(),
             ngram_heads: layer.dims().ngram_heads(),
+            no_mask: (!takes_token_mask(layer.spec())).then(|| mask_family(layer.spec())),
             core: Mutex::new(Core {
                 gpu,
                 layer,
@@ -239,6 +260,23 @@ impl Layer {
             )
         })
         .map_err(py_err)
+    }
+
+    /// The `mask=` argument of a call over `n` tokens, checked before
+    /// anything runs: refused on a site whose published layer has no token
+    /// mask (even all clear, as the layer refuses it), or of the wrong
+    /// length.
+    fn mask_arg(&self, mask: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Option<Vec<bool>>> {
+        let Some(m) = mask else {
+            return Ok(None);
+        };
+        if let Some(family) = self.shared.no_mask {
+            return Err(value_error(format!(
+                "mask: the site follows the {family} layer, which has no token mask (only \
+                 DeepSeek-V4.1's Engram gate without a short conv takes one); leave the mask out"
+            )));
+        }
+        args::mask(m, "mask", n).map(Some)
     }
 
     fn own<'a>(&self, carry: &'a Bound<'_, PyAny>) -> PyResult<&'a Carry> {
@@ -379,16 +417,23 @@ impl Layer {
     }
 
     /// Run `tokens` of one sequence through the layer, adding the site's
-    /// output into `hidden` (`len(tokens)` rows) in place.
+    /// output into `hidden` (`len(tokens)` rows) in place. `mask` (one
+    /// bool per token, `True`: masked) shuts a masked token's gate and
+    /// stops later tokens' hash look-back there (DeepSeek-V4.1's
+    /// `token_mask`, with the opposite polarity); a site of any other
+    /// family raises `ValueError` naming it.
+    #[pyo3(signature = (carry, tokens, hidden, *, mask = None))]
     fn prefill(
         &self,
         py: Python<'_>,
         carry: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
         hidden: &Bound<'_, PyAny>,
+        mask: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let carry = self.own(carry)?;
         let toks = args::tokens(tokens, "tokens", self.shared.vocab)?;
+        let mask = self.mask_arg(mask, toks.len())?;
         let mut rw = args::highway(hidden, toks.len(), self.shared.width, "hidden")?;
         if toks.is_empty() {
             return Ok(());
@@ -400,20 +445,23 @@ impl Layer {
             let core = shared.core.lock();
             let mut st = state.lock();
             Core::check_live(&st)?;
-            core.prefill(&mut st, &toks, hw)
+            core.prefill(&mut st, &toks, mask.as_deref(), hw)
         })
         .map_err(py_err)
     }
 
     /// One decode step: token `tokens[b]` for carry `carries[b]`, on row
     /// `b` of `hidden` (`len(carries)` rows), in place. A carry may appear
-    /// once per call.
+    /// once per call. `mask` holds one bool per carry (`True`: its token
+    /// is masked), as in `prefill`.
+    #[pyo3(signature = (carries, tokens, hidden, *, mask = None))]
     fn decode(
         &self,
         py: Python<'_>,
         carries: &Bound<'_, PyAny>,
         tokens: &Bound<'_, PyAny>,
         hidden: &Bound<'_, PyAny>,
+        mask: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let list: Vec<Bound<'_, PyAny>> = carries
             .try_iter()
@@ -436,6 +484,7 @@ impl Layer {
                 owned.len()
             )));
         }
+        let mask = self.mask_arg(mask, toks.len())?;
         let mut rw = args::highway(hidden, toks.len(), self.shared.width, "hidden")?;
         if toks.is_empty() {
             return Ok(());
@@ -449,7 +498,7 @@ impl Layer {
                 Core::check_live(g).map_err(|e| e.context(format!("carries[{i}]")))?;
             }
             let mut states: Vec<&mut PleSeqState> = guards.iter_mut().map(|g| &mut **g).collect();
-            core.decode(&mut states, &toks, hw)
+            core.decode(&mut states, &toks, mask.as_deref(), hw)
         })
         .map_err(py_err)
     }

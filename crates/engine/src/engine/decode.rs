@@ -7,6 +7,11 @@
 //! its sequences. With graphs, a failed capture gives the prestages back and
 //! runs the same prestaged step eagerly, so nothing is hashed twice.
 //!
+//! Token masks: a decode step whose part holds a masked token runs eagerly
+//! even with graphs enabled (the layer shuts a masked token's gate and
+//! resets its history by host-issued work a replay would not redo); an
+//! all-clear mask is no mask, so those steps replay as usual.
+//!
 //! Row caches: an eager step's site gathers its rows in parts its row table
 //! can pin, so any batch runs on any cache. A graph step keeps every row it
 //! prestaged pinned until the replay has read them, so with graphs a batch
@@ -51,8 +56,35 @@ impl<S: Site> Engine<S> {
     /// run as several batched forwards in order (outputs do not depend on
     /// the split); if a later part fails, the earlier parts have run.
     pub fn decode(&mut self, batch: &[(SeqId, u32)], highway: &mut [f32]) -> Result<()> {
+        self.decode_with(batch, None, highway)
+    }
+
+    /// [`Self::decode`] with a token mask: `masked[b]` flags the token of
+    /// `batch[b]` (`true`: masked; see [`Self::prefill_masked`]). A part of
+    /// the batch holding a masked token runs eagerly even with decode
+    /// graphs; a sequence that absorbs one no longer caches its block
+    /// boundaries. Refused, with nothing changed, when a site's published
+    /// layer has no mask or the mask's length is not the batch's.
+    pub fn decode_masked(
+        &mut self,
+        batch: &[(SeqId, u32)],
+        masked: &[bool],
+        highway: &mut [f32],
+    ) -> Result<()> {
+        self.decode_with(batch, Some(masked), highway)
+    }
+
+    fn decode_with(
+        &mut self,
+        batch: &[(SeqId, u32)],
+        masked: Option<&[bool]>,
+        highway: &mut [f32],
+    ) -> Result<()> {
         self.check_rows("decode", batch.len(), highway)?;
         self.check_tokens("decode", batch.iter().map(|&(_, t)| t))?;
+        if let Some(m) = masked {
+            self.check_mask("decode", m, batch.len())?;
+        }
         let mut seen = HashSet::with_capacity(batch.len());
         for &(id, _) in batch {
             if !seen.insert(id) {
@@ -74,16 +106,27 @@ impl<S: Site> Engine<S> {
                 }
             }
         }
-        for (part, rows) in batch
+        for (i, (part, rows)) in batch
             .chunks(part_len)
             .zip(highway.chunks_mut(part_len * self.width))
+            .enumerate()
         {
-            self.decode_part(part, rows)?;
+            let start = i * part_len;
+            // An all-clear part is no mask (the layer treats it so too).
+            let part_masked = masked
+                .map(|m| &m[start..start + part.len()])
+                .filter(|m| m.contains(&true));
+            self.decode_part(part, part_masked, rows)?;
         }
         Ok(())
     }
 
-    pub(super) fn decode_part(&mut self, part: &[(SeqId, u32)], rows: &mut [f32]) -> Result<()> {
+    pub(super) fn decode_part(
+        &mut self,
+        part: &[(SeqId, u32)],
+        masked: Option<&[bool]>,
+        rows: &mut [f32],
+    ) -> Result<()> {
         let ids: Vec<SeqId> = part.iter().map(|p| p.0).collect();
         for &id in &ids {
             self.ensure_resident(id, &ids)?;
@@ -93,10 +136,13 @@ impl<S: Site> Engine<S> {
             .iter()
             .map(|id| self.seqs.remove(id).expect("validated"))
             .collect();
-        let r = self.forward_batch_rows(&mut taken, &tokens, rows);
+        let r = self.forward_batch_rows(&mut taken, &tokens, masked, rows);
         for (i, mut seq) in taken.into_iter().enumerate() {
             match &r {
-                Ok(()) => seq.tokens.push(tokens[i]),
+                Ok(()) => {
+                    seq.tokens.push(tokens[i]);
+                    seq.masked |= masked.is_some_and(|m| m[i]);
+                }
                 Err(e) => self.lose(
                     ids[i],
                     &mut seq,
@@ -124,14 +170,21 @@ impl<S: Site> Engine<S> {
         r
     }
 
+    /// One batched forward of `tokens` (with `masked`, checked and holding
+    /// a flag, or `None`) over the resident carries of `taken`: from a graph
+    /// when graphs are enabled and nothing is masked, else eagerly.
     pub(super) fn forward_batch_rows(
         &mut self,
         taken: &mut [Seq<S::State>],
         tokens: &[u32],
+        masked: Option<&[bool]>,
         rows: &mut [f32],
     ) -> Result<()> {
         if self.graphs.is_some() {
-            return self.forward_batch_graph(taken, tokens, rows);
+            if masked.is_none() {
+                return self.forward_batch_graph(taken, tokens, rows);
+            }
+            self.stats.masked_eager_steps += 1;
         }
         let gpu = self.gpu.as_ref();
         gpu.copy_h2d_async(as_bytes(rows), self.highway, self.stream)
@@ -146,14 +199,24 @@ impl<S: Site> Engine<S> {
                 };
                 states.push(&mut st[k]);
             }
-            site.forward_batch(&mut states, tokens, self.highway, gpu, self.stream)
-                .map_err(|e| {
-                    EngineError::site(
-                        k,
-                        format!("site {k} batched decode of {} sequences", tokens.len()),
-                        e,
-                    )
-                })?;
+            match masked {
+                Some(m) => site.forward_batch_masked(
+                    &mut states,
+                    tokens,
+                    m,
+                    self.highway,
+                    gpu,
+                    self.stream,
+                ),
+                None => site.forward_batch(&mut states, tokens, self.highway, gpu, self.stream),
+            }
+            .map_err(|e| {
+                EngineError::site(
+                    k,
+                    format!("site {k} batched decode of {} sequences", tokens.len()),
+                    e,
+                )
+            })?;
         }
         gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
             .map_err(|e| EngineError::device("copying the highway rows out", e))

@@ -105,6 +105,32 @@ pub enum EngineError {
         /// The hash family that sets the limit.
         family: &'static str,
     },
+    /// A token mask given to an engine with a site whose published layer
+    /// has none (only DeepSeek-V4.1's Engram gate without a short conv
+    /// takes one); nothing of the call ran.
+    #[error(
+        "{op}: site {site} follows the {family} layer, which has no token mask (only \
+         DeepSeek-V4.1's Engram gate without a short conv takes one); leave the mask out"
+    )]
+    TokenMaskUnsupported {
+        /// The operation.
+        op: &'static str,
+        /// The first site that takes no mask.
+        site: usize,
+        /// Its family, as its published layer is named.
+        family: &'static str,
+    },
+    /// A token mask whose length is not the call's token count; nothing of
+    /// the call ran.
+    #[error("{op}: {flags} mask flags given for {tokens} tokens; give one flag per token")]
+    MaskSize {
+        /// The operation.
+        op: &'static str,
+        /// Flags given.
+        flags: usize,
+        /// Tokens (decode: sequences) given.
+        tokens: usize,
+    },
     /// Decode of a sequence that has run no token.
     #[error("decode: sequence {0} has run no token; prefill it first")]
     NotStarted(SeqId),

@@ -27,7 +27,17 @@
 //! - the prefix cache holds snapshots taken at block boundaries during
 //!   prefill and decode, keyed by the tokens; it is only valid when the
 //!   highway rows of a token are a function of the token prefix, as in a
-//!   causal model.
+//!   causal model;
+//! - token masks (DeepSeek-V4.1's `token_mask`, through the `_masked`
+//!   calls) change a carry without changing its tokens, so a sequence that
+//!   has absorbed a masked token never caches a block boundary (in the
+//!   prefix cache or the shared store), and a masked sequence is added from
+//!   a cached prefix only up to its first masked token; a masked decode step
+//!   runs eagerly, never from a captured graph (the layer resets the gate
+//!   and the history of a masked token by host work a replay would not
+//!   redo); a mask given to an engine with a site whose published layer has
+//!   none is refused ([`EngineError::TokenMaskUnsupported`]) before
+//!   anything runs.
 //!
 //! The methods are split by concern: this module holds the [`Site`] trait,
 //! the settings, the engine's state, its accessors and `close`;
@@ -74,7 +84,8 @@ pub type SeqId = u64;
 /// What the default graph methods of [`Site`] say.
 const NO_GRAPHS: &str = "this site cannot replay decode graphs";
 
-/// What the default masked forwards of [`Site`] say.
+/// What the default masked forwards of [`Site`] say (a site whose geometry
+/// takes a mask but whose forwards do not).
 const NO_MASK: &str = "this site takes no token mask (only DeepSeek-V4.1's Engram gate has one)";
 
 /// [`Site::prefetch`] for each entry of `work`: what the step prefetches do
@@ -330,6 +341,12 @@ pub struct EngineStats {
     pub prefill_tokens: u64,
     /// Tokens run by decode.
     pub decode_tokens: u64,
+    /// Block boundaries not cached because the sequence had absorbed a
+    /// masked token (the cache keys carries by tokens alone).
+    pub masked_boundaries_skipped: u64,
+    /// Decode steps (parts of a batch) run eagerly, with graphs enabled,
+    /// because a sequence's token was masked.
+    pub masked_eager_steps: u64,
     /// Batched decode steps replayed from a captured graph.
     pub graph_replays: u64,
     /// Decode graphs captured (one per padded batch size).
@@ -384,6 +401,9 @@ struct Pending {
 
 struct Seq<St> {
     tokens: Vec<u32>,
+    /// Whether the carry has absorbed a masked token: then it is not the
+    /// carry of `tokens` alone, and its block boundaries are never cached.
+    masked: bool,
     carry: Carry<St>,
     pending: Option<Pending>,
 }
@@ -414,6 +434,31 @@ pub struct Engine<S: Site> {
     closed: bool,
     /// Distinguishes the swap files of engines sharing a directory.
     instance: u64,
+}
+
+/// Whether a site of geometry `g` takes a token mask: its published layer
+/// has one (DeepSeek-V4.1's Engram gate without a short conv).
+pub fn takes_token_mask(g: &SiteSpec) -> bool {
+    g.combine.gated().is_some_and(|c| c.token_mask)
+}
+
+/// The family of a site of geometry `g`, as a refused token mask names it:
+/// the published layer the site follows (`"Qwen4-Exp"`, `"Engram demo"`,
+/// `"DeepSeek-V4.1 Engram"`, `"DeepSeek-V4.1 Engram with a short conv"`,
+/// `"LongCat"`).
+pub fn mask_family(g: &SiteSpec) -> &'static str {
+    use metrale_model_layers::layers::ple::{GateSign, HashFamily};
+    let v41 =
+        |c: &metrale_model_layers::layers::ple::GatedSpec| matches!(c.sign, GateSign::CopySign);
+    match (&g.dims.family, g.combine.gated()) {
+        (HashFamily::Qwen4Exp, _) => "Qwen4-Exp",
+        (HashFamily::LongCat { .. }, _) => "LongCat",
+        (HashFamily::Engram { .. }, Some(c)) if v41(c) && c.conv => {
+            "DeepSeek-V4.1 Engram with a short conv"
+        }
+        (HashFamily::Engram { .. }, Some(c)) if v41(c) => "DeepSeek-V4.1 Engram",
+        (HashFamily::Engram { .. }, _) => "Engram demo",
+    }
 }
 
 static ENGINE_INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -669,6 +714,32 @@ impl<S: Site> Engine<S> {
             }),
             None => Ok(()),
         }
+    }
+
+    /// Refuse a token mask, before anything of the call runs, when some
+    /// site's published layer has none (even when no flag is set, as the
+    /// layer does), or when it does not hold one flag per token.
+    fn check_mask(&self, op: &'static str, masked: &[bool], tokens: usize) -> Result<()> {
+        if let Some((site, g)) = self
+            .geoms
+            .iter()
+            .enumerate()
+            .find(|(_, g)| !takes_token_mask(g))
+        {
+            return Err(EngineError::TokenMaskUnsupported {
+                op,
+                site,
+                family: mask_family(g),
+            });
+        }
+        if masked.len() != tokens {
+            return Err(EngineError::MaskSize {
+                op,
+                flags: masked.len(),
+                tokens,
+            });
+        }
+        Ok(())
     }
 
     fn check_rows(&self, op: &'static str, tokens: usize, rows: &[f32]) -> Result<()> {

@@ -121,8 +121,33 @@ impl<S: Site> Engine<S> {
     /// caller prefills `prompt[added.cached..]`.
     pub fn add_sequence(&mut self, prompt: &[u32]) -> Result<Added> {
         self.check_tokens("add_sequence", prompt.iter().copied())?;
+        self.add_checked(prompt, prompt.len())
+    }
+
+    /// [`Self::add_sequence`] for a prompt that will be prefilled with the
+    /// token mask `masked` (one flag per prompt token, `true`: masked; see
+    /// [`Self::prefill_masked`]). A cached carry is the carry of unmasked
+    /// tokens, so only a prefix up to the first masked token is restored;
+    /// the caller prefills `prompt[added.cached..]` with
+    /// `masked[added.cached..]`. Refused, with nothing changed, when a site
+    /// takes no mask or the mask's length is not the prompt's.
+    pub fn add_sequence_masked(&mut self, prompt: &[u32], masked: &[bool]) -> Result<Added> {
+        self.check_tokens("add_sequence", prompt.iter().copied())?;
+        self.check_mask("add_sequence", masked, prompt.len())?;
+        // `restore_prefix` leaves at least one token of what it is given,
+        // so a prefix never reaches past the first masked token.
+        let usable = masked
+            .iter()
+            .position(|&m| m)
+            .map_or(prompt.len(), |p| p + 1);
+        self.add_checked(prompt, usable)
+    }
+
+    /// Add a sequence for a checked `prompt`, restoring a cached prefix of
+    /// `prompt[..usable]` only.
+    fn add_checked(&mut self, prompt: &[u32], usable: usize) -> Result<Added> {
         let id = self.next_id;
-        let (cached, states) = self.restore_prefix(id, prompt)?;
+        let (cached, states) = self.restore_prefix(id, &prompt[..usable])?;
         self.next_id += 1;
         if cached > 0 {
             self.stats.prefix_hits += 1;
@@ -132,6 +157,7 @@ impl<S: Site> Engine<S> {
             id,
             Seq {
                 tokens: prompt[..cached].to_vec(),
+                masked: false,
                 carry: Carry::Resident(states),
                 pending: None,
             },
@@ -144,9 +170,41 @@ impl<S: Site> Engine<S> {
     /// snapshots are cached). `highway` holds `tokens.len()` rows in, and
     /// gets them back with every site applied.
     pub fn prefill(&mut self, id: SeqId, tokens: &[u32], highway: &mut [f32]) -> Result<()> {
+        self.prefill_with(id, tokens, None, highway)
+    }
+
+    /// [`Self::prefill`] with a token mask: one flag per token, `true` where
+    /// masked (DeepSeek-V4.1's `token_mask` with the opposite polarity). A
+    /// masked token's gate is 0, so its highway rows come back unchanged,
+    /// and the hash treats it as a dead token: later tokens' look-back stops
+    /// there. Chunking does not change the outputs. Once a sequence has
+    /// absorbed a masked token its block boundaries are no longer cached.
+    /// Refused, with nothing changed, when a site's published layer has no
+    /// mask ([`EngineError::TokenMaskUnsupported`]) or the mask's length is
+    /// not the tokens' ([`EngineError::MaskSize`]).
+    pub fn prefill_masked(
+        &mut self,
+        id: SeqId,
+        tokens: &[u32],
+        masked: &[bool],
+        highway: &mut [f32],
+    ) -> Result<()> {
+        self.prefill_with(id, tokens, Some(masked), highway)
+    }
+
+    fn prefill_with(
+        &mut self,
+        id: SeqId,
+        tokens: &[u32],
+        masked: Option<&[bool]>,
+        highway: &mut [f32],
+    ) -> Result<()> {
         self.check_usable(id, "prefill", false)?;
         self.check_rows("prefill", tokens.len(), highway)?;
         self.check_tokens("prefill", tokens.iter().copied())?;
+        if let Some(m) = masked {
+            self.check_mask("prefill", m, tokens.len())?;
+        }
         if tokens.is_empty() {
             return Ok(());
         }
@@ -161,7 +219,8 @@ impl<S: Site> Engine<S> {
                 n = n.min(b - have % b);
             }
             let rows = &mut highway[done * self.width..(done + n) * self.width];
-            self.run_one(id, &tokens[done..done + n], rows, "prefill")?;
+            let chunk_masked = masked.map(|m| &m[done..done + n]);
+            self.run_one(id, &tokens[done..done + n], chunk_masked, rows, "prefill")?;
             done += n;
             self.stats.prefill_tokens += n as u64;
             if caching && (have + n).is_multiple_of(b) {
@@ -175,19 +234,26 @@ impl<S: Site> Engine<S> {
         Ok(())
     }
 
-    /// One forward of `tokens` on resident sequence `id`, every site in
-    /// order; appends the tokens. A device failure loses the carry.
+    /// One forward of `tokens` (with `masked`, checked by the caller) on
+    /// resident sequence `id`, every site in order; appends the tokens. A
+    /// device failure loses the carry.
     pub(super) fn run_one(
         &mut self,
         id: SeqId,
         tokens: &[u32],
+        masked: Option<&[bool]>,
         rows: &mut [f32],
         op: &str,
     ) -> Result<()> {
         let mut seq = self.seqs.remove(&id).expect("checked by the caller");
-        let r = self.forward_rows(&mut seq, tokens, rows);
+        // An all-clear mask is no mask (the layer treats it so too).
+        let masked = masked.filter(|m| m.contains(&true));
+        let r = self.forward_rows(&mut seq, tokens, masked, rows);
         match r {
-            Ok(()) => seq.tokens.extend_from_slice(tokens),
+            Ok(()) => {
+                seq.tokens.extend_from_slice(tokens);
+                seq.masked |= masked.is_some();
+            }
             Err(ref e) => self.lose(id, &mut seq, format!("{op} failed: {}", e.chain())),
         }
         self.seqs.insert(id, seq);
@@ -198,6 +264,7 @@ impl<S: Site> Engine<S> {
         &self,
         seq: &mut Seq<S::State>,
         tokens: &[u32],
+        masked: Option<&[bool]>,
         rows: &mut [f32],
     ) -> Result<()> {
         let Carry::Resident(states) = &mut seq.carry else {
@@ -210,10 +277,15 @@ impl<S: Site> Engine<S> {
         gpu.copy_h2d_async(as_bytes(rows), self.highway, self.stream)
             .map_err(|e| EngineError::device("copying the highway rows in", e))?;
         for (i, (site, st)) in self.sites.iter().zip(states.iter_mut()).enumerate() {
-            site.forward(st, tokens, self.highway, fresh, gpu, self.stream)
-                .map_err(|e| {
-                    EngineError::site(i, format!("site {i} forward of {} tokens", tokens.len()), e)
-                })?;
+            match masked {
+                Some(m) => {
+                    site.forward_masked(st, tokens, m, self.highway, fresh, gpu, self.stream)
+                }
+                None => site.forward(st, tokens, self.highway, fresh, gpu, self.stream),
+            }
+            .map_err(|e| {
+                EngineError::site(i, format!("site {i} forward of {} tokens", tokens.len()), e)
+            })?;
         }
         gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
             .map_err(|e| EngineError::device("copying the highway rows out", e))

@@ -29,9 +29,37 @@ use crate::store::{CarryStore, CarryTier, MissCause, StoreError, StoreKey, TierC
 impl<S: Site> Engine<S> {
     /// Add a sequence whose carry is the encoded snapshot `bytes`, taken
     /// after `tokens`. Refused, with nothing changed, when the snapshot does
-    /// not decode, belongs to another geometry or another token count.
+    /// not decode, belongs to another geometry or another token count, or
+    /// its carried history is not that of `tokens` (as after a masked token
+    /// in the history's reach: use [`Self::add_from_snapshot_masked`]).
     pub fn add_from_snapshot(&mut self, bytes: &[u8], tokens: &[u32]) -> Result<SeqId> {
         self.check_tokens("add_from_snapshot", tokens.iter().copied())?;
+        self.add_snapshot_checked(bytes, tokens, None)
+    }
+
+    /// [`Self::add_from_snapshot`] for a snapshot of a sequence that ran
+    /// `tokens` with the token mask `masked` (one flag per token): the
+    /// carried history must read the pad id at and before the last masked
+    /// token, as the layer leaves it. The new sequence's boundaries are not
+    /// cached when a flag is set. Refused as a mask is by
+    /// [`Self::prefill_masked`].
+    pub fn add_from_snapshot_masked(
+        &mut self,
+        bytes: &[u8],
+        tokens: &[u32],
+        masked: &[bool],
+    ) -> Result<SeqId> {
+        self.check_tokens("add_from_snapshot", tokens.iter().copied())?;
+        self.check_mask("add_from_snapshot", masked, tokens.len())?;
+        self.add_snapshot_checked(bytes, tokens, Some(masked))
+    }
+
+    fn add_snapshot_checked(
+        &mut self,
+        bytes: &[u8],
+        tokens: &[u32],
+        masked: Option<&[bool]>,
+    ) -> Result<SeqId> {
         let snap = Snapshot::decode_for(bytes, &self.geoms)?;
         if snap.token_count != tokens.len() as u64 {
             return Err(EngineError::TokenCount {
@@ -39,11 +67,19 @@ impl<S: Site> Engine<S> {
                 given: tokens.len(),
             });
         }
+        let last_masked = masked.and_then(|m| m.iter().rposition(|&f| f));
         for (site, (g, blob)) in self.geoms.iter().zip(&snap.blobs).enumerate() {
             // The carried history is the last `context_len` tokens of the
             // EOS-filled start followed by the tokens: check it agrees.
             let mut want = vec![g.dims.eos_token_id; g.dims.context_len()];
             g.dims.advance_history(&mut want, tokens);
+            if let Some(last) = last_masked {
+                // The fill at and before the last masked token (docs/SPEC.md
+                // §11): `after` tokens came after it.
+                let after = tokens.len() - 1 - last;
+                let upto = want.len().saturating_sub(after);
+                want[..upto].fill(g.dims.eos_token_id);
+            }
             // `decode_for` checked every blob against its site.
             let have = carry_blob::decode(blob, g)
                 .map(|b| b.history_tokens())
@@ -63,6 +99,7 @@ impl<S: Site> Engine<S> {
             id,
             Seq {
                 tokens: tokens.to_vec(),
+                masked: last_masked.is_some(),
                 carry: Carry::Resident(states),
                 pending: None,
             },
@@ -98,8 +135,16 @@ impl<S: Site> Engine<S> {
         self.cfg.prefix_cache_bytes > 0 || self.shared.is_some()
     }
 
+    /// Snapshot sequence `id`'s carry at a block boundary into the prefix
+    /// cache and the store, unless they hold it already. A sequence that has
+    /// absorbed a masked token is skipped: both key carries by tokens alone,
+    /// and its carry is not the carry of its tokens.
     pub(super) fn cache_boundary(&mut self, id: SeqId) -> Result<()> {
         let s = self.seq(id)?;
+        if s.masked {
+            self.stats.masked_boundaries_skipped += 1;
+            return Ok(());
+        }
         let local = self.cfg.prefix_cache_bytes > 0 && !self.cache.contains(&s.tokens);
         let store_key = self.shared.as_ref().and_then(|t| {
             let k = StoreKey::of(t.model(), self.fingerprint, &s.tokens);
