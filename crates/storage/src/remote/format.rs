@@ -128,6 +128,7 @@ pub fn dtype_name(d: RowDType) -> &'static str {
         RowDType::Bf16 => "bf16",
         RowDType::Fp8E4M3 => "fp8_e4m3",
         RowDType::Fp8E4M3Block32 => "fp8_e4m3_block32",
+        RowDType::F32 => "f32",
     }
 }
 
