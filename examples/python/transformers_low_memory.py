@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,13 @@ def rss_mib() -> float:
 
 
 def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    # VmHWM, not getrusage's ru_maxrss: Linux keeps ru_maxrss across execve,
+    # so a child would report its parent's peak.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def build(d: Path) -> None:
@@ -118,7 +123,7 @@ def main() -> None:
         res[mode] = json.loads(out.strip().splitlines()[-1])
     tf, me = res["transformers"], res["patched"]
     print(f"\n{'MiB':<26}{'transformers':>14}{'patched (cached)':>18}{'saved':>10}")
-    for k, label in (("rss_loaded", "RSS after load"), ("rss_after_generate", "RSS after generate"),
+    for k, label in (("import_rss", "RSS after imports"), ("rss_loaded", "RSS after load"), ("rss_after_generate", "RSS after generate"),
                      ("peak_rss", "peak RSS")):
         print(f"{label:<26}{tf[k]:>14.0f}{me[k]:>18.0f}{tf[k] - me[k]:>10.0f}")
     print(f"{'load (s)':<26}{tf['load_s']:>14.2f}{me['load_s']:>18.2f}")
