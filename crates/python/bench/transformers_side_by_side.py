@@ -10,7 +10,8 @@ times, on the CPU:
    of --chunk tokens (batch 1) and a decode step at batch 1 and --batch
    (median over --reps calls, alternating between the two so that load from
    elsewhere hits both alike);
-2. end-to-end greedy ``generate`` tokens/s: the table in memory
+2. end-to-end greedy ``generate`` tokens/s (median of --runs runs, the
+   two models alternating): the table in memory
    (transformers as loaded against patched with ``table="resident"``), and
    the table on disk (transformers with its disk offload, if it loads and
    runs, against ``metrale_ple.transformers.from_pretrained`` with
@@ -22,7 +23,7 @@ the patched model is faster).
 
 Usage: python crates/python/bench/transformers_side_by_side.py [--dir DIR]
        [--dtype float32] [--chunk 128] [--batch 8] [--reps 20]
-       [--new-tokens 32] [--threads N]
+       [--new-tokens 32] [--runs 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -124,28 +125,38 @@ def ple_layers(d: Path, dtype, chunk: int, batch: int, reps: int) -> None:
     gc.collect()
 
 
-def tokens_per_s(model, prompt, new_tokens: int) -> tuple[float, list[int]]:
+def tokens_per_s(pair, prompt, new_tokens: int, runs: int):
+    """Median tokens/s of greedy generate for each of the two models of
+    ``pair``, the runs alternating between them; and each one's tokens."""
+    times = [[], []]
+    seqs = [None, None]
     with torch.no_grad():
-        model.generate(prompt, max_new_tokens=4, do_sample=False)  # warm-up
-        t = time.perf_counter()
-        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        dt = time.perf_counter() - t
-    return new_tokens / dt, out[0].tolist()
+        for m in pair:
+            if m is not None:
+                m.generate(prompt, max_new_tokens=4, do_sample=False)  # warm-up
+        for _ in range(runs):
+            for k, m in enumerate(pair):
+                if m is None:
+                    continue
+                t = time.perf_counter()
+                out = m.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                times[k].append(time.perf_counter() - t)
+                seqs[k] = out[0].tolist()
+    rates = [new_tokens / statistics.median(ts) if ts else None for ts in times]
+    return rates, seqs
 
 
-def end_to_end(d: Path, dtype, new_tokens: int, work: Path) -> None:
+def end_to_end(d: Path, dtype, new_tokens: int, runs: int, work: Path) -> None:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, TEXT["vocab_size"], (1, 64), generator=g)
-    print(f"\n2. generate: prompt 64 tokens, {new_tokens} new tokens, batch 1, greedy (tokens/s)")
+    print(f"\n2. generate: prompt 64 tokens, {new_tokens} new tokens, batch 1, greedy; "
+          f"median tokens/s of {runs} runs, alternating")
     rows = []
 
     ref = transformers.Qwen4ExpForCausalLM.from_pretrained(d, dtype=dtype).eval()
-    tf_mem, seq_ref = tokens_per_s(ref, prompt, new_tokens)
-    del ref
-    gc.collect()
     pat = mtf.patch(transformers.Qwen4ExpForCausalLM.from_pretrained(d, dtype=dtype).eval(), d, table="resident")
-    me_mem, seq_mem = tokens_per_s(pat, prompt, new_tokens)
-    del pat
+    (tf_mem, me_mem), (seq_ref, seq_mem) = tokens_per_s((ref, pat), prompt, new_tokens, runs)
+    del ref, pat
     gc.collect()
     rows.append(("table in memory", tf_mem, me_mem, seq_ref == seq_mem))
 
@@ -153,7 +164,7 @@ def end_to_end(d: Path, dtype, new_tokens: int, work: Path) -> None:
     # and failing that, device_map="auto" under a CPU memory limit below
     # the model's size; against the row cache.
     off = work / "offload"
-    tf_disk, how = None, None
+    tf_model, how = None, None
     attempts = [
         ("device_map: each site's ngram_embedding on 'disk'", dict(
             device_map={"": "cpu", **{
@@ -166,22 +177,22 @@ def end_to_end(d: Path, dtype, new_tokens: int, work: Path) -> None:
         shutil.rmtree(off, ignore_errors=True)
         try:
             m = transformers.Qwen4ExpForCausalLM.from_pretrained(d, dtype=dtype, offload_folder=str(off), **kw).eval()
-            tf_disk, seq_disk = tokens_per_s(m, prompt, new_tokens)
+            with torch.no_grad():
+                m.generate(prompt, max_new_tokens=2, do_sample=False)  # it runs
             on_disk = sorted(k for k, v in (getattr(m, "hf_device_map", None) or {}).items() if v == "disk")
             how = f"{label}; on disk: {', '.join(on_disk) or 'nothing'}"
-            del m
-            gc.collect()
+            tf_model = m
             break
         except Exception as e:  # report it and try the next placement
             print(f"   transformers disk offload with {label}: failed: {type(e).__name__}: {str(e)[:200]}")
-    shutil.rmtree(off, ignore_errors=True)
     pat = mtf.from_pretrained(d, table="cached", dtype=dtype).eval()
-    me_disk, seq_cached = tokens_per_s(pat, prompt, new_tokens)
-    del pat
+    (tf_disk, me_disk), (seq_disk, seq_cached) = tokens_per_s((tf_model, pat), prompt, new_tokens, runs)
+    del pat, tf_model
     gc.collect()
-    rows.append((f"table on disk", tf_disk, me_disk, (seq_ref == seq_cached)))
+    shutil.rmtree(off, ignore_errors=True)
+    rows.append(("table on disk", tf_disk, me_disk, seq_ref == seq_cached))
 
-    print(f"{'':<20}{'transformers':>14}{'patched':>12}{'ratio':>9}   same tokens as transformers (in memory)")
+    print(f"{'':<20}{'transformers':>14}{'patched':>12}{'ratio':>9}   patched tokens = transformers' (in memory)")
     for name, a, b, same in rows:
         if a is None:
             print(f"{name:<20}{'n/a':>14}{b:>12.2f}{'n/a':>9}   {same}")
@@ -202,10 +213,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--runs", type=int, default=3, help="generate runs per model")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch's threads and the runtime's (RAYON_NUM_THREADS), alike")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+        # The runtime's thread pool starts on first use and reads this.
+        os.environ["RAYON_NUM_THREADS"] = str(a.threads)
     work = Path(tempfile.mkdtemp(prefix="q4e-bench-"))
     d = a.dir or work / "model"
     dtype = getattr(torch, a.dtype)
@@ -213,10 +228,10 @@ def main() -> None:
     build(d)
     print(f"model: {d} (built or reused in {time.perf_counter() - t:.1f} s); torch {torch.__version__}, "
           f"transformers {transformers.__version__}, {torch.get_num_threads()} torch threads, "
-          f"{os.cpu_count()} CPUs")
+          f"{os.environ.get('RAYON_NUM_THREADS') or os.cpu_count()} runtime threads, {os.cpu_count()} CPUs")
     try:
         ple_layers(d, dtype, a.chunk, a.batch, a.reps)
-        end_to_end(d, dtype, a.new_tokens, work)
+        end_to_end(d, dtype, a.new_tokens, a.runs, work)
     finally:
         if a.dir is None:
             shutil.rmtree(work, ignore_errors=True)
