@@ -232,7 +232,7 @@ def _generate(model, ids, **kw):
         )
 
 
-@pytest.mark.parametrize("table", ["cached", "resident"])
+@pytest.mark.parametrize("table", ["cached", "resident", "mapped", "shared"])
 def test_patched_generate(causal_f32, table):
     ref = transformers.Qwen4ExpForCausalLM.from_pretrained(causal_f32).eval()
     pat = mtf.patch(
@@ -286,6 +286,9 @@ def test_patched_refuses_beam_search_and_reordered_caches(causal_f32):
         cache.reorder_cache(torch.tensor([1, 0]))
         with pytest.raises(RuntimeError, match="reordered or cropped"):
             pat(torch.tensor([[14], [24]]), cache=cache, use_cache=True)
+        # Padding other than on the left of a first forward.
+        with pytest.raises(ValueError, match="left padding only"):
+            pat(torch.tensor([[5, 6, 7, 8]]), attention_mask=torch.tensor([[1, 0, 1, 1]]), use_cache=True)
 
 
 def test_from_pretrained_without_tables(causal_f32):
