@@ -18,7 +18,11 @@ package exposes the Rust runtime on the CPU backend:
   swaps and speculative verify/commit;
 - ``Server`` and ``serve``: the serving loop over a fixed workload;
 - ``metrale_ple.torch.PleEmbedding``: an ``nn.Module`` for one PLE site
-  (torch is optional and imported only there).
+  (torch is optional and imported only there);
+- ``metrale_ple.transformers``: ``patch(model, checkpoint_dir, table=...)``
+  runs a transformers Qwen4-Exp model's PLE sites on this runtime, and
+  ``from_pretrained(checkpoint_dir, table="cached")`` loads one without its
+  PLE tables in memory (torch and transformers imported only there).
 
 Errors: ``ValueError`` for bad arguments and malformed blobs, files or
 configs; ``OSError`` (``FileNotFoundError``, ...) for I/O failures. Every
