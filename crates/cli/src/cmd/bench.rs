@@ -63,6 +63,7 @@ use super::init::PresetArg;
 use super::run::{EngineSetup, build_engine};
 use super::{CmdError, failure, input};
 
+mod memory;
 mod offload;
 mod remote;
 mod report;

@@ -76,12 +76,16 @@ use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::remote::RemoteTier;
-use metrale_storage::table::{RowRef, TableStats};
+use metrale_checkpoint::fold::FoldedTable;
+use metrale_storage::layout::TableFiles;
+use metrale_storage::resident::ResidentTable;
+use metrale_storage::table::{RowRef, RowTable, TableStats};
 use serde::Serialize;
 
 use crate::cmd::common::{Zipf, bytes, splitmix};
 use metrale_ple_cli::parse::parse_prompts;
 
+use super::memory;
 use super::stream::{Source, Streams};
 use crate::cmd::run::{CacheOptions, EngineSetup, build_sites, engine_config};
 use crate::cmd::{CmdError, failure, input};
@@ -177,6 +181,27 @@ pub struct OffloadArgs {
     /// Connect, read and write timeout of each remote server (ms).
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     remote_timeout_ms: u64,
+    /// Serve the resident baseline from the first ROWS stored rows of each
+    /// site (whole shards), the ids folded onto them: the same rows per
+    /// token, the same compute and token stream, in memory that a table
+    /// larger than the host's cannot have. Default: the whole table when it
+    /// takes at most half the memory available, else the shards that fit
+    /// in a quarter of it.
+    #[arg(long, value_name = "ROWS")]
+    resident_rows: Option<u64>,
+    /// Measure only these tables (of resident, mapped, cached; the
+    /// overheads need resident): one table a process gives its own peak
+    /// RSS.
+    #[arg(long, value_delimiter = ',', value_name = "LIST")]
+    tables: Option<Vec<Base>>,
+}
+
+/// A table served from the checkpoint as it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Base {
+    Resident,
+    Mapped,
+    Cached,
 }
 
 /// A setting to keep.
@@ -326,6 +351,9 @@ struct OffloadRow {
     fill_hit_rate: Option<f64>,
     /// Where a decode token's host time went, in microseconds per token.
     phases: Phases,
+    /// What the process's RSS grew by while the table was opened, filled
+    /// and warmed up (the other tables of the setting stayed open).
+    rss_open_bytes: Option<u64>,
 }
 
 /// Microseconds per decode token of the steps' host work, over the
@@ -390,6 +418,11 @@ struct Report {
     corpus_reread: bool,
     /// The remote tier's figures (`--remote`).
     remote: Option<super::remote::RemoteBench>,
+    /// Rows per site the resident baseline held (fewer than `table_rows`:
+    /// ids folded onto them); `None` without a resident table.
+    resident_rows: Option<u64>,
+    /// The process's memory and the table files' page cache.
+    memory: Option<memory::Report>,
     rows: Vec<OffloadRow>,
 }
 
@@ -533,8 +566,24 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         }
         None => None,
     };
+    let bases = args
+        .tables
+        .clone()
+        .unwrap_or_else(|| vec![Base::Resident, Base::Mapped, Base::Cached]);
+    if bases.is_empty() {
+        return Err(input(anyhow::anyhow!("--tables: name at least one table")));
+    }
+    let resident_rows = match args.resident_rows {
+        Some(0) => return Err(input(anyhow::anyhow!("--resident-rows must be positive"))),
+        r => r,
+    };
+    let before = memory::Snapshot::now(&table_paths(&ck));
     let mut report = measure_all(
         &ck,
+        &Choice {
+            bases,
+            resident_rows,
+        },
         packed.as_ref(),
         padded.as_ref(),
         &sizes,
@@ -554,6 +603,7 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
         bench
     });
     report.workload = workload;
+    report.memory = Some(memory::Report::since(&before, &table_paths(&ck)));
     report.corpus_reread |= trace_reread;
     if report.corpus_reread {
         eprintln!(
@@ -841,6 +891,8 @@ fn disk_ceiling(path: &Path, window: Duration) -> Result<Disk> {
 
 /// Figures of one configuration before the resident comparison.
 struct Measured {
+    /// See [`Config::rss_open`].
+    rss_open: Option<u64>,
     tokens_per_s: f64,
     /// Tokens/s of each repetition, in order.
     rates: Vec<f64>,
@@ -869,6 +921,121 @@ struct Setting<'a> {
     depth: usize,
     /// The tier the `remote` table reads its misses from.
     remote: Option<&'a super::remote::Tier>,
+    /// The rows the resident table serves.
+    fold: &'a ResidentFold,
+}
+
+/// Which tables a run measures, and the resident table's rows.
+struct Choice {
+    bases: Vec<Base>,
+    resident_rows: Option<u64>,
+}
+
+/// The rows the resident baseline holds of each site: the whole table, or
+/// its first shards with every id folded onto them.
+struct ResidentFold {
+    /// Rows held per site (of the first site, for the report).
+    rows: u64,
+    /// Shards held of each site; `None`: all of them, unfolded.
+    shards: Vec<Option<usize>>,
+}
+
+impl ResidentFold {
+    fn describe(&self, stored: u64, row_bytes: u64) -> String {
+        if self.shards.iter().all(Option::is_none) {
+            format!(
+                "resident baseline: the whole table ({} rows, {})",
+                stored,
+                bytes(stored * row_bytes)
+            )
+        } else {
+            format!(
+                "resident baseline: the first {} of {} stored rows ({}), every id folded onto \
+                 them: the same rows per token, compute and token stream as the other tables, \
+                 other rows' values",
+                self.rows,
+                stored,
+                bytes(self.rows * row_bytes)
+            )
+        }
+    }
+}
+
+/// The resident baseline's rows: `rows` when given (whole shards, at
+/// least one), else the whole table when it takes at most half the memory
+/// available, else the shards that fit in a quarter of it.
+fn resident_fold(ck: &Checkpoint, rows: Option<u64>) -> Result<ResidentFold> {
+    let total: u64 = ck.sites.iter().map(|s| s.table.bytes).sum();
+    let avail = memory::available_bytes();
+    let budget = match rows {
+        Some(_) => None,
+        None => match avail {
+            Some(a) if total > a / 2 => Some(a / 4),
+            _ => None,
+        },
+    };
+    let mut shards = Vec::with_capacity(ck.sites.len());
+    let mut first = None;
+    for s in &ck.sites {
+        let t = &s.table;
+        ensure!(
+            t.sub_tables.is_empty() && t.release.is_none(),
+            "bench offload serves the flagship's tables; this site's is not one table of equal \
+             shards"
+        );
+        let row_bytes = t.bytes / t.stored_rows.max(1);
+        let want = match (rows, budget) {
+            (Some(r), _) => Some(r),
+            (None, Some(b)) => Some(b / ck.sites.len() as u64 / row_bytes.max(1)),
+            (None, None) => None,
+        };
+        let keep = want
+            .map(|w| (w / t.rows_per_shard).clamp(1, t.shards.len() as u64) as usize)
+            .filter(|&k| k < t.shards.len());
+        first.get_or_insert(keep.map_or(t.stored_rows, |k| k as u64 * t.rows_per_shard));
+        shards.push(keep);
+    }
+    Ok(ResidentFold {
+        rows: first.unwrap_or(0),
+        shards,
+    })
+}
+
+/// The resident sites of `fold`: each site's first shards loaded, every
+/// id folded onto them.
+fn folded_resident_sites(
+    ck: &Checkpoint,
+    gpu: &Arc<dyn GpuBackend>,
+    fold: &ResidentFold,
+    max_tokens: usize,
+) -> Result<Vec<PleSite>> {
+    let mut sites = Vec::with_capacity(ck.sites.len());
+    for (i, s) in ck.sites.iter().enumerate() {
+        let t = &s.table;
+        let table: Arc<dyn RowTable> = match fold.shards[i] {
+            None => ck.open_table(i, TableMode::Resident, gpu.clone())?,
+            Some(k) => {
+                let files =
+                    TableFiles::open(&t.shards[..k], Some(k as u64 * t.rows_per_shard))?;
+                let inner = Arc::new(ResidentTable::load(&files, gpu.clone())?);
+                Arc::new(FoldedTable::new(inner, s.padded_rows)?)
+            }
+        };
+        sites.push(PleSite::new(ck.build_layer(i, table, max_tokens, gpu.as_ref())?));
+    }
+    Ok(sites)
+}
+
+/// Every shard file of `ck`'s tables.
+fn table_paths(ck: &Checkpoint) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = ck
+        .sites
+        .iter()
+        .flat_map(|s| s.table.shards.iter().map(|(p, _)| p.clone()))
+        .collect();
+    v.sort();
+    v.dedup();
+    v
 }
 
 /// The sites' waits for rows not covered by the blocks before them.
@@ -879,6 +1046,7 @@ fn exposed(e: &Served) -> Duration {
 #[allow(clippy::too_many_arguments)]
 fn measure_all(
     ck: &Checkpoint,
+    choice: &Choice,
     packed: Option<&Checkpoint>,
     padded: Option<&Checkpoint>,
     sizes: &Sizes,
@@ -921,11 +1089,19 @@ fn measure_all(
             disk.read_cpu_us
         )
     );
-    let mut tables = vec![
-        ("resident", TableMode::Resident, ck),
-        ("mapped", TableMode::Mapped, ck),
-        ("cached", TableMode::Cached, ck),
-    ];
+    let fold = resident_fold(ck, choice.resident_rows)?;
+    if choice.bases.contains(&Base::Resident) {
+        eprintln!("bench offload: {}", fold.describe(stored, row_bytes));
+    }
+    let mut tables: Vec<(&'static str, TableMode, &Checkpoint)> = choice
+        .bases
+        .iter()
+        .map(|b| match b {
+            Base::Resident => ("resident", TableMode::Resident, ck),
+            Base::Mapped => ("mapped", TableMode::Mapped, ck),
+            Base::Cached => ("cached", TableMode::Cached, ck),
+        })
+        .collect();
     if let Some(p) = packed {
         tables.push(("packed", TableMode::Cached, p));
     }
@@ -949,6 +1125,7 @@ fn measure_all(
                 tuning,
                 depth,
                 remote,
+                fold: &fold,
             };
             let group = measure_group(&setting, &tables)
                 .with_context(|| format!("prefetch {prefetch}, backbone {backbone}"))?;
@@ -971,6 +1148,7 @@ fn measure_all(
                     fill_tokens: m.fill.as_ref().map(|f| f.tokens),
                     fill_hit_rate: m.fill.as_ref().and_then(|f| f.hit_rates.last().copied()),
                     phases: m.phases,
+                    rss_open_bytes: m.rss_open,
                 });
             }
         }
@@ -1002,6 +1180,11 @@ fn measure_all(
         corpus_documents: source.documents(),
         corpus_reread: reread,
         remote: None,
+        resident_rows: choice
+            .bases
+            .contains(&Base::Resident)
+            .then_some(fold.rows),
+        memory: None,
         rows,
     })
 }
@@ -1300,6 +1483,9 @@ impl Counters {
 
 /// One configuration under measurement: its engine, workload and counters.
 struct Config {
+    /// The process's RSS grown while this table was opened, filled and
+    /// warmed up.
+    rss_open: Option<u64>,
     label: String,
     cached: bool,
     engine: Served,
@@ -1337,6 +1523,7 @@ impl Config {
             tuning,
             depth,
             remote,
+            fold: _,
         } = *set;
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
         let setup = EngineSetup {
@@ -1366,7 +1553,12 @@ impl Config {
             remote: remote.map(|t| t.clone() as Arc<dyn RemoteTier>),
             ..tuning.clone()
         };
-        let sites = build_sites(ck, &gpu, &setup, rows, &cache)?;
+        let rss0 = memory::rss_bytes();
+        let sites = if mode == TableMode::Resident {
+            folded_resident_sites(ck, &gpu, set.fold, rows)?
+        } else {
+            build_sites(ck, &gpu, &setup, rows, &cache)?
+        };
         let cfg = engine_config(&setup, &sites);
         let sites = layered(gpu.as_ref(), sites, backbone, rows)?;
         let mut e = Engine::new(gpu.clone(), sites, cfg)?;
@@ -1434,7 +1626,11 @@ impl Config {
                 " (not settled; measured anyway)"
             }
         );
+        let rss_open = memory::rss_bytes()
+            .zip(rss0)
+            .map(|(a, b)| a.saturating_sub(b));
         Ok(Config {
+            rss_open,
             label,
             cached,
             engine: e,
@@ -1501,6 +1697,7 @@ impl Config {
             self.io_bytes
         };
         let m = Measured {
+            rss_open: self.rss_open,
             tokens_per_s: median(self.rates.clone()),
             rates: self.rates,
             hit_rate: if self.cached {
@@ -1678,6 +1875,27 @@ fn print(r: &Report, json: bool) -> Result<()> {
          host tier {} rows per site, {} reads in flight",
         r.backbone_layers, r.backbone_scale, r.cache_policy, r.host_rows, r.read_depth
     )?;
+    if let Some(rows) = r.resident_rows.filter(|&n| n < r.table_rows) {
+        writeln!(
+            out,
+            "resident baseline: the first {rows} stored rows, every id folded onto them (same \
+             rows per token, compute and tokens)"
+        )?;
+    }
+    if let Some(m) = &r.memory {
+        let b = |v: Option<u64>| v.map_or_else(|| "-".to_string(), bytes);
+        writeln!(
+            out,
+            "memory: RSS {} before the tables, peak {}; table files in the page cache {} at the \
+             start, {} at the end (all page cache {} -> {})",
+            b(m.rss_start_bytes),
+            b(m.peak_rss_bytes),
+            b(m.table_page_cache_start_bytes),
+            b(m.table_page_cache_end_bytes),
+            b(m.page_cache_start_bytes),
+            b(m.page_cache_end_bytes),
+        )?;
+    }
     let fill = r
         .rows
         .iter()
@@ -1705,7 +1923,7 @@ fn print(r: &Report, json: bool) -> Result<()> {
     )?;
     writeln!(
         out,
-        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
+        "{:<9} {:<8} {:<8} {:>12} {:>10} {:>16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>10}",
         "table",
         "prefetch",
         "backbone",
@@ -1717,12 +1935,13 @@ fn print(r: &Report, json: bool) -> Result<()> {
         "I/O wait",
         "exposed",
         "reads",
-        "read/miss"
+        "read/miss",
+        "RSS open"
     )?;
     for row in &r.rows {
         writeln!(
             out,
-            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
+            "{:<9} {:<8} {:<8} {:>12.1} {:>10} {:>16} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>10}",
             row.table,
             if row.prefetch { "on" } else { "off" },
             if row.backbone { "on" } else { "off" },
@@ -1740,6 +1959,7 @@ fn print(r: &Report, json: bool) -> Result<()> {
             opt(row.exposed_wait_share, |v| format!("{:.1}%", v * 100.0)),
             opt(row.read_share, |v| format!("{:.1}%", v * 100.0)),
             opt(row.read_bytes_per_missed_row_byte, |v| format!("{v:.2}x")),
+            row.rss_open_bytes.map_or_else(|| "-".to_string(), bytes),
         )?;
     }
     writeln!(
