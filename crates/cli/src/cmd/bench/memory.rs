@@ -37,7 +37,10 @@ pub fn peak_rss_bytes() -> Option<u64> {
 
 /// `MemAvailable` of `/proc/meminfo`.
 pub fn available_bytes() -> Option<u64> {
-    kib_field(&std::fs::read_to_string("/proc/meminfo").ok()?, "MemAvailable")
+    kib_field(
+        &std::fs::read_to_string("/proc/meminfo").ok()?,
+        "MemAvailable",
+    )
 }
 
 /// `Cached` of `/proc/meminfo`: the whole page cache.

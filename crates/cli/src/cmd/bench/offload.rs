@@ -62,6 +62,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use clap::Args;
+use metrale_checkpoint::fold::FoldedTable;
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
@@ -75,9 +76,8 @@ use metrale_model_layers::bench::Rng;
 use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
-use metrale_storage::remote::RemoteTier;
-use metrale_checkpoint::fold::FoldedTable;
 use metrale_storage::layout::TableFiles;
+use metrale_storage::remote::RemoteTier;
 use metrale_storage::resident::ResidentTable;
 use metrale_storage::table::{RowRef, RowTable, TableStats};
 use serde::Serialize;
@@ -1015,13 +1015,17 @@ fn folded_resident_sites(
         let table: Arc<dyn RowTable> = match fold.shards[i] {
             None => ck.open_table(i, TableMode::Resident, gpu.clone())?,
             Some(k) => {
-                let files =
-                    TableFiles::open(&t.shards[..k], Some(k as u64 * t.rows_per_shard))?;
+                let files = TableFiles::open(&t.shards[..k], Some(k as u64 * t.rows_per_shard))?;
                 let inner = Arc::new(ResidentTable::load(&files, gpu.clone())?);
                 Arc::new(FoldedTable::new(inner, s.padded_rows)?)
             }
         };
-        sites.push(PleSite::new(ck.build_layer(i, table, max_tokens, gpu.as_ref())?));
+        sites.push(PleSite::new(ck.build_layer(
+            i,
+            table,
+            max_tokens,
+            gpu.as_ref(),
+        )?));
     }
     Ok(sites)
 }
@@ -1180,10 +1184,7 @@ fn measure_all(
         corpus_documents: source.documents(),
         corpus_reread: reread,
         remote: None,
-        resident_rows: choice
-            .bases
-            .contains(&Base::Resident)
-            .then_some(fold.rows),
+        resident_rows: choice.bases.contains(&Base::Resident).then_some(fold.rows),
         memory: None,
         rows,
     })
