@@ -45,6 +45,13 @@
 //! compute ([`read_cpu_cost`]: what each miss costs a step whose compute
 //! fills the machine).
 //!
+//! A table over half the memory available cannot be held resident: the
+//! resident baseline then holds the table's first shards (a quarter of
+//! that memory, or `--resident-rows`) with every id folded onto them, the
+//! same rows per token, compute and token stream. The report gives the
+//! process's RSS and the table files' page cache ([`memory`]); `--tables`
+//! measures one table alone for its own peak RSS.
+//!
 //! Invariants: every configuration sees the same prompts and the same
 //! decode tokens (one seeded stream), so the figures differ only by how
 //! rows are served; figures are measured, never estimated: a figure a table
@@ -940,24 +947,22 @@ struct ResidentFold {
     shards: Vec<Option<usize>>,
 }
 
-impl ResidentFold {
-    fn describe(&self, stored: u64, row_bytes: u64) -> String {
-        if self.shards.iter().all(Option::is_none) {
-            format!(
-                "resident baseline: the whole table ({} rows, {})",
-                stored,
-                bytes(stored * row_bytes)
-            )
-        } else {
-            format!(
-                "resident baseline: the first {} of {} stored rows ({}), every id folded onto \
-                 them: the same rows per token, compute and token stream as the other tables, \
-                 other rows' values",
-                self.rows,
-                stored,
-                bytes(self.rows * row_bytes)
-            )
-        }
+/// What the resident baseline holds: `rows` of the `stored` rows of
+/// `row_bytes` each (the whole table, or its first rows with every id
+/// folded onto them).
+fn baseline_line(rows: u64, stored: u64, row_bytes: u64) -> String {
+    if rows >= stored {
+        format!(
+            "resident baseline: the whole table ({stored} rows, {})",
+            bytes(stored * row_bytes)
+        )
+    } else {
+        format!(
+            "resident baseline: the first {rows} of {stored} stored rows ({}), every id folded \
+             onto them: the same rows per token, compute and token stream as the other tables, \
+             other rows' values",
+            bytes(rows * row_bytes)
+        )
     }
 }
 
@@ -966,14 +971,10 @@ impl ResidentFold {
 /// available, else the shards that fit in a quarter of it.
 fn resident_fold(ck: &Checkpoint, rows: Option<u64>) -> Result<ResidentFold> {
     let total: u64 = ck.sites.iter().map(|s| s.table.bytes).sum();
-    let avail = memory::available_bytes();
-    let budget = match rows {
-        Some(_) => None,
-        None => match avail {
-            Some(a) if total > a / 2 => Some(a / 4),
-            _ => None,
-        },
-    };
+    // Bytes a site may hold when the whole table would not fit.
+    let budget = memory::available_bytes()
+        .filter(|&a| rows.is_none() && total > a / 2)
+        .map(|a| a / 4 / ck.sites.len() as u64);
     let mut shards = Vec::with_capacity(ck.sites.len());
     let mut first = None;
     for s in &ck.sites {
@@ -984,11 +985,7 @@ fn resident_fold(ck: &Checkpoint, rows: Option<u64>) -> Result<ResidentFold> {
              shards"
         );
         let row_bytes = t.bytes / t.stored_rows.max(1);
-        let want = match (rows, budget) {
-            (Some(r), _) => Some(r),
-            (None, Some(b)) => Some(b / ck.sites.len() as u64 / row_bytes.max(1)),
-            (None, None) => None,
-        };
+        let want = rows.or(budget.map(|b| b / row_bytes.max(1)));
         let keep = want
             .map(|w| (w / t.rows_per_shard).clamp(1, t.shards.len() as u64) as usize)
             .filter(|&k| k < t.shards.len());
@@ -1095,7 +1092,10 @@ fn measure_all(
     );
     let fold = resident_fold(ck, choice.resident_rows)?;
     if choice.bases.contains(&Base::Resident) {
-        eprintln!("bench offload: {}", fold.describe(stored, row_bytes));
+        eprintln!(
+            "bench offload: {}",
+            baseline_line(fold.rows, stored, row_bytes)
+        );
     }
     let mut tables: Vec<(&'static str, TableMode, &Checkpoint)> = choice
         .bases
@@ -1877,11 +1877,8 @@ fn print(r: &Report, json: bool) -> Result<()> {
         r.backbone_layers, r.backbone_scale, r.cache_policy, r.host_rows, r.read_depth
     )?;
     if let Some(rows) = r.resident_rows.filter(|&n| n < r.table_rows) {
-        writeln!(
-            out,
-            "resident baseline: the first {rows} stored rows, every id folded onto them (same \
-             rows per token, compute and tokens)"
-        )?;
+        let row_bytes = r.cache_bytes / r.cache_slots.max(1) as u64;
+        writeln!(out, "{}", baseline_line(rows, r.table_rows, row_bytes))?;
     }
     if let Some(m) = &r.memory {
         let b = |v: Option<u64>| v.map_or_else(|| "-".to_string(), bytes);
