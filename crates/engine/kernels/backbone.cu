@@ -3,12 +3,15 @@
 // `project` (kernels/ple.cu in model-layers), so this file holds only what
 // that module lacks.
 //
-// | name     | args                 |
-// |----------|----------------------|
-// | silu_mul | up, act, T, I        |
+// | name     | args                              |
+// |----------|-----------------------------------|
+// | silu_mul | SiluMulArgs: up, act, t, inter    |
 //
-// act[t, i] = silu(up[t, i]) * up[t, I + i] for `up [T, 2I]`, `act [T, I]`.
-// Pointers are `u64` parameters, `U32` arguments `unsigned int`.
+// act[t, i] = silu(up[t, i]) * up[t, I + i] for `up [T, 2I]`, `act [T, I]`
+// (I = inter). The kernel takes its argument struct by value; the struct
+// is generated from its Rust definition (`SiluMulArgs` in
+// crates/engine/src/backbone.rs), whose test regenerates the block below
+// and fails on a difference.
 //
 // Invariant: grid-stride over the `T * I` outputs, so any grid computes
 // every output exactly once. Its values feed nothing the model outputs (the
@@ -18,8 +21,21 @@
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
-extern "C" __global__ void silu_mul(const float* up, float* act, u32 t, u32 inter) {
-    u64 n = (u64)t * inter;
+// ---- kernel argument structs, generated from their Rust definitions: do not edit ----
+struct SiluMulArgs {
+    const float* up;
+    float* act;
+    unsigned int t;
+    unsigned int inter;
+};
+static_assert(sizeof(SiluMulArgs) == 24, "SiluMulArgs: 24 bytes in Rust");
+// ---- end of the generated kernel argument structs ----
+
+extern "C" __global__ void silu_mul(SiluMulArgs a) {
+    const float* up = a.up;
+    float* act = a.act;
+    u32 inter = a.inter;
+    u64 n = (u64)a.t * inter;
     for (u64 k = (u64)blockIdx.x * blockDim.x + threadIdx.x; k < n;
          k += (u64)gridDim.x * blockDim.x) {
         u64 row = k / inter;

@@ -40,13 +40,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use metrale_gpu_runtime::compile_source;
 use metrale_gpu_runtime::gpu::{
-    ArgKind, DevicePtr, GpuBackend, GpuError, HostMemory, KernelArg, KernelHandle, LaunchConfig,
-    StreamId,
+    DevicePtr, GpuBackend, GpuError, HostMemory, KernelHandle, LaunchConfig, StreamId,
 };
+use metrale_gpu_runtime::{compile_source, kernel_args};
 use metrale_model_layers::layers::ple::ModelSpec;
 use metrale_model_layers::layers::ple::device_kernels::{LaunchShapes, load_ple_module};
+use metrale_model_layers::layers::ple::kernels::args::ProjectArgs;
 use metrale_model_layers::layers::ple::kernels::{self, pack_projection};
 use thiserror::Error;
 
@@ -181,32 +181,34 @@ impl std::fmt::Debug for Backbone {
     }
 }
 
-/// `act = silu(up[:, :I]) * up[:, I:]` on the host: `silu_mul(up, act, T, I)`.
+kernel_args! {
+    /// `silu_mul`: `act [t, inter] = silu(up[:, :inter]) * up[:, inter:]`
+    /// for `up [t, 2 * inter]`.
+    pub struct SiluMulArgs {
+        /// The up projection's rows.
+        pub up: DevicePtr as "const float*",
+        /// The activation rows.
+        pub act: DevicePtr as "float*",
+        /// Rows.
+        pub t: u32,
+        /// Activation values per row.
+        pub inter: u32,
+    }
+}
+
+/// `silu_mul` on the host.
 fn silu_mul_host(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: SiluMulArgs,
 ) -> Result<(), GpuError> {
-    let (
-        [
-            KernelArg::Ptr(up),
-            KernelArg::Ptr(act),
-            KernelArg::U32(t),
-            KernelArg::U32(i),
-        ],
-    ) = (args,)
-    else {
-        return Err(GpuError::kernel(
-            "backbone::silu_mul: expects up, act, T, I",
-        ));
-    };
-    let (t, i) = (*t as usize, *i as usize);
+    let (t, i) = (a.t as usize, a.inter as usize);
     // SAFETY: `act` and `up` are distinct allocations of the backbone (the
     // only caller), so the writable view overlaps no other.
     let (ups, acts) = unsafe {
         (
-            mem.slice::<f32>(*up, t * 2 * i)?,
-            mem.slice_mut::<f32>(*act, t * i)?,
+            mem.slice::<f32>(a.up, t * 2 * i)?,
+            mem.slice_mut::<f32>(a.act, t * i)?,
         )
     };
     for (row, out) in ups.chunks_exact(2 * i).zip(acts.chunks_exact_mut(i)) {
@@ -223,13 +225,8 @@ fn load_kernels(gpu: &dyn GpuBackend) -> Result<(KernelHandle, KernelHandle), Ba
     if gpu.supports_host_kernels() {
         kernels::register_cpu_kernels(gpu).map_err(device("registering the PLE host kernels"))?;
         if gpu.kernel(MODULE, "silu_mul").is_err() {
-            gpu.register_host_kernel(
-                MODULE,
-                "silu_mul",
-                &[ArgKind::Ptr, ArgKind::Ptr, ArgKind::U32, ArgKind::U32],
-                Arc::new(silu_mul_host),
-            )
-            .map_err(device("registering the silu_mul host kernel"))?;
+            gpu.register_typed_host_kernel(MODULE, "silu_mul", silu_mul_host)
+                .map_err(device("registering the silu_mul host kernel"))?;
         }
     } else {
         load_ple_module(gpu).map_err(device("loading the PLE module"))?;
@@ -373,13 +370,16 @@ impl Backbone {
         };
         let (d, i) = (self.shape.model, self.shape.intermediate);
         let gemm = |x: DevicePtr, w: DevicePtr, y: DevicePtr, e: usize, o: usize| {
+            let a = ProjectArgs {
+                x,
+                w,
+                y,
+                t: rows as u32,
+                e: e as u32,
+                o: o as u32,
+            };
             gpu.launch(self.project, self.shapes.project(rows, o))
-                .ptr(x)
-                .ptr(w)
-                .ptr(y)
-                .u32(rows as u32)
-                .u32(e as u32)
-                .u32(o as u32)
+                .args(&a)
                 .run(stream)
         };
         let act_cfg = match self.shapes {
@@ -393,12 +393,13 @@ impl Backbone {
             gemm(highway, b.w[0], b.qkv, self.shape.width, 2 * d)?;
             gemm(b.qkv, b.w[1], b.o, 2 * d, d)?;
             gemm(b.o, b.w[2], b.up, d, 2 * i)?;
-            gpu.launch(self.silu_mul, act_cfg)
-                .ptr(b.up)
-                .ptr(b.act)
-                .u32(rows as u32)
-                .u32(i as u32)
-                .run(stream)?;
+            let a = SiluMulArgs {
+                up: b.up,
+                act: b.act,
+                t: rows as u32,
+                inter: i as u32,
+            };
+            gpu.launch(self.silu_mul, act_cfg).args(&a).run(stream)?;
             gemm(b.act, b.w[3], b.down, i, d)?;
         }
         Ok(())
@@ -752,8 +753,23 @@ mod tests {
     use metrale_gpu_runtime::cpu::CpuBackend;
 
     #[test]
-    fn the_device_source_has_the_kernel_and_widths_round_up() {
-        assert!(BACKBONE_CU.contains("__global__ void silu_mul("));
+    fn backbone_cu_declares_the_struct_and_its_kernel_takes_it() {
+        use metrale_gpu_runtime::args::ArgsInfo;
+        use metrale_model_layers::layers::ple::kernels::args::{
+            REWRITE_VAR, check_block, cuda_block,
+        };
+        let info = ArgsInfo::of::<SiluMulArgs>();
+        assert!(info.has_c_layout());
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/backbone.cu");
+        let rewrite = std::env::var_os(REWRITE_VAR).is_some();
+        if let Err(e) = check_block(path, BACKBONE_CU, &cuda_block([info]), rewrite) {
+            panic!("{e}");
+        }
+        assert!(BACKBONE_CU.contains("extern \"C\" __global__ void silu_mul(SiluMulArgs a)"));
+    }
+
+    #[test]
+    fn widths_round_up() {
         let s = BlockShape::new(10240, 8);
         assert_eq!((s.model, s.intermediate), (1280, 3424));
         assert_eq!(
@@ -776,11 +792,14 @@ mod tests {
         let bytes: Vec<u8> = up.iter().flat_map(|v| v.to_ne_bytes()).collect();
         gpu.copy_h2d(&bytes, up_p).unwrap();
         let s = gpu.default_stream();
+        let a = SiluMulArgs {
+            up: up_p,
+            act: act_p,
+            t: t as u32,
+            inter: i as u32,
+        };
         gpu.launch(silu, LaunchConfig::linear(1, 1))
-            .ptr(up_p)
-            .ptr(act_p)
-            .u32(t as u32)
-            .u32(i as u32)
+            .args(&a)
             .run(s)
             .unwrap();
         gpu.synchronize(s).unwrap();

@@ -18,6 +18,7 @@
 
 use std::fmt;
 
+use crate::args::{ArgsInfo, KernelArgs};
 pub use crate::error::GpuError;
 use crate::error::Result;
 
@@ -403,6 +404,35 @@ impl dyn GpuBackend + '_ {
         }
     }
 
+    /// Register `body` as host kernel `module::name` taking `T`: the
+    /// signature is `T`'s fields, and the body gets them as a `T` (see
+    /// [`Self::register_host_kernel`]).
+    pub fn register_typed_host_kernel<T: KernelArgs>(
+        &self,
+        module: &str,
+        name: &str,
+        body: impl Fn(&dyn HostMemory, &LaunchConfig, T) -> Result<()> + Send + Sync + 'static,
+    ) -> Result<()> {
+        let qualified = format!("{module}::{name}");
+        self.register_host_kernel(
+            module,
+            name,
+            &ArgsInfo::of::<T>().signature(),
+            std::sync::Arc::new(
+                move |mem: &dyn HostMemory, cfg: &LaunchConfig, a: &[KernelArg]| {
+                    // The backend checked the arguments against `T`'s signature.
+                    let a = T::from_args(a).ok_or_else(|| {
+                        GpuError::kernel(format!(
+                            "{qualified}: the arguments are not a {}",
+                            T::NAME
+                        ))
+                    })?;
+                    body(mem, cfg, a)
+                },
+            ),
+        )
+    }
+
     /// A human-readable report of live allocations, one per line.
     pub fn live_report(&self) -> String {
         let mut out = String::new();
@@ -448,6 +478,11 @@ impl Launch<'_> {
     /// Append an `f32` argument.
     pub fn f32(mut self, v: f32) -> Self {
         self.args.push(KernelArg::F32(v));
+        self
+    }
+    /// Append the fields of an argument struct, in order.
+    pub fn args<T: KernelArgs>(mut self, a: &T) -> Self {
+        a.push_args(&mut self.args);
         self
     }
     /// Queue the launch on `stream`.

@@ -1,7 +1,8 @@
 //! metrale-gpu-runtime: the device layer of metrale-ple.
 //!
 //! [`gpu`] holds the backend-neutral [`gpu::GpuBackend`] trait and its
-//! pointer, stream, event, graph and kernel types. Implementations live in
+//! pointer, stream, event, graph and kernel types; [`args`] the typed
+//! kernel argument structs ([`kernel_args!`]). Implementations live in
 //! their own modules so that no caller needs `cfg`:
 //! - [`cpu::CpuBackend`], a real backend on the host (always built);
 //! - [`cuda::CudaBackend`], behind the `cuda` feature.
@@ -17,6 +18,7 @@
 
 use std::sync::Arc;
 
+pub mod args;
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod cpu;

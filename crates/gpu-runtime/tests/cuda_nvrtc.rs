@@ -1,92 +1,63 @@
-//! The PLE kernel source compiled by NVRTC from Rust, where the NVRTC
-//! library loads (no GPU is needed): every kernel the CPU backend registers
-//! is in the PTX with a parameter list that accepts the host kernel's
-//! signature, the cache is used, and a broken source is an error naming the
-//! file and carrying NVRTC's log. Without NVRTC the test prints
-//! `skipped: <reason>` and checks nothing.
+//! NVRTC driven from Rust, where the NVRTC library loads (no GPU is
+//! needed): a kernel source compiles to PTX for the asked architecture, its
+//! entries' parameters are read back (one per scalar argument, one
+//! aggregate for a struct taken by value), the cache is used, and a broken
+//! source is an error naming the file and carrying NVRTC's log. Without
+//! NVRTC the test prints `skipped: <reason>` and checks nothing.
 
 #![cfg(feature = "cuda")]
 
 use metrale_gpu_runtime::GpuError;
 use metrale_gpu_runtime::cuda::nvrtc::{self, Arch};
-use metrale_gpu_runtime::cuda::ptx_entries;
-use metrale_gpu_runtime::gpu::ArgKind;
+use metrale_gpu_runtime::cuda::{ParamClass, ptx_entries};
 
-const PLE_CU: &str = include_str!("../../model-layers/kernels/ple.cu");
-const H100: Arch = Arch { major: 9, minor: 0 };
+/// Two kernels: scalar parameters, and one struct by value.
+const SOURCE: &str = r#"
+struct ScaleArgs {
+    float* x;
+    unsigned int n;
+    float by;
+};
+static_assert(sizeof(ScaleArgs) == 16, "ScaleArgs");
 
-/// The signatures `register_cpu_kernels` (model-layers) gives the host
-/// kernels, and those of the device-only kernels.
-fn signatures() -> Vec<(&'static str, Vec<ArgKind>)> {
-    use ArgKind::{F32, Ptr, U32, U64};
-    vec![
-        ("gather", vec![Ptr, U32, U32, U32, Ptr]),
-        ("gather_runs", vec![Ptr, U32, U32, U32, Ptr, U32, U32]),
-        ("project", vec![Ptr, Ptr, Ptr, U32, U32, U32]),
-        (
-            "project_range",
-            vec![Ptr, Ptr, Ptr, U32, U32, U32, U32, U32, U32],
-        ),
-        (
-            "gate",
-            vec![Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32],
-        ),
-        (
-            "gate_norms",
-            vec![
-                Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, F32, F32, F32, U32, U32,
-            ],
-        ),
-        ("bias_add", vec![Ptr, Ptr, U32, U32]),
-        ("mean_add", vec![Ptr, Ptr, U32, F32]),
-        ("conv", vec![Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32]),
-        (
-            "conv_batch",
-            vec![Ptr, Ptr, Ptr, Ptr, Ptr, U32, U32, U32, U32],
-        ),
-        (
-            "hash",
-            vec![Ptr, U32, Ptr, U32, Ptr, Ptr, Ptr, U32, U32, U32, Ptr],
-        ),
-        ("gather_ids", vec![Ptr, U32, U32, U32, Ptr, Ptr, U64, Ptr]),
-        ("rms_norm", vec![Ptr, Ptr, Ptr, U32, U32, U32, F32]),
-        ("highway_add", vec![Ptr, Ptr, U32]),
-    ]
+extern "C" __global__ void scale(float* x, unsigned int n, float by) {
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        x[i] *= by;
+    }
 }
 
+extern "C" __global__ void scale_struct(ScaleArgs a) {
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += gridDim.x * blockDim.x) {
+        a.x[i] *= a.by;
+    }
+}
+"#;
+const H100: Arch = Arch { major: 9, minor: 0 };
+
 #[test]
-fn ple_kernels_compile_with_the_host_signatures() {
+fn sources_compile_and_are_cached() {
     if let Err(e) = nvrtc::probe() {
         println!("skipped: {e}");
         return;
     }
-    let ptx = nvrtc::compile_ptx("ple.cu", PLE_CU, H100).expect("ple.cu compiles");
+    let ptx = nvrtc::compile_ptx("scale.cu", SOURCE, H100).expect("the source compiles");
     assert!(ptx.contains(".target sm_90"), "PTX for compute_90");
     let entries = ptx_entries(&ptx);
-    for (name, sig) in signatures() {
-        let params = entries
-            .get(name)
-            .unwrap_or_else(|| panic!("kernel {name} missing; PTX has {:?}", entries.keys()));
-        assert_eq!(params.len(), sig.len(), "{name}: parameter count");
-        for (i, (p, k)) in params.iter().zip(&sig).enumerate() {
-            assert!(
-                p.accepts(*k),
-                "{name}: parameter {i} is {p:?}, the host passes {k:?}"
-            );
-        }
-    }
-    assert_eq!(entries.len(), signatures().len(), "{:?}", entries.keys());
+    use ParamClass::{F32, Int32, Int64, Other};
+    assert_eq!(entries["scale"], [Int64, Int32, F32]);
+    assert_eq!(entries["scale_struct"], [Other(16)]);
+    assert_eq!(entries.len(), 2, "{:?}", entries.keys());
 
     // Through the cache: a second call reads the file the first wrote.
     let dir = std::env::temp_dir().join(format!("metrale-nvrtc-cache-{}", std::process::id()));
     // SAFETY: this is the only test in this binary, so no other thread reads
     // the environment while it is changed.
     unsafe { std::env::set_var("XDG_CACHE_HOME", &dir) };
-    let a = nvrtc::compile_ptx_cached("ple.cu", PLE_CU, H100).unwrap();
+    let a = nvrtc::compile_ptx_cached("scale.cu", SOURCE, H100).unwrap();
     let path = nvrtc::cache_path(
         &nvrtc::cache_root().unwrap(),
-        "ple.cu",
-        PLE_CU,
+        "scale.cu",
+        SOURCE,
         H100,
         nvrtc::version().unwrap(),
     );
@@ -96,7 +67,7 @@ fn ple_kernels_compile_with_the_host_signatures() {
     );
     assert_eq!(std::fs::read_to_string(&path).unwrap(), a);
     assert_eq!(
-        nvrtc::compile_ptx_cached("ple.cu", PLE_CU, H100).unwrap(),
+        nvrtc::compile_ptx_cached("scale.cu", SOURCE, H100).unwrap(),
         a
     );
     std::fs::remove_dir_all(&dir).unwrap();

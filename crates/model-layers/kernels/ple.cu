@@ -1,39 +1,19 @@
 // PLE device kernels, module "ple".
 //
-// The kernels the CPU backend registers as host kernels (gather, project,
-// gate, conv, conv_batch) have the same names and the same argument lists
-// here, so a layer launches the same kernels on either backend:
+// The kernels the CPU backend registers as host kernels (gather,
+// gather_runs, project, project_range, gate, gate_norms, conv, conv_batch,
+// bias_add, highway_add, mean_add) have the same names here and take the
+// same argument structs, so a layer launches the same kernels on either
+// backend; hash, gather_ids and rms_norm have no host counterpart, for a
+// path that stays on the device.
 //
-// | name        | args                                                      |
-// |-------------|-----------------------------------------------------------|
-// | gather      | refs, n, head_dim, dtype (0 BF16, 1 FP8 E4M3, 2 FP8 E4M3  |
-// |             | with a UE8M0 scale per 32 values after the row, 3 F32),   |
-// |             | out                                                       |
-// | gather_runs | refs, n, head_dim, dtype, out, run, stride: ref i to out  |
-// |             | row (i / run) * stride + i % run                          |
-// | project     | x, w (packed), y, T, E, O                                 |
-// | project_range | x, w, y, T, E, O, from, to, accumulate: steps from..to  |
-// |             | only, continuing y's sums when accumulate is 1            |
-// | gate        | highway, kv, norm_q, norm_k, norm_conv, gated, xn,        |
-// |             | T, H, hc, eps                                             |
-// | gate_norms  | highway, kv, norm_q, norm_k, norm_conv, gated, xn,        |
-// |             | T, H, hc, eps_q, eps_k, eps_conv, form, conv: form bit 0 |
-// |             | the norm (0 1+w, 1 w), bit 1 the zero-dot rule (copysign) |
-// | conv        | xn, gated, state, w, highway, T, C, K, D                  |
-// | conv_batch  | xn, gated, states, w, highway, B, C, K, D                 |
-// | bias_add    | y, bias, T, O                                             |
-// | highway_add | highway, out, n                                           |
-// | mean_add    | highway, value, n, divisor                                |
-//
-// and kernels with no host counterpart, for a path that stays on the device:
-//
-// | hash        | history, hist_len, tokens, T, mults, sizes, offsets,      |
-// |             | N, K, eos, out                                            |
-// | gather_ids  | ids, n, head_dim, dtype, table, scales, rows, out         |
-// | rms_norm    | x, w, y, T, H, hc, eps                                    |
-//
-// Pointers are `u64` parameters, `U32` arguments `unsigned int`, `F32`
-// arguments `float`.
+// Each kernel takes one argument struct by value (`gather` takes
+// GatherArgs, `gather_runs` GatherRunsArgs, ...). The structs are defined
+// once, in Rust (crates/model-layers/src/layers/ple/kernels/args.rs, where
+// each field is documented); the block of them below is generated from
+// those definitions, and a test there regenerates it and fails on a
+// difference (METRALE_WRITE_CUDA_ARGS=1 rewrites it). Each struct asserts
+// its size, which the runtime checks again against the PTX at launch.
 //
 // Invariants:
 // - every kernel loops grid-stride over its work items, so any grid and any
@@ -70,6 +50,172 @@ struct RowRef {
     u64 data;
     u64 scale;
 };
+
+// ---- kernel argument structs, generated from their Rust definitions: do not edit ----
+struct GatherArgs {
+    const RowRef* refs;
+    unsigned int n;
+    unsigned int head_dim;
+    unsigned int dtype;
+    float* out;
+};
+static_assert(sizeof(GatherArgs) == 32, "GatherArgs: 32 bytes in Rust");
+
+struct GatherRunsArgs {
+    const RowRef* refs;
+    unsigned int n;
+    unsigned int head_dim;
+    unsigned int dtype;
+    float* out;
+    unsigned int run;
+    unsigned int stride;
+};
+static_assert(sizeof(GatherRunsArgs) == 40, "GatherRunsArgs: 40 bytes in Rust");
+
+struct GatherIdsArgs {
+    const u64* ids;
+    unsigned int n;
+    unsigned int head_dim;
+    unsigned int dtype;
+    const u8* table;
+    const float* scales;
+    unsigned long long rows;
+    float* out;
+};
+static_assert(sizeof(GatherIdsArgs) == 56, "GatherIdsArgs: 56 bytes in Rust");
+
+struct HashArgs {
+    const u32* history;
+    unsigned int hist_len;
+    const u32* tokens;
+    unsigned int t;
+    const u64* mults;
+    const u64* sizes;
+    const u64* offsets;
+    unsigned int ngram_size;
+    unsigned int heads_per_ngram;
+    unsigned int eos;
+    u64* out;
+};
+static_assert(sizeof(HashArgs) == 80, "HashArgs: 80 bytes in Rust");
+
+struct ProjectArgs {
+    const float* x;
+    const u32* w;
+    float* y;
+    unsigned int t;
+    unsigned int e;
+    unsigned int o;
+};
+static_assert(sizeof(ProjectArgs) == 40, "ProjectArgs: 40 bytes in Rust");
+
+struct ProjectRangeArgs {
+    const float* x;
+    const u32* w;
+    float* y;
+    unsigned int t;
+    unsigned int e;
+    unsigned int o;
+    unsigned int from;
+    unsigned int to;
+    unsigned int accumulate;
+};
+static_assert(sizeof(ProjectRangeArgs) == 48, "ProjectRangeArgs: 48 bytes in Rust");
+
+struct GateArgs {
+    const float* highway;
+    const float* kv;
+    const float* norm_q;
+    const float* norm_k;
+    const float* norm_conv;
+    float* gated;
+    float* xn;
+    unsigned int t;
+    unsigned int h;
+    unsigned int hc;
+    float eps;
+};
+static_assert(sizeof(GateArgs) == 72, "GateArgs: 72 bytes in Rust");
+
+struct GateNormsArgs {
+    const float* highway;
+    const float* kv;
+    const float* norm_q;
+    const float* norm_k;
+    const float* norm_conv;
+    float* gated;
+    float* xn;
+    unsigned int t;
+    unsigned int h;
+    unsigned int hc;
+    float eps_q;
+    float eps_k;
+    float eps_conv;
+    unsigned int form;
+    unsigned int conv;
+};
+static_assert(sizeof(GateNormsArgs) == 88, "GateNormsArgs: 88 bytes in Rust");
+
+struct RmsNormArgs {
+    const float* x;
+    const float* w;
+    float* y;
+    unsigned int t;
+    unsigned int h;
+    unsigned int hc;
+    float eps;
+};
+static_assert(sizeof(RmsNormArgs) == 40, "RmsNormArgs: 40 bytes in Rust");
+
+struct ConvArgs {
+    const float* xn;
+    const float* gated;
+    float* state;
+    const float* w;
+    float* highway;
+    unsigned int t;
+    unsigned int c;
+    unsigned int k;
+    unsigned int d;
+};
+static_assert(sizeof(ConvArgs) == 56, "ConvArgs: 56 bytes in Rust");
+
+struct ConvBatchArgs {
+    const float* xn;
+    const float* gated;
+    const u64* states;
+    const float* w;
+    float* highway;
+    unsigned int b;
+    unsigned int c;
+    unsigned int k;
+    unsigned int d;
+};
+static_assert(sizeof(ConvBatchArgs) == 56, "ConvBatchArgs: 56 bytes in Rust");
+
+struct BiasAddArgs {
+    float* y;
+    const float* bias;
+    unsigned int t;
+    unsigned int o;
+};
+static_assert(sizeof(BiasAddArgs) == 24, "BiasAddArgs: 24 bytes in Rust");
+
+struct HighwayAddArgs {
+    float* highway;
+    const float* out;
+    unsigned int n;
+};
+static_assert(sizeof(HighwayAddArgs) == 24, "HighwayAddArgs: 24 bytes in Rust");
+
+struct MeanAddArgs {
+    float* highway;
+    const float* value;
+    unsigned int n;
+    float divisor;
+};
+static_assert(sizeof(MeanAddArgs) == 24, "MeanAddArgs: 24 bytes in Rust");
+// ---- end of the generated kernel argument structs ----
 
 // ------------------------------------------------------------ conversions
 
@@ -290,28 +436,29 @@ __device__ float gather_value(RowRef r, u32 j, u32 head_dim, u32 dtype) {
     return bf16_round(fp8_e4m3_to_f32(((const u8*)r.data)[j]) * scale);
 }
 
-extern "C" __global__ void gather(const RowRef* refs, u32 n, u32 head_dim, u32 dtype, float* out) {
-    u64 total = (u64)n * head_dim;
+extern "C" __global__ void gather(GatherArgs a) {
+    u32 head_dim = a.head_dim;
+    u64 total = (u64)a.n * head_dim;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
         u64 row = i / head_dim;
         u32 j = (u32)(i - row * head_dim);
-        out[i] = gather_value(refs[row], j, head_dim, dtype);
+        a.out[i] = gather_value(a.refs[row], j, head_dim, a.dtype);
     }
 }
 
 // Like gather, with the rows placed in runs: reference i lands on out row
 // (i / run) * stride + i % run (one head group of every token of a batch,
 // into the token-major emb).
-extern "C" __global__ void gather_runs(const RowRef* refs, u32 n, u32 head_dim, u32 dtype,
-                                       float* out, u32 run, u32 stride) {
-    u64 total = (u64)n * head_dim;
+extern "C" __global__ void gather_runs(GatherRunsArgs a) {
+    u32 head_dim = a.head_dim;
+    u64 total = (u64)a.n * head_dim;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
         u64 row = i / head_dim;
         u32 j = (u32)(i - row * head_dim);
-        u64 dst = (row / run) * stride + row % run;
-        out[dst * head_dim + j] = gather_value(refs[row], j, head_dim, dtype);
+        u64 dst = (row / a.run) * a.stride + row % a.run;
+        a.out[dst * head_dim + j] = gather_value(a.refs[row], j, head_dim, a.dtype);
     }
 }
 
@@ -319,10 +466,14 @@ extern "C" __global__ void gather_runs(const RowRef* refs, u32 n, u32 head_dim, 
 // (device memory or registered host memory): row r at table + r * row
 // bytes, its FP8 scale at scales[r]. An id past the table gives a row of
 // NaN.
-extern "C" __global__ void gather_ids(const u64* ids, u32 n, u32 head_dim, u32 dtype,
-                                      const u8* table, const float* scales, u64 rows,
-                                      float* out) {
-    u64 total = (u64)n * head_dim;
+extern "C" __global__ void gather_ids(GatherIdsArgs a) {
+    const u64* ids = a.ids;
+    u32 head_dim = a.head_dim, dtype = a.dtype;
+    const u8* table = a.table;
+    const float* scales = a.scales;
+    u64 rows = a.rows;
+    float* out = a.out;
+    u64 total = (u64)a.n * head_dim;
     u64 row_bytes = row_bytes_of(dtype, head_dim);
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
@@ -351,10 +502,15 @@ extern "C" __global__ void gather_ids(const u64* ids, u32 n, u32 head_dim, u32 d
 // heads = (N - 1) * K. The sequence is history (hist_len tokens, only the
 // last N - 1 matter) followed by tokens; positions before it read as EOS,
 // and so does every position at or before an earlier EOS.
-extern "C" __global__ void hash(const u32* history, u32 hist_len, const u32* tokens, u32 T,
-                                const u64* mults, const u64* sizes, const u64* offsets,
-                                u32 N, u32 K, u32 eos, u64* out) {
-    u32 ctx = N - 1u;
+extern "C" __global__ void hash(HashArgs a) {
+    const u32* history = a.history;
+    const u32* tokens = a.tokens;
+    const u64* mults = a.mults;
+    const u64* sizes = a.sizes;
+    const u64* offsets = a.offsets;
+    u32 hist_len = a.hist_len, T = a.t, K = a.heads_per_ngram, eos = a.eos;
+    u64* out = a.out;
+    u32 ctx = a.ngram_size - 1u;
     u32 heads = ctx * K;
     for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < T; t += gridDim.x * blockDim.x) {
         u64 mixed = (u64)tokens[t] * mults[0];
@@ -459,19 +615,19 @@ __device__ void project_steps(const float* x, const u32* w, float* y, u32 T, u32
     }
 }
 
-extern "C" __global__ void project(const float* x, const u32* w, float* y, u32 T, u32 E, u32 O) {
-    project_steps(x, w, y, T, E, O, 0u, E, false);
+extern "C" __global__ void project(ProjectArgs a) {
+    project_steps(a.x, a.w, a.y, a.t, a.e, a.o, 0u, a.e, false);
 }
 
 // project over steps from..to only (from even, to even or E, from < to <=
 // E; a launch that breaks this computes nothing), continuing y's sums when
 // accumulate is 1.
-extern "C" __global__ void project_range(const float* x, const u32* w, float* y, u32 T, u32 E,
-                                         u32 O, u32 from, u32 to, u32 accumulate) {
+extern "C" __global__ void project_range(ProjectRangeArgs a) {
+    u32 from = a.from, to = a.to, E = a.e;
     if (from >= to || to > E || (from & 1u) != 0u || (to != E && (to & 1u) != 0u)) {
         return;
     }
-    project_steps(x, w, y, T, E, O, from, to, accumulate != 0u);
+    project_steps(a.x, a.w, a.y, a.t, E, a.o, from, to, a.accumulate != 0u);
 }
 
 // -------------------------------------------------------------------- gate
@@ -526,31 +682,32 @@ __device__ __forceinline__ void gate_rows(const float* highway, const float* kv,
 }
 
 // The Qwen4Exp gate: (1 + w) norms, one eps, with xn.
-extern "C" __global__ void gate(const float* highway, const float* kv, const float* norm_q,
-                                const float* norm_k, const float* norm_conv, float* gated,
-                                float* xn, u32 T, u32 H, u32 hc, float eps) {
-    gate_rows(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps, eps, eps, 1.0f,
-              true, false);
+extern "C" __global__ void gate(GateArgs a) {
+    gate_rows(a.highway, a.kv, a.norm_q, a.norm_k, a.norm_conv, a.gated, a.xn, a.t, a.h, a.hc,
+              a.eps, a.eps, a.eps, 1.0f, true, false);
 }
 
 // The gate with a norm form (form bit 0; 0: 1 + w, 1: w), a zero-dot rule
 // (form bit 1: copysign) and an eps per norm; without `conv` neither
 // norm_conv nor xn is touched. A form with other bits computes nothing.
-extern "C" __global__ void gate_norms(const float* highway, const float* kv, const float* norm_q,
-                                      const float* norm_k, const float* norm_conv, float* gated,
-                                      float* xn, u32 T, u32 H, u32 hc, float eps_q, float eps_k,
-                                      float eps_conv, u32 form, u32 conv) {
+extern "C" __global__ void gate_norms(GateNormsArgs a) {
+    u32 form = a.form;
     if ((form & ~3u) != 0u) {
         return;
     }
-    gate_rows(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps_q, eps_k,
-              eps_conv, (form & 1u) == 0u ? 1.0f : 0.0f, conv != 0u, (form & 2u) != 0u);
+    gate_rows(a.highway, a.kv, a.norm_q, a.norm_k, a.norm_conv, a.gated, a.xn, a.t, a.h, a.hc,
+              a.eps_q, a.eps_k, a.eps_conv, (form & 1u) == 0u ? 1.0f : 0.0f, a.conv != 0u,
+              (form & 2u) != 0u);
 }
 
 // Grouped RMSNorm: y = x * rsqrt(mean(x^2) + eps) * (1 + w) over each
 // H-wide group of x [T, hc * H], with w [hc * H].
-extern "C" __global__ void rms_norm(const float* x, const float* w, float* y, u32 T, u32 H, u32 hc,
-                                    float eps) {
+extern "C" __global__ void rms_norm(RmsNormArgs a) {
+    const float* x = a.x;
+    const float* w = a.w;
+    float* y = a.y;
+    u32 T = a.t, H = a.h, hc = a.hc;
+    float eps = a.eps;
     u32 C = H * hc;
     Rows rs = rows_split();
     u64 pairs = (u64)T * hc;
@@ -604,50 +761,51 @@ __device__ __forceinline__ void conv_channel(const float* xn, const float* gated
 
 // The dilated causal depthwise conv of T tokens of one sequence, with its
 // carried state [S, C], and the highway add. One thread per channel.
-extern "C" __global__ void conv(const float* xn, const float* gated, float* state, const float* w,
-                                float* highway, u32 T, u32 C, u32 K, u32 D) {
+extern "C" __global__ void conv(ConvArgs a) {
+    u32 C = a.c;
     for (u32 c = blockIdx.x * blockDim.x + threadIdx.x; c < C; c += gridDim.x * blockDim.x) {
-        conv_channel(xn, gated, state, w, highway, T, C, K, D, c);
+        conv_channel(a.xn, a.gated, a.state, a.w, a.highway, a.t, C, a.k, a.d, c);
     }
 }
 
 // One token of each of B sequences: row b of xn, gated and highway belongs
 // to the sequence whose state is at states[b]. One thread per (b, c).
-extern "C" __global__ void conv_batch(const float* xn, const float* gated, const u64* states,
-                                      const float* w, float* highway, u32 B, u32 C, u32 K,
-                                      u32 D) {
-    u64 total = (u64)B * C;
+extern "C" __global__ void conv_batch(ConvBatchArgs a) {
+    u32 C = a.c;
+    u64 total = (u64)a.b * C;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
         u64 b = i / C;
         u32 c = (u32)(i - b * C);
         u64 row = b * C;
-        conv_channel(xn + row, gated + row, (float*)states[b], w, highway + row, 1u, C, K, D, c);
+        conv_channel(a.xn + row, a.gated + row, (float*)a.states[b], a.w, a.highway + row, 1u, C,
+                     a.k, a.d, c);
     }
 }
 
 // ------------------------------------------------------------- element-wise
 
 // y[t, o] += bias[o] over y [T, O].
-extern "C" __global__ void bias_add(float* y, const float* bias, u32 T, u32 O) {
-    u64 total = (u64)T * O;
+extern "C" __global__ void bias_add(BiasAddArgs a) {
+    u32 O = a.o;
+    u64 total = (u64)a.t * O;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total;
          i += (u64)gridDim.x * blockDim.x) {
-        y[i] += bias[i % O];
+        a.y[i] += a.bias[i % O];
     }
 }
 
 // highway[i] = (highway[i] + value[i]) / divisor for i < n: the mean of the
 // word embedding and the projected rows (LongCat).
-extern "C" __global__ void mean_add(float* highway, const float* value, u32 n, float divisor) {
-    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        highway[i] = (highway[i] + value[i]) / divisor;
+extern "C" __global__ void mean_add(MeanAddArgs a) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += gridDim.x * blockDim.x) {
+        a.highway[i] = (a.highway[i] + a.value[i]) / a.divisor;
     }
 }
 
 // highway[i] += out[i] for i < n.
-extern "C" __global__ void highway_add(float* highway, const float* out, u32 n) {
-    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        highway[i] += out[i];
+extern "C" __global__ void highway_add(HighwayAddArgs a) {
+    for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += gridDim.x * blockDim.x) {
+        a.highway[i] += a.out[i];
     }
 }

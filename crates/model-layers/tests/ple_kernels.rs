@@ -8,6 +8,9 @@ use std::sync::Arc;
 use anyhow::Result;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, LaunchConfig};
+use metrale_model_layers::layers::ple::kernels::args::{
+    ConvArgs, ConvBatchArgs, GateArgs, GatherArgs, ProjectArgs,
+};
 use metrale_model_layers::layers::ple::kernels::conv::{ConvDims, conv};
 use metrale_model_layers::layers::ple::kernels::gate::{GateDims, GateInputs, gate};
 use metrale_model_layers::layers::ple::kernels::gather::{GatherDType, RowSrc, gather_rows};
@@ -35,6 +38,29 @@ const EPS: f32 = 1e-6;
 
 fn lin() -> LaunchConfig {
     LaunchConfig::linear(1, 1)
+}
+
+/// A BF16 `gather` of `n` rows.
+fn gather_args(refs: DevicePtr, n: usize, dtype: u32, out: DevicePtr) -> GatherArgs {
+    GatherArgs {
+        refs,
+        n: n as u32,
+        head_dim: HD as u32,
+        dtype,
+        out,
+    }
+}
+
+/// The small geometry's `project` over `t` rows.
+fn project_args(x: DevicePtr, w: DevicePtr, y: DevicePtr, t: usize) -> ProjectArgs {
+    ProjectArgs {
+        x,
+        w,
+        y,
+        t: t as u32,
+        e: E as u32,
+        o: O as u32,
+    }
 }
 
 /// The BF16 bits of a uniform value in `[-a, a)`.
@@ -165,46 +191,38 @@ impl Fixture {
         let xn = self.tmp(&vec![0f32; t * C])?;
         let g = self.g();
         let k = |n| g.kernel("ple", n);
-        g.launch(k("gather")?, lin())
-            .ptr(refs_dev)
-            .u32((t * HEADS) as u32)
-            .u32(HD as u32)
-            .u32(0)
-            .ptr(emb)
-            .run(0)?;
-        g.launch(k("project")?, lin())
-            .ptr(emb)
-            .ptr(self.w_dev)
-            .ptr(kv)
-            .u32(t as u32)
-            .u32(E as u32)
-            .u32(O as u32)
-            .run(0)?;
-        let [nq, nk, nc] = self.norms_dev;
-        g.launch(k("gate")?, lin())
-            .ptr(hw)
-            .ptr(kv)
-            .ptr(nq)
-            .ptr(nk)
-            .ptr(nc)
-            .ptr(gated)
-            .ptr(xn)
-            .u32(t as u32)
-            .u32(H as u32)
-            .u32(HC as u32)
-            .f32(EPS)
-            .run(0)?;
-        g.launch(k("conv")?, lin())
-            .ptr(xn)
-            .ptr(gated)
-            .ptr(state)
-            .ptr(self.conv_w_dev)
-            .ptr(hw)
-            .u32(t as u32)
-            .u32(C as u32)
-            .u32(K as u32)
-            .u32(D as u32)
-            .run(0)?;
+        let t32 = t as u32;
+        let gather = gather_args(refs_dev, t * HEADS, 0, emb);
+        g.launch(k("gather")?, lin()).args(&gather).run(0)?;
+        let project = project_args(emb, self.w_dev, kv, t);
+        g.launch(k("project")?, lin()).args(&project).run(0)?;
+        let [norm_q, norm_k, norm_conv] = self.norms_dev;
+        let gate = GateArgs {
+            highway: hw,
+            kv,
+            norm_q,
+            norm_k,
+            norm_conv,
+            gated,
+            xn,
+            t: t32,
+            h: H as u32,
+            hc: HC as u32,
+            eps: EPS,
+        };
+        g.launch(k("gate")?, lin()).args(&gate).run(0)?;
+        let conv = ConvArgs {
+            xn,
+            gated,
+            state,
+            w: self.conv_w_dev,
+            highway: hw,
+            t: t32,
+            c: C as u32,
+            k: K as u32,
+            d: D as u32,
+        };
+        g.launch(k("conv")?, lin()).args(&conv).run(0)?;
         Ok(g.synchronize(0)?)
     }
 
@@ -292,11 +310,13 @@ fn fp8_gather_scales_and_rounds() -> Result<()> {
     let out = f.tmp(&[0f32; 6])?;
     let g = f.g();
     g.launch(g.kernel("ple", "gather")?, lin())
-        .ptr(refs_dev)
-        .u32(2)
-        .u32(3)
-        .u32(1)
-        .ptr(out)
+        .args(&GatherArgs {
+            refs: refs_dev,
+            n: 2,
+            head_dim: 3,
+            dtype: 1,
+            out,
+        })
         .run(0)?;
     g.synchronize(0)?;
     let s1 = 1.0 + 2f32.powi(-9);
@@ -330,15 +350,17 @@ fn conv_batch_launch_equals_single_row_launches() -> Result<()> {
     let w = f.conv_w_dev;
     let g = f.g();
     g.launch(g.kernel("ple", "conv_batch")?, lin())
-        .ptr(xn_d)
-        .ptr(g_d)
-        .ptr(table_d)
-        .ptr(w)
-        .ptr(hw_d)
-        .u32(b as u32)
-        .u32(C as u32)
-        .u32(K as u32)
-        .u32(D as u32)
+        .args(&ConvBatchArgs {
+            xn: xn_d,
+            gated: g_d,
+            states: table_d,
+            w,
+            highway: hw_d,
+            b: b as u32,
+            c: C as u32,
+            k: K as u32,
+            d: D as u32,
+        })
         .run(0)?;
     g.synchronize(0)?;
     let hw_batch = down(g, hw_d, b * C)?;
@@ -387,11 +409,13 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
         let out = f.tmp(&[7f32; 2 * HD])?;
         let e = expect_err(&f, |g| {
             g.launch(g.kernel("ple", "gather")?, lin())
-                .ptr(refs_d)
-                .u32(2)
-                .u32(HD as u32)
-                .u32(0)
-                .ptr(out)
+                .args(&GatherArgs {
+                    refs: refs_d,
+                    n: 2,
+                    head_dim: HD as u32,
+                    dtype: 0,
+                    out,
+                })
                 .run(0)
         });
         assert!(e.contains("row 1") && e.contains("0xdead0000"), "{e}");
@@ -410,11 +434,13 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
         let out = f.tmp(&[0f32; HD])?;
         let e = expect_err(&f, |g| {
             g.launch(g.kernel("ple", "gather")?, lin())
-                .ptr(refs_d)
-                .u32(1)
-                .u32(HD as u32)
-                .u32(4)
-                .ptr(out)
+                .args(&GatherArgs {
+                    refs: refs_d,
+                    n: 1,
+                    head_dim: HD as u32,
+                    dtype: 4,
+                    out,
+                })
                 .run(0)
         });
         assert!(e.contains("dtype 4"), "{e}");
@@ -428,11 +454,13 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
         let out = f.tmp(&[0f32; HD])?;
         let e = expect_err(&f, |g| {
             g.launch(g.kernel("ple", "gather")?, lin())
-                .ptr(refs_d)
-                .u32(1)
-                .u32(HD as u32)
-                .u32(1)
-                .ptr(out)
+                .args(&GatherArgs {
+                    refs: refs_d,
+                    n: 1,
+                    head_dim: HD as u32,
+                    dtype: 1,
+                    out,
+                })
                 .run(0)
         });
         assert!(e.contains("scale pointer is null"), "{e}");
@@ -445,12 +473,7 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
         let w = f.w_dev;
         let e = expect_err(&f, |g| {
             g.launch(g.kernel("ple", "project")?, lin())
-                .ptr(x)
-                .ptr(w)
-                .ptr(x)
-                .u32(1)
-                .u32(E as u32)
-                .u32(O as u32)
+                .args(&project_args(x, w, x, 1))
                 .run(0)
         });
         assert!(e.contains("y (") && e.contains("overlaps x"), "{e}");
@@ -464,12 +487,7 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
         let short = f.tmp(&vec![0f32; packed_len(O, E) - 1])?;
         let e = expect_err(&f, |g| {
             g.launch(g.kernel("ple", "project")?, lin())
-                .ptr(x)
-                .ptr(short)
-                .ptr(y)
-                .u32(1)
-                .u32(E as u32)
-                .u32(O as u32)
+                .args(&project_args(x, short, y, 1))
                 .run(0)
         });
         assert!(e.contains("the packed weight"), "{e}");
@@ -486,15 +504,17 @@ fn bad_launches_fail_and_write_nothing() -> Result<()> {
         let w = f.conv_w_dev;
         let e = expect_err(&f, |g| {
             g.launch(g.kernel("ple", "conv_batch")?, lin())
-                .ptr(xn)
-                .ptr(xn)
-                .ptr(table)
-                .ptr(w)
-                .ptr(hw)
-                .u32(2)
-                .u32(C as u32)
-                .u32(K as u32)
-                .u32(D as u32)
+                .args(&ConvBatchArgs {
+                    xn,
+                    gated: xn,
+                    states: table,
+                    w,
+                    highway: hw,
+                    b: 2,
+                    c: C as u32,
+                    k: K as u32,
+                    d: D as u32,
+                })
                 .run(0)
         });
         assert!(

@@ -21,10 +21,11 @@ use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::{Checkpoint, Preset, TableDType};
 use metrale_engine::{EngineConfig, SeqId};
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, KernelArg};
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
 use metrale_model_layers::bench::{LayerForward, LayerSizes};
 use metrale_model_layers::layers::ple::device_kernels::{LaunchShapes, load_ple_module};
 use metrale_model_layers::layers::ple::ids::PleIdHasher;
+use metrale_model_layers::layers::ple::kernels::args::{GatherArgs, HashArgs};
 use metrale_model_layers::layers::ple::kernels::register_cpu_kernels;
 use metrale_storage::table::RowRef;
 use serde_json::json;
@@ -193,21 +194,24 @@ fn hash(ck: &Checkpoint, gpu: &Arc<dyn GpuBackend>, s: Sizes, report: &mut Repor
     let n = tokens.len() as u32;
     let blocks = (tokens.len() as u32).div_ceil(256).clamp(1, 1 << 16);
     let launch = || -> Result<()> {
+        let a = HashArgs {
+            history: d_hist,
+            hist_len: 0,
+            tokens: d_tok,
+            t: n,
+            mults: d_mult,
+            sizes: d_size,
+            offsets: d_off,
+            ngram_size: dims.ngram_size as u32,
+            heads_per_ngram: dims.heads_per_ngram as u32,
+            eos: dims.eos_token_id,
+            out: d_out,
+        };
         gpu.launch(
             k,
             metrale_gpu_runtime::gpu::LaunchConfig::linear(blocks, 256),
         )
-        .ptr(d_hist)
-        .u32(0)
-        .ptr(d_tok)
-        .u32(n)
-        .ptr(d_mult)
-        .ptr(d_size)
-        .ptr(d_off)
-        .u32(dims.ngram_size as u32)
-        .u32(dims.heads_per_ngram as u32)
-        .u32(dims.eos_token_id)
-        .ptr(d_out)
+        .args(&a)
         .run(0)?;
         Ok(gpu.synchronize(0)?)
     };
@@ -270,18 +274,14 @@ fn time_gather(
     let out = b.alloc(refs.len() * head_dim * 4, "gather out")?;
     let cfg = LaunchShapes::for_backend(gpu).gather(refs.len(), head_dim);
     let launch = || -> Result<()> {
-        gpu.launch_kernel(
-            k,
-            cfg,
-            &[
-                KernelArg::Ptr(d_refs),
-                KernelArg::U32(refs.len() as u32),
-                KernelArg::U32(head_dim as u32),
-                KernelArg::U32(0),
-                KernelArg::Ptr(out),
-            ],
-            0,
-        )?;
+        let a = GatherArgs {
+            refs: d_refs,
+            n: refs.len() as u32,
+            head_dim: head_dim as u32,
+            dtype: 0,
+            out,
+        };
+        gpu.launch(k, cfg).args(&a).run(0)?;
         Ok(gpu.synchronize(0)?)
     };
     launch()?;

@@ -17,7 +17,9 @@
 //! - kernels come from PTX (or cubin) images loaded with `cuModuleLoadData`;
 //!   the parameter list of each PTX `.entry` is read from the text, and
 //!   launches are checked against it (count, and the width and kind of
-//!   each argument; the kernels of a cubin image are launched unchecked);
+//!   each argument; for a kernel taking one struct by value, the size of
+//!   the arguments laid out as its fields; the kernels of a cubin image are
+//!   launched unchecked);
 //!   [`CudaBackend::load_source`] compiles CUDA C++ with NVRTC first
 //!   ([`nvrtc`]);
 //! - host kernels are not supported ([`GpuBackend::supports_host_kernels`]
@@ -67,6 +69,7 @@ use cudarc::driver::result::DriverError;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 
+use crate::args::c_layout;
 use crate::error::{GpuError, Result};
 use crate::gpu::{
     AllocationInfo, ArgKind, DevicePtr, EventHandle, GpuBackend, GraphHandle, HostKernelFn,
@@ -1397,7 +1400,25 @@ impl GpuBackend for CudaBackend {
                 block: b,
             });
         }
-        if let Some(sig) = &k.params {
+        // A kernel whose one parameter is a struct takes the arguments as
+        // its fields (see `params`).
+        let by_struct = match k.params.as_deref() {
+            Some(&[ParamClass::Other(size)]) => {
+                let (_, packed) = c_layout(args.iter().map(KernelArg::kind));
+                if args.is_empty() || packed != size {
+                    return Err(GpuError::invalid(
+                        format!("launch_kernel {q}"),
+                        format!(
+                            "the kernel takes one {size}-byte struct; the {} arguments lay out as {packed} bytes",
+                            args.len()
+                        ),
+                    ));
+                }
+                true
+            }
+            _ => false,
+        };
+        if let Some(sig) = k.params.as_ref().filter(|_| !by_struct) {
             if args.len() != sig.len() {
                 return Err(GpuError::ArgCount {
                     kernel: q.clone(),
@@ -1435,7 +1456,11 @@ impl GpuBackend for CudaBackend {
             )
         })?;
         self.bind(&op)?;
-        let mut params = Params::new(args);
+        let mut params = if by_struct {
+            Params::packed(args)
+        } else {
+            Params::new(args)
+        };
         let ptrs = params.as_mut_ptrs();
         // SAFETY: `func` is a function of a loaded module; `ptrs` holds one
         // pointer per argument into `params`, which outlives the call (the

@@ -5,16 +5,21 @@
 //! A PTX `.entry` lists its parameters with their PTX types; that is all the
 //! driver knows of a kernel's signature, so launches are checked against it:
 //! pointers and `u64` need an 8-byte integer parameter, `u32` and `i32` a
-//! 4-byte integer one, `f32` an `.f32` one.
+//! 4-byte integer one, `f32` an `.f32` one. A kernel whose one parameter is
+//! a struct by value (a typed argument struct, see [`crate::args`]) takes
+//! the arguments as the fields of that struct, in order, laid out as C lays
+//! them out ([`crate::args::c_layout`]); the launch is checked by size.
 //!
 //! Invariants: every argument occupies its own 8-byte, 8-aligned slot whose
 //! first (little-endian) bytes hold the value, so a 4-byte parameter reads
-//! exactly the 4 bytes of its value; the pointer array points into the slot
-//! buffer, which is never reallocated after it is built.
+//! exactly the 4 bytes of its value; a packed struct starts 8-aligned, each
+//! field at its C offset; the pointer array points into the slot buffer,
+//! which is never reallocated after it is built.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
 
+use crate::args::c_layout;
 use crate::gpu::{ArgKind, KernelArg};
 
 /// One parameter as a PTX entry declares it.
@@ -154,6 +159,33 @@ impl Params {
         Params { slots, ptrs }
     }
 
+    /// Lay out `args` as the fields of one C struct, passed as the only
+    /// parameter.
+    pub fn packed(args: &[KernelArg]) -> Params {
+        let (offsets, size) = c_layout(args.iter().map(KernelArg::kind));
+        let mut bytes = vec![0u8; size.next_multiple_of(8)];
+        for (a, at) in args.iter().zip(offsets) {
+            let v: &[u8] = &match *a {
+                KernelArg::Ptr(p) => p.0.to_le_bytes().to_vec(),
+                KernelArg::U64(v) => v.to_le_bytes().to_vec(),
+                KernelArg::U32(v) => v.to_le_bytes().to_vec(),
+                KernelArg::I32(v) => v.to_le_bytes().to_vec(),
+                KernelArg::F32(v) => v.to_le_bytes().to_vec(),
+            };
+            bytes[at..at + v.len()].copy_from_slice(v);
+        }
+        let mut slots: Vec<u64> = bytes
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+            .collect();
+        let ptrs = if slots.is_empty() {
+            Vec::new()
+        } else {
+            vec![slots.as_mut_ptr() as *mut c_void]
+        };
+        Params { slots, ptrs }
+    }
+
     /// The bytes parameter `i` passes: 8 for pointers and `u64`, else 4.
     #[cfg(test)]
     fn bytes(&self, i: usize, kind: ArgKind) -> Vec<u8> {
@@ -164,9 +196,10 @@ impl Params {
         }
     }
 
-    /// The `kernelParams` array: one pointer per argument.
+    /// The `kernelParams` array: one pointer per parameter.
     pub fn as_mut_ptrs(&mut self) -> &mut [*mut c_void] {
-        debug_assert_eq!(self.ptrs.len(), self.slots.len());
+        // One slot per argument, or a packed struct in one or more slots.
+        debug_assert!(self.ptrs.len() <= self.slots.len());
         &mut self.ptrs
     }
 
@@ -220,6 +253,34 @@ mod tests {
         let moved = p;
         assert!(moved.points_at_slots());
         assert!(Params::new(&[]).slots.is_empty());
+    }
+
+    #[test]
+    fn a_struct_parameter_holds_the_arguments_at_their_c_offsets() {
+        let args = [
+            KernelArg::Ptr(DevicePtr(0x7f00_1234_5678)),
+            KernelArg::U32(3),
+            KernelArg::F32(1.5),
+            KernelArg::I32(-2),
+            KernelArg::U64(0x0123_4567_89AB_CDEF),
+            KernelArg::U32(9),
+        ];
+        let mut p = Params::packed(&args);
+        assert_eq!(p.as_mut_ptrs().len(), 1, "one parameter");
+        assert!(std::ptr::eq(p.ptrs[0] as *const u64, &p.slots[0]));
+        // SAFETY: the one pointer names the 40 bytes of `p.slots`.
+        let seen = unsafe { std::slice::from_raw_parts(p.as_mut_ptrs()[0] as *const u8, 40) };
+        let mut want = Vec::new();
+        want.extend(0x7f00_1234_5678u64.to_le_bytes());
+        want.extend(3u32.to_le_bytes());
+        want.extend(1.5f32.to_le_bytes());
+        want.extend((-2i32).to_le_bytes());
+        want.extend([0; 4]);
+        want.extend(0x0123_4567_89AB_CDEFu64.to_le_bytes());
+        want.extend(9u32.to_le_bytes());
+        want.extend([0; 4]);
+        assert_eq!(seen, &want[..]);
+        assert!(Params::packed(&[]).ptrs.is_empty());
     }
 
     #[test]

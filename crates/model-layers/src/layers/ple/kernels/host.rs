@@ -1,5 +1,6 @@
-//! The host-kernel wrappers: each turns the launch arguments into checked
-//! slices of backend memory and calls the pure kernel function.
+//! The host-kernel wrappers: each takes its kernel's argument struct
+//! (`args.rs`), turns its pointers into checked slices of backend memory and
+//! calls the pure kernel function.
 //!
 //! Invariants: every pointer range is checked against the backend's ledger
 //! (through `HostMemory`) before use; a writable range may not overlap any
@@ -9,8 +10,12 @@
 
 use std::fmt::Display;
 
-use metrale_gpu_runtime::gpu::{DevicePtr, GpuError, HostMemory, KernelArg, LaunchConfig};
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuError, HostMemory, LaunchConfig};
 
+use super::args::{
+    BiasAddArgs, ConvArgs, ConvBatchArgs, GateArgs, GateNormsArgs, GatherArgs, GatherRunsArgs,
+    HighwayAddArgs, MeanAddArgs, ProjectArgs, ProjectRangeArgs,
+};
 use super::combine::{bias_add, highway_add, mean_add};
 use super::conv::{ConvDims, conv, conv_batch};
 use super::gate::{GateDims, GateInputs, GateNorms, gate, gate_norms};
@@ -49,53 +54,6 @@ impl<T, E: Display> KernelContext<T> for std::result::Result<T, E> {
     }
     fn with_context<D: Display>(self, what: impl FnOnce() -> D) -> Result<T> {
         self.map_err(|e| GpuError::kernel(format!("{}: {e:#}", what())))
-    }
-}
-
-/// Typed access to a launch's arguments.
-struct Args<'a> {
-    kernel: &'static str,
-    args: &'a [KernelArg],
-}
-
-impl<'a> Args<'a> {
-    fn new(kernel: &'static str, args: &'a [KernelArg], count: usize) -> Result<Self> {
-        ensure!(
-            args.len() == count,
-            "{kernel}: {} arguments given, {count} expected",
-            args.len()
-        );
-        Ok(Args { kernel, args })
-    }
-
-    fn ptr(&self, i: usize, name: &str) -> Result<DevicePtr> {
-        match self.args[i] {
-            KernelArg::Ptr(p) => Ok(p),
-            other => bail!(
-                "{}: argument {i} ({name}) must be a pointer, got {other:?}",
-                self.kernel
-            ),
-        }
-    }
-
-    fn usize(&self, i: usize, name: &str) -> Result<usize> {
-        match self.args[i] {
-            KernelArg::U32(v) => Ok(v as usize),
-            other => bail!(
-                "{}: argument {i} ({name}) must be a u32, got {other:?}",
-                self.kernel
-            ),
-        }
-    }
-
-    fn f32(&self, i: usize, name: &str) -> Result<f32> {
-        match self.args[i] {
-            KernelArg::F32(v) => Ok(v),
-            other => bail!(
-                "{}: argument {i} ({name}) must be an f32, got {other:?}",
-                self.kernel
-            ),
-        }
     }
 }
 
@@ -187,50 +145,71 @@ unsafe fn view_mut<'m, T: Copy>(
     unsafe { mem.slice_mut::<T>(ptr, len) }.with_context(|| format!("writing {what} at {ptr}"))
 }
 
-/// `gather(refs, n, head_dim, dtype, out)`.
+/// `gather`: [`GatherArgs`].
 pub(super) fn gather_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: GatherArgs,
 ) -> Result<()> {
-    const K: &str = "ple::gather";
-    let a = Args::new(K, args, 5)?;
-    let n = a.usize(1, "n")?;
-    gather_into(mem, &a, K, n.max(1), n.max(1))
+    let n = a.n as usize;
+    let rows = GatherRows {
+        refs: a.refs,
+        n,
+        head_dim: a.head_dim as usize,
+        dtype: a.dtype,
+        out: a.out,
+    };
+    gather_into(mem, rows, "ple::gather", n.max(1), n.max(1))
 }
 
-/// `gather_runs(refs, n, head_dim, dtype, out, run, stride)`: reference
-/// `i` to out row `(i / run) * stride + i % run`.
+/// `gather_runs`: [`GatherRunsArgs`].
 pub(super) fn gather_runs_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: GatherRunsArgs,
 ) -> Result<()> {
     const K: &str = "ple::gather_runs";
-    let a = Args::new(K, args, 7)?;
-    let run = a.usize(5, "run")?;
-    let stride = a.usize(6, "stride")?;
+    let (run, stride) = (a.run as usize, a.stride as usize);
     ensure!(
         run > 0 && stride >= run,
         "{K}: runs of {run} rows every {stride} rows (need 0 < run <= stride)"
     );
-    gather_into(mem, &a, K, run, stride)
+    let rows = GatherRows {
+        refs: a.refs,
+        n: a.n as usize,
+        head_dim: a.head_dim as usize,
+        dtype: a.dtype,
+        out: a.out,
+    };
+    gather_into(mem, rows, K, run, stride)
 }
 
-/// The gathers' body: arguments 0..5 of `a` are `refs, n, head_dim, dtype,
-/// out`, and reference `i` lands on out row `(i / run) * stride + i % run`.
+/// What the two gathers share.
+struct GatherRows {
+    refs: DevicePtr,
+    n: usize,
+    head_dim: usize,
+    dtype: u32,
+    out: DevicePtr,
+}
+
+/// The gathers' body: reference `i` lands on out row `(i / run) * stride +
+/// i % run`.
 fn gather_into(
     mem: &dyn HostMemory,
-    a: &Args<'_>,
+    g: GatherRows,
     kernel: &'static str,
     run: usize,
     stride: usize,
 ) -> Result<()> {
-    let refs = a.ptr(0, "refs")?;
-    let n = a.usize(1, "n")?;
-    let head_dim = a.usize(2, "head_dim")?;
-    let dtype = GatherDType::from_arg(a.usize(3, "dtype")? as u32)?;
-    let out = a.ptr(4, "out")?;
+    let GatherRows {
+        refs,
+        n,
+        head_dim,
+        out,
+        ..
+    } = g;
+    let dtype = GatherDType::from_arg(g.dtype)?;
     ensure!(head_dim > 0, "{kernel}: head_dim is 0");
     if n == 0 {
         return Ok(());
@@ -301,43 +280,46 @@ fn gather_into(
     Ok(())
 }
 
-/// `project(x, w, y, T, E, O)`.
+/// `project`: [`ProjectArgs`].
 pub(super) fn project_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: ProjectArgs,
 ) -> Result<()> {
-    const K: &str = "ple::project";
-    let a = Args::new(K, args, 6)?;
-    let e = a.usize(4, "E")?;
-    project_steps(mem, &a, K, Steps::all(e))
+    project_steps(mem, "ple::project", a, Steps::all(a.e as usize))
 }
 
-/// `project_range(x, w, y, T, E, O, from, to, accumulate)`.
+/// `project_range`: [`ProjectRangeArgs`].
 pub(super) fn project_range_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: ProjectRangeArgs,
 ) -> Result<()> {
-    const K: &str = "ple::project_range";
-    let a = Args::new(K, args, 9)?;
     let steps = Steps {
-        from: a.usize(6, "from")?,
-        to: a.usize(7, "to")?,
-        accumulate: a.usize(8, "accumulate")? != 0,
+        from: a.from as usize,
+        to: a.to as usize,
+        accumulate: a.accumulate != 0,
     };
-    project_steps(mem, &a, K, steps)
+    let ProjectRangeArgs {
+        x, w, y, t, e, o, ..
+    } = a;
+    project_steps(
+        mem,
+        "ple::project_range",
+        ProjectArgs { x, w, y, t, e, o },
+        steps,
+    )
 }
 
-/// The projections' body: arguments 0..6 of `a` are `x, w, y, T, E, O`.
+/// The projections' body, over `steps`.
 fn project_steps(
     mem: &dyn HostMemory,
-    a: &Args<'_>,
     kernel: &'static str,
+    a: ProjectArgs,
     steps: Steps,
 ) -> Result<()> {
-    let (x, w, y) = (a.ptr(0, "x")?, a.ptr(1, "w")?, a.ptr(2, "y")?);
-    let (t, e, o) = (a.usize(3, "T")?, a.usize(4, "E")?, a.usize(5, "O")?);
+    let (x, w, y) = (a.x, a.w, a.y);
+    let (t, e, o) = (a.t as usize, a.e as usize, a.o as usize);
     ensure!(
         e > 0 && o > 0,
         "{kernel}: E = {e} and O = {o} must both be positive"
@@ -365,28 +347,41 @@ fn project_steps(
     project_range(xs, ws, ys, t, e, o, steps).context(kernel)
 }
 
-/// `gate(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc, eps)`.
-pub(super) fn gate_kernel(
-    mem: &dyn HostMemory,
-    _cfg: &LaunchConfig,
-    args: &[KernelArg],
-) -> Result<()> {
-    const K: &str = "ple::gate";
-    let a = Args::new(K, args, 11)?;
-    let eps = a.f32(10, "eps")?;
-    gate_common(K, mem, &a, GateNorms::qwen4exp(eps), false)
+/// `gate`: [`GateArgs`].
+pub(super) fn gate_kernel(mem: &dyn HostMemory, _cfg: &LaunchConfig, a: GateArgs) -> Result<()> {
+    let GateArgs {
+        highway,
+        kv,
+        norm_q,
+        norm_k,
+        norm_conv,
+        gated,
+        xn,
+        t,
+        h,
+        hc,
+        eps,
+    } = a;
+    let ptrs = [highway, kv, norm_q, norm_k, norm_conv, gated, xn];
+    let shape = [t, h, hc].map(|v| v as usize);
+    gate_common(
+        "ple::gate",
+        mem,
+        ptrs,
+        shape,
+        GateNorms::qwen4exp(eps),
+        false,
+    )
 }
 
-/// `gate_norms(highway, kv, norm_q, norm_k, norm_conv, gated, xn, T, H, hc,
-/// eps_q, eps_k, eps_conv, form, conv)`.
+/// `gate_norms`: [`GateNormsArgs`].
 pub(super) fn gate_norms_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: GateNormsArgs,
 ) -> Result<()> {
     const K: &str = "ple::gate_norms";
-    let a = Args::new(K, args, 15)?;
-    let form = a.usize(13, "form")? as u32;
+    let form = a.form;
     let Some(offset) = GateNorms::offset_of_form(form) else {
         bail!(
             "{K}: form {form} is not a norm form (bit 0: 1 + w or w) with a zero-dot rule (bit 1: copysign)"
@@ -394,22 +389,33 @@ pub(super) fn gate_norms_kernel(
     };
     let norms = GateNorms {
         offset,
-        eps_q: a.f32(10, "eps_q")?,
-        eps_k: a.f32(11, "eps_k")?,
-        eps_conv: a.f32(12, "eps_conv")?,
-        conv: a.usize(14, "conv")? != 0,
+        eps_q: a.eps_q,
+        eps_k: a.eps_k,
+        eps_conv: a.eps_conv,
+        conv: a.conv != 0,
         copysign: GateNorms::copysign_of_form(form),
     };
-    gate_common(K, mem, &a, norms, true)
+    let ptrs = [
+        a.highway,
+        a.kv,
+        a.norm_q,
+        a.norm_k,
+        a.norm_conv,
+        a.gated,
+        a.xn,
+    ];
+    let shape = [a.t, a.h, a.hc].map(|v| v as usize);
+    gate_common(K, mem, ptrs, shape, norms, true)
 }
 
-/// The pointer and shape arguments `gate` and `gate_norms` share (the
-/// first ten); `norm_conv` and `xn` are neither read nor written without
-/// the conv norm.
+/// The body `gate` and `gate_norms` share: `ptrs` are highway, kv, norm_q,
+/// norm_k, norm_conv, gated and xn, `shape` is `[t, h, hc]`; `norm_conv`
+/// and `xn` are neither read nor written without the conv norm.
 fn gate_common(
     kernel: &'static str,
     mem: &dyn HostMemory,
-    a: &Args<'_>,
+    ptrs: [DevicePtr; 7],
+    [t, h, hc]: [usize; 3],
     norms: GateNorms,
     with_norms: bool,
 ) -> Result<()> {
@@ -422,11 +428,6 @@ fn gate_common(
         "gated",
         "xn",
     ];
-    let mut ptrs = [DevicePtr::NULL; 7];
-    for (i, p) in ptrs.iter_mut().enumerate() {
-        *p = a.ptr(i, names[i])?;
-    }
-    let (t, h, hc) = (a.usize(7, "T")?, a.usize(8, "H")?, a.usize(9, "hc")?);
     ensure!(
         h > 0 && hc > 0,
         "{kernel}: H = {h} and hc = {hc} must both be positive"
@@ -483,16 +484,15 @@ fn gate_common(
     }
 }
 
-/// `bias_add(y, bias, T, O)`.
+/// `bias_add`: [`BiasAddArgs`].
 pub(super) fn bias_add_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: BiasAddArgs,
 ) -> Result<()> {
     const K: &str = "ple::bias_add";
-    let a = Args::new(K, args, 4)?;
-    let (y, bias) = (a.ptr(0, "y")?, a.ptr(1, "bias")?);
-    let (t, o) = (a.usize(2, "T")?, a.usize(3, "O")?);
+    let (y, bias) = (a.y, a.bias);
+    let (t, o) = (a.t as usize, a.o as usize);
     ensure!(o > 0, "{K}: O is 0");
     if t == 0 {
         return Ok(());
@@ -513,16 +513,15 @@ pub(super) fn bias_add_kernel(
     }
 }
 
-/// `highway_add(highway, out, n)`.
+/// `highway_add`: [`HighwayAddArgs`].
 pub(super) fn highway_add_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: HighwayAddArgs,
 ) -> Result<()> {
     const K: &str = "ple::highway_add";
-    let a = Args::new(K, args, 3)?;
-    let (hw, out) = (a.ptr(0, "highway")?, a.ptr(1, "out")?);
-    let n = a.usize(2, "n")?;
+    let (hw, out) = (a.highway, a.out);
+    let n = a.n as usize;
     if n == 0 {
         return Ok(());
     }
@@ -543,17 +542,16 @@ pub(super) fn highway_add_kernel(
     }
 }
 
-/// `mean_add(highway, value, n, divisor)`.
+/// `mean_add`: [`MeanAddArgs`].
 pub(super) fn mean_add_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: MeanAddArgs,
 ) -> Result<()> {
     const K: &str = "ple::mean_add";
-    let a = Args::new(K, args, 4)?;
-    let (hw, value) = (a.ptr(0, "highway")?, a.ptr(1, "value")?);
-    let n = a.usize(2, "n")?;
-    let divisor = a.f32(3, "divisor")?;
+    let (hw, value) = (a.highway, a.value);
+    let n = a.n as usize;
+    let divisor = a.divisor;
     if n == 0 {
         return Ok(());
     }
@@ -574,18 +572,18 @@ pub(super) fn mean_add_kernel(
     }
 }
 
-/// Shared argument decoding of `conv` and `conv_batch`.
-fn conv_dims(a: &Args<'_>) -> Result<ConvDims> {
+/// The shape `conv` and `conv_batch` share (`t` rows, or `b` sequences of
+/// one row), checked.
+fn conv_dims(kernel: &str, [t, c, k, d]: [u32; 4]) -> Result<ConvDims> {
     let dims = ConvDims {
-        t: a.usize(5, "T")?,
-        c: a.usize(6, "C")?,
-        k: a.usize(7, "K")?,
-        d: a.usize(8, "D")?,
+        t: t as usize,
+        c: c as usize,
+        k: k as usize,
+        d: d as usize,
     };
     ensure!(
         dims.c > 0 && dims.k > 0 && dims.d > 0,
-        "{}: C = {}, K = {} and D = {} must all be positive",
-        a.kernel,
+        "{kernel}: C = {}, K = {} and D = {} must all be positive",
         dims.c,
         dims.k,
         dims.d
@@ -593,22 +591,11 @@ fn conv_dims(a: &Args<'_>) -> Result<ConvDims> {
     Ok(dims)
 }
 
-/// `conv(xn, gated, state, w, highway, T, C, K, D)`.
-pub(super) fn conv_kernel(
-    mem: &dyn HostMemory,
-    _cfg: &LaunchConfig,
-    args: &[KernelArg],
-) -> Result<()> {
+/// `conv`: [`ConvArgs`].
+pub(super) fn conv_kernel(mem: &dyn HostMemory, _cfg: &LaunchConfig, a: ConvArgs) -> Result<()> {
     const K: &str = "ple::conv";
-    let a = Args::new(K, args, 9)?;
-    let (xn, gated, state, w, hw) = (
-        a.ptr(0, "xn")?,
-        a.ptr(1, "gated")?,
-        a.ptr(2, "state")?,
-        a.ptr(3, "w")?,
-        a.ptr(4, "highway")?,
-    );
-    let dims = conv_dims(&a)?;
+    let (xn, gated, state, w, hw) = (a.xn, a.gated, a.state, a.w, a.highway);
+    let dims = conv_dims(K, [a.t, a.c, a.k, a.d])?;
     if dims.t == 0 {
         return Ok(());
     }
@@ -639,22 +626,15 @@ pub(super) fn conv_kernel(
     }
 }
 
-/// `conv_batch(xn, gated, states, w, highway, B, C, K, D)`.
+/// `conv_batch`: [`ConvBatchArgs`].
 pub(super) fn conv_batch_kernel(
     mem: &dyn HostMemory,
     _cfg: &LaunchConfig,
-    args: &[KernelArg],
+    a: ConvBatchArgs,
 ) -> Result<()> {
     const K: &str = "ple::conv_batch";
-    let a = Args::new(K, args, 9)?;
-    let (xn, gated, states, w, hw) = (
-        a.ptr(0, "xn")?,
-        a.ptr(1, "gated")?,
-        a.ptr(2, "states")?,
-        a.ptr(3, "w")?,
-        a.ptr(4, "highway")?,
-    );
-    let dims = conv_dims(&a)?;
+    let (xn, gated, states, w, hw) = (a.xn, a.gated, a.states, a.w, a.highway);
+    let dims = conv_dims(K, [a.b, a.c, a.k, a.d])?;
     let b = dims.t;
     if b == 0 {
         return Ok(());

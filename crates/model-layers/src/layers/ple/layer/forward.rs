@@ -21,6 +21,10 @@ use metrale_storage::table::RowRef;
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
 use super::{ConvTarget, ForwardContext, HashedIds, PleLayer, PleSeqState, Result};
 use crate::layers::ple::ids::Boundaries;
+use crate::layers::ple::kernels::args::{
+    BiasAddArgs, ConvArgs, ConvBatchArgs, GateArgs, GateNormsArgs, GatherArgs, HighwayAddArgs,
+    MeanAddArgs, ProjectArgs,
+};
 use crate::layers::ple::spec::Combine;
 use crate::layers::ple::staging::{self, StagedAt};
 
@@ -430,12 +434,15 @@ impl PleLayer {
         stream: StreamId,
     ) -> Result<()> {
         let cfg = self.kernels.shapes.gather(n, self.row_dim);
+        let a = GatherArgs {
+            refs,
+            n: n as u32,
+            head_dim: self.row_dim as u32,
+            dtype: self.dtype_code,
+            out: self.bufs.emb.offset(first_row * self.row_dim * 4),
+        };
         gpu.launch(self.kernels.gather, cfg)
-            .ptr(refs)
-            .u32(n as u32)
-            .u32(self.row_dim as u32)
-            .u32(self.dtype_code)
-            .ptr(self.bufs.emb.offset(first_row * self.row_dim * 4))
+            .args(&a)
             .run(stream)
             .device(|| format!("launching PLE gather of {n} rows from refs at {refs}"))
     }
@@ -456,13 +463,16 @@ impl PleLayer {
     ) -> Result<()> {
         let e = self.dims.ngram_heads() * self.row_dim;
         let o = self.projection_outputs();
+        let a = ProjectArgs {
+            x: self.bufs.emb,
+            w: self.bufs.w_proj,
+            y: self.bufs.kv,
+            t: t as u32,
+            e: e as u32,
+            o: o as u32,
+        };
         gpu.launch(self.kernels.project, self.kernels.shapes.project(t, o))
-            .ptr(self.bufs.emb)
-            .ptr(self.bufs.w_proj)
-            .ptr(self.bufs.kv)
-            .u32(t as u32)
-            .u32(e as u32)
-            .u32(o as u32)
+            .args(&a)
             .run(stream)
             .device(|| format!("launching PLE projection over {t} rows"))?;
         self.launch_after_projection(gpu, highway, t, conv, masked, stream)
@@ -504,11 +514,14 @@ impl PleLayer {
                 })?;
         }
         if let Some(k) = self.kernels.bias_add {
+            let a = BiasAddArgs {
+                y: self.bufs.kv,
+                bias: self.bufs.bias,
+                t: t as u32,
+                o: o as u32,
+            };
             gpu.launch(k, shapes.elementwise(t * o))
-                .ptr(self.bufs.kv)
-                .ptr(self.bufs.bias)
-                .u32(t as u32)
-                .u32(o as u32)
+                .args(&a)
                 .run(stream)
                 .device(|| format!("launching PLE projection bias over {t} rows"))?;
         }
@@ -518,48 +531,59 @@ impl PleLayer {
                 .kernels
                 .mean_add
                 .expect("resolved at build for a mean site");
+            let a = MeanAddArgs {
+                highway,
+                value: self.bufs.kv,
+                n: (t * c) as u32,
+                divisor,
+            };
             return gpu
                 .launch(k, shapes.elementwise(t * c))
-                .ptr(highway)
-                .ptr(self.bufs.kv)
-                .u32((t * c) as u32)
-                .f32(divisor)
+                .args(&a)
                 .run(stream)
                 .device(|| format!("launching PLE mean over {t} rows of highway {highway}"));
         };
+        let (t32, h, hc) = (t as u32, self.hidden as u32, self.hc_mult as u32);
         match self.kernels.gate_norms {
-            None => gpu
-                .launch(self.kernels.gate, shapes.gate(t, self.hc_mult))
-                .ptr(highway)
-                .ptr(self.bufs.kv)
-                .ptr(self.bufs.norm_q)
-                .ptr(self.bufs.norm_k)
-                .ptr(self.bufs.norm_conv)
-                .ptr(self.bufs.gated)
-                .ptr(self.bufs.xn)
-                .u32(t as u32)
-                .u32(self.hidden as u32)
-                .u32(self.hc_mult as u32)
-                .f32(self.spec.rms_eps)
-                .run(stream),
+            None => {
+                let a = GateArgs {
+                    highway,
+                    kv: self.bufs.kv,
+                    norm_q: self.bufs.norm_q,
+                    norm_k: self.bufs.norm_k,
+                    norm_conv: self.bufs.norm_conv,
+                    gated: self.bufs.gated,
+                    xn: self.bufs.xn,
+                    t: t32,
+                    h,
+                    hc,
+                    eps: self.spec.rms_eps,
+                };
+                gpu.launch(self.kernels.gate, shapes.gate(t, self.hc_mult))
+                    .args(&a)
+                    .run(stream)
+            }
             Some(k) => {
-                let [eq, ek, ec] = g.eps(self.spec.rms_eps);
+                let [eps_q, eps_k, eps_conv] = g.eps(self.spec.rms_eps);
+                let a = GateNormsArgs {
+                    highway,
+                    kv: self.bufs.kv,
+                    norm_q: self.bufs.norm_q,
+                    norm_k: self.bufs.norm_k,
+                    norm_conv: self.bufs.norm_conv,
+                    gated: self.bufs.gated,
+                    xn: self.bufs.xn,
+                    t: t32,
+                    h,
+                    hc,
+                    eps_q,
+                    eps_k,
+                    eps_conv,
+                    form: g.form_code(),
+                    conv: u32::from(g.conv),
+                };
                 gpu.launch(k, shapes.gate(t, self.hc_mult))
-                    .ptr(highway)
-                    .ptr(self.bufs.kv)
-                    .ptr(self.bufs.norm_q)
-                    .ptr(self.bufs.norm_k)
-                    .ptr(self.bufs.norm_conv)
-                    .ptr(self.bufs.gated)
-                    .ptr(self.bufs.xn)
-                    .u32(t as u32)
-                    .u32(self.hidden as u32)
-                    .u32(self.hc_mult as u32)
-                    .f32(eq)
-                    .f32(ek)
-                    .f32(ec)
-                    .u32(g.form_code())
-                    .u32(u32::from(g.conv))
+                    .args(&a)
                     .run(stream)
             }
         }
@@ -572,30 +596,57 @@ impl PleLayer {
                 .kernels
                 .highway_add
                 .expect("resolved at build for a conv-less site");
+            let a = HighwayAddArgs {
+                highway,
+                out: self.bufs.gated,
+                n: (t * c) as u32,
+            };
             return gpu
                 .launch(k, shapes.elementwise(t * c))
-                .ptr(highway)
-                .ptr(self.bufs.gated)
-                .u32((t * c) as u32)
+                .args(&a)
                 .run(stream)
                 .device(|| {
                     format!("launching PLE highway add over {t} rows of highway {highway}")
                 });
         }
-        let (kernel, state, cfg) = match conv {
-            ConvTarget::Single(p) => (self.kernels.conv, p, shapes.conv(1, c)),
-            ConvTarget::Table(p) => (self.kernels.conv_batch, p, shapes.conv(t, c)),
+        let (t32, c32) = (t as u32, c as u32);
+        let (k, d) = (self.spec.kernel as u32, self.spec.dilation as u32);
+        let (xn, gated, w) = (self.bufs.xn, self.bufs.gated, self.bufs.conv_w);
+        let (launch, state) = match conv {
+            ConvTarget::Single(state) => {
+                let a = ConvArgs {
+                    xn,
+                    gated,
+                    state,
+                    w,
+                    highway,
+                    t: t32,
+                    c: c32,
+                    k,
+                    d,
+                };
+                (
+                    gpu.launch(self.kernels.conv, shapes.conv(1, c)).args(&a),
+                    state,
+                )
+            }
+            ConvTarget::Table(states) => {
+                let a = ConvBatchArgs {
+                    xn,
+                    gated,
+                    states,
+                    w,
+                    highway,
+                    b: t32,
+                    c: c32,
+                    k,
+                    d,
+                };
+                let cfg = shapes.conv(t, c);
+                (gpu.launch(self.kernels.conv_batch, cfg).args(&a), states)
+            }
         };
-        gpu.launch(kernel, cfg)
-            .ptr(self.bufs.xn)
-            .ptr(self.bufs.gated)
-            .ptr(state)
-            .ptr(self.bufs.conv_w)
-            .ptr(highway)
-            .u32(t as u32)
-            .u32(c as u32)
-            .u32(self.spec.kernel as u32)
-            .u32(self.spec.dilation as u32)
+        launch
             .run(stream)
             .device(|| format!("launching PLE conv over {t} rows (state {state})"))
     }

@@ -19,6 +19,7 @@ use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, table_err};
 use super::{HashedIds, PleLayer, Result};
+use crate::layers::ple::kernels::args::{GatherRunsArgs, ProjectRangeArgs};
 use crate::layers::ple::kernels::gemm::CUT_STEPS;
 use crate::layers::ple::staging;
 
@@ -138,19 +139,22 @@ impl PleLayer {
                 continue;
             }
             let from = std::mem::replace(&mut projected, to);
+            let a = ProjectRangeArgs {
+                x: self.bufs.emb,
+                w: self.bufs.w_proj,
+                y: self.bufs.kv,
+                t: rows as u32,
+                e: e as u32,
+                o: o as u32,
+                from: from as u32,
+                to: to as u32,
+                accumulate: u32::from(from > 0),
+            };
             gpu.launch(
                 self.kernels.project_range,
                 self.kernels.shapes.project(rows, o),
             )
-            .ptr(self.bufs.emb)
-            .ptr(self.bufs.w_proj)
-            .ptr(self.bufs.kv)
-            .u32(rows as u32)
-            .u32(e as u32)
-            .u32(o as u32)
-            .u32(from as u32)
-            .u32(to as u32)
-            .u32(u32::from(from > 0))
+            .args(&a)
             .run(stream)
             .device(|| {
                 format!(
@@ -176,14 +180,17 @@ impl PleLayer {
     ) -> Result<()> {
         let heads = self.dims.ngram_heads();
         let cfg = self.kernels.shapes.gather(n, self.row_dim);
+        let a = GatherRunsArgs {
+            refs,
+            n: n as u32,
+            head_dim: self.row_dim as u32,
+            dtype: self.dtype_code,
+            out: self.bufs.emb.offset(first_row * self.row_dim * 4),
+            run: run as u32,
+            stride: heads as u32,
+        };
         gpu.launch(self.kernels.gather_runs, cfg)
-            .ptr(refs)
-            .u32(n as u32)
-            .u32(self.row_dim as u32)
-            .u32(self.dtype_code)
-            .ptr(self.bufs.emb.offset(first_row * self.row_dim * 4))
-            .u32(run as u32)
-            .u32(heads as u32)
+            .args(&a)
             .run(stream)
             .device(|| {
                 format!("launching PLE gather of {n} rows in runs of {run} from refs at {refs}")
