@@ -236,7 +236,7 @@ fn check_hash(gpu: &Gpu) {
         );
         assert_eq!(get_u64(gpu, out, want.len()), want, "history {history:?}");
         for p in [hist, toks, m, s, o, out] {
-            gpu.free(p).unwrap();
+            gpu.dealloc(p).unwrap();
         }
     }
 }
@@ -345,12 +345,12 @@ fn check_gather(gpu: &Gpu, rng: &mut Rng) {
                 "gather_runs dtype {dtype}, out row {row}"
             );
         }
-        gpu.free(runs).unwrap();
-        gpu.free(rp).unwrap();
-        gpu.free(out).unwrap();
+        gpu.dealloc(runs).unwrap();
+        gpu.dealloc(rp).unwrap();
+        gpu.dealloc(out).unwrap();
     }
-    gpu.free(dev_bf).unwrap();
-    gpu.free(mapped.device).unwrap();
+    gpu.dealloc(dev_bf).unwrap();
+    gpu.dealloc(mapped.device).unwrap();
 }
 
 fn check_project(gpu: &Gpu, rng: &mut Rng) {
@@ -448,17 +448,17 @@ fn check_project(gpu: &Gpu, rng: &mut Rng) {
             .map(|v| v.to_bits())
             .collect();
         assert_eq!(split, want, "project_range T = {t}, {cfg:?}");
-        gpu.free(y2).unwrap();
+        gpu.dealloc(y2).unwrap();
         results.push(got);
-        gpu.free(xp).unwrap();
-        gpu.free(y).unwrap();
+        gpu.dealloc(xp).unwrap();
+        gpu.dealloc(y).unwrap();
     }
     assert_eq!(
         results[2][..],
         results[0][..o],
         "a row does not depend on T"
     );
-    gpu.free(wp).unwrap();
+    gpu.dealloc(wp).unwrap();
 }
 
 fn check_gate(gpu: &Gpu, rng: &mut Rng) {
@@ -534,7 +534,7 @@ fn check_gate(gpu: &Gpu, rng: &mut Rng) {
         assert_eq!(got, first[i], "gate with one thread per row");
     }
     for p in ptrs.into_iter().chain([gated, xn]) {
-        gpu.free(p).unwrap();
+        gpu.dealloc(p).unwrap();
     }
 }
 
@@ -633,7 +633,7 @@ fn check_conv(gpu: &Gpu, rng: &mut Rng) {
             "conv state, chunks {chunks:?}"
         );
         for p in [xp, gp, hp, sp] {
-            gpu.free(p).unwrap();
+            gpu.dealloc(p).unwrap();
         }
     }
     // conv_batch: three sequences, one token each, states by pointer.
@@ -697,6 +697,6 @@ fn check_conv(gpu: &Gpu, rng: &mut Rng) {
         );
     }
     for p in sps.into_iter().chain([table, xp, gp, hp, wp]) {
-        gpu.free(p).unwrap();
+        gpu.dealloc(p).unwrap();
     }
 }
