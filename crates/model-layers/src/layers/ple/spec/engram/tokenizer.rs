@@ -37,6 +37,8 @@ use unicode_normalization::char::is_combining_mark;
 
 use super::super::TokenMap;
 
+pub mod library;
+
 /// Why a `tokenizer.json` could not be turned into a token map.
 #[derive(Debug, Error)]
 pub enum TokenizerJsonError {
