@@ -76,6 +76,7 @@ use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::remote::RemoteTier;
+use metrale_storage::splitmix::SplitMix64;
 use metrale_storage::table::{RowRef, TableStats};
 use serde::Serialize;
 
