@@ -16,8 +16,8 @@ normalizers; `build` asserts the two agree on every decoded text, so the
 written-down description is checked against the library too.
 
 Decoding uses the `tokenizers` package itself (Tokenizer.decode with
-skip_special_tokens=False, Tokenizer.id_to_token): the Rust reader
-re-implements those decoders, and these fixtures check it.
+skip_special_tokens=False, Tokenizer.id_to_token); the Rust map is built
+with the same library's Rust crate, and these fixtures check it.
 
 The tokenizers are trained here on a tiny corpus (accents, capitals,
 whitespace runs, CJK, Greek, Devanagari, emoji, ligatures) so every case

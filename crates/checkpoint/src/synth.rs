@@ -25,7 +25,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use metrale_model_layers::layers::ple::ids::{DerivedPleIds, SPLITMIX64_GAMMA, splitmix64};
+use metrale_model_layers::layers::ple::ids::DerivedPleIds;
 use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec};
 use metrale_storage::StorageError;
 use metrale_storage::dtype::{
@@ -34,6 +34,7 @@ use metrale_storage::dtype::{
 };
 use metrale_storage::layout::scale_name;
 use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
+use metrale_storage::splitmix::SplitMix64;
 
 use crate::backbone::{Backbone, Init};
 use crate::error::{CheckpointError, Result};
@@ -130,9 +131,7 @@ impl Stream {
         s
     }
     fn next_u64(&mut self) -> u64 {
-        let z = splitmix64(self.0);
-        self.0 = self.0.wrapping_add(SPLITMIX64_GAMMA);
-        z
+        SplitMix64::step(&mut self.0)
     }
     /// Uniform in [-1, 1).
     fn unit(&mut self) -> f32 {

@@ -85,10 +85,10 @@ fn token_map_matches_the_reference() {
     let bad = dir.path().join("bad.json");
     std::fs::write(
         &bad,
-        r#"{"model":{"vocab":{"a":0}},"decoder":{"type":"CTC"}}"#,
+        r#"{"model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"},"decoder":{"type":"Nope"}}"#,
     )
     .unwrap();
-    fails_with(&["token-map", bad.to_str().unwrap()], "decoder.type");
+    fails_with(&["token-map", bad.to_str().unwrap()], "bad.json");
 }
 
 /// `--tokenizer` builds the same map `--token-map` reads.

@@ -4,8 +4,8 @@
 //! [`SiteSpec`]. Every call maps
 //! onto the layer's own API: `forward` with host token ids, `forward_batch`
 //! (one gather, one projection, one gate, one batched conv for the whole
-//! batch), and the seed's `snapshot_aux` / `restore_aux` /
-//! `release_seq_state`.
+//! batch), `snapshot` / `restore` (the aux blob codec of
+//! `carry_blob`) and the seed's `release_seq_state`.
 //!
 //! A step's prefetch ([`Site::prefetch_step`]) hashes the step's tokens
 //! once ([`PleLayer::hash_ahead`]) and keeps the ids, and the step's
@@ -313,7 +313,7 @@ impl Site for PleSite {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<Vec<u8>> {
-        Ok(self.layer.snapshot_aux(st, gpu, stream)?)
+        Ok(self.layer.snapshot(st, gpu, stream)?)
     }
 
     fn restore(
@@ -323,7 +323,7 @@ impl Site for PleSite {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<()> {
-        Ok(self.layer.restore_aux(st, blob, gpu, stream)?)
+        Ok(self.layer.restore(st, blob, gpu, stream)?)
     }
 
     fn release(&self, st: &mut PleSeqState, gpu: &dyn GpuBackend) -> SiteResult<()> {

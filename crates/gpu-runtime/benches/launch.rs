@@ -120,7 +120,7 @@ fn main() -> anyhow::Result<()> {
     }) / lookups;
 
     for p in others.into_iter().chain([a]) {
-        gpu.free(p)?;
+        gpu.dealloc(p)?;
     }
     gpu.destroy_stream(s)?;
 

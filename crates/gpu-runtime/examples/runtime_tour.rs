@@ -157,7 +157,7 @@ fn main() -> Result<()> {
     let mut small = [0u8; 8];
     let oob = gpu.copy_d2h(x.offset(n * 4 - 4), &mut small).unwrap_err();
     println!("out-of-bounds read refused:\n  {oob}");
-    gpu.free(z)?;
+    gpu.dealloc(z)?;
     let uaf = gpu.copy_d2h(z, &mut small).unwrap_err();
     println!("use after free refused:\n  {uaf}");
 
@@ -172,7 +172,7 @@ fn main() -> Result<()> {
     gpu.destroy_stream(a)?;
     gpu.destroy_stream(b)?;
     for p in [x, y, stage.device] {
-        gpu.free(p)?;
+        gpu.dealloc(p)?;
     }
     ensure!(
         gpu.live_alloc_count() == 0 && gpu.live_bytes() == 0,

@@ -59,6 +59,11 @@ impl fmt::Display for DevicePtr {
 }
 
 /// A stream id. `0` is the default stream of every backend.
+///
+/// An alias, not a newtype: the carry code fixed by the specification
+/// (`aux_state.rs`) takes streams as `u64` and passes them to the backend,
+/// so the two spellings must name one type. Everything else spells it
+/// `StreamId`.
 pub type StreamId = u64;
 
 /// A kernel resolved by [`GpuBackend::kernel`].
@@ -170,7 +175,7 @@ pub struct HostMapped {
     /// The address kernels and device copies use.
     pub device: DevicePtr,
     /// The address the host uses. Valid until the memory is freed through
-    /// [`GpuBackend::free`] with `device`.
+    /// [`GpuBackend::dealloc`] with `device`.
     pub host: *mut u8,
     /// Size in bytes.
     pub bytes: usize,
@@ -265,19 +270,10 @@ pub trait GpuBackend: Send + Sync {
     /// start of a live allocation is an error ([`GpuError::DoubleFree`],
     /// [`GpuError::InteriorFree`], [`GpuError::NotAllocated`], ...).
     fn dealloc(&self, ptr: DevicePtr) -> Result<()>;
-    /// [`Self::dealloc`], with its [`GpuError`] carried in an
-    /// `anyhow::Error` (downcast it to match on the variant).
-    ///
-    /// The one call whose error is not typed: the carry code fixed by the
-    /// specification (`aux_state.rs`) returns this result unchanged from a
-    /// function returning `anyhow::Result<()>`, so its type is pinned.
-    fn free(&self, ptr: DevicePtr) -> anyhow::Result<()> {
-        Ok(self.dealloc(ptr)?)
-    }
     /// Allocate page-locked host memory that the device can address.
     fn alloc_host_mapped(&self, bytes: usize, label: &str) -> Result<HostMapped>;
     /// Make caller-owned host memory addressable by the device (as
-    /// `cuMemHostRegister`). Release with [`Self::free`] on the returned
+    /// `cuMemHostRegister`). Release with [`Self::dealloc`] on the returned
     /// pointer, which unregisters and never frees the caller's memory.
     ///
     /// # Safety
@@ -394,6 +390,18 @@ pub trait GpuBackend: Send + Sync {
 }
 
 impl dyn GpuBackend + '_ {
+    /// [`GpuBackend::dealloc`], with its [`GpuError`] carried in an
+    /// `anyhow::Error` (downcast it to match on the variant).
+    ///
+    /// Not a backend call: backends implement `dealloc` alone. This exists
+    /// because the carry code fixed by the specification (`aux_state.rs`)
+    /// calls `gpu.free(..)` on a `&dyn GpuBackend` and returns the result
+    /// unchanged from a function returning `anyhow::Result<()>`, which pins
+    /// the name and the type. Typed code calls `dealloc`.
+    pub fn free(&self, ptr: DevicePtr) -> anyhow::Result<()> {
+        Ok(self.dealloc(ptr)?)
+    }
+
     /// Start a launch of `kernel` with the builder.
     pub fn launch(&self, kernel: KernelHandle, cfg: LaunchConfig) -> Launch<'_> {
         Launch {

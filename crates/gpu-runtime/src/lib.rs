@@ -8,9 +8,10 @@
 //! - [`cuda::CudaBackend`], behind the `cuda` feature.
 //!
 //! Every call returns [`error::GpuError`], a typed error callers match on
-//! (re-exported with its [`Result`] alias at the crate root); only
-//! [`gpu::GpuBackend::free`] boxes it in `anyhow::Error`, for the reason
-//! given there, beside the typed [`gpu::GpuBackend::dealloc`].
+//! (re-exported with its [`Result`] alias at the crate root). Backends
+//! free memory through [`gpu::GpuBackend::dealloc`] alone; the `free`
+//! method of `dyn GpuBackend` boxes its error in `anyhow::Error`, for the
+//! reason given there.
 //!
 //! The behaviour every backend must show lives in the separate
 //! `metrale-gpu-conformance` crate, so each backend runs the same suite

@@ -49,7 +49,7 @@ fn threads_sharing_a_backend_keep_their_data_apart() {
                     out.iter().all(|&x| x == fill.wrapping_add(1)),
                     "thread {t} iteration {i}"
                 );
-                gpu.free(p).unwrap();
+                gpu.dealloc(p).unwrap();
             }
             gpu.destroy_stream(s).unwrap();
         }));
@@ -65,6 +65,6 @@ fn threads_sharing_a_backend_keep_their_data_apart() {
     assert_eq!(out, [200; 64]);
     gpu.destroy_graph(graph).unwrap();
     gpu.destroy_stream(gs).unwrap();
-    gpu.free(counter).unwrap();
+    gpu.dealloc(counter).unwrap();
     assert_eq!(gpu.live_alloc_count(), 0, "{}", gpu.live_report());
 }

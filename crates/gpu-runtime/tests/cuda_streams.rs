@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use metrale_gpu_runtime::cuda::CudaBackend;
-use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, HostMapped, LaunchConfig};
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, HostMapped, LaunchConfig, StreamId};
 
 const KERNELS: &str = r#"
 // Spin until *flag is non-zero, or about `max_cycles` clock cycles.
@@ -55,7 +55,7 @@ fn flag(m: &HostMapped) -> &AtomicU32 {
     unsafe { &*(m.host as *const AtomicU32) }
 }
 
-fn read_u32(gpu: &dyn GpuBackend, p: DevicePtr, n: usize, s: u64) -> Vec<u32> {
+fn read_u32(gpu: &dyn GpuBackend, p: DevicePtr, n: usize, s: StreamId) -> Vec<u32> {
     let mut b = vec![0u8; n * 4];
     gpu.copy_d2h_on_stream(p, &mut b, s).unwrap();
     b.chunks_exact(4)
@@ -130,7 +130,7 @@ fn streams_are_asynchronous_and_events_order_them() {
         gpu.destroy_stream(s).unwrap();
     }
     for p in [x, y, f.device, marker.device] {
-        gpu.free(p).unwrap();
+        gpu.dealloc(p).unwrap();
     }
     assert_eq!(gpu.live_alloc_count(), 0);
 }
@@ -176,7 +176,7 @@ fn captured_work_replays_with_values_read_at_replay() {
     gpu.destroy_graph(g).unwrap();
     gpu.destroy_stream(s).unwrap();
     for p in [param, acc, copy] {
-        gpu.free(p).unwrap();
+        gpu.dealloc(p).unwrap();
     }
 }
 
@@ -230,7 +230,7 @@ fn event_records_in_a_graph_act_at_each_replay() {
         gpu.destroy_stream(s).unwrap();
     }
     for p in [x, y, f.device] {
-        gpu.free(p).unwrap();
+        gpu.dealloc(p).unwrap();
     }
 }
 
@@ -268,5 +268,5 @@ fn launches_are_checked_against_the_ptx_signature() {
     );
     let e = gpu.load_module("junk", b"not a module").unwrap_err();
     assert!(e.to_string().contains("load_module 'junk'"), "{e}");
-    gpu.free(p).unwrap();
+    gpu.dealloc(p).unwrap();
 }

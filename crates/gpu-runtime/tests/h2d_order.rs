@@ -52,7 +52,7 @@ fn h2d_behind_queued_work_waits_its_turn() {
         "the copy ran before the memset"
     );
     gpu.destroy_stream(s).unwrap();
-    gpu.free(dst).unwrap();
+    gpu.dealloc(dst).unwrap();
 }
 
 #[test]
@@ -84,7 +84,7 @@ fn h2d_behind_an_event_wait_waits_for_the_event() {
     gpu.destroy_event(ev).unwrap();
     gpu.destroy_stream(a).unwrap();
     gpu.destroy_stream(b).unwrap();
-    gpu.free(dst).unwrap();
+    gpu.dealloc(dst).unwrap();
 }
 
 #[test]
@@ -120,8 +120,8 @@ fn h2d_on_an_idle_stream_is_seen_by_later_work_and_owns_its_source() {
             gpu.destroy_stream(s).unwrap();
         }
     }
-    gpu.free(x).unwrap();
-    gpu.free(y).unwrap();
+    gpu.dealloc(x).unwrap();
+    gpu.dealloc(y).unwrap();
 }
 
 #[test]
@@ -141,5 +141,5 @@ fn h2d_under_capture_is_still_refused() {
     // Nothing was written.
     assert_eq!(read(gpu, dst, 64), vec![0; 64]);
     gpu.destroy_stream(s).unwrap();
-    gpu.free(dst).unwrap();
+    gpu.dealloc(dst).unwrap();
 }

@@ -123,14 +123,14 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             }
             Op::Free(a) => {
                 let ok = m.range(a, 0, 0).is_some();
-                let r = g.free(m.ptr(a, 0));
+                let r = g.dealloc(m.ptr(a, 0));
                 prop_assert_eq!(r.is_ok(), ok, "{}: {:?}", ctx, r);
                 if ok {
                     m.mem[a % m.ptrs.len()] = None;
                 }
             }
             Op::FreeInterior(a, off) => {
-                let r = g.free(m.ptr(a, off));
+                let r = g.dealloc(m.ptr(a, off));
                 prop_assert!(r.is_err(), "{}: interior free accepted", ctx);
             }
             Op::H2d {
@@ -214,7 +214,7 @@ fn run(ops: &[Op]) -> Result<(), TestCaseError> {
             let mut out = vec![0u8; bytes.len()];
             g.copy_d2h(*p, &mut out).unwrap();
             prop_assert_eq!(&out, bytes, "final contents of buf{}", i);
-            g.free(*p).unwrap();
+            g.dealloc(*p).unwrap();
         }
     }
     prop_assert_eq!(g.live_alloc_count(), 0);

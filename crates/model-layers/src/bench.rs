@@ -63,7 +63,8 @@ pub enum BenchError {
 /// `Result` with [`BenchError`].
 pub type Result<T, E = BenchError> = std::result::Result<T, E>;
 
-/// A deterministic stream of numbers: successive [`splitmix64`] outputs.
+/// A deterministic stream of numbers: the one splitmix64 stream
+/// (`metrale_storage::splitmix`), with the draws the workloads use.
 #[derive(Clone, Debug)]
 pub struct Rng(u64);
 
@@ -75,9 +76,7 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        let v = self.0;
-        self.0 = v.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        splitmix64(v)
+        metrale_storage::splitmix::SplitMix64::step(&mut self.0)
     }
 
     /// Uniform in `[0, n)` (`n` 0 reads as 1).

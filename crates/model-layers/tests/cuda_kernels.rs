@@ -153,7 +153,7 @@ fn check_hash(gpu: &Gpu) {
         launch(gpu, "hash", LaunchConfig::linear(1, 4), &a);
         assert_eq!(get_u64(gpu, out, want.len()), want, "history {history:?}");
         for p in [hist, toks, m, s, o, out] {
-            gpu.free(p).unwrap();
+            gpu.dealloc(p).unwrap();
         }
     }
 }
@@ -260,11 +260,11 @@ fn check_gather(gpu: &Gpu, rng: &mut Rng) {
             );
         }
         for p in [runs, rp, out] {
-            gpu.free(p).unwrap();
+            gpu.dealloc(p).unwrap();
         }
     }
-    gpu.free(dev_bf).unwrap();
-    gpu.free(mapped.device).unwrap();
+    gpu.dealloc(dev_bf).unwrap();
+    gpu.dealloc(mapped.device).unwrap();
 }
 
 fn check_project(gpu: &Gpu, rng: &mut Rng) {
@@ -326,7 +326,7 @@ fn check_project(gpu: &Gpu, rng: &mut Rng) {
         assert_eq!(split, bits(&want), "project_range T = {t}, {cfg:?}");
         results.push(got);
         for p in [y2, xp, y] {
-            gpu.free(p).unwrap();
+            gpu.dealloc(p).unwrap();
         }
     }
     assert_eq!(
@@ -334,7 +334,7 @@ fn check_project(gpu: &Gpu, rng: &mut Rng) {
         results[0][..o],
         "a row does not depend on T"
     );
-    gpu.free(wp).unwrap();
+    gpu.dealloc(wp).unwrap();
 }
 
 fn check_gate(gpu: &Gpu, rng: &mut Rng) {
@@ -401,7 +401,7 @@ fn check_gate(gpu: &Gpu, rng: &mut Rng) {
         assert_eq!(got, first[i], "gate with one thread per row");
     }
     for p in ptrs.into_iter().chain([gated, xn]) {
-        gpu.free(p).unwrap();
+        gpu.dealloc(p).unwrap();
     }
 }
 
@@ -465,7 +465,7 @@ fn check_conv(gpu: &Gpu, rng: &mut Rng) {
             "conv state, chunks {chunks:?}"
         );
         for p in [xp, gp, hp, sp] {
-            gpu.free(p).unwrap();
+            gpu.dealloc(p).unwrap();
         }
     }
     // conv_batch: three sequences, one token each, states by pointer.
@@ -524,6 +524,6 @@ fn check_conv(gpu: &Gpu, rng: &mut Rng) {
         );
     }
     for p in sps.into_iter().chain([table, xp, gp, hp, wp]) {
-        gpu.free(p).unwrap();
+        gpu.dealloc(p).unwrap();
     }
 }

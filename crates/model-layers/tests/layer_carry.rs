@@ -169,6 +169,70 @@ fn codec_matches_the_seed_blob_both_ways() {
     fx.finish(layer, vec![st, other]);
 }
 
+/// The layer's `snapshot` / `restore` (the codec, typed errors) give and
+/// take the seed's bytes: for a carry that ran and for one that has not.
+#[test]
+fn layer_snapshot_and_restore_are_the_seeds_bytes() {
+    let fx = Fx::new(12);
+    let g = fx.g();
+    let layer = fx.layer(8);
+    let c = fx.small.channels();
+    let mut r = Rng(6);
+    let fresh = layer.new_seq_state(g).unwrap();
+    let unrun = layer.snapshot(&fresh, g, 0).unwrap();
+    assert_eq!(unrun, layer.snapshot_aux(&fresh, g, 0).unwrap());
+    assert_eq!(
+        unrun.len(),
+        layer.aux_blob_bytes() - 4 * layer.spec().context_len()
+    );
+
+    let mut st = layer.new_seq_state(g).unwrap();
+    let toks = tokens(&mut r, 7, 40);
+    let hw = upload(g, &highway(&mut r, 7, c), "hw");
+    let ctx = ForwardContext::new(g).with_host_ids(&toks);
+    layer.forward(&mut st, hw, 7, true, &ctx, 0).unwrap();
+    let blob = layer.snapshot(&st, g, 0).unwrap();
+    assert_eq!(blob, layer.snapshot_aux(&st, g, 0).unwrap());
+
+    // Restored both ways, the carries snapshot alike and run alike.
+    let mut a = layer.new_seq_state(g).unwrap();
+    let mut b = layer.new_seq_state(g).unwrap();
+    layer.restore(&mut a, &blob, g, 0).unwrap();
+    layer.restore_aux(&mut b, &blob, g, 0).unwrap();
+    assert_eq!(a.history(), b.history());
+    assert_eq!(layer.snapshot(&a, g, 0).unwrap(), blob);
+    let next = tokens(&mut r, 3, 40);
+    let rows = highway(&mut r, 3, c);
+    let (ha, hb) = (upload(g, &rows, "ha"), upload(g, &rows, "hb"));
+    let ctx = ForwardContext::new(g).with_host_ids(&next);
+    layer.forward(&mut a, ha, 3, true, &ctx, 0).unwrap();
+    layer.forward(&mut b, hb, 3, true, &ctx, 0).unwrap();
+    assert_eq!(
+        bits(&download(g, ha, 3 * c, 0)),
+        bits(&download(g, hb, 3 * c, 0))
+    );
+    assert_eq!(
+        layer.snapshot(&a, g, 0).unwrap(),
+        layer.snapshot_aux(&b, g, 0).unwrap()
+    );
+
+    // The blob of a carry that has not run restores as such.
+    layer.restore(&mut a, &unrun, g, 0).unwrap();
+    assert!(a.history().is_empty());
+
+    // Refusals are typed and change nothing.
+    layer.restore(&mut b, &blob, g, 0).unwrap();
+    for bad in [&blob[..blob.len() - 1], &blob[..3], &[][..]] {
+        let e = layer.restore(&mut b, bad, g, 0).unwrap_err();
+        assert!(matches!(e, LayerError::AuxBlob(_)), "{e:?}");
+        assert_eq!(layer.snapshot(&b, g, 0).unwrap(), blob);
+    }
+    for x in [&ha, &hb, &hw] {
+        g.free(*x).unwrap();
+    }
+    fx.finish(layer, vec![st, fresh, a, b]);
+}
+
 #[test]
 fn release_twice_is_fine_and_a_released_state_is_refused() {
     let fx = Fx::new(2);

@@ -13,7 +13,7 @@ use layer_common::{
     Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState};
 use proptest::prelude::*;
 
@@ -24,7 +24,7 @@ struct Env {
     start: usize,
     small: Small,
     table: Arc<TestTable>,
-    stream: u64,
+    stream: StreamId,
 }
 
 impl Env {

@@ -165,7 +165,7 @@ impl Fixture {
             .chain([&self.table_dev, &self.w_dev, &self.conv_w_dev])
             .chain(&self.norms_dev)
         {
-            self.gpu.free(*p)?;
+            self.gpu.dealloc(*p)?;
         }
         anyhow::ensure!(
             self.gpu.live_alloc_count() == self.base_allocs,

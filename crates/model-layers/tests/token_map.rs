@@ -1,6 +1,7 @@
-//! Engram's compressed-token map built from a `tokenizer.json` must equal
-//! the one `reference/token_map_reference.py` builds with the Python
-//! `tokenizers` package (its decoders) and `unicodedata` (the normaliser),
+//! Engram's compressed-token map built from a `tokenizer.json` (by the
+//! `tokenizers` library) must equal the one
+//! `reference/token_map_reference.py` builds with the Python `tokenizers`
+//! package (its decoders) and `unicodedata` (the normaliser),
 //! for the three tokenizers it trains: byte-level BPE with added and
 //! special tokens, a Llama-style BPE with byte fallback and the
 //! Replace/ByteFallback/Fuse/Strip decoder chain, and a Unigram with the
@@ -104,16 +105,15 @@ fn errors_name_file_and_field() {
     assert!(e.to_string().contains("/nonexistent/tok.json"));
     let e = token_map_from_tokenizer_str(r#"{"model":{"vocab":[["a"]]}}"#, "t.json").unwrap_err();
     match &e {
-        TokenizerJsonError::Field { file, field, .. } => {
-            assert_eq!(file, "t.json");
-            assert_eq!(field, "model.vocab[0]");
-        }
+        TokenizerJsonError::Json { file, .. } => assert_eq!(file, "t.json"),
         other => panic!("{other:?}"),
     }
     let e = token_map_from_tokenizer_str(
-        r#"{"model":{"vocab":{"a":0}},"decoder":{"type":"CTC"}}"#,
+        r#"{"model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"},"decoder":{"type":"Nope"}}"#,
         "t.json",
     )
     .unwrap_err();
-    assert!(matches!(e, TokenizerJsonError::Unsupported { .. }), "{e:?}");
+    assert!(matches!(e, TokenizerJsonError::Json { .. }), "{e:?}");
+    // The reader's message says where: an unknown decoder is at column 88.
+    assert!(e.to_string().contains("line 1 column 88"), "{e}");
 }

@@ -7,8 +7,8 @@
 //! calls from several Python threads serialise per layer and never
 //! deadlock; the GIL is released while they run. Carry semantics are the
 //! layer's own (docs/SPEC.md, "Carry lifecycle"): a new carry resets on
-//! its first forward; `snapshot`/`restore` are `snapshot_aux`/`restore_aux`
-//! (a blob of the wrong size is refused, the prestage cleared); `reset`
+//! its first forward; `snapshot`/`restore` are the layer's, through the aux
+//! blob codec (a blob that does not fit is refused, the prestage cleared); `reset`
 //! installs `context_len` EOS tokens and a zero conv state; `release` is
 //! idempotent, and a released carry refuses everything but `release`.
 
@@ -26,6 +26,7 @@ use metrale_checkpoint::runtime::TableMode;
 use metrale_engine::engine::{mask_family, takes_token_mask};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
+use metrale_model_layers::layers::ple::carry_blob;
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::{
     ForwardContext, PleLayer, PleSeqState, PleWeights, SiteSpec,
@@ -112,12 +113,12 @@ impl Core {
 
     fn snapshot(&self, st: &PleSeqState) -> anyhow::Result<Vec<u8>> {
         Self::check_live(st)?;
-        self.layer.snapshot_aux(st, self.gpu.as_ref(), 0)
+        Ok(self.layer.snapshot(st, self.gpu.as_ref(), 0)?)
     }
 
     fn restore(&self, st: &mut PleSeqState, blob: &[u8]) -> anyhow::Result<()> {
         Self::check_live(st)?;
-        self.layer.restore_aux(st, blob, self.gpu.as_ref(), 0)?;
+        self.layer.restore(st, blob, self.gpu.as_ref(), 0)?;
         self.gpu.synchronize(0)?;
         Ok(())
     }
@@ -125,15 +126,7 @@ impl Core {
     /// The aux blob of a fresh sequence: `context_len` EOS tokens and a
     /// zero conv state.
     fn fresh_blob(&self) -> Vec<u8> {
-        let dims = self.layer.dims();
-        let ctx = dims.context_len();
-        let mut blob = Vec::with_capacity(4 + 4 * ctx + self.layer.conv_state_bytes());
-        blob.extend_from_slice(&(ctx as u32).to_le_bytes());
-        for _ in 0..ctx {
-            blob.extend_from_slice(&dims.eos_token_id.to_le_bytes());
-        }
-        blob.resize(blob.len() + self.layer.conv_state_bytes(), 0);
-        blob
+        carry_blob::fresh(self.layer.spec())
     }
 }
 

@@ -42,8 +42,9 @@ def test_binding_errors(tmp_path):
     with pytest.raises(FileNotFoundError):
         metrale_ple.token_map(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
-    bad.write_text('{"model": {"vocab": {"a": 0}}, "decoder": {"type": "CTC"}}')
-    with pytest.raises(ValueError, match="decoder.type"):
+    bad.write_text('{"model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}, '
+                   '"decoder": {"type": "Nope"}}')
+    with pytest.raises(ValueError, match="bad.json"):
         metrale_ple.token_map(bad)
 
 

@@ -28,32 +28,9 @@ use metrale_storage::io::DioAlign;
 use metrale_storage::layout::TableFiles;
 use metrale_storage::relay::{fits_granule, hot_order, relay_rows};
 use metrale_storage::table::{RowRef, RowTable, TableStats};
+use metrale_storage::zipf::Zipf;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-
-/// Zipf(s) sampler over `n` ranks by inverse CDF.
-struct Zipf {
-    cdf: Vec<f64>,
-}
-
-impl Zipf {
-    fn new(n: usize, s: f64) -> Self {
-        let mut cdf = Vec::with_capacity(n);
-        let mut acc = 0.0;
-        for k in 1..=n {
-            acc += 1.0 / (k as f64).powf(s);
-            cdf.push(acc);
-        }
-        for c in &mut cdf {
-            *c /= acc;
-        }
-        Zipf { cdf }
-    }
-    fn sample(&self, rng: &mut SmallRng) -> usize {
-        let u: f64 = rng.r#gen();
-        self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1)
-    }
-}
 
 /// `len` ids: with probability `noise` the next id of a shuffled run of
 /// ids outside the Zipf support (seen once per pass over half the table,
@@ -74,7 +51,7 @@ fn stream(rows: u64, len: usize, noise: f64, seed: u64) -> Vec<u64> {
                 k += 1;
                 cold[k % cold.len()]
             } else {
-                hot[z.sample(&mut rng)]
+                hot[z.rank(rng.r#gen())]
             }
         })
         .collect()

@@ -30,6 +30,7 @@ use metrale_storage::bench::{CacheHits, HitSizes, RandomReads, ResidentGather, w
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::table::{RowRef, RowTable};
+use metrale_storage::zipf::Zipf;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -240,30 +241,6 @@ fn bench_misses(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
     Ok(())
 }
 
-/// Zipf(s) sampler over `n` ranks by inverse CDF.
-struct Zipf {
-    cdf: Vec<f64>,
-}
-
-impl Zipf {
-    fn new(n: usize, s: f64) -> Self {
-        let mut cdf = Vec::with_capacity(n);
-        let mut acc = 0.0;
-        for k in 1..=n {
-            acc += 1.0 / (k as f64).powf(s);
-            cdf.push(acc);
-        }
-        for c in &mut cdf {
-            *c /= acc;
-        }
-        Zipf { cdf }
-    }
-    fn sample(&self, rng: &mut SmallRng) -> usize {
-        let u: f64 = rng.r#gen();
-        self.cdf.partition_point(|&c| c < u).min(self.cdf.len() - 1)
-    }
-}
-
 fn lru_hits(stream: &[u64], cap: usize) -> u64 {
     // Exact LRU: a recency stamp per resident id plus a FIFO of (id, stamp)
     // with lazy deletion.
@@ -355,7 +332,7 @@ fn bench_zipf(files: &TableFiles, gpu: &Arc<dyn GpuBackend>) -> Result<()> {
         perm.swap(i, rng.gen_range(0..=i));
     }
     let z = Zipf::new(rows, 1.1);
-    let stream: Vec<u64> = (0..300_000).map(|_| perm[z.sample(&mut rng)]).collect();
+    let stream: Vec<u64> = (0..300_000).map(|_| perm[z.rank(rng.r#gen())]).collect();
     let mut c = CacheConfig::new(slots);
     c.max_resolve = 64;
     let t = CachedTable::open(files.clone(), gpu.clone(), c)?;

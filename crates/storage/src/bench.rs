@@ -324,15 +324,15 @@ impl ResidentGather {
         let out_dev = match gpu.alloc(n * row_bytes, "bench out") {
             Ok(p) => p,
             Err(e) => {
-                let _ = gpu.free(refs_dev);
+                let _ = gpu.dealloc(refs_dev);
                 return Err(e.into());
             }
         };
         let stream = match gpu.create_stream() {
             Ok(s) => s,
             Err(e) => {
-                let _ = gpu.free(refs_dev);
-                let _ = gpu.free(out_dev);
+                let _ = gpu.dealloc(refs_dev);
+                let _ = gpu.dealloc(out_dev);
                 return Err(e.into());
             }
         };
@@ -473,8 +473,8 @@ impl ResidentGather {
             return r;
         };
         let mut r = r;
-        keep_first(&mut r, self.gpu.free(a));
-        keep_first(&mut r, self.gpu.free(b));
+        keep_first(&mut r, self.gpu.dealloc(a));
+        keep_first(&mut r, self.gpu.dealloc(b));
         keep_first(&mut r, self.gpu.destroy_stream(s));
         r
     }

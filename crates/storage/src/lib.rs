@@ -17,7 +17,9 @@
 //! [`relay`] rewrites a table's rows in a new order (hot rows together).
 //! [`remote`] is the remote row tier a row cache can read its misses from
 //! instead of the shard files (rows on Redis-protocol servers), and
-//! `table push`'s loader; [`digest`] the one SHA-256.
+//! `table push`'s loader; [`digest`] the one SHA-256; [`splitmix`] the one
+//! splitmix64 mixer and stream; `zipf` (feature `bench`) the one Zipf
+//! sampler of the synthetic workloads.
 
 #[cfg(feature = "bench")]
 pub mod bench;
@@ -36,7 +38,10 @@ pub mod remote;
 pub mod resident;
 pub mod safetensors;
 pub mod shared;
+pub mod splitmix;
 pub mod table;
+#[cfg(feature = "bench")]
+pub mod zipf;
 
 use std::sync::Arc;
 

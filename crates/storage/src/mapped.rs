@@ -123,7 +123,7 @@ impl RowTable for MappedTable {
 impl Drop for MappedTable {
     fn drop(&mut self) {
         for (dev, _, _) in self.bases.drain(..) {
-            if let Err(e) = self.gpu.free(dev) {
+            if let Err(e) = self.gpu.dealloc(dev) {
                 tracing::warn!(error = %e, "unregistering a mapped shard failed");
             }
         }

@@ -38,7 +38,7 @@ struct FreeGuard<'a> {
 impl Drop for FreeGuard<'_> {
     fn drop(&mut self) {
         for p in self.ptrs.drain(..) {
-            let _ = self.gpu.free(p);
+            let _ = self.gpu.dealloc(p);
         }
     }
 }
@@ -239,7 +239,7 @@ impl RowTable for ResidentTable {
 impl Drop for ResidentTable {
     fn drop(&mut self) {
         for p in [self.data, self.scales] {
-            if let Err(e) = self.gpu.free(p) {
+            if let Err(e) = self.gpu.dealloc(p) {
                 tracing::warn!(error = %e, "freeing the resident table failed");
             }
         }

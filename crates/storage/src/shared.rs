@@ -64,10 +64,7 @@ fn fnv(seed: u64, parts: &[&[u8]]) -> u64 {
         h ^= p.len() as u64;
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
-    // splitmix64 finish
-    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
+    crate::splitmix::mix64(h)
 }
 
 /// What one shard's segment holds.
@@ -363,7 +360,7 @@ impl RowTable for SharedTable {
 impl Drop for SharedTable {
     fn drop(&mut self) {
         for (dev, _) in self.bases.drain(..) {
-            if let Err(e) = self.gpu.free(dev) {
+            if let Err(e) = self.gpu.dealloc(dev) {
                 tracing::warn!(error = %e, "unregistering a shared segment failed");
             }
         }

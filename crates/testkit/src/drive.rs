@@ -58,7 +58,7 @@ pub fn sequential_run<S: Site>(
     for (s, st) in sites.iter().zip(states.iter_mut()) {
         s.release(st, gpu).unwrap();
     }
-    gpu.free(hw).unwrap();
+    gpu.dealloc(hw).unwrap();
     rows
 }
 

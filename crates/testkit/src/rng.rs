@@ -1,10 +1,10 @@
 //! A small deterministic generator, so failures replay.
 //!
-//! Invariant: the stream is the production splitmix64 of
-//! `metrale_model_layers` (`ids::splitmix64`) over a state stepped by its
-//! increment; nothing here re-derives the mixing.
+//! Invariant: the stream is the workspace's one splitmix64 stream
+//! (`metrale_storage::splitmix`); nothing here re-derives the mixing or
+//! the stepping.
 
-use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
+use metrale_storage::splitmix::SplitMix64;
 
 /// A splitmix64 stream.
 #[derive(Clone, Debug)]
@@ -14,9 +14,7 @@ impl Rng {
     /// The next 64 random bits.
     #[allow(clippy::should_implement_trait)]
     pub fn next(&mut self) -> u64 {
-        let z = splitmix64(self.0);
-        self.0 = self.0.wrapping_add(SPLITMIX64_GAMMA);
-        z
+        SplitMix64::step(&mut self.0)
     }
 
     /// Uniform in `0..n` (`n` of 0 counts as 1).

@@ -71,7 +71,7 @@ impl TinyTable {
         );
         let base = gpu.alloc(bytes.len(), "tiny table rows")?;
         if let Err(e) = gpu.copy_h2d(bytes, base) {
-            let _ = gpu.free(base);
+            let _ = gpu.dealloc(base);
             return Err(e.into());
         }
         Ok(Arc::new(TinyTable {
@@ -159,7 +159,7 @@ impl Drop for TinyTable {
             let _ = self.gpu.event_synchronize(ev);
             let _ = self.gpu.destroy_event(ev);
         }
-        let _ = self.gpu.free(self.base);
+        let _ = self.gpu.dealloc(self.base);
     }
 }
 

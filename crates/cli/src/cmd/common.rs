@@ -13,7 +13,7 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressStyle};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::layers::ple::ids::{SPLITMIX64_GAMMA, splitmix64};
+use metrale_storage::splitmix::SplitMix64;
 
 use super::{CmdError, input};
 
@@ -95,40 +95,26 @@ pub fn cache_root() -> Result<PathBuf, CmdError> {
     }
 }
 
-/// splitmix64: the one small deterministic generator behind the synthetic
-/// workloads and fault schedules, the same on every platform.
-/// It steps the state by the splitmix64 increment and returns the
-/// production [`splitmix64`] of the previous state.
-pub fn splitmix(v: &mut u64) -> u64 {
-    let z = splitmix64(*v);
-    *v = v.wrapping_add(SPLITMIX64_GAMMA);
-    z
-}
-
-/// Zipf-distributed token ids over the vocabulary, never EOS.
+/// Zipf-distributed token ids over the vocabulary, never EOS: ranks from
+/// the workspace's one Zipf sampler, drawn with the splitmix64 stream.
 pub struct Zipf {
-    cdf: Vec<f64>,
+    ranks: metrale_storage::zipf::Zipf,
     vocab: u64,
     eos: u32,
 }
 
 impl Zipf {
     pub fn new(vocab: u64, eos: u32, s: f64) -> Zipf {
-        let mut cdf = Vec::with_capacity(vocab as usize);
-        let mut acc = 0.0;
-        for r in 1..=vocab {
-            acc += (r as f64).powf(-s);
-            cdf.push(acc);
+        Zipf {
+            ranks: metrale_storage::zipf::Zipf::new(vocab as usize, s),
+            vocab,
+            eos,
         }
-        for c in &mut cdf {
-            *c /= acc;
-        }
-        Zipf { cdf, vocab, eos }
     }
 
     pub fn sample(&self, state: &mut u64) -> u32 {
-        let u = (splitmix(state) >> 11) as f64 / (1u64 << 53) as f64;
-        let rank = self.cdf.partition_point(|&c| c < u) as u64;
+        let u = (SplitMix64::step(state) >> 11) as f64 / (1u64 << 53) as f64;
+        let rank = self.ranks.rank(u) as u64;
         // Scatter ranks over the vocabulary so frequent tokens are not all
         // small ids.
         let t = (rank.wrapping_mul(0x9E37_79B1) % self.vocab) as u32;

@@ -12,8 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use metrale_storage::io::{PageReader, ReadReq};
-
-use super::common::splitmix;
+use metrale_storage::splitmix::SplitMix64;
 
 const EIO: i32 = 5;
 
@@ -56,7 +55,7 @@ impl PageReader for FlakyReader {
         let mut s = self
             .state
             .fetch_add(0x9E37_79B9_7F4A_7C15, Ordering::Relaxed);
-        let r = splitmix(&mut s) % 1_000_000;
+        let r = SplitMix64::step(&mut s) % 1_000_000;
         if !self.on.load(Ordering::Relaxed) || r >= self.per_million {
             return self.inner.read_batch(reqs);
         }

@@ -44,10 +44,10 @@ use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::io::default_reader;
 use parking_lot::Mutex;
 
-use super::common::splitmix;
 use super::faults::FlakyReader;
 use super::run::{EngineSetup, build_engine, checkpoint_dir};
 use super::{CmdError, failure, input};
+use metrale_storage::splitmix::SplitMix64;
 
 /// Arguments of `metrale-ple soak`.
 #[derive(Args, Debug)]
@@ -77,16 +77,6 @@ pub struct SoakArgs {
 
 /// Most tokens per forward (prefill chunk, decode batch) of the engines.
 const MAX_TOKENS: usize = 16;
-
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: usize) -> usize {
-        (splitmix(&mut self.0) % n.max(1) as u64) as usize
-    }
-    fn pct(&mut self, p: u64) -> bool {
-        splitmix(&mut self.0) % 100 < p
-    }
-}
 
 /// An engine over the checkpoint's sites, tables behind a row cache of
 /// `slots` slots per site read through `reader` (the default reader when
@@ -123,7 +113,8 @@ fn rows(tokens: &[u32], from: usize, to: usize, width: usize) -> Vec<f32> {
         if i >= from {
             let mut s = h;
             out.extend(
-                (0..width).map(|_| ((splitmix(&mut s) >> 41) as f32 / (1u64 << 23) as f32) - 1.0),
+                (0..width)
+                    .map(|_| ((SplitMix64::step(&mut s) >> 41) as f32 / (1u64 << 23) as f32) - 1.0),
             );
         }
     }
@@ -214,7 +205,7 @@ const PREFIXES: [[u32; 6]; 3] = [
 ];
 
 fn worker(sh: &Shared, seed: u64, deadline: Instant) {
-    let mut rng = Rng(seed);
+    let mut rng = SplitMix64(seed);
     let mut mine: Vec<Track> = Vec::new();
     let w = sh.width;
     while Instant::now() < deadline {

@@ -107,6 +107,6 @@ mod tests {
         assert!(latch.is_open());
         gpu.destroy_event(ev).unwrap();
         gpu.destroy_stream(s).unwrap();
-        gpu.free(p).unwrap();
+        gpu.dealloc(p).unwrap();
     }
 }

@@ -27,8 +27,8 @@ fn debug_mode_fills_new_allocations_with_nan() {
     // SAFETY: `m.host` has 8 initialised bytes owned by the backend.
     let host = unsafe { std::slice::from_raw_parts(m.host, 8) };
     assert_eq!(host, &[0xFF; 8]);
-    gpu.free(p).unwrap();
-    gpu.free(m.device).unwrap();
+    gpu.dealloc(p).unwrap();
+    gpu.dealloc(m.device).unwrap();
 
     // What `new()` builds unless METRALE_GPU_DEBUG=1.
     let gpu = CpuBackend::build(false);
@@ -38,7 +38,7 @@ fn debug_mode_fills_new_allocations_with_nan() {
     let p = gpu.alloc(16, "fresh").unwrap();
     gpu.copy_d2h(p, &mut out).unwrap();
     assert_eq!(out, [0; 16]);
-    gpu.free(p).unwrap();
+    gpu.dealloc(p).unwrap();
 }
 
 #[test]
@@ -109,7 +109,7 @@ fn free_waits_for_queued_work_that_uses_the_buffer() {
     });
     // Returns only after the kernel has run, so the kernel never sees a
     // freed buffer and the stream has no pending error.
-    gpu.free(p).unwrap();
+    gpu.dealloc(p).unwrap();
     assert!(release.load(Ordering::Acquire));
     t.join().unwrap();
     gpu.synchronize(s).unwrap();
@@ -149,7 +149,7 @@ fn destroying_a_stream_reports_its_pending_error() {
     );
     let e = gpu.synchronize(s).unwrap_err();
     assert!(matches!(e, GpuError::UnknownStream { .. }), "{e}");
-    gpu.free(p).unwrap();
+    gpu.dealloc(p).unwrap();
 }
 
 #[test]
@@ -320,7 +320,7 @@ fn host_ptr_translates_inside_kernels_and_refuses_outside() {
     let mut out = [0u8; 16];
     gpu.copy_d2h(p, &mut out).unwrap();
     assert_eq!(&out[8..], &[0x33; 8]);
-    gpu.free(p).unwrap();
+    gpu.dealloc(p).unwrap();
 }
 
 #[test]
@@ -383,8 +383,8 @@ fn kernels_can_check_pointers_from_rayon_workers() {
         .unwrap();
     let e = gpu.synchronize(0).unwrap_err().to_string();
     assert!(e.contains("t::row_sums") && e.contains("'table'"), "{e}");
-    gpu.free(table).unwrap();
-    gpu.free(out).unwrap();
+    gpu.dealloc(table).unwrap();
+    gpu.dealloc(out).unwrap();
 }
 
 #[test]

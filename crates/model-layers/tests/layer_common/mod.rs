@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
+use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
 use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
@@ -363,12 +363,12 @@ pub fn upload(gpu: &dyn GpuBackend, v: &[f32], label: &str) -> DevicePtr {
     p
 }
 
-pub fn write(gpu: &dyn GpuBackend, v: &[f32], p: DevicePtr, stream: u64) {
+pub fn write(gpu: &dyn GpuBackend, v: &[f32], p: DevicePtr, stream: StreamId) {
     let b: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
     gpu.copy_h2d_async(&b, p, stream).unwrap();
 }
 
-pub fn download(gpu: &dyn GpuBackend, p: DevicePtr, n: usize, stream: u64) -> Vec<f32> {
+pub fn download(gpu: &dyn GpuBackend, p: DevicePtr, n: usize, stream: StreamId) -> Vec<f32> {
     let mut b = vec![0u8; n * 4];
     gpu.copy_d2h_on_stream(p, &mut b, stream).unwrap();
     b.chunks_exact(4)

@@ -540,7 +540,7 @@ impl Drop for Inner {
             let _ = self.gpu.event_synchronize(ev);
             let _ = self.gpu.destroy_event(ev);
         }
-        if let Err(e) = self.gpu.free(self.arena.device) {
+        if let Err(e) = self.gpu.dealloc(self.arena.device) {
             tracing::warn!(error = %e, "freeing the row cache arena failed");
         }
     }

@@ -16,6 +16,7 @@ use std::os::unix::fs::FileExt;
 use crate::digest::{Sha256, hex};
 use crate::error::{Result, StorageError};
 use crate::layout::TableFiles;
+use crate::splitmix::splitmix64;
 use crate::table::{RowDType, TableInfo};
 
 /// The first bytes of every key.
@@ -80,15 +81,6 @@ impl fmt::Display for TableDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.hex())
     }
-}
-
-/// The splitmix64 finaliser (the same function as the id hash's; spelled
-/// out here because this crate knows nothing of PLE math).
-pub fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// The shard rule: the server (index into the list, of `servers`) that

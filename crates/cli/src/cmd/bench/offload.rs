@@ -86,10 +86,11 @@ use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::remote::RemoteTier;
 use metrale_storage::resident::ResidentTable;
+use metrale_storage::splitmix::SplitMix64;
 use metrale_storage::table::{RowRef, RowTable, TableStats};
 use serde::Serialize;
 
-use crate::cmd::common::{Zipf, bytes, splitmix};
+use crate::cmd::common::{Zipf, bytes};
 use metrale_ple_cli::parse::parse_prompts;
 
 use super::memory;
@@ -522,7 +523,7 @@ pub fn run(args: &OffloadArgs) -> Result<(), CmdError> {
             // fill and hot-row parts are draws of one distribution.
             let mut st = CORPUS_SEED;
             for i in (1..docs.len()).rev() {
-                let j = (splitmix(&mut st) % (i as u64 + 1)) as usize;
+                let j = (SplitMix64::step(&mut st) % (i as u64 + 1)) as usize;
                 docs.swap(i, j);
             }
             let tokens: usize = docs.iter().map(Vec::len).sum();

@@ -5,12 +5,13 @@
 //! the prefix cache requires).
 
 use metrale_engine::server::{Phase, Request};
+use metrale_storage::splitmix::SplitMix64;
 
 use super::RunArgs;
-use crate::cmd::common::{Zipf, splitmix};
+use crate::cmd::common::Zipf;
 
 fn between(state: &mut u64, lo: usize, hi: usize) -> usize {
-    lo + (splitmix(state) % (hi - lo + 1) as u64) as usize
+    lo + (SplitMix64::step(state) % (hi - lo + 1) as u64) as usize
 }
 
 /// The synthetic workload: shared system prompts, multi-turn sequences.
@@ -61,6 +62,6 @@ pub(super) fn from_prompt(prompt: Vec<u32>, decode: usize, zipf: &Zipf, st: &mut
 pub(super) fn embed(token: u32, out: &mut [f32]) {
     let mut s = 0xE3B0_C442_98FC_1C14 ^ (token as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
     for v in out {
-        *v = ((splitmix(&mut s) >> 40) as f32 / (1u64 << 23) as f32) - 1.0;
+        *v = ((SplitMix64::step(&mut s) >> 40) as f32 / (1u64 << 23) as f32) - 1.0;
     }
 }

@@ -5,12 +5,15 @@
 //! tokens (u32 each), then the conv state's `state_len * C` f32 values as
 //! bytes. This is exactly what the seed's `snapshot_aux` writes and
 //! `restore_aux` reads; [`encode`] and [`decode`] are the one definition
-//! everything else (the engine's snapshot container, swap, the prefix
-//! cache) sizes and checks blobs with.
+//! everything else (the layer's `snapshot` and `restore`, the engine's
+//! snapshot container, swap, the prefix cache, Python) sizes, writes and
+//! checks blobs with.
 //!
-//! Invariant: [`decode`] accepts a blob only when its history holds
+//! Invariants: [`decode`] accepts a blob only when its history holds
 //! exactly `context_len` tokens and the rest is exactly the site's conv
 //! state, so an accepted blob always restores into a carry of that site.
+//! [`decode_carry`] also accepts the blob of a carry that has not run yet
+//! (an empty history), which is what such a carry snapshots to.
 
 use thiserror::Error;
 
@@ -83,13 +86,37 @@ impl AuxBlobRef<'_> {
 
 /// Encode a carry: `history` and the conv state's bytes.
 pub fn encode(history: &[u32], conv_bytes: &[u8]) -> Vec<u8> {
-    let mut blob = Vec::with_capacity(blob_len(history.len(), conv_bytes.len()));
+    encode_with(history, conv_bytes.len(), |out| {
+        out.copy_from_slice(conv_bytes);
+        Ok::<(), std::convert::Infallible>(())
+    })
+    .unwrap_or_else(|never| match never {})
+}
+
+/// Encode a carry whose `conv_len` bytes of conv state `fill` writes in
+/// place (a device download straight into the blob, say). The blob is
+/// returned only when `fill` succeeds.
+pub fn encode_with<E>(
+    history: &[u32],
+    conv_len: usize,
+    fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+) -> Result<Vec<u8>, E> {
+    let mut blob = Vec::with_capacity(blob_len(history.len(), conv_len));
     blob.extend_from_slice(&(history.len() as u32).to_le_bytes());
     for t in history {
         blob.extend_from_slice(&t.to_le_bytes());
     }
-    blob.extend_from_slice(conv_bytes);
-    blob
+    let off = blob.len();
+    blob.resize(off + conv_len, 0);
+    fill(&mut blob[off..])?;
+    Ok(blob)
+}
+
+/// The blob of a fresh sequence at `spec`: `context_len` EOS tokens and a
+/// zero conv state, the carry a reset installs.
+pub fn fresh(spec: &SiteSpec) -> Vec<u8> {
+    let history = vec![spec.dims.eos_token_id; spec.context_len()];
+    encode(&history, &vec![0; spec.conv_bytes()])
 }
 
 /// The `hist_len` a blob declares, if it has a header.
@@ -100,6 +127,21 @@ pub fn declared_history_len(blob: &[u8]) -> Option<usize> {
 
 /// Check `blob` against `spec` and split it into history and conv state.
 pub fn decode<'a>(blob: &'a [u8], spec: &SiteSpec) -> Result<AuxBlobRef<'a>, AuxBlobError> {
+    split(blob, spec, false)
+}
+
+/// [`decode`], also accepting the blob of a carry that has not run (an
+/// empty history, as such a carry snapshots to; its first forward resets
+/// it). For restoring a carry, not for checking a snapshot of a sequence.
+pub fn decode_carry<'a>(blob: &'a [u8], spec: &SiteSpec) -> Result<AuxBlobRef<'a>, AuxBlobError> {
+    split(blob, spec, true)
+}
+
+fn split<'a>(
+    blob: &'a [u8],
+    spec: &SiteSpec,
+    allow_unrun: bool,
+) -> Result<AuxBlobRef<'a>, AuxBlobError> {
     let Some(found) = declared_history_len(blob) else {
         return Err(AuxBlobError::Truncated {
             len: blob.len(),
@@ -107,10 +149,10 @@ pub fn decode<'a>(blob: &'a [u8], spec: &SiteSpec) -> Result<AuxBlobRef<'a>, Aux
         });
     };
     let expected = spec.context_len();
-    if found != expected {
+    if found != expected && !(allow_unrun && found == 0) {
         return Err(AuxBlobError::HistoryLen { expected, found });
     }
-    let hist_end = HEADER + 4 * expected;
+    let hist_end = HEADER + 4 * found;
     if blob.len() < hist_end {
         return Err(AuxBlobError::Truncated {
             len: blob.len(),
@@ -193,5 +235,25 @@ mod tests {
             })
         );
         assert_eq!(checked_blob_len(usize::MAX, 0), None);
+
+        // A carry that has not run: only `decode_carry` takes it.
+        let unrun = encode(&[], &conv);
+        assert_eq!(
+            decode(&unrun, &s),
+            Err(AuxBlobError::HistoryLen {
+                expected: 2,
+                found: 0
+            })
+        );
+        let r = decode_carry(&unrun, &s).unwrap();
+        assert!(r.history.is_empty());
+        assert_eq!(r.conv, &conv[..]);
+        assert_eq!(decode_carry(&blob, &s), decode(&blob, &s));
+        assert!(decode_carry(&unrun[..unrun.len() - 1], &s).is_err());
+
+        let f = fresh(&s);
+        let r = decode(&f, &s).unwrap();
+        assert_eq!(r.history_tokens(), vec![2, 2]);
+        assert!(r.conv.iter().all(|&b| b == 0));
     }
 }

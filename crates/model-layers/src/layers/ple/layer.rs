@@ -35,7 +35,8 @@
 //! constructor and its checks, `layer/forward.rs` the eager forward and the
 //! row staging it uses, `layer/batch.rs` the batched decode step (prestage,
 //! graph-capturable forward, replay bookkeeping) and `free`,
-//! `layer/pipeline.rs` the gather that projects each head group while the
+//! `layer/carry.rs` a carry's snapshot and restore through the aux blob
+//! codec, `layer/pipeline.rs` the gather that projects each head group while the
 //! next is read (tables whose resolve may wait).
 //!
 //! Concurrency: `PleLayer` is `Send + Sync`; the staging bookkeeping sits
@@ -54,6 +55,7 @@ use super::staging::Staging;
 
 mod batch;
 mod build;
+mod carry;
 mod error;
 mod forward;
 mod hashed;
@@ -258,21 +260,20 @@ impl DeviceBufs {
 
 /// One PLE site: weights on the device, scratch for `max_tokens` rows, the
 /// table, and the staging area. See the module docs for the invariants.
+///
+/// The site's geometry lives in its spec alone: the layer dereferences to
+/// its [`SiteSpec`], so `layer.dims`, `layer.hidden`, `layer.hc_mult` and
+/// the spec's derived sizes are the spec's own. The carry code fixed by the
+/// specification (`aux_state.rs`) reads those as fields of the layer; the
+/// `Deref` is what lets it do so without a second copy.
 pub struct PleLayer {
     /// What the layer was built from.
     spec: SiteSpec,
-    /// `spec.dims`, kept as its own field because the carry operations
-    /// (`aux_state.rs`) read it by this name.
-    pub(super) dims: PleIdDims,
-    /// The hash's hot path for `dims`.
+    /// The hash's hot path for `spec.dims`.
     hasher: PleIdHasher,
-    /// `spec.state_len()`: `(K - 1) * D` rows of conv state (a field for
-    /// `aux_state.rs`, as are `hc_mult` and `hidden`).
+    /// `spec.state_len()`, computed once: `aux_state.rs` reads it as a
+    /// field (`self.state_len`), which a method of the spec cannot be.
     pub(super) state_len: usize,
-    /// Parallel residual streams.
-    pub(super) hc_mult: usize,
-    /// Width of one stream.
-    pub(super) hidden: usize,
     max_tokens: usize,
     /// Values of each row this layer gathers: `head_dim`, or a
     /// tensor-parallel rank's share of it.
@@ -285,6 +286,14 @@ pub struct PleLayer {
     bufs: DeviceBufs,
     staging: Mutex<Staging>,
     freed: bool,
+}
+
+impl std::ops::Deref for PleLayer {
+    type Target = SiteSpec;
+
+    fn deref(&self) -> &SiteSpec {
+        &self.spec
+    }
 }
 
 impl std::fmt::Debug for PleLayer {
@@ -310,23 +319,15 @@ impl PleLayer {
     }
     /// The id hash geometry.
     pub fn dims(&self) -> &PleIdDims {
-        &self.dims
+        &self.spec.dims
     }
     /// Width of one residual stream.
     pub fn hidden(&self) -> usize {
-        self.hidden
+        self.spec.hidden
     }
     /// Number of residual streams.
     pub fn hc_mult(&self) -> usize {
-        self.hc_mult
-    }
-    /// `C = hc_mult * hidden`, the width of one highway row.
-    pub fn channels(&self) -> usize {
-        self.hc_mult * self.hidden
-    }
-    /// Rows of conv state, `(K - 1) * D`.
-    pub fn state_len(&self) -> usize {
-        self.state_len
+        self.spec.hc_mult
     }
     /// Values per table row.
     pub fn head_dim(&self) -> usize {

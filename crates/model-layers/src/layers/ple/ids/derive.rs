@@ -14,8 +14,7 @@ use super::{IdError, Result};
 
 use super::PleIdDims;
 
-/// The splitmix64 increment (the 64-bit golden ratio).
-pub const SPLITMIX64_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
+pub use metrale_storage::splitmix::{SPLITMIX64_GAMMA, splitmix64};
 /// Seed stride between PLE sites: site `s` hashes with `seed + 10007 * s`.
 pub const SITE_SEED_STRIDE: u64 = 10007;
 /// `ple_hash_seed` when config.json does not give one.
@@ -29,14 +28,6 @@ pub const MAX_NGRAM_SIZE: usize = 32;
 /// Largest accepted number of primes a derivation may have to step over
 /// (`(site + 1) * ngram_heads`); beyond it the input is taken as malformed.
 pub const MAX_PRIMES_SEARCHED: usize = 1 << 20;
-
-/// One step of splitmix64 as docs/SPEC.md, "Constant derivation", defines it (all wrapping).
-pub fn splitmix64(v: u64) -> u64 {
-    let mut v = v.wrapping_add(SPLITMIX64_GAMMA);
-    v = (v ^ (v >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    v = (v ^ (v >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    v ^ (v >> 31)
-}
 
 /// The `ngram_size` odd multipliers of PLE site `site` (its position in
 /// `ple_layer_ids`, not its layer number).

@@ -49,7 +49,7 @@ impl AllocGuard<'_> {
 impl Drop for AllocGuard<'_> {
     fn drop(&mut self) {
         for p in self.ptrs.drain(..) {
-            let _ = self.gpu.free(p);
+            let _ = self.gpu.dealloc(p);
         }
     }
 }
@@ -392,11 +392,8 @@ impl PleLayer {
         g.ptrs.clear();
         Ok(PleLayer {
             spec: spec.clone(),
-            dims,
             hasher,
             state_len: spec.state_len(),
-            hc_mult: spec.hc_mult,
-            hidden,
             max_tokens,
             row_dim,
             shard,

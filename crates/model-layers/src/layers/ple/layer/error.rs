@@ -123,6 +123,9 @@ pub enum LayerError {
     /// The layer was freed.
     #[error("this PLE layer was freed")]
     Freed,
+    /// An aux blob that does not fit the site.
+    #[error(transparent)]
+    AuxBlob(#[from] crate::layers::ple::carry_blob::AuxBlobError),
     /// A tensor-parallel split the site cannot take (docs/SPEC.md §5,
     /// "Tensor-parallel shards").
     #[error(transparent)]

@@ -37,7 +37,7 @@ impl PleLayer {
         &self,
         flat_ids: &[u64],
         gpu: &dyn GpuBackend,
-        stream: u64,
+        stream: StreamId,
     ) -> Result<u64> {
         self.check_live()?;
         layer_ensure!(
