@@ -20,7 +20,7 @@ use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::resident::ResidentTable;
 use metrale_storage::table::RowTable;
-use metrale_testkit::hooked::HookedTable;
+use metrale_testkit::hooked::hooked_waiting;
 use metrale_testkit::shards::write_bf16_shards;
 
 /// Prefill three sequences, decode them in batches (eager and captured),
@@ -249,12 +249,9 @@ fn the_pipelined_gather_gives_the_plain_one_bits() {
     let want = scenario(&small, test_table.clone(), g);
     let resolves = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&resolves);
-    let waiting: Arc<dyn RowTable> = Arc::new(
-        HookedTable::new(test_table.clone(), move |_| {
-            counted.fetch_add(1, Ordering::Relaxed);
-        })
-        .always_waiting(),
-    );
+    let waiting: Arc<dyn RowTable> = Arc::new(hooked_waiting(test_table.clone(), move |_| {
+        counted.fetch_add(1, Ordering::Relaxed);
+    }));
     assert!(
         scenario(&small, Arc::clone(&waiting), g) == want,
         "the pipelined gather differs"

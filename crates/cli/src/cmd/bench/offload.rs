@@ -909,7 +909,7 @@ fn measure_all(
         bytes(slots as u64 * row_bytes),
         sizes.sequences
     );
-    let disk = disk_ceiling(&site.table.shards[0].0, sizes.ceiling)
+    let disk = disk_ceiling(&site.table.shards[0].path, sizes.ceiling)
         .context("measuring the disk's random reads")?;
     eprintln!(
         "bench offload: {}",
