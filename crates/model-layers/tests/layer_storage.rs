@@ -284,3 +284,22 @@ fn the_pipelined_gather_gives_the_plain_one_bits() {
     drop(cached);
     assert_no_leaks(g, start);
 }
+
+/// The layer tests' own pin-counting table conforms to the RowTable suite.
+#[test]
+fn the_test_table_conforms() {
+    let head_dim = 8usize;
+    let bits =
+        move |id: u64| -> Vec<u16> { (0..head_dim as u64).map(|j| (id * 97 + j) as u16).collect() };
+    let all: Vec<u16> = (0..50u64).flat_map(bits).collect();
+    metrale_table_conformance::assert_conforms("the layer tests' TestTable", &|| {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let table = TestTable::new(gpu.as_ref(), &all, head_dim, 16).unwrap();
+        metrale_table_conformance::Subject {
+            table,
+            gpu,
+            row: Box::new(move |id| bits(id).iter().flat_map(|b| b.to_le_bytes()).collect()),
+            fault: None,
+        }
+    });
+}
