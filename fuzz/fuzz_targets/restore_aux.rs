@@ -15,7 +15,7 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::carry_blob;
 use metrale_model_layers::layers::ple::{ForwardContext, PleLayer, PleSeqState, PleWeights, SiteSpec};
-use metrale_testkit::tiny::TinyTable;
+use metrale_storage::resident::ResidentTable;
 
 const HEAD_DIM: usize = 4;
 /// Rows of the table: the sum of the two head sizes below.
@@ -51,7 +51,8 @@ fn world() -> &'static Mutex<World> {
             family: Default::default(),
         };
         let rows: Vec<u16> = (0..ROWS * HEAD_DIM).map(bf16).collect();
-        let table = TinyTable::new(gpu.clone(), &rows, HEAD_DIM).expect("fuzz table");
+        let table =
+            Arc::new(ResidentTable::from_bf16(gpu.clone(), &rows, HEAD_DIM).expect("fuzz table"));
         let w = PleWeights {
             key_proj: (0..c * e).map(bf16).collect(),
             value_proj: (0..hidden * e).map(|i| bf16(i + 5)).collect(),

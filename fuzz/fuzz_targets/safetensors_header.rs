@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use libfuzzer_sys::fuzz_target;
-use metrale_storage::layout::TableFiles;
+use metrale_storage::layout::{ShardSource, TableFiles};
 use metrale_storage::safetensors::{Header, MAX_HEADER_BYTES};
 
 /// One scratch file per fuzzing process.
@@ -55,7 +55,15 @@ fuzz_target!(|data: &[u8]| {
         let bytes = h.read_tensor(&t.name).expect("read a checked extent");
         assert_eq!(&bytes[..], &data[t.offset as usize..end as usize], "tensor {}", t.name);
     }
-    if let Ok(files) = TableFiles::discover(&[path], None) {
+    // Every 2-D tensor is tried as a one-shard table, its scale looked for
+    // under the name the next tensor has (any name will do: storage takes
+    // what it is given).
+    let names: Vec<String> = h.tensors.iter().map(|t| t.name.clone()).collect();
+    for (i, weight) in names.iter().enumerate() {
+        let scale = names.get(i + 1).cloned();
+        let Ok(files) = TableFiles::open(&[ShardSource::new(path, weight, scale)], None) else {
+            continue;
+        };
         let rows = files.info.rows;
         assert!(rows > 0);
         assert!(files.row_stride >= files.info.row_bytes() as u64, "rows overlap");

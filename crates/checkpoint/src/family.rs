@@ -12,7 +12,7 @@
 //! - LongCat: one tensor per (order, split) sub-table, each with its own
 //!   row count `m + 2i + 1`. The hash adds each sub-table's offset, so the
 //!   ids address the sub-tables concatenated in order; the runtime serves
-//!   them as one table through [`crate::concat::ConcatTable`].
+//!   them as one table through [`metrale_storage::concat::ConcatTable`].
 //!
 //! A cut table (`ple_table_rows` = `r` in config.json) stores `r / parts`
 //! rows in every table tensor (`r` a multiple of `parts`), `parts` being [`Layout::table_parts`]: ids

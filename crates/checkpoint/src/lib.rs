@@ -7,12 +7,12 @@
 //! synthetic ones), safetensors files, and
 //! `model.safetensors.index.json` mapping every tensor to its file. Tensor
 //! names are spelled in [`names`] alone; [`family`] says which tensors make
-//! each family's table, and [`mod@concat`] serves LongCat's sub-tables as
-//! one. [`synth`] writes deterministic
+//! each family's table, and [`runtime`] describes a site's table (cut,
+//! relaid, or LongCat's sub-tables as parts) for the storage layer to
+//! serve. [`synth`] writes deterministic
 //! synthetic checkpoints; [`load`] refuses anything a layer could trip on,
-//! with a [`CheckpointError`] naming the file and tensor; [`fold`] serves a
-//! table cut to fewer rows than the hash addresses; [`remap`] serves a
-//! table whose hot rows were relaid together; [`release`] converts
+//! with a [`CheckpointError`] naming the file and tensor; [`remap`] reads
+//! the row order of a table whose hot rows were relaid together; [`release`] converts
 //! DeepSeek-V4.1's table as released to the rows the runtime reads;
 //! [`token_map`] reads Engram's token map stored as a tensor.
 //!
@@ -20,10 +20,8 @@
 //! passed every check in [`load`].
 
 pub mod backbone;
-pub mod concat;
 pub mod error;
 pub mod family;
-pub mod fold;
 pub mod load;
 pub mod names;
 pub mod preset;

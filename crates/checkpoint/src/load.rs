@@ -46,7 +46,7 @@ use metrale_storage::StorageError;
 use metrale_storage::dtype::{
     FP8_BLOCK, bf16_to_f32, f32_to_bf16, fp8_block_row_bytes, fp8_e4m3_to_f32, ue8m0_to_f32,
 };
-use metrale_storage::layout::{declared_row_width, scale_name};
+use metrale_storage::layout::{ShardSource, declared_row_width};
 use metrale_storage::safetensors::{Dtype, Header, TensorInfo};
 use metrale_storage::table::RowDType;
 use serde::Deserialize;
@@ -55,7 +55,7 @@ use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
 use crate::names::{
     CONFIG_FILE, EngramDemoNames, INDEX_FILE, SINGLE_FILE, TOKEN_MAP_FILE, TOKEN_MAP_TENSOR,
-    TOKENIZER_FILE, V41Names,
+    TOKENIZER_FILE, V41Names, scale_name, table_shard,
 };
 use crate::release::{SplitTable, check_split, is_block_scale};
 use crate::token_map::decode_token_map;
@@ -64,8 +64,9 @@ use metrale_model_layers::layers::ple::spec::engram::tokenizer::token_map_from_t
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SiteTable {
-    /// `(file, tensor)` of each shard's weight, in row order.
-    pub shards: Vec<(PathBuf, String)>,
+    /// Each shard's file, weight tensor and scale tensor name, in row
+    /// order.
+    pub shards: Vec<ShardSource>,
     /// Rows in every shard.
     pub rows_per_shard: u64,
     /// Rows stored (`shards * rows_per_shard`).
@@ -891,7 +892,7 @@ impl Checkpoint {
             if let Some(sp) = &split {
                 // One tensor (Engram), its pair checked by `split_table`.
                 bytes += sp.rows * sp.row_bytes();
-                shards.push((sp.weight_file.clone(), name.clone()));
+                shards.push(table_shard(sp.weight_file.clone(), name));
                 part_rows.push(r);
                 continue;
             }
@@ -908,7 +909,7 @@ impl Checkpoint {
                 }
                 bytes += st.len;
             }
-            shards.push((h.path.clone(), name.clone()));
+            shards.push(table_shard(h.path.clone(), name));
             part_rows.push(r);
         }
         let stored_rows: u64 = part_rows.iter().sum();

@@ -13,6 +13,8 @@
 //! ([`LongCatNames`]). These are the only place names are spelled, so the
 //! writer and the loader cannot drift.
 
+use metrale_storage::layout::ShardSource;
+
 /// The model configuration file.
 pub const CONFIG_FILE: &str = "config.json";
 /// The weight map: tensor name to safetensors file.
@@ -25,6 +27,22 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 /// written by `table pack --hot-rows` (format: [`crate::remap`]).
 pub fn row_remap_file(layer: usize) -> String {
     format!("model.layers.{layer}.ple.row_remap.bin")
+}
+
+/// The per-row F32 scale tensor that goes with FP8 table tensor `weight`
+/// (this project's extension): `.weight` becomes `.scale`, any other name
+/// gets `.scale` appended.
+pub fn scale_name(weight: &str) -> String {
+    match weight.strip_suffix(".weight") {
+        Some(stem) => format!("{stem}.scale"),
+        None => format!("{weight}.scale"),
+    }
+}
+
+/// A table tensor of the checkpoint as the storage layer opens it: the
+/// file, the weight tensor and its scale tensor's name.
+pub fn table_shard(path: impl Into<std::path::PathBuf>, weight: &str) -> ShardSource {
+    ShardSource::new(path, weight, Some(scale_name(weight)))
 }
 
 /// The safetensors file `k` (1-based) of `n`, Hugging Face style.

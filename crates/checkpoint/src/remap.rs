@@ -8,9 +8,10 @@
 //! then [`metrale_storage::relay::relay_rows`]) and stores
 //! the permutation, logical row to physical row, in the file
 //! [`crate::names::row_remap_file`] beside the checkpoint's files.
-//! [`RemapTable`] applies it to every id after hashing (and after folding a
-//! cut table), so the layer asks for the same ids and reads the same values
-//! as from the original checkpoint.
+//! [`site_remap`] hands it to the table description, whose id map
+//! ([`metrale_storage::idmap::IdMap`]) applies it to every id after
+//! hashing (and after folding a cut table), so the layer asks for the same
+//! ids and reads the same values as from the original checkpoint.
 //!
 //! The remap file: a 32-byte header, magic `MPLEREMP`, then little-endian
 //! `u32` version (1), `u32` entry width (4), `u64` rows, `u32` CRC-32 of
@@ -23,16 +24,13 @@
 //! Invariants: a [`RowRemap`] exists only for a permutation of `0..rows`
 //! (every entry below `rows`, none repeated) read from a file whose length
 //! and CRC check; anything else is a [`RemapError`] naming the file (and
-//! the entry or line). [`RemapTable`] refuses ids past its rows exactly as
-//! the table it wraps would.
+//! the entry or line).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
 use metrale_storage::StorageError;
-use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats};
 
 use crate::error::CheckpointError;
 use crate::load::Checkpoint;
@@ -350,15 +348,11 @@ pub fn fold_counts(rows: u64, counts: &HashMap<u64, u64>) -> HashMap<u64, u64> {
     folded
 }
 
-/// Wrap site `site`'s table `inner` (stored rows, before any folding) in a
-/// [`RemapTable`] when the checkpoint has a row remap for it; otherwise
-/// return `inner`. A remap that is unreadable or malformed, or made for
-/// another row count, is an error naming the file.
-pub fn remap_site(
-    ck: &Checkpoint,
-    site: usize,
-    inner: Arc<dyn RowTable>,
-) -> Result<Arc<dyn RowTable>, CheckpointError> {
+/// Site `site`'s row remap, when the checkpoint has one: entry `i` the
+/// physical row of stored row `i`, for the table description
+/// ([`metrale_storage::TablePart::remap`]). A remap that is unreadable or
+/// malformed, or made for another row count, is an error naming the file.
+pub fn site_remap(ck: &Checkpoint, site: usize) -> Result<Option<Arc<[u32]>>, CheckpointError> {
     let s = &ck.sites[site];
     let path = ck.dir.join(row_remap_file(s.layer));
     let err = |e: String| CheckpointError::Table {
@@ -367,95 +361,12 @@ pub fn remap_site(
         source: Box::new(StorageError::layout(Some(path.clone()), None, e)),
     };
     match std::fs::symlink_metadata(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(inner),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(err(format!("{}: {e}", path.display()))),
         Ok(_) => {}
     }
     let remap = RowRemap::load(&path, s.table.stored_rows).map_err(|e| err(e.to_string()))?;
-    let t = RemapTable::new(inner, Arc::new(remap))
-        .map_err(|e| err(format!("{}: {e}", path.display())))?;
-    Ok(Arc::new(t))
-}
-
-/// A table whose rows are stored in a relaid order: id `i` is read from
-/// row `remap.physical(i)` of the inner table.
-///
-/// Invariants: `info()` is the inner table's; ids at or past its rows are
-/// refused as the inner table refuses them; leases, prefetch and statistics
-/// are the inner table's.
-pub struct RemapTable {
-    inner: Arc<dyn RowTable>,
-    remap: Arc<RowRemap>,
-}
-
-impl RemapTable {
-    /// Wrap `inner`, which must have `remap.rows()` rows.
-    pub fn new(
-        inner: Arc<dyn RowTable>,
-        remap: Arc<RowRemap>,
-    ) -> metrale_storage::Result<RemapTable> {
-        if inner.info().rows != remap.rows() {
-            return Err(StorageError::invalid(format!(
-                "a remap of {} rows for a table of {}",
-                remap.rows(),
-                inner.info().rows
-            )));
-        }
-        Ok(RemapTable { inner, remap })
-    }
-
-    /// The physical rows of `ids`, each checked against the table's rows.
-    fn physical(&self, ids: &[u64]) -> metrale_storage::Result<Vec<u64>> {
-        let rows = self.remap.rows();
-        ids.iter()
-            .map(|&id| {
-                metrale_storage::layout::check_row(id, rows)?;
-                Ok(self.remap.physical(id))
-            })
-            .collect()
-    }
-}
-
-impl RowTable for RemapTable {
-    fn info(&self) -> TableInfo {
-        self.inner.info()
-    }
-    fn max_resolve(&self) -> usize {
-        self.inner.max_resolve()
-    }
-    fn max_pinned(&self) -> usize {
-        self.inner.max_pinned()
-    }
-    fn would_wait(&self, ids: &[u64]) -> bool {
-        // An id out of range is the resolve's to refuse.
-        self.physical(ids)
-            .map_or(true, |mapped| self.inner.would_wait(&mapped))
-    }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> metrale_storage::Result<Lease> {
-        self.inner.resolve(&self.physical(ids)?, out)
-    }
-    fn release(
-        &self,
-        lease: Lease,
-        gpu: &dyn GpuBackend,
-        after: Option<EventHandle>,
-    ) -> metrale_storage::Result<()> {
-        self.inner.release(lease, gpu, after)
-    }
-    fn prefetch(&self, ids: &[u64]) -> metrale_storage::Result<()> {
-        // Advice: out-of-range ids are skipped here and refused by the
-        // resolve that follows.
-        let rows = self.remap.rows();
-        let mapped: Vec<u64> = ids
-            .iter()
-            .filter(|&&id| id < rows)
-            .map(|&id| self.remap.physical(id))
-            .collect();
-        self.inner.prefetch(&mapped)
-    }
-    fn stats(&self) -> TableStats {
-        self.inner.stats()
-    }
+    Ok(Some(Arc::from(remap.map)))
 }
 
 #[cfg(test)]

@@ -1,9 +1,9 @@
 //! From a validated checkpoint to running parts: tables and layers.
 //!
-//! [`Checkpoint::open_table`] serves a site's table resident, mapped, shared
-//! or behind the row cache, wrapped in a [`FoldedTable`] when the table is
-//! cut; LongCat's sub-tables are each served (and folded) alone and joined
-//! by a [`ConcatTable`];
+//! [`Checkpoint::table_spec`] describes a site's table for the storage
+//! layer (its shards, cut and relaid as the checkpoint says; LongCat's
+//! sub-tables as parts of their own), and [`Checkpoint::open_table`]
+//! serves it through [`metrale_storage::open`];
 //! [`Checkpoint::build_layer`] builds the site's [`PleLayer`] over it,
 //! [`Checkpoint::build_layer_sharded`] a tensor-parallel rank's.
 //!
@@ -18,17 +18,11 @@ use std::sync::Arc;
 
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::{PleLayer, Shard};
-use metrale_storage::StorageError;
-use metrale_storage::cached::{CacheConfig, CachedTable};
-use metrale_storage::layout::TableFiles;
-use metrale_storage::mapped::MappedTable;
-use metrale_storage::resident::ResidentTable;
-use metrale_storage::shared::SharedTable;
+use metrale_storage::cached::CacheConfig;
 use metrale_storage::table::RowTable;
+use metrale_storage::{TablePart, TableSpec};
 
-use crate::concat::ConcatTable;
 use crate::error::{CheckpointError, Result};
-use crate::fold::FoldedTable;
 use crate::load::Checkpoint;
 
 /// How a site's table rows are served: the one mode enum, defined by the
@@ -45,35 +39,7 @@ impl Checkpoint {
         mode: TableMode,
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
-        if !self.sites[site].table.sub_tables.is_empty() {
-            return self.open_sub_tables(site, mode, None, gpu);
-        }
-        let layer = self.sites[site].layer;
-        let err = |what| {
-            move |source: StorageError| CheckpointError::Table {
-                layer,
-                what,
-                source: Box::new(source),
-            }
-        };
-        let inner: Arc<dyn RowTable> = match mode {
-            TableMode::Resident => Arc::new(
-                ResidentTable::load(&self.table_files(site)?, gpu)
-                    .map_err(err("loading the resident table"))?,
-            ),
-            TableMode::Mapped => Arc::new(
-                MappedTable::open(&self.table_files(site)?, gpu)
-                    .map_err(err("mapping the table"))?,
-            ),
-            TableMode::Shared => Arc::new(
-                SharedTable::open(&self.table_files(site)?, gpu)
-                    .map_err(err("attaching the shared table"))?,
-            ),
-            TableMode::Cached => {
-                return self.open_cached_table(site, CacheConfig::default(), gpu);
-            }
-        };
-        self.fold(site, inner)
+        self.serve_table(site, mode, CacheConfig::default(), gpu)
     }
 
     /// Serve site `site`'s table behind a row cache configured by `cfg`
@@ -84,80 +50,33 @@ impl Checkpoint {
         cfg: CacheConfig,
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
-        if !self.sites[site].table.sub_tables.is_empty() {
-            return self.open_sub_tables(site, TableMode::Cached, Some(cfg), gpu);
-        }
-        let files = self.table_files(site)?;
-        let table = CachedTable::open(files, gpu, cfg).map_err(|e| CheckpointError::Table {
-            layer: self.sites[site].layer,
-            what: "opening the row cache",
-            source: Box::new(e),
-        })?;
-        self.fold(site, Arc::new(table))
+        self.serve_table(site, TableMode::Cached, cfg, gpu)
     }
 
-    /// LongCat's sub-tables, each served in `mode` (a cached one gets an
-    /// equal share of `cfg`'s slots) and folded on its own when cut, as one
-    /// [`ConcatTable`].
-    fn open_sub_tables(
+    /// Serve site `site`'s table in `mode`; `cache` configures the row
+    /// cache and is used only by [`TableMode::Cached`].
+    pub fn serve_table(
         &self,
         site: usize,
         mode: TableMode,
-        cfg: Option<CacheConfig>,
+        cache: CacheConfig,
         gpu: Arc<dyn GpuBackend>,
     ) -> Result<Arc<dyn RowTable>> {
-        let s = &self.sites[site];
-        let err = |what| {
-            move |source: StorageError| CheckpointError::Table {
-                layer: s.layer,
-                what,
-                source: Box::new(source),
-            }
-        };
-        let n = s.table.sub_tables.len();
-        let mut parts: Vec<Arc<dyn RowTable>> = Vec::with_capacity(n);
-        for (i, sub) in s.table.sub_tables.iter().enumerate() {
-            let files = TableFiles::open(&s.table.shards[i..=i], Some(sub.stored_rows))
-                .map_err(err("opening a sub-table"))?;
-            let inner: Arc<dyn RowTable> = match mode {
-                TableMode::Resident => Arc::new(
-                    ResidentTable::load(&files, gpu.clone())
-                        .map_err(err("loading a resident sub-table"))?,
-                ),
-                TableMode::Mapped => Arc::new(
-                    MappedTable::open(&files, gpu.clone()).map_err(err("mapping a sub-table"))?,
-                ),
-                TableMode::Shared => Arc::new(
-                    SharedTable::open(&files, gpu.clone())
-                        .map_err(err("attaching a shared sub-table"))?,
-                ),
-                TableMode::Cached => {
-                    let mut c = cfg.clone().unwrap_or_default();
-                    c.slots = (c.slots / n).max(2);
-                    c.max_resolve /= n;
-                    Arc::new(
-                        CachedTable::open(files, gpu.clone(), c)
-                            .map_err(err("opening a sub-table's row cache"))?,
-                    )
-                }
-            };
-            parts.push(if sub.stored_rows < sub.logical_rows {
-                Arc::new(
-                    FoldedTable::new(inner, sub.logical_rows)
-                        .map_err(err("folding a sub-table"))?,
-                )
-            } else {
-                inner
-            });
-        }
-        Ok(Arc::new(
-            ConcatTable::new(parts, gpu).map_err(err("concatenating the sub-tables"))?,
-        ))
+        self.open_spec(site, &self.table_spec(site, mode, cache)?, gpu)
     }
 
-    /// Site `site`'s validated shards, opened. A table stored as released
-    /// (opened for its conversion only) is refused as the loader refuses it.
-    fn table_files(&self, site: usize) -> Result<TableFiles> {
+    /// Site `site`'s table as the storage layer opens it, served in `mode`
+    /// with `cache` (for [`TableMode::Cached`]): one part of the table's
+    /// shards, cut to the padded id range when folded and relaid when the
+    /// checkpoint has a row remap, or LongCat's sub-tables each a part,
+    /// folded on its own when cut. A table stored as released (opened for
+    /// its conversion only) is refused as the loader refuses it.
+    pub fn table_spec(
+        &self,
+        site: usize,
+        mode: TableMode,
+        cache: CacheConfig,
+    ) -> Result<TableSpec> {
         let s = &self.sites[site];
         if let Some(r) = &s.table.release {
             return Err(CheckpointError::ReleasedTable {
@@ -166,29 +85,43 @@ impl Checkpoint {
                 scale: r.scale.clone(),
             });
         }
-        TableFiles::open(&s.table.shards, Some(s.table.stored_rows)).map_err(|e| {
-            CheckpointError::Table {
-                layer: s.layer,
-                what: "opening the table shards",
-                source: Box::new(e),
-            }
-        })
+        let parts = if s.table.sub_tables.is_empty() {
+            vec![TablePart {
+                shards: s.table.shards.clone(),
+                stored_rows: s.table.stored_rows,
+                logical_rows: match s.table.fold_rows {
+                    Some(_) => s.padded_rows,
+                    None => s.table.stored_rows,
+                },
+                remap: crate::remap::site_remap(self, site)?,
+            }]
+        } else {
+            s.table
+                .sub_tables
+                .iter()
+                .zip(&s.table.shards)
+                .map(|(sub, shard)| TablePart {
+                    shards: vec![shard.clone()],
+                    stored_rows: sub.stored_rows,
+                    logical_rows: sub.logical_rows,
+                    remap: None,
+                })
+                .collect()
+        };
+        Ok(TableSpec { parts, mode, cache })
     }
 
-    /// Present a cut table at the full padded size.
-    fn fold(&self, site: usize, inner: Arc<dyn RowTable>) -> Result<Arc<dyn RowTable>> {
-        // The remap sits beneath any folding: ids are folded, then remapped.
-        let inner = crate::remap::remap_site(self, site, inner)?;
-        let s = &self.sites[site];
-        Ok(match s.table.fold_rows {
-            Some(_) => Arc::new(FoldedTable::new(inner, s.padded_rows).map_err(|e| {
-                CheckpointError::Table {
-                    layer: s.layer,
-                    what: "folding the table",
-                    source: Box::new(e),
-                }
-            })?),
-            None => inner,
+    /// Serve `spec`, a description of site `site`'s table.
+    fn open_spec(
+        &self,
+        site: usize,
+        spec: &TableSpec,
+        gpu: Arc<dyn GpuBackend>,
+    ) -> Result<Arc<dyn RowTable>> {
+        metrale_storage::open(spec, gpu).map_err(|e| CheckpointError::Table {
+            layer: self.sites[site].layer,
+            what: "opening the table",
+            source: Box::new(e),
         })
     }
 

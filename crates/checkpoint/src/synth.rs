@@ -25,6 +25,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use crate::names::scale_name;
 use metrale_model_layers::layers::ple::ids::DerivedPleIds;
 use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec};
 use metrale_storage::StorageError;
@@ -32,7 +33,6 @@ use metrale_storage::dtype::{
     FP8_BLOCK, f32_to_bf16, f32_to_fp8_e4m3, fp8_block_row_bytes, quantize_fp8_block_row,
     ue8m0_block_scale, ue8m0_to_f32,
 };
-use metrale_storage::layout::scale_name;
 use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 use metrale_storage::splitmix::SplitMix64;
 

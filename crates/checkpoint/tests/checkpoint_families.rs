@@ -76,7 +76,7 @@ fn the_engram_demo_checkpoint_has_the_demo_names_and_keys() {
         assert_eq!(s.table.stored_rows, 4096);
         assert_eq!(s.table.fold_rows, Some(4096));
         assert_eq!(
-            s.table.shards[0].1,
+            s.table.shards[0].weight,
             EngramDemoNames::new(s.layer).table(),
             "site {}",
             s.index
@@ -107,7 +107,7 @@ fn the_longcat_checkpoint_has_twelve_sub_tables() {
     for (i, sub) in s.table.sub_tables.iter().enumerate() {
         assert_eq!(sub.stored_rows, 84);
         assert_eq!(sub.logical_rows, 78 * 131_072 + 2 * i as u64 + 1);
-        assert_eq!(s.table.shards[i].1, n.sub_table(i));
+        assert_eq!(s.table.shards[i].weight, n.sub_table(i));
     }
     assert_eq!(s.weights.value_proj.len(), 3072 * 3072);
     assert!(s.weights.key_proj.is_empty() && s.weights.conv1d.is_empty());
@@ -401,7 +401,7 @@ fn longcat_2_0_names_load_as_the_same_model() {
     let (a, b) = (&flash.sites[0], &oe.sites[0]);
     assert_eq!(a.weights.value_proj, b.weights.value_proj);
     assert_eq!(a.table.sub_tables, b.table.sub_tables);
-    assert_eq!(b.table.shards[4].1, "model.oe_embed_tokens4.weight");
+    assert_eq!(b.table.shards[4].weight, "model.oe_embed_tokens4.weight");
     assert_eq!(a.spec.dims, b.spec.dims);
 }
 

@@ -33,7 +33,7 @@ use metrale_gpu_runtime::gpu::{
 };
 use metrale_model_layers::layers::ple::PleLayer;
 use metrale_storage::cached::{CacheConfig, CachedTable};
-use metrale_testkit::hooked::HookedTable;
+use metrale_testkit::hooked::hooked;
 use metrale_testkit::rows::rows_for;
 use metrale_testkit::tiny::{TinySpec, tiny_site_files};
 
@@ -322,7 +322,7 @@ fn engine(gpu: &Arc<dyn GpuBackend>, dir: &Path, log: &Arc<Log>) -> Engine<PleSi
         // Each resolve (the host side of a prestage) logged as `resolve
         // <site>`.
         let logged = log.clone();
-        let table = Arc::new(HookedTable::new(cached, move |_| {
+        let table = Arc::new(hooked(cached, move |_| {
             logged.push(format!("resolve {site}"))
         }));
         let layer = PleLayer::new(&spec, weights, table, MAX_TOKENS, gpu.as_ref()).unwrap();

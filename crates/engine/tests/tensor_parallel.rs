@@ -242,7 +242,7 @@ fn tensor_parallel_ranks_read_a_share_of_the_table_bytes() {
         std::fs::create_dir_all(&sub).unwrap();
         let files = write_bf16_shards(&sub, "t", 0, &bits, width, 1).unwrap();
         let table =
-            metrale_storage::open_table(files, gpu.clone(), TableMode::Cached, cache.clone())
+            metrale_storage::open_files(files, gpu.clone(), TableMode::Cached, cache.clone())
                 .unwrap();
         let layer = match shard {
             Some(s) => PleLayer::new_sharded(&site, weights, table, MAX_TOKENS, gpu.as_ref(), s),
@@ -292,7 +292,9 @@ fn tensor_parallel_ranks_read_a_share_of_the_table_bytes() {
 fn tensor_parallel_splits_that_do_not_divide_are_refused_by_name() {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let (site, weights, table) = tiny_weights(&Model::tiny(), 0, SEED);
-    let whole = metrale_testkit::tiny::TinyTable::new(gpu.clone(), &table, 16).unwrap();
+    let whole = Arc::new(
+        metrale_storage::resident::ResidentTable::from_bf16(gpu.clone(), &table, 16).unwrap(),
+    );
     // 16 values over 3 ranks.
     let group = InProcessGroup::ranks(3);
     let e = PleLayer::new_sharded(

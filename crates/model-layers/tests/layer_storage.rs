@@ -20,7 +20,7 @@ use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::resident::ResidentTable;
 use metrale_storage::table::RowTable;
-use metrale_testkit::hooked::HookedTable;
+use metrale_testkit::hooked::hooked_waiting;
 use metrale_testkit::shards::write_bf16_shards;
 
 /// Prefill three sequences, decode them in batches (eager and captured),
@@ -249,12 +249,9 @@ fn the_pipelined_gather_gives_the_plain_one_bits() {
     let want = scenario(&small, test_table.clone(), g);
     let resolves = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&resolves);
-    let waiting: Arc<dyn RowTable> = Arc::new(
-        HookedTable::new(test_table.clone(), move |_| {
-            counted.fetch_add(1, Ordering::Relaxed);
-        })
-        .always_waiting(),
-    );
+    let waiting: Arc<dyn RowTable> = Arc::new(hooked_waiting(test_table.clone(), move |_| {
+        counted.fetch_add(1, Ordering::Relaxed);
+    }));
     assert!(
         scenario(&small, Arc::clone(&waiting), g) == want,
         "the pipelined gather differs"
@@ -286,4 +283,23 @@ fn the_pipelined_gather_gives_the_plain_one_bits() {
     cached.check_invariants().unwrap();
     drop(cached);
     assert_no_leaks(g, start);
+}
+
+/// The layer tests' own pin-counting table conforms to the RowTable suite.
+#[test]
+fn the_test_table_conforms() {
+    let head_dim = 8usize;
+    let bits =
+        move |id: u64| -> Vec<u16> { (0..head_dim as u64).map(|j| (id * 97 + j) as u16).collect() };
+    let all: Vec<u16> = (0..50u64).flat_map(bits).collect();
+    metrale_table_conformance::assert_conforms("the layer tests' TestTable", &|| {
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let table = TestTable::new(gpu.as_ref(), &all, head_dim, 16).unwrap();
+        metrale_table_conformance::Subject {
+            table,
+            gpu,
+            row: Box::new(move |id| bits(id).iter().flat_map(|b| b.to_le_bytes()).collect()),
+            fault: None,
+        }
+    });
 }

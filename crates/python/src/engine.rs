@@ -85,15 +85,11 @@ pub(crate) fn build(ck: &CkInner, s: &Setup) -> anyhow::Result<(Inner, Facts)> {
     };
     let mut sites = Vec::with_capacity(ck.sites.len());
     for i in 0..ck.sites.len() {
-        let table = match s.mode {
-            TableMode::Cached => {
-                let mut cfg = CacheConfig::new(s.slots);
-                cfg.remote = remote.clone();
-                cfg.remote_fallback = s.remote.as_ref().is_some_and(|r| r.fallback);
-                ck.open_cached_table(i, cfg, gpu.clone())?
-            }
-            m => ck.open_table(i, m, gpu.clone())?,
-        };
+        // The cache settings count only for a cached table.
+        let mut cfg = CacheConfig::new(s.slots);
+        cfg.remote = remote.clone();
+        cfg.remote_fallback = s.remote.as_ref().is_some_and(|r| r.fallback);
+        let table = ck.serve_table(i, s.mode, cfg, gpu.clone())?;
         let layer = ck.build_layer(i, table, s.max_tokens, gpu.as_ref())?;
         sites.push(PleSite::new(layer));
     }

@@ -36,7 +36,7 @@ use metrale_storage::table::RowTable;
 
 use crate::args::{self, Width, f32_bytes, f32_bytes_mut};
 use crate::error::{py_err, value_error};
-use crate::memtable::MemTable;
+use metrale_storage::resident::ResidentTable;
 
 /// The layer and the device buffer highway rows pass through.
 pub(crate) struct Core {
@@ -236,12 +236,7 @@ impl Layer {
         }
         py.detach(|| -> anyhow::Result<Layer> {
             let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-            let table = match mode {
-                TableMode::Cached => {
-                    ck.open_cached_table(site, CacheConfig::new(slots), gpu.clone())?
-                }
-                m => ck.open_table(site, m, gpu.clone())?,
-            };
+            let table = ck.serve_table(site, mode, CacheConfig::new(slots), gpu.clone())?;
             let s = &ck.sites[site];
             Layer::build(
                 gpu,
@@ -388,7 +383,7 @@ impl Layer {
         py.detach(|| -> anyhow::Result<Layer> {
             spec.validate()?;
             let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-            let t = MemTable::new(gpu.clone(), &table_bits, head_dim)?;
+            let t = ResidentTable::from_bf16(gpu.clone(), &table_bits, head_dim)?;
             Layer::build(gpu, &spec, weights, Arc::new(t), max_tokens, vocab_size)
         })
         .map_err(py_err)

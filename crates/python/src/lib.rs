@@ -27,7 +27,6 @@ mod engine;
 mod error;
 mod ids;
 mod layer;
-mod memtable;
 mod server;
 mod timing;
 

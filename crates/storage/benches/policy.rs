@@ -203,7 +203,7 @@ fn pack_one(dir: &std::path::Path, gpu: &Arc<dyn GpuBackend>, head_dim: usize) -
     for (what, aware) in [("granule-aware", true), ("dense", false)] {
         let path = sub.join(format!("packed-{what}.safetensors"));
         std::fs::copy(&src.shards[0].path, &path)?;
-        let dst = TableFiles::open(&[(path, src.shards[0].tensor.clone())], Some(rows))?;
+        let dst = TableFiles::open(&[src.shards[0].source_in(path)], Some(rows))?;
         let fits = fits_granule(&dst, granule);
         let order = if aware {
             hot_order(rows, &counts, &fits)

@@ -28,7 +28,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::cached::{CacheConfig, CachedTable};
 use crate::io::{AlignedBuf, PAGE, PageReader, ReadReq, ShardFile, default_reader, pread_full};
-use crate::layout::TableFiles;
+use crate::layout::{ShardSource, TableFiles};
 use crate::resident::ResidentTable;
 use crate::safetensors::{Dtype, TensorSpec, Writer};
 use crate::table::{Lease, RowRef, RowTable, TableStats};
@@ -60,7 +60,7 @@ pub fn write_table(
             left -= n;
         }
         w.finish()?;
-        list.push((p, name));
+        list.push(ShardSource::new(p, name, None));
     }
     Ok(TableFiles::open(&list, None)?)
 }

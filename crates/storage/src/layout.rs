@@ -1,12 +1,13 @@
 //! Where each table row lives on disk: the shard opener.
 //!
-//! The checkpoint stores the table as shards `...ngram_embedding.shard_{i}.weight`
-//! of shape `[rows_per_shard, head_dim]`, all equal, either BF16 or FP8 E4M3
-//! (`F8_E4M3`, or `U8` holding E4M3 bytes). FP8 shards carry a companion
-//! `...shard_{i}.scale` tensor `[rows_per_shard]` F32 in the same file. A
-//! `U8` shard without that companion whose width is `33 * d / 32` holds
-//! block-scaled FP8 rows of `d` values, their UE8M0 scales inline
-//! ([`RowDType::Fp8E4M3Block32`]).
+//! A table is stored as shards: 2-D tensors `[rows_per_shard, head_dim]`,
+//! all equal, either BF16, F32 or FP8 E4M3 (`F8_E4M3`, or `U8` holding
+//! E4M3 bytes), each named by the caller with its file ([`ShardSource`]):
+//! this crate spells no tensor name, the checkpoint's names module does.
+//! FP8 shards carry the companion tensor the source names as its scale,
+//! `[rows_per_shard]` F32 in the same file. A `U8` shard without that
+//! companion whose width is `33 * d / 32` holds block-scaled FP8 rows of
+//! `d` values, their UE8M0 scales inline ([`RowDType::Fp8E4M3Block32`]).
 //! Row id `r` lives in shard `r / rows_per_shard` at row `r % rows_per_shard`.
 //!
 //! A shard may store its rows padded (`table pack --pad-rows`): the tensor
@@ -32,7 +33,7 @@
 //! - `row_stride >= info.row_bytes()`, equal unless the shards declare
 //!   padded rows, and every shard has the same stride.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::error::{Result, StorageError};
 use crate::safetensors::{Dtype, Header};
@@ -45,6 +46,8 @@ pub struct Shard {
     pub path: PathBuf,
     /// The weight tensor's name.
     pub tensor: String,
+    /// The scale tensor's name as the shard was opened with it.
+    pub scale: Option<String>,
     /// Absolute offset of the shard's first row.
     pub data_offset: u64,
     /// Absolute offset of the shard's first f32 scale (FP8 only).
@@ -54,6 +57,37 @@ pub struct Shard {
     /// Rows this shard holds: [`TableFiles::rows_per_shard`], or fewer for
     /// the last shard of a table cut as `torch.chunk` cuts it.
     pub rows: u64,
+}
+
+/// One stored shard as its caller names it: the file, the weight tensor
+/// and the tensor that would hold its per-row FP8 scales.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ShardSource {
+    /// The safetensors file.
+    pub path: PathBuf,
+    /// The weight tensor's name.
+    pub weight: String,
+    /// The name of its companion scale tensor, looked for in the same
+    /// file; `None` when the shard can have none.
+    pub scale: Option<String>,
+}
+
+impl ShardSource {
+    /// The shard `weight` in `path`, its scales (if any) in `scale`.
+    pub fn new(path: impl Into<PathBuf>, weight: impl Into<String>, scale: Option<String>) -> Self {
+        ShardSource {
+            path: path.into(),
+            weight: weight.into(),
+            scale,
+        }
+    }
+}
+
+impl Shard {
+    /// This shard's tensors in another file (a copy of it).
+    pub fn source_in(&self, path: impl Into<PathBuf>) -> ShardSource {
+        ShardSource::new(path, self.tensor.clone(), self.scale.clone())
+    }
 }
 
 /// Where one row is.
@@ -124,18 +158,10 @@ pub fn padded_stride(row_bytes: u64, granule: u64) -> u64 {
     }
 }
 
-/// The scale tensor that goes with weight tensor `name`.
-pub fn scale_name(name: &str) -> String {
-    match name.strip_suffix(".weight") {
-        Some(stem) => format!("{stem}.scale"),
-        None => format!("{name}.scale"),
-    }
-}
-
 impl TableFiles {
-    /// Open the shards `(file, weight tensor name)`, in id order, checking
-    /// equal shapes and, when given, the total row count.
-    pub fn open(shards: &[(PathBuf, String)], expected_rows: Option<u64>) -> Result<TableFiles> {
+    /// Open the shards, in id order, checking equal shapes and, when
+    /// given, the total row count.
+    pub fn open(shards: &[ShardSource], expected_rows: Option<u64>) -> Result<TableFiles> {
         if shards.is_empty() {
             return Err(StorageError::layout(
                 None,
@@ -145,11 +171,13 @@ impl TableFiles {
         }
         let mut out = Vec::with_capacity(shards.len());
         let mut geom: Option<(u64, u64, RowDType, u64, String)> = None;
-        for (i, (path, name)) in shards.iter().enumerate() {
+        for (i, src) in shards.iter().enumerate() {
+            let (path, name) = (&src.path, &src.weight);
             let h = Header::read(path)?;
             let p = path.display();
             let err = |m: String| StorageError::layout(Some(path.clone()), Some(i), m);
             let t = h.get(name)?;
+            let scale = src.scale.as_deref().and_then(|sn| h.tensor(sn));
             if t.shape.len() != 2 {
                 return Err(err(format!(
                     "{p}: shard {i} tensor '{name}': shape {:?} is not [rows_per_shard, head_dim]",
@@ -165,9 +193,7 @@ impl TableFiles {
                 // Bytes with no per-row scale beside them, `33 * d / 32`
                 // wide: FP8 rows of `d` values with their UE8M0 block scales
                 // inline (DeepSeek-V4.1's table).
-                Dtype::U8
-                    if h.tensor(&scale_name(name)).is_none() && width > 0 && width % block == 0 =>
-                {
+                Dtype::U8 if scale.is_none() && width > 0 && width % block == 0 => {
                     RowDType::Fp8E4M3Block32
                 }
                 Dtype::F8E4M3 | Dtype::U8 => RowDType::Fp8E4M3,
@@ -200,8 +226,8 @@ impl TableFiles {
                 }
             }
             let scale_offset = if dtype == RowDType::Fp8E4M3 {
-                let sn = scale_name(name);
-                let s = h.tensor(&sn).ok_or_else(|| {
+                let sn = src.scale.as_deref().unwrap_or("(none named)");
+                let s = scale.ok_or_else(|| {
                     err(format!(
                         "{p}: FP8 shard {i} tensor '{name}' has no companion scale tensor '{sn}'"
                     ))
@@ -220,6 +246,7 @@ impl TableFiles {
             out.push(Shard {
                 path: path.clone(),
                 tensor: name.clone(),
+                scale: src.scale.clone(),
                 data_offset: t.offset,
                 scale_offset,
                 file_len: h.file_len,
@@ -259,11 +286,11 @@ impl TableFiles {
         };
         if row_stride < info.row_bytes() as u64 {
             return Err(StorageError::layout(
-                Some(shards[0].0.clone()),
+                Some(shards[0].path.clone()),
                 Some(0),
                 format!(
                     "tensor '{}': rows of {} bytes cannot sit {row_stride} bytes apart",
-                    shards[0].1,
+                    shards[0].weight,
                     info.row_bytes()
                 ),
             ));
@@ -274,43 +301,6 @@ impl TableFiles {
             row_stride,
             shards: out,
         })
-    }
-
-    /// Find the shards `...ngram_embedding.shard_{i}.weight` among `files`
-    /// (reading headers only) and open them in index order. Every index
-    /// from 0 to the largest must be present exactly once.
-    pub fn discover(files: &[impl AsRef<Path>], expected_rows: Option<u64>) -> Result<TableFiles> {
-        let mut found: Vec<(u64, PathBuf, String)> = Vec::new();
-        for f in files {
-            let h = Header::read(f.as_ref())?;
-            for t in &h.tensors {
-                if let Some(i) = shard_index(&t.name) {
-                    found.push((i, f.as_ref().to_path_buf(), t.name.clone()));
-                }
-            }
-        }
-        if found.is_empty() {
-            return Err(StorageError::layout(
-                None,
-                None,
-                "no '...ngram_embedding.shard_{i}.weight' tensor in the given files",
-            ));
-        }
-        found.sort();
-        for (k, (i, p, n)) in found.iter().enumerate() {
-            if *i != k as u64 {
-                return Err(StorageError::layout(
-                    Some(p.clone()),
-                    Some(k),
-                    format!(
-                        "table shard {k} is missing or duplicated (found shard {i}: '{n}' in {})",
-                        p.display()
-                    ),
-                ));
-            }
-        }
-        let list: Vec<(PathBuf, String)> = found.into_iter().map(|(_, p, n)| (p, n)).collect();
-        Self::open(&list, expected_rows)
     }
 
     /// Where row `id` lives, or an error naming the id and the table size.
@@ -343,17 +333,11 @@ pub fn check_row(id: u64, rows: u64) -> Result<()> {
     Ok(())
 }
 
-/// The `i` of a tensor named `...ngram_embedding.shard_{i}.weight`.
-pub fn shard_index(name: &str) -> Option<u64> {
-    let stem = name.strip_suffix(".weight")?;
-    let pos = stem.rfind("ngram_embedding.shard_")?;
-    stem[pos + "ngram_embedding.shard_".len()..].parse().ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::safetensors::{TensorSpec, write_file};
+    use std::path::Path;
 
     #[test]
     fn padded_strides_keep_rows_in_the_fewest_granules() {
@@ -378,9 +362,9 @@ mod tests {
         }
     }
 
-    fn bf16_shard(dir: &Path, i: usize, rows: u64, dim: u64) -> (PathBuf, String) {
+    fn bf16_shard(dir: &Path, i: usize, rows: u64, dim: u64) -> ShardSource {
         let p = dir.join(format!("s{i}.safetensors"));
-        let name = format!("model.layers.1.ple.ngram_embedding.shard_{i}.weight");
+        let name = format!("rows.{i}.weight");
         let data = vec![i as u8; (rows * dim * 2) as usize];
         write_file(
             &p,
@@ -388,7 +372,7 @@ mod tests {
             8,
         )
         .unwrap();
-        (p, name)
+        ShardSource::new(p, name, None)
     }
 
     #[test]
@@ -411,8 +395,6 @@ mod tests {
         assert!(e.contains("30") && e.contains("30 rows"), "{e}");
         let e = TableFiles::open(&shards, Some(31)).unwrap_err().to_string();
         assert!(e.contains("expected 31"), "{e}");
-        let t2 = TableFiles::discover(&[&shards[1].0, &shards[0].0, &shards[2].0], None).unwrap();
-        assert_eq!(t2.shards, t.shards);
     }
 
     #[test]
@@ -425,49 +407,37 @@ mod tests {
             .to_string();
         assert!(e.contains("shard 1") && e.contains("[11, 4]"), "{e}");
         let p = d.path().join("f.safetensors");
-        let name = "x.ngram_embedding.shard_0.weight";
+        let name = "x.weight";
         write_file(
             &p,
             &[(TensorSpec::new(name, Dtype::F8E4M3, &[2, 4]), &[0u8; 8])],
             8,
         )
         .unwrap();
-        let e = TableFiles::open(&[(p.clone(), name.into())], None)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("x.ngram_embedding.shard_0.scale"), "{e}");
-        let gap = bf16_shard(d.path(), 2, 10, 4);
-        let e = TableFiles::discover(&[&a.0, &gap.0], None)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("shard 1 is missing"), "{e}");
+        let src = ShardSource::new(p, name, Some("x.scale".into()));
+        let e = TableFiles::open(&[src], None).unwrap_err().to_string();
+        assert!(e.contains("x.scale"), "{e}");
     }
 
     #[test]
     fn fp8_shard_with_scale() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("f.safetensors");
-        let name = "x.ngram_embedding.shard_0.weight";
+        let name = "x.weight";
         let scales: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|f| f.to_le_bytes()).collect();
         write_file(
             &p,
             &[
                 (TensorSpec::new(name, Dtype::F8E4M3, &[2, 4]), &[0u8; 8]),
-                (TensorSpec::new(scale_name(name), Dtype::F32, &[2]), &scales),
+                (TensorSpec::new("x.scale", Dtype::F32, &[2]), &scales),
             ],
             8,
         )
         .unwrap();
-        let t = TableFiles::open(&[(p, name.into())], None).unwrap();
+        let t =
+            TableFiles::open(&[ShardSource::new(p, name, Some("x.scale".into()))], None).unwrap();
         assert_eq!(t.info.dtype, RowDType::Fp8E4M3);
         let l = t.locate(1).unwrap();
         assert_eq!(l.scale_offset, Some(t.shards[0].scale_offset.unwrap() + 4));
-    }
-
-    #[test]
-    fn shard_names_parse() {
-        assert_eq!(shard_index("a.ngram_embedding.shard_12.weight"), Some(12));
-        assert_eq!(shard_index("a.ngram_embedding.shard_12.scale"), None);
-        assert_eq!(shard_index("a.key_proj.weight"), None);
     }
 }

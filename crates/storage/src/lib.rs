@@ -11,9 +11,12 @@
 //! arena in host-mapped memory filled by O_DIRECT reads through [`io`]) and
 //! [`shared::SharedTable`] (the rows copied once per host into named
 //! shared-memory segments every process maps).
-//! [`open_table`] opens any of them, as a [`TableMode`] says. Every
-//! fallible call returns [`StorageError`]. [`parts`] splits batches larger than a
-//! table's `max_resolve`; [`pack`] aligns a shard's data section to 4 KiB;
+//! [`spec`] describes a table (its parts, their id mapping, the mode and
+//! the cache) and [`open`] serves any description: the one place a
+//! [`TableMode`] picks a table. [`idmap`] serves a table under other ids
+//! (folded when cut, remapped when relaid) and [`concat`] several tables
+//! as one. Every fallible call returns [`StorageError`]. [`parts`] splits
+//! batches larger than a table's `max_resolve`; [`pack`] aligns a shard's data section to 4 KiB;
 //! [`relay`] rewrites a table's rows in a new order (hot rows together).
 //! [`remote`] is the remote row tier a row cache can read its misses from
 //! instead of the shard files (rows on Redis-protocol servers), and
@@ -24,9 +27,11 @@
 #[cfg(feature = "bench")]
 pub mod bench;
 pub mod cached;
+pub mod concat;
 pub mod digest;
 pub mod dtype;
 pub mod error;
+pub mod idmap;
 pub mod io;
 pub mod layout;
 pub mod mapped;
@@ -38,31 +43,12 @@ pub mod remote;
 pub mod resident;
 pub mod safetensors;
 pub mod shared;
+pub mod spec;
 pub mod splitmix;
 pub mod table;
 #[cfg(feature = "bench")]
 pub mod zipf;
 
-use std::sync::Arc;
-
-use metrale_gpu_runtime::gpu::GpuBackend;
-
 pub use error::{RemoteFault, Result, StorageError};
 pub use mode::TableMode;
-
-/// Open the table stored in `files`, serving its rows as `mode` says;
-/// `cache` configures the row cache and is used only by
-/// [`TableMode::Cached`].
-pub fn open_table(
-    files: layout::TableFiles,
-    gpu: Arc<dyn GpuBackend>,
-    mode: TableMode,
-    cache: cached::CacheConfig,
-) -> Result<Arc<dyn table::RowTable>> {
-    Ok(match mode {
-        TableMode::Resident => Arc::new(resident::ResidentTable::load(&files, gpu)?),
-        TableMode::Mapped => Arc::new(mapped::MappedTable::open(&files, gpu)?),
-        TableMode::Cached => Arc::new(cached::CachedTable::open(files, gpu, cache)?),
-        TableMode::Shared => Arc::new(shared::SharedTable::open(&files, gpu)?),
-    })
-}
+pub use spec::{TablePart, TableSpec, open, open_files};

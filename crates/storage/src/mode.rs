@@ -10,7 +10,7 @@ use std::str::FromStr;
 
 use crate::error::StorageError;
 
-/// How a table's rows are served (see [`crate::open_table`]).
+/// How a table's rows are served (see [`crate::open`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TableMode {
     /// Every row copied to device memory ([`crate::resident::ResidentTable`]).

@@ -229,7 +229,7 @@ fn check_permutation(order: &[u32], rows: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::scale_name;
+    use crate::layout::ShardSource;
     use crate::safetensors::{Dtype, TensorSpec, write_file};
     use std::path::Path;
 
@@ -250,12 +250,12 @@ mod tests {
             let dt = if fp8 { Dtype::F8E4M3 } else { Dtype::BF16 };
             let dim = if fp8 { 4 } else { 2 };
             let mut t = vec![(TensorSpec::new(&name, dt, &[5, dim]), &rows[..])];
-            let sn = scale_name(&name);
+            let sn = format!("x.scale_{i}");
             if fp8 {
                 t.push((TensorSpec::new(&sn, Dtype::F32, &[5]), &scales[..]));
             }
             write_file(&p, &t, if fill { 8 } else { 4096 }).unwrap();
-            list.push((p, name));
+            list.push(ShardSource::new(p, name, Some(sn)));
         }
         TableFiles::open(&list, Some(10)).unwrap()
     }

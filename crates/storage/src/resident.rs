@@ -182,6 +182,56 @@ impl ResidentTable {
         })
     }
 
+    /// A table of the rows in `bytes` (whole rows of `head_dim` values in
+    /// `dtype`, as a shard stores them: BF16 or F32 values, or FP8 values
+    /// with their inline block scales), copied to device memory: rows that
+    /// were never in a file (tests, a layer built from arrays). Not
+    /// [`RowDType::Fp8E4M3`], whose scales are stored apart.
+    pub fn from_rows(
+        gpu: Arc<dyn GpuBackend>,
+        bytes: &[u8],
+        head_dim: usize,
+        dtype: RowDType,
+    ) -> Result<ResidentTable> {
+        if dtype.has_row_scale() || !dtype.fits_head_dim(head_dim) {
+            return Err(StorageError::invalid(format!(
+                "an in-memory table cannot hold rows of {head_dim} {dtype:?} values"
+            )));
+        }
+        let rb = dtype.row_bytes(head_dim);
+        if bytes.is_empty() || !bytes.len().is_multiple_of(rb) {
+            return Err(StorageError::invalid(format!(
+                "{} bytes are not a positive whole number of rows of {rb}",
+                bytes.len()
+            )));
+        }
+        let data = gpu.alloc(bytes.len(), "ple resident table")?;
+        if let Err(e) = gpu.copy_h2d(bytes, data) {
+            let _ = gpu.free(data);
+            return Err(e.into());
+        }
+        Ok(ResidentTable {
+            info: TableInfo {
+                rows: (bytes.len() / rb) as u64,
+                head_dim,
+                dtype,
+            },
+            gpu,
+            data,
+            scales: DevicePtr::NULL,
+        })
+    }
+
+    /// [`Self::from_rows`] of BF16 bit patterns, `head_dim` per row.
+    pub fn from_bf16(
+        gpu: Arc<dyn GpuBackend>,
+        bits: &[u16],
+        head_dim: usize,
+    ) -> Result<ResidentTable> {
+        let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        Self::from_rows(gpu, &bytes, head_dim, RowDType::Bf16)
+    }
+
     /// Device address of row 0 (rows are contiguous).
     pub fn base(&self) -> DevicePtr {
         self.data

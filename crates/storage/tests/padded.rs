@@ -7,11 +7,11 @@ mod common;
 use common::*;
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::io::DioAlign;
-use metrale_storage::layout::{TableFiles, padded_stride, row_width_key};
+use metrale_storage::layout::{ShardSource, TableFiles, padded_stride, row_width_key};
 use metrale_storage::pack::{PaddedTable, pad_rows};
 use metrale_storage::safetensors::{Dtype, Header, TensorSpec, Writer};
 use metrale_storage::table::RowTable;
-use metrale_storage::{TableMode, open_table};
+use metrale_storage::{TableMode, open_files};
 
 /// Pad every shard of `files` for `granule`-byte reads.
 fn padded(files: &TableFiles, granule: u64) -> TableFiles {
@@ -35,7 +35,7 @@ fn padded(files: &TableFiles, granule: u64) -> TableFiles {
                 stride: padded_stride(rb, granule),
             }]
         );
-        list.push((dst, s.tensor.clone()));
+        list.push(s.source_in(dst));
     }
     TableFiles::open(&list, Some(files.info.rows)).unwrap()
 }
@@ -73,7 +73,7 @@ fn every_table_kind_serves_padded_rows_as_the_original() {
         let s = gpu.create_stream().unwrap();
         let ids: Vec<u64> = vec![0, 39, 40, 79, 17, 17, 63];
         for mode in TableMode::ALL {
-            let t = open_table(p.clone(), gpu.clone(), mode, CacheConfig::new(32)).unwrap();
+            let t = open_files(p.clone(), gpu.clone(), mode, CacheConfig::new(32)).unwrap();
             assert_eq!(t.info(), files.info, "{mode:?}");
             gather_and_check(gpu.as_ref(), t.as_ref(), &ids, s);
         }
@@ -154,7 +154,7 @@ fn bad_padding_is_refused_by_name() {
         w.finish().unwrap();
         let m = format!(
             "{:#}",
-            TableFiles::open(&[(p.clone(), name.into())], None).unwrap_err()
+            TableFiles::open(&[ShardSource::new(p.clone(), name, None)], None).unwrap_err()
         );
         assert!(
             m.contains(&row_width_key(name)) && m.contains(bad) && m.contains("bad-"),
@@ -171,7 +171,7 @@ fn relaying_unpads_and_repads() {
     // A padded table relaid into the original layout, and back.
     let plain = d.path().join("plain.safetensors");
     std::fs::copy(&files.shards[0].path, &plain).unwrap();
-    let plain = TableFiles::open(&[(plain, files.shards[0].tensor.clone())], Some(64)).unwrap();
+    let plain = TableFiles::open(&[files.shards[0].source_in(plain)], Some(64)).unwrap();
     let order: Vec<u32> = (0..64).rev().collect();
     metrale_storage::relay::relay_rows(&p, &plain, &order, &mut |_, _| {}).unwrap();
     assert_eq!(plain.row_stride, 320);
@@ -179,12 +179,12 @@ fn relaying_unpads_and_repads() {
     assert_eq!(read_row_at(&plain, 5), row(58, 320));
     let back = d.path().join("back.safetensors");
     std::fs::copy(&p.shards[0].path, &back).unwrap();
-    let back = TableFiles::open(&[(back, p.shards[0].tensor.clone())], Some(64)).unwrap();
+    let back = TableFiles::open(&[p.shards[0].source_in(back)], Some(64)).unwrap();
     metrale_storage::relay::relay_rows(&plain, &back, &order, &mut |_, _| {}).unwrap();
     assert_eq!(back.row_stride, 512);
     let (gpu, _) = backend();
     let s = gpu.create_stream().unwrap();
-    let r = open_table(back, gpu.clone(), TableMode::Resident, CacheConfig::new(8)).unwrap();
+    let r = open_files(back, gpu.clone(), TableMode::Resident, CacheConfig::new(8)).unwrap();
     gather_and_check(gpu.as_ref(), r.as_ref(), &[0, 5, 63], s);
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use common::{backend, gather_and_check, make_table};
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_storage::layout::TableFiles;
+use metrale_storage::layout::{ShardSource, TableFiles};
 use metrale_storage::shared::SharedTable;
 use metrale_storage::table::RowTable;
 
@@ -117,7 +117,7 @@ fn two_processes_hold_one_copy() {
             .split(';')
             .map(|s| {
                 let (p, n) = s.split_once('|').unwrap();
-                (p.into(), n.to_string())
+                ShardSource::new(p, n, None)
             })
             .collect();
         let files = TableFiles::open(&shards, None).unwrap();

@@ -53,7 +53,7 @@ fn tables_open_packed_shards() {
         let dst = s.path.with_extension("packed");
         let rep = pack(&s.path, &dst, &mut |_, _| {}).unwrap();
         assert_eq!(rep.new_data_start % 4096, 0);
-        packed.push((dst, s.tensor.clone()));
+        packed.push(s.source_in(dst));
     }
     let pf = metrale_storage::layout::TableFiles::open(&packed, Some(40)).unwrap();
     let (gpu, _) = backend();
@@ -100,14 +100,14 @@ fn a_truncated_shard_is_refused_at_load() {
 }
 
 #[test]
-fn open_table_opens_every_kind() {
-    use metrale_storage::{TableMode, cached::CacheConfig, open_table};
+fn open_files_opens_every_kind() {
+    use metrale_storage::{TableMode, cached::CacheConfig, open_files};
     let d = tempfile::tempdir().unwrap();
     let files = make_table(d.path(), 2, 30, 160, false, 8);
     let (gpu, _) = backend();
     let s = gpu.create_stream().unwrap();
     for mode in TableMode::ALL {
-        let t = open_table(files.clone(), gpu.clone(), mode, CacheConfig::new(8)).unwrap();
+        let t = open_files(files.clone(), gpu.clone(), mode, CacheConfig::new(8)).unwrap();
         assert_eq!(t.info(), files.info);
         gather_and_check(gpu.as_ref(), t.as_ref(), &[0, 29, 30, 59], s);
     }

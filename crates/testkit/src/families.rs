@@ -17,7 +17,6 @@
 use std::sync::Arc;
 
 use anyhow::Result;
-use metrale_checkpoint::concat::ConcatTable;
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::{Engine, EngineConfig, Site};
 use metrale_gpu_runtime::gpu::GpuBackend;
@@ -26,10 +25,10 @@ use metrale_model_layers::layers::ple::spec::{
     EngramKeys, EngramSpec, LongCatKeys, LongCatSpec, ModelFamily, ModelSpec,
 };
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights, Shard, SiteSpec};
+use metrale_storage::concat::ConcatTable;
 use metrale_storage::dtype::{f32_to_bf16, quantize_fp8_block_row};
+use metrale_storage::resident::ResidentTable;
 use metrale_storage::table::{RowDType, RowTable};
-
-use crate::tiny::TinyTable;
 
 /// A tiny model of one family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -205,12 +204,17 @@ pub fn family_site_of(
     let dtype = family.row_dtype();
     let row_seed = seed ^ 0x7AB1_E000 ^ index as u64;
     let width = site.head_dim / shard.as_ref().map_or(1, |s| s.tp.ranks());
-    let table_of = |bytes: Vec<u8>| -> Result<Arc<TinyTable>> {
+    let table_of = |bytes: Vec<u8>| -> Result<Arc<ResidentTable>> {
         let bytes = match &shard {
             Some(s) => s.tp.shard_rows(&bytes, site.head_dim, dtype)?,
             None => bytes,
         };
-        TinyTable::from_rows(gpu.clone(), &bytes, width, dtype)
+        Ok(Arc::new(ResidentTable::from_rows(
+            gpu.clone(),
+            &bytes,
+            width,
+            dtype,
+        )?))
     };
     let table: Arc<dyn RowTable> = if family == TinyFamily::LongCat {
         let mut parts: Vec<Arc<dyn RowTable>> = Vec::new();

@@ -1,75 +1,64 @@
-//! A row table that forwards every call to another and runs a hook on each
-//! resolve (to count or log them), optionally reporting that every resolve
-//! would wait for reads, so a layer over it takes its pipelined path.
+//! A row table that serves another's rows and runs a hook on each resolve
+//! (to count or log them), optionally reporting that every resolve would
+//! wait for reads, so a layer over it takes its pipelined path.
 //!
 //! Invariant: apart from the hook and that one answer, it behaves exactly
-//! as the table it wraps: rows, leases, limits and counters are the
-//! inner table's.
+//! as the table it wraps: it is a storage [`Decorated`] table, whose rows,
+//! leases, limits and counters are the inner table's.
 
 use std::sync::Arc;
 
-use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend};
-use metrale_storage::Result;
-use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats};
+use metrale_storage::idmap::{Decorated, Decoration};
+use metrale_storage::table::RowTable;
 
 /// What runs on each resolve: the ids asked for.
-type Hook = Box<dyn Fn(&[u64]) + Send + Sync>;
+type HookFn = Box<dyn Fn(&[u64]) + Send + Sync>;
 
-/// [`RowTable`] over `inner`, with a hook on each resolve.
-pub struct HookedTable {
-    inner: Arc<dyn RowTable>,
-    hook: Hook,
+/// The decoration of a [`HookedTable`]: the hook, and whether every
+/// resolve is reported as waiting.
+pub struct Hook {
+    hook: HookFn,
     always_waits: bool,
 }
 
-impl HookedTable {
-    /// Forward to `inner`, calling `hook` with the ids of each resolve
-    /// before it runs.
-    pub fn new(inner: Arc<dyn RowTable>, hook: impl Fn(&[u64]) + Send + Sync + 'static) -> Self {
-        HookedTable {
-            inner,
-            hook: Box::new(hook),
-            always_waits: false,
-        }
+impl Decoration for Hook {
+    fn on_resolve(&self, ids: &[u64]) {
+        (self.hook)(ids)
     }
-
-    /// Report that every resolve would wait for reads
-    /// ([`RowTable::would_wait`]), whatever the inner table holds.
-    pub fn always_waiting(mut self) -> Self {
-        self.always_waits = true;
-        self
+    fn always_waits(&self) -> bool {
+        self.always_waits
     }
 }
 
-impl RowTable for HookedTable {
-    fn info(&self) -> TableInfo {
-        self.inner.info()
-    }
-    fn max_resolve(&self) -> usize {
-        self.inner.max_resolve()
-    }
-    fn max_pinned(&self) -> usize {
-        self.inner.max_pinned()
-    }
-    fn would_wait(&self, ids: &[u64]) -> bool {
-        self.always_waits || self.inner.would_wait(ids)
-    }
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease> {
-        (self.hook)(ids);
-        self.inner.resolve(ids, out)
-    }
-    fn release(
-        &self,
-        lease: Lease,
-        gpu: &dyn GpuBackend,
-        after: Option<EventHandle>,
-    ) -> Result<()> {
-        self.inner.release(lease, gpu, after)
-    }
-    fn prefetch(&self, ids: &[u64]) -> Result<()> {
-        self.inner.prefetch(ids)
-    }
-    fn stats(&self) -> TableStats {
-        self.inner.stats()
-    }
+/// [`RowTable`] over another, with a hook on each resolve.
+pub type HookedTable = Decorated<Hook>;
+
+/// Serve `inner`'s rows, calling `hook` with the ids of each resolve
+/// before it runs.
+pub fn hooked(
+    inner: Arc<dyn RowTable>,
+    hook: impl Fn(&[u64]) + Send + Sync + 'static,
+) -> HookedTable {
+    Decorated::new(
+        inner,
+        Hook {
+            hook: Box::new(hook),
+            always_waits: false,
+        },
+    )
+}
+
+/// [`hooked`], reporting that every resolve would wait for reads
+/// ([`RowTable::would_wait`]), whatever the inner table holds.
+pub fn hooked_waiting(
+    inner: Arc<dyn RowTable>,
+    hook: impl Fn(&[u64]) + Send + Sync + 'static,
+) -> HookedTable {
+    Decorated::new(
+        inner,
+        Hook {
+            hook: Box::new(hook),
+            always_waits: true,
+        },
+    )
 }

@@ -17,7 +17,7 @@
 //!   reshaped) for refusal tests;
 //! - [`hooked_site`]: a site wrapper that shows each call to a test's
 //!   hook, which notes it or fails it;
-//! - [`hooked`]: a row table wrapper that counts or logs resolves;
+//! - [`hooked`]: a row table decoration that counts or logs resolves;
 //! - [`drive`]: the plain sequential reference run and the randomised
 //!   engine driver that checks every output row against it;
 //! - [`same_bits`]: equality of two output slices bit for bit;

@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use anyhow::{Result, ensure};
-use metrale_checkpoint::names::SiteNames;
+use metrale_checkpoint::names::{SiteNames, table_shard};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
 
@@ -54,7 +54,7 @@ pub fn write_bf16_shards(
             )],
             ALIGN,
         )?;
-        list.push((path, name));
+        list.push(table_shard(path, &name));
     }
     Ok(TableFiles::open(&list, Some((per * shards) as u64))?)
 }

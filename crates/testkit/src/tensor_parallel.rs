@@ -19,9 +19,10 @@ use metrale_engine::ple_site::PleSite;
 use metrale_engine::{Engine, EngineConfig, Site};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::{PleLayer, Reduce, ReduceError, Shard, TensorParallel};
+use metrale_storage::resident::ResidentTable;
 use metrale_storage::table::RowDType;
 
-use crate::tiny::{TinySpec, TinyTable, tiny_weights};
+use crate::tiny::{TinySpec, tiny_weights};
 
 /// State shared by the ranks of one group.
 #[derive(Default)]
@@ -175,7 +176,12 @@ pub fn tiny_site_shard(
     let bytes: Vec<u8> = table.iter().flat_map(|b| b.to_le_bytes()).collect();
     let rows = shard.tp.shard_rows(&bytes, spec.head_dim, RowDType::Bf16)?;
     let width = spec.head_dim / shard.tp.ranks();
-    let table = TinyTable::from_rows(gpu.clone(), &rows, width, RowDType::Bf16)?;
+    let table = Arc::new(ResidentTable::from_rows(
+        gpu.clone(),
+        &rows,
+        width,
+        RowDType::Bf16,
+    )?);
     let layer = PleLayer::new_sharded(
         &site_spec,
         weights,

@@ -1,167 +1,26 @@
 //! Tiny real PLE models: random weights, a small device-resident BF16
-//! table, and the engine over them.
+//! table (a [`ResidentTable`] of rows in memory), and the engine over them.
 //!
 //! Everything here is deterministic in its seed. The hash constants follow
 //! docs/SPEC.md §4 (Constant derivation): the production
 //! `derive_multipliers` for a unigram vocabulary of 1000, seed 1234, with
 //! small prime head sizes so the table is a few hundred rows.
-//!
-//! Invariants: [`TinyTable`] never moves a row, so its leases pin nothing;
-//! release events it is handed are destroyed once complete (polled on every
-//! call, waited for on drop), and its device allocation is freed on drop.
 
 use std::path::Path;
 use std::sync::Arc;
 
-use anyhow::{Result, ensure};
-use metrale_checkpoint::names::SiteNames;
+use anyhow::Result;
+use metrale_checkpoint::names::{SiteNames, table_shard};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::{Engine, EngineConfig, Site};
-use metrale_gpu_runtime::GpuError;
-use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend};
+use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ids::{PleIdDims, derive_multipliers, is_prime, splitmix64};
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
-use metrale_storage::StorageError;
 use metrale_storage::dtype::f32_to_bf16;
 use metrale_storage::layout::TableFiles;
-use metrale_storage::table::{
-    Lease, RowDType, RowRef, RowTable, TableInfo, TableStats, check_out_len,
-};
+use metrale_storage::resident::ResidentTable;
 
 use crate::shards::write_bf16_shards;
-
-/// A resident BF16 table in one device allocation.
-pub struct TinyTable {
-    gpu: Arc<dyn GpuBackend>,
-    base: DevicePtr,
-    info: TableInfo,
-    pending: std::sync::Mutex<Vec<EventHandle>>,
-}
-
-impl TinyTable {
-    /// A table of `bits.len() / head_dim` rows of BF16 bit patterns.
-    pub fn new(gpu: Arc<dyn GpuBackend>, bits: &[u16], head_dim: usize) -> Result<Arc<Self>> {
-        ensure!(
-            head_dim > 0 && !bits.is_empty() && bits.len().is_multiple_of(head_dim),
-            "tiny table: {} values do not make whole rows of {head_dim}",
-            bits.len()
-        );
-        let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
-        Self::from_rows(gpu, &bytes, head_dim, RowDType::Bf16)
-    }
-
-    /// A table of whole rows of `head_dim` values in `dtype` (as the table
-    /// stores them: BF16 bytes, or FP8 values with their inline block
-    /// scales; not [`RowDType::Fp8E4M3`], whose scales live apart).
-    pub fn from_rows(
-        gpu: Arc<dyn GpuBackend>,
-        bytes: &[u8],
-        head_dim: usize,
-        dtype: RowDType,
-    ) -> Result<Arc<Self>> {
-        ensure!(
-            !dtype.has_row_scale() && dtype.fits_head_dim(head_dim),
-            "tiny table: rows of {head_dim} {dtype:?} values are not supported"
-        );
-        let rb = dtype.row_bytes(head_dim);
-        ensure!(
-            !bytes.is_empty() && bytes.len().is_multiple_of(rb),
-            "tiny table: {} bytes do not make whole rows of {rb}",
-            bytes.len()
-        );
-        let base = gpu.alloc(bytes.len(), "tiny table rows")?;
-        if let Err(e) = gpu.copy_h2d(bytes, base) {
-            let _ = gpu.dealloc(base);
-            return Err(e.into());
-        }
-        Ok(Arc::new(TinyTable {
-            info: TableInfo {
-                rows: (bytes.len() / rb) as u64,
-                head_dim,
-                dtype,
-            },
-            gpu,
-            base,
-            pending: std::sync::Mutex::new(Vec::new()),
-        }))
-    }
-
-    fn reap(&self) -> Result<(), GpuError> {
-        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        let mut keep = Vec::new();
-        for ev in p.drain(..) {
-            if self.gpu.event_query(ev)? {
-                self.gpu.destroy_event(ev)?;
-            } else {
-                keep.push(ev);
-            }
-        }
-        *p = keep;
-        Ok(())
-    }
-}
-
-impl RowTable for TinyTable {
-    fn info(&self) -> TableInfo {
-        self.info
-    }
-
-    fn max_resolve(&self) -> usize {
-        usize::MAX
-    }
-
-    fn resolve(&self, ids: &[u64], out: &mut [RowRef]) -> Result<Lease, StorageError> {
-        check_out_len(ids, out)?;
-        for (i, &id) in ids.iter().enumerate() {
-            if id >= self.info.rows {
-                return Err(StorageError::RowOutOfRange {
-                    id,
-                    rows: self.info.rows,
-                });
-            }
-            out[i] = RowRef {
-                data: self.base.offset(id as usize * self.info.row_bytes()).addr(),
-                scale: 0,
-            };
-        }
-        self.reap()?;
-        Ok(Lease::empty())
-    }
-
-    fn release(
-        &self,
-        _lease: Lease,
-        _gpu: &dyn GpuBackend,
-        after: Option<EventHandle>,
-    ) -> Result<(), StorageError> {
-        if let Some(ev) = after {
-            self.pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(ev);
-        }
-        Ok(self.reap()?)
-    }
-
-    fn prefetch(&self, _ids: &[u64]) -> Result<(), StorageError> {
-        Ok(())
-    }
-
-    fn stats(&self) -> TableStats {
-        TableStats::default()
-    }
-}
-
-impl Drop for TinyTable {
-    fn drop(&mut self) {
-        let p = std::mem::take(self.pending.get_mut().unwrap_or_else(|e| e.into_inner()));
-        for ev in p {
-            let _ = self.gpu.event_synchronize(ev);
-            let _ = self.gpu.destroy_event(ev);
-        }
-        let _ = self.gpu.dealloc(self.base);
-    }
-}
 
 /// The shape of a tiny PLE site.
 #[derive(Clone, Debug)]
@@ -273,7 +132,7 @@ pub fn tiny_weights(spec: &TinySpec, site: usize, seed: u64) -> (SiteSpec, PleWe
     (site_spec, weights, table)
 }
 
-/// Site `site` of a tiny model over a [`TinyTable`].
+/// Site `site` of a tiny model over its rows in a [`ResidentTable`].
 pub fn tiny_site(
     gpu: &Arc<dyn GpuBackend>,
     spec: &TinySpec,
@@ -281,7 +140,11 @@ pub fn tiny_site(
     seed: u64,
 ) -> Result<PleSite> {
     let (site_spec, weights, table) = tiny_weights(spec, site, seed);
-    let table = TinyTable::new(gpu.clone(), &table, spec.head_dim)?;
+    let table = Arc::new(ResidentTable::from_bf16(
+        gpu.clone(),
+        &table,
+        spec.head_dim,
+    )?);
     let layer = PleLayer::new(&site_spec, weights, table, spec.max_tokens, gpu.as_ref())?;
     Ok(PleSite::new(layer))
 }
@@ -301,7 +164,8 @@ pub fn tiny_site_files(
     let first = dir.join(format!("{stem}-0.safetensors"));
     let files = if first.exists() {
         let rows = (table.len() / spec.head_dim) as u64;
-        TableFiles::open(&[(first, SiteNames::new(site).shard_weight(0))], Some(rows))?
+        let weight = SiteNames::new(site).shard_weight(0);
+        TableFiles::open(&[table_shard(first, &weight)], Some(rows))?
     } else {
         write_bf16_shards(dir, &stem, site, &table, spec.head_dim, 1)?
     };

@@ -191,8 +191,9 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
         if layout.sub_tables() {
             println!("    sub-tables      {}", t.shards.len());
             let mut start = 0u64;
-            for (i, (sub, (path, _))) in t.sub_tables.iter().zip(&t.shards).enumerate() {
-                let name = path
+            for (i, (sub, shard)) in t.sub_tables.iter().zip(&t.shards).enumerate() {
+                let name = shard
+                    .path
                     .file_name()
                     .map(|n| n.to_string_lossy().into_owned())
                     .unwrap_or_default();
@@ -212,8 +213,9 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
             t.rows_per_shard,
             t.head_dim
         );
-        for (i, (path, _)) in t.shards.iter().enumerate() {
-            let name = path
+        for (i, shard) in t.shards.iter().enumerate() {
+            let name = shard
+                .path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_default();

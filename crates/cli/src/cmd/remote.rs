@@ -63,7 +63,7 @@ pub(super) fn stored_tables(ck: &Checkpoint, site: usize) -> anyhow::Result<Vec<
             s.layer
         ));
     }
-    let open = |shards: &[(std::path::PathBuf, String)], rows: u64| {
+    let open = |shards: &[metrale_storage::layout::ShardSource], rows: u64| {
         TableFiles::open(shards, Some(rows))
             .with_context(|| format!("layer {}: opening the table shards", s.layer))
     };

@@ -309,20 +309,16 @@ pub(super) fn build_sites(
 ) -> Result<Vec<PleSite>> {
     let mut sites = Vec::new();
     for s in 0..ck.sites.len() {
-        let table = match pc.mode {
-            TableMode::Cached => {
-                let mut cfg = CacheConfig::new(pc.slots);
-                cfg.reader = cache.reader.clone();
-                if let Some(p) = cache.policy {
-                    cfg.policy = p;
-                }
-                cfg.host_rows = cache.host_rows;
-                cfg.remote = cache.remote.clone();
-                cfg.remote_fallback = cache.remote_fallback;
-                ck.open_cached_table(s, cfg, gpu.clone())?
-            }
-            mode => ck.open_table(s, mode, gpu.clone())?,
-        };
+        // The cache settings count only for a cached table.
+        let mut cfg = CacheConfig::new(pc.slots);
+        cfg.reader = cache.reader.clone();
+        if let Some(p) = cache.policy {
+            cfg.policy = p;
+        }
+        cfg.host_rows = cache.host_rows;
+        cfg.remote = cache.remote.clone();
+        cfg.remote_fallback = cache.remote_fallback;
+        let table = ck.serve_table(s, pc.mode, cfg, gpu.clone())?;
         let layer = ck.build_layer(s, table, max_tokens, gpu.as_ref())?;
         sites.push(PleSite::new(layer));
     }

@@ -377,8 +377,9 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
         let padding = if a.pad_rows {
             let mut tables: HashMap<PathBuf, Vec<String>> = HashMap::new();
             for site in &ck.sites {
-                for (file, tensor) in &site.table.shards {
-                    let list = tables.entry(file.clone()).or_default();
+                for shard in &site.table.shards {
+                    let tensor = &shard.weight;
+                    let list = tables.entry(shard.path.clone()).or_default();
                     if !list.contains(tensor) {
                         list.push(tensor.clone());
                     }

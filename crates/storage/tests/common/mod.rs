@@ -11,7 +11,7 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{
     ArgKind, DevicePtr, GpuBackend, GpuError, KernelArg, LaunchConfig, StreamId,
 };
-use metrale_storage::layout::{TableFiles, scale_name};
+use metrale_storage::layout::{ShardSource, TableFiles};
 use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
 use metrale_storage::table::{RowRef, RowTable};
 
@@ -52,7 +52,7 @@ pub fn make_table(
         ];
         if fp8 {
             specs.push(TensorSpec::new(
-                scale_name(&name),
+                scale_of(&name),
                 Dtype::F32,
                 &[rows_per_shard],
             ));
@@ -69,9 +69,15 @@ pub fn make_table(
             }
         }
         w.finish().unwrap();
-        list.push((p, name));
+        let scale = fp8.then(|| scale_of(&name));
+        list.push(ShardSource::new(p, name, scale));
     }
     TableFiles::open(&list, Some(shards as u64 * rows_per_shard)).unwrap()
+}
+
+/// The scale tensor these tables give weight tensor `name`.
+pub fn scale_of(name: &str) -> String {
+    format!("{}.scale", name.trim_end_matches(".weight"))
 }
 
 /// Paths of the shards.

@@ -69,7 +69,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use clap::Args;
-use metrale_checkpoint::fold::FoldedTable;
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
@@ -81,11 +80,10 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::bench::Rng;
 use metrale_storage::bench::RandomReads;
-use metrale_storage::cached::{DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
+use metrale_storage::cached::{CacheConfig, DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
-use metrale_storage::layout::TableFiles;
 use metrale_storage::remote::RemoteTier;
-use metrale_storage::resident::ResidentTable;
+use metrale_storage::spec::{TablePart, TableSpec};
 use metrale_storage::splitmix::SplitMix64;
 use metrale_storage::table::{RowRef, RowTable, TableStats};
 use serde::Serialize;
@@ -1013,9 +1011,20 @@ fn folded_resident_sites(
         let table: Arc<dyn RowTable> = match fold.shards[i] {
             None => ck.open_table(i, TableMode::Resident, gpu.clone())?,
             Some(k) => {
-                let files = TableFiles::open(&t.shards[..k], Some(k as u64 * t.rows_per_shard))?;
-                let inner = Arc::new(ResidentTable::load(&files, gpu.clone())?);
-                Arc::new(FoldedTable::new(inner, s.padded_rows)?)
+                let part = TablePart {
+                    shards: t.shards[..k].to_vec(),
+                    stored_rows: k as u64 * t.rows_per_shard,
+                    logical_rows: s.padded_rows,
+                    remap: None,
+                };
+                metrale_storage::open(
+                    &TableSpec {
+                        parts: vec![part],
+                        mode: TableMode::Resident,
+                        cache: CacheConfig::default(),
+                    },
+                    gpu.clone(),
+                )?
             }
         };
         sites.push(PleSite::new(ck.build_layer(
@@ -1033,7 +1042,7 @@ fn table_paths(ck: &Checkpoint) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = ck
         .sites
         .iter()
-        .flat_map(|s| s.table.shards.iter().map(|(p, _)| p.clone()))
+        .flat_map(|s| s.table.shards.iter().map(|src| src.path.clone()))
         .collect();
     v.sort();
     v.dedup();
@@ -1079,7 +1088,7 @@ fn measure_all(
         bytes(slots as u64 * row_bytes),
         sizes.sequences
     );
-    let disk = disk_ceiling(&site.table.shards[0].0, sizes.ceiling)
+    let disk = disk_ceiling(&site.table.shards[0].path, sizes.ceiling)
         .context("measuring the disk's random reads")?;
     eprintln!(
         "bench offload: {}",

@@ -8,7 +8,9 @@
 //! of the sub-tables. [`ConcatTable`] serves exactly that: id `x` with
 //! `start[i] <= x < start[i] + rows[i]` is row `x - start[i]` of part `i`.
 //! Each part is a table of its own (resident, mapped, shared or cached,
-//! folded when cut), so nothing about a part's storage changes.
+//! folded when cut, see [`crate::idmap`]), so nothing about a part's
+//! storage changes; [`crate::spec::open`] builds one from a description
+//! with several parts.
 //!
 //! Invariants: `info().rows` is the sum of the parts' rows; every part has
 //! the same row width and dtype; an id at or past the end is refused as a
@@ -26,8 +28,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use metrale_gpu_runtime::gpu::{EventHandle, GpuBackend, StreamId};
-use metrale_storage::table::{Lease, RowRef, RowTable, TableInfo, TableStats, check_out_len};
-use metrale_storage::{Result, StorageError};
+
+use crate::error::{Result, StorageError};
+use crate::table::{Lease, RowRef, RowTable, TableInfo, TableStats, check_out_len};
 
 /// A [`RowTable`] whose rows are those of its parts, one after another.
 pub struct ConcatTable {
@@ -296,8 +299,8 @@ impl RowTable for ConcatTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::table::RowDType;
     use metrale_gpu_runtime::cpu::CpuBackend;
-    use metrale_storage::table::RowDType;
 
     /// Rows at fake addresses `base + id`; pins every row when `pins`.
     struct Fake {
