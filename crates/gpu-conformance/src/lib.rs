@@ -64,10 +64,10 @@ pub mod streams;
 /// Why a case did not pass.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Failure {
-    /// The backend cannot run the case (no host kernels); not a failure of
-    /// the backend.
+    /// The subject cannot run or show the case (a backend without host
+    /// kernels, a table without reads to fault); not a failure of it.
     Skipped(String),
-    /// The backend behaved wrongly: what was expected and what happened.
+    /// The subject behaved wrongly: what was expected and what happened.
     Failed(String),
 }
 

@@ -35,24 +35,9 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, LaunchConfig};
 use metrale_storage::StorageError;
 use metrale_storage::table::{RowRef, RowTable};
 
-/// Why a case did not pass.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Failure {
-    /// The subject cannot show the property (no read path to fault); not
-    /// a failure of the table.
-    Skipped(String),
-    /// The table behaved wrongly: what was expected and what happened.
-    Failed(String),
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Failure::Skipped(why) => write!(f, "skipped: {why}"),
-            Failure::Failed(what) => f.write_str(what),
-        }
-    }
-}
+/// Why a case did not pass: the outcome type of every conformance suite
+/// of the workspace, so a harness reads both suites' results alike.
+pub use metrale_gpu_conformance::Failure;
 
 /// Fail the case with a formatted message.
 macro_rules! bail {
