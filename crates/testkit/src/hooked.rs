@@ -39,13 +39,7 @@ pub fn hooked(
     inner: Arc<dyn RowTable>,
     hook: impl Fn(&[u64]) + Send + Sync + 'static,
 ) -> HookedTable {
-    Decorated::new(
-        inner,
-        Hook {
-            hook: Box::new(hook),
-            always_waits: false,
-        },
-    )
+    hook_table(inner, hook, false)
 }
 
 /// [`hooked`], reporting that every resolve would wait for reads
@@ -54,11 +48,20 @@ pub fn hooked_waiting(
     inner: Arc<dyn RowTable>,
     hook: impl Fn(&[u64]) + Send + Sync + 'static,
 ) -> HookedTable {
+    hook_table(inner, hook, true)
+}
+
+/// `inner` behind a [`Hook`]; `always_waits` as [`hooked_waiting`] says.
+fn hook_table(
+    inner: Arc<dyn RowTable>,
+    hook: impl Fn(&[u64]) + Send + Sync + 'static,
+    always_waits: bool,
+) -> HookedTable {
     Decorated::new(
         inner,
         Hook {
             hook: Box::new(hook),
-            always_waits: true,
+            always_waits,
         },
     )
 }
