@@ -131,7 +131,8 @@ fuzz_target!(|data: &[u8]| {
             .iter()
             .find(|s| s.layer == t.layer)
             .expect("the converted site");
-        let (wf, name) = &site.table.shards[0];
+        let shard = &site.table.shards[0];
+        let (wf, name) = (&shard.path, &shard.weight);
         assert_eq!(name, &t.weight);
         let got = Header::read(wf).unwrap().read_tensor(name).unwrap();
         let vals = Header::read(&t.weight_file)
