@@ -50,6 +50,15 @@ pub enum TokenizerJsonError {
         /// The reader's message, with the line and column.
         msg: String,
     },
+    /// The library gave up on a value it does not check (it panicked);
+    /// nothing was built.
+    #[error("tokenizer {file}: the tokenizers library cannot read it: {msg}")]
+    Library {
+        /// The file (or text source).
+        file: String,
+        /// The library's panic message.
+        msg: String,
+    },
     /// The library refused to decode or normalise one id.
     #[error("tokenizer {file}: id {id}: {msg}")]
     Decode {
@@ -94,10 +103,22 @@ pub fn token_map_from_tokenizer_str(
     text: &str,
     source: &str,
 ) -> Result<CompressedTokens, TokenizerJsonError> {
-    let tok: Tokenizer = serde_json::from_str(text).map_err(|e| TokenizerJsonError::Json {
+    let json = |e: serde_json::Error| TokenizerJsonError::Json {
         file: source.to_string(),
         msg: e.to_string(),
-    })?;
+    };
+    // Syntax first: the library reads some parts through untagged enums
+    // and `expect`s them, so a syntax error inside a decoder panics there
+    // (tokenizers 0.23, `decoders/mod.rs`). From a parsed value it cannot.
+    let value: serde_json::Value = serde_json::from_str(text).map_err(json)?;
+    // The library still `expect`s a few values it reads (a `Precompiled`
+    // normaliser's charsmap): its panic becomes this file's error.
+    let tok: Tokenizer = std::panic::catch_unwind(|| serde_json::from_value(value))
+        .map_err(|panic| TokenizerJsonError::Library {
+            file: source.to_string(),
+            msg: panic_message(panic.as_ref()),
+        })?
+        .map_err(json)?;
     let fail = |id: u32, e: tokenizers::Error| TokenizerJsonError::Decode {
         file: source.to_string(),
         id,
@@ -138,6 +159,15 @@ pub fn token_map_from_tokenizer_str(
         map: map.into(),
         keys,
     })
+}
+
+/// The text of a caught panic's payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_string())
 }
 
 /// The demo's private-use stand-in for a lone space.
@@ -202,9 +232,17 @@ mod tests {
             "{}",
             r#"{"model":{"type":"BPE","vocab":{"a":-1},"merges":[]}}"#,
             r#"{"model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"},"decoder":{"type":"Nope"}}"#,
+            // A syntax error inside the decoder: the library's reader
+            // panics on it when it reads the text itself.
+            r#"{"model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"},"decoder":{"type":"Metaspace","replacement":"_", da"d":false}}"#,
+            // A charsmap the library `expect`s to read.
+            r#"{"model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"},"normalizer":{"type":"Precompiled","precompiled_charsmap":"!!"}}"#,
         ] {
             let e = err(text);
             assert!(e.starts_with("tokenizer t.json: "), "{text}: {e}");
+            if text.contains("Precompiled") {
+                assert!(e.contains("library cannot read it: Precompiled"), "{e}");
+            }
         }
     }
 
