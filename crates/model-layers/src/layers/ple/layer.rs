@@ -58,12 +58,12 @@ mod build;
 mod carry;
 mod error;
 mod forward;
-mod hashed;
 mod pipeline;
+mod plan;
 
 pub use error::LayerError;
 pub(crate) use error::{DeviceContext, layer_ensure, table_err};
-pub use hashed::HashedIds;
+pub use plan::{PlanPart, SeqWork, StepPlan};
 
 /// Results of the layer.
 type Result<T, E = LayerError> = std::result::Result<T, E>;
@@ -364,26 +364,6 @@ impl PleLayer {
     /// The table the layer reads.
     pub fn table(&self) -> &Arc<dyn RowTable> {
         &self.table
-    }
-
-    /// Start reading the table rows a forward of `tokens` will gather,
-    /// for a sequence whose tokens so far end with `history` (only the last
-    /// `context_len` matter; a shorter one acts as if EOS-padded, as for a
-    /// fresh carry). Advice only: nothing is pinned and the results never
-    /// change; a table that holds its rows in place does nothing. Lets a
-    /// scheduler overlap the next step's reads with this step's compute.
-    pub fn prefetch(&self, history: &[u32], tokens: &[u32]) -> Result<()> {
-        self.check_live()?;
-        if tokens.is_empty() {
-            return Ok(());
-        }
-        let heads = self.dims.ngram_heads();
-        let mut ids = vec![0u64; tokens.len() * heads];
-        self.hasher
-            .ids_with_history_into(history, tokens, &mut ids)?;
-        self.table
-            .prefetch(&ids)
-            .map_err(|e| table_err("prefetching PLE rows")(e))
     }
 
     fn check_live(&self) -> Result<()> {

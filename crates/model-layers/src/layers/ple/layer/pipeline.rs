@@ -2,9 +2,9 @@
 //! reads (a row cache missing some), they are resolved one head group at a
 //! time, and each group's gather and its share of the projection are
 //! queued before the next group is resolved, so the backend computes on
-//! the rows it has while the rest are read. The step prefetch ([`PleLayer::prefetch_hashed`])
-//! asks for the rows in the same group order, so the first group arrives
-//! first.
+//! the rows it has while the rest are read. A step plan orders its reads
+//! the same way ([`super::StepPlan::reads`]), so a prefetch by plan brings
+//! the first group in first.
 //!
 //! Invariants: the projection over consecutive step ranges, each continuing
 //! the sums of the last, is the same FMA chain as one projection
@@ -18,7 +18,7 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, table_err};
-use super::{HashedIds, PleLayer, Result};
+use super::{PleLayer, Result};
 use crate::layers::ple::kernels::args::{GatherRunsArgs, ProjectRangeArgs};
 use crate::layers::ple::kernels::gemm::CUT_STEPS;
 use crate::layers::ple::staging;
@@ -54,7 +54,7 @@ impl PleLayer {
 
     /// The ids of head group `(h0, run)` of every token of `ids`
     /// (token-major, `ngram_heads` a token), token by token.
-    fn group_ids(&self, ids: &[u64], (h0, run): Group) -> Vec<u64> {
+    pub(super) fn group_ids(&self, ids: &[u64], (h0, run): Group) -> Vec<u64> {
         let heads = self.dims.ngram_heads();
         ids.chunks_exact(heads)
             .flat_map(|t| t[h0..h0 + run].iter().copied())
@@ -195,29 +195,5 @@ impl PleLayer {
             .device(|| {
                 format!("launching PLE gather of {n} rows in runs of {run} from refs at {refs}")
             })
-    }
-
-    /// Start reading the rows of `hashed` (see [`Self::hash_ahead`]): in
-    /// the order a pipelined step resolves them, one head group of every
-    /// token after another, each group its own request, so the first
-    /// group's rows arrive first; in one request where the step would not
-    /// be pipelined. Advice only, as [`Self::prefetch`].
-    pub fn prefetch_hashed(&self, hashed: &HashedIds) -> Result<()> {
-        self.check_live()?;
-        if hashed.is_empty() {
-            return Ok(());
-        }
-        let fail = |err| table_err("prefetching PLE rows")(err);
-        match self.pipeline_groups(hashed.ids()) {
-            None => self.table.prefetch(hashed.ids()).map_err(fail),
-            Some(groups) => {
-                for group in groups {
-                    self.table
-                        .prefetch(&self.group_ids(hashed.ids(), group))
-                        .map_err(fail)?;
-                }
-                Ok(())
-            }
-        }
     }
 }
