@@ -14,7 +14,7 @@ use layer_common::{
     Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
-use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_gpu_runtime::gpu::{GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::ids::ple_ngram_ids;
 use metrale_model_layers::layers::ple::{
     ForwardContext, LayerError, PlanPart, PleLayer, PleSeqState, SeqWork,
@@ -39,6 +39,8 @@ struct Fx {
     start: usize,
     small: Small,
     table: Arc<TestTable>,
+    /// The stream every call runs on (destroyed after the layer is freed).
+    s: StreamId,
 }
 
 impl Fx {
@@ -47,11 +49,13 @@ impl Fx {
         let start = gpu.live_alloc_count();
         let small = Small::new(seed);
         let table = TestTable::new(&gpu, &small.table_bits, small.head_dim, max_resolve).unwrap();
+        let s = gpu.create_stream().unwrap();
         Fx {
             gpu,
             start,
             small,
             table,
+            s,
         }
     }
     fn g(&self) -> &dyn GpuBackend {
@@ -68,6 +72,7 @@ impl Fx {
             layer.release_seq_state(&mut st, g).unwrap();
         }
         layer.free(g).unwrap();
+        g.destroy_stream(self.s).unwrap();
         assert_eq!(self.table.pinned(g), 0, "leases left pinned");
         self.table.free(g);
         assert_no_leaks(g, self.start);
@@ -124,7 +129,7 @@ fn plan_and_stage_alone_give_the_hash_and_the_rows() {
     let hd = layer.row_dim();
     let n = plan.distinct().len();
     assert!(n > 5, "the staging runs in several resolve parts");
-    let s = g.create_stream().unwrap();
+    let s = fx.s;
     let out = upload(g, &vec![f32::NAN; n * hd], "engine rows");
     layer.stage(&plan, out, g, s).unwrap();
     let rows = download(g, out, n * hd, s);
@@ -139,7 +144,6 @@ fn plan_and_stage_alone_give_the_hash_and_the_rows() {
     g.synchronize(s).unwrap();
     assert_eq!(fx.table.pinned(g), 0, "staging left rows pinned");
     g.free(out).unwrap();
-    g.destroy_stream(s).unwrap();
     fx.finish(layer, Vec::new());
 }
 
@@ -148,12 +152,12 @@ fn plan_and_stage_alone_give_the_hash_and_the_rows() {
 fn by_forward(
     layer: &PleLayer,
     g: &dyn GpuBackend,
+    s: StreamId,
     pres: &[Vec<u32>],
     steps: &[Vec<u32>],
     hws: &[Vec<f32>],
 ) -> (Vec<u32>, Vec<Vec<u8>>) {
     let c = layer.channels();
-    let s = g.create_stream().unwrap();
     let mut out = Vec::new();
     let mut states: Vec<PleSeqState> = pres
         .iter()
@@ -184,7 +188,6 @@ fn by_forward(
     for mut st in states {
         layer.release_seq_state(&mut st, g).unwrap();
     }
-    g.destroy_stream(s).unwrap();
     (out, blobs)
 }
 
@@ -203,6 +206,7 @@ enum Decode {
 fn by_plan(
     layer: &PleLayer,
     g: &dyn GpuBackend,
+    s: StreamId,
     pres: &[Vec<u32>],
     steps: &[Vec<u32>],
     hws: &[Vec<f32>],
@@ -210,7 +214,6 @@ fn by_plan(
     decode: Decode,
 ) -> (Vec<u32>, Vec<Vec<u8>>) {
     let c = layer.channels();
-    let s = g.create_stream().unwrap();
     let mut out = Vec::new();
     let mut states: Vec<PleSeqState> = pres
         .iter()
@@ -281,7 +284,6 @@ fn by_plan(
     for mut st in states {
         layer.release_seq_state(&mut st, g).unwrap();
     }
-    g.destroy_stream(s).unwrap();
     (out, blobs)
 }
 
@@ -295,9 +297,9 @@ fn running_a_plan_gives_the_forwards_bits_in_every_mode() {
     let pres: Vec<Vec<u32>> = [5, 13, 1].iter().map(|&n| tokens(&mut r, n, 40)).collect();
     let steps: Vec<Vec<u32>> = (0..4).map(|_| tokens(&mut r, 3, 40)).collect();
     let hws: Vec<Vec<f32>> = (0..6).map(|_| highway(&mut r, 13, c)).collect();
-    let want = by_forward(&layer, g, &pres, &steps, &hws);
+    let want = by_forward(&layer, g, fx.s, &pres, &steps, &hws);
     for (part, decode) in [(8, Decode::Eager), (3, Decode::Eager), (5, Decode::Graph)] {
-        let got = by_plan(&layer, g, &pres, &steps, &hws, part, decode);
+        let got = by_plan(&layer, g, fx.s, &pres, &steps, &hws, part, decode);
         assert!(got.0 == want.0, "highways: parts of {part}, {decode:?}");
         assert!(got.1 == want.1, "carries: parts of {part}, {decode:?}");
     }
@@ -312,7 +314,7 @@ fn a_plan_for_another_carry_is_refused_and_changes_nothing() {
     let g = fx.g();
     let layer = fx.layer(8);
     let c = layer.channels();
-    let s = g.create_stream().unwrap();
+    let s = fx.s;
     let mut st = layer.new_seq_state(g).unwrap();
     let pre = [3u32, 4, 6];
     let hw = upload(g, &vec![0.25; 3 * c], "hw");
@@ -358,6 +360,5 @@ fn a_plan_for_another_carry_is_refused_and_changes_nothing() {
     assert_eq!(st.history(), &[7, 8]);
     g.free(hw).unwrap();
     g.synchronize(s).unwrap();
-    g.destroy_stream(s).unwrap();
     fx.finish(layer, vec![st]);
 }
