@@ -697,8 +697,7 @@ impl<S: Site> Site for Layered<S> {
         stream: StreamId,
     ) -> SiteResult<()> {
         self.measured(highway, part.len, gpu, stream, || {
-            self.inner
-                .run(plan, part, st, highway, fresh, gpu, stream)
+            self.inner.run(plan, part, st, highway, fresh, gpu, stream)
         })
     }
     fn run_batch(

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Phase, Request, Workload, fingerprint};
 use metrale_engine::{
-    CarrySite, Engine, EngineConfig, EngineError, Server, ServerConfig, ServerError,
-    ServerReport, Site, SwapTarget,
+    CarrySite, Engine, EngineConfig, EngineError, Server, ServerConfig, ServerError, ServerReport,
+    Site, SwapTarget,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
@@ -216,10 +216,7 @@ fn scheduled_fault(
 ) -> impl Fn(SiteCall<'_>) -> Option<String> + Send + Sync + 'static {
     let (calls, left) = (calls.clone(), left.clone());
     move |call| {
-        if !matches!(
-            call,
-            SiteCall::Run { .. } | SiteCall::RunBatch { .. }
-        ) {
+        if !matches!(call, SiteCall::Run { .. } | SiteCall::RunBatch { .. }) {
             return None;
         }
         let n = calls.fetch_add(1, Ordering::Relaxed) + 1;

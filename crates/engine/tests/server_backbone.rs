@@ -443,8 +443,11 @@ fn planned_run(family: Option<TinyFamily>, graphs: bool, ahead: Ahead) -> Vec<u3
     }
     for _ in 0..6 {
         let toks: Vec<u32> = ids.iter().map(|_| 1 + rng.below(900) as u32).collect();
-        let work: Vec<(SeqId, Vec<u32>)> =
-            ids.iter().zip(&toks).map(|(&id, &t)| (id, vec![t])).collect();
+        let work: Vec<(SeqId, Vec<u32>)> = ids
+            .iter()
+            .zip(&toks)
+            .map(|(&id, &t)| (id, vec![t]))
+            .collect();
         let p = plan(&e, &work);
         let batch: Vec<_> = ids.iter().copied().zip(toks.iter().copied()).collect();
         let mut r = rows(&toks);
@@ -478,10 +481,7 @@ fn a_step_planned_ahead_gives_the_same_rows_on_every_path() {
             let want = planned_run(family, graphs, Ahead::None);
             for ahead in [Ahead::Same, Ahead::Other] {
                 let got = planned_run(family, graphs, ahead);
-                assert!(
-                    got == want,
-                    "{family:?}, graphs {graphs}, plan {ahead:?}"
-                );
+                assert!(got == want, "{family:?}, graphs {graphs}, plan {ahead:?}");
             }
         }
         assert!(

@@ -121,7 +121,11 @@ fn plan_and_stage_alone_give_the_hash_and_the_rows() {
     distinct.dedup();
     assert_eq!(distinct.len(), plan.distinct().len(), "distinct ids repeat");
     let read: Vec<u64> = plan.reads().flatten().copied().collect();
-    assert_eq!(read, plan.distinct(), "the reads cover the distinct ids once");
+    assert_eq!(
+        read,
+        plan.distinct(),
+        "the reads cover the distinct ids once"
+    );
     for (id, &slot) in plan.ids().iter().zip(plan.slots()) {
         assert_eq!(plan.distinct()[slot as usize], *id);
     }
@@ -254,7 +258,9 @@ fn by_plan(
                 .run_batch(&plan, &seqs, &mut refs, hw, b, g, s)
                 .unwrap(),
             Decode::Graph => {
-                layer.prestage_plan(&plan, &seqs, &mut refs, b, g, s).unwrap();
+                layer
+                    .prestage_plan(&plan, &seqs, &mut refs, b, g, s)
+                    .unwrap();
                 let gr = match graph {
                     Some(gr) => gr,
                     None => {

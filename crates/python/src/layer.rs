@@ -27,8 +27,8 @@ use metrale_engine::engine::{mask_family, takes_token_mask};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
 use metrale_model_layers::layers::ple::carry_blob;
-use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::highway::{self, f32_bytes_mut};
+use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::{
     ForwardContext, PleLayer, PleSeqState, PleWeights, SeqWork, SiteSpec, StepPlan,
 };

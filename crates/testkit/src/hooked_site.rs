@@ -155,8 +155,7 @@ where
     ) -> SiteResult<()> {
         let tokens = &plan.seq_tokens(part.seq)[part.from..part.from + part.len];
         self.check(SiteCall::Run { tokens })?;
-        self.inner
-            .run(plan, part, st, highway, fresh, gpu, stream)
+        self.inner.run(plan, part, st, highway, fresh, gpu, stream)
     }
     fn run_batch(
         &self,

@@ -198,7 +198,6 @@ impl ToySite {
         gpu.copy_h2d_async(&bytes(&state), st.conv, stream)?;
         Ok(())
     }
-
 }
 
 impl CarrySite for ToySite {

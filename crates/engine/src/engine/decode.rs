@@ -179,7 +179,9 @@ impl<S: Site> Engine<S> {
                 }
             }
         }
-        let planned = plan.filter(|_| entries.len() == part.len()).map(|p| (p, entries.as_slice()));
+        let planned = plan
+            .filter(|_| entries.len() == part.len())
+            .map(|p| (p, entries.as_slice()));
         let mut taken: Vec<Seq<S::State>> = ids
             .iter()
             .map(|id| self.seqs.remove(id).expect("validated"))
@@ -241,9 +243,15 @@ impl<S: Site> Engine<S> {
         highway::on_device(gpu, self.highway, rows, self.stream, copy, |hw| {
             for (k, site) in self.sites.iter().enumerate() {
                 let mut states = states_of(taken, k)?;
-                self.run_site_batch(k, site, &mut states, tokens, masked, planned, |p, seqs, st| {
-                    site.run_batch(p, seqs, st, hw, gpu, self.stream)
-                })
+                self.run_site_batch(
+                    k,
+                    site,
+                    &mut states,
+                    tokens,
+                    masked,
+                    planned,
+                    |p, seqs, st| site.run_batch(p, seqs, st, hw, gpu, self.stream),
+                )
                 .map_err(|e| {
                     EngineError::site(
                         k,
@@ -323,9 +331,15 @@ impl<S: Site> Engine<S> {
         let stream = self.stream;
         for (k, site) in self.sites.iter().enumerate() {
             let mut states = states_of(taken, k)?;
-            self.run_site_batch(k, site, &mut states, tokens, None, planned, |p, seqs, st| {
-                site.prestage(p, seqs, st, padded, gpu, stream)
-            })
+            self.run_site_batch(
+                k,
+                site,
+                &mut states,
+                tokens,
+                None,
+                planned,
+                |p, seqs, st| site.prestage(p, seqs, st, padded, gpu, stream),
+            )
             .map_err(|e| {
                 EngineError::site(
                     k,
@@ -385,13 +399,13 @@ impl<S: Site> Engine<S> {
             None => {
                 for (k, site) in self.sites.iter().enumerate() {
                     site.forward_prestaged(&mut states_of(taken, k)?, highway, padded, gpu, stream)
-                    .map_err(|e| {
-                        EngineError::site(
-                            k,
-                            format!("site {k} batched decode of {} sequences", tokens.len()),
-                            e,
-                        )
-                    })?;
+                        .map_err(|e| {
+                            EngineError::site(
+                                k,
+                                format!("site {k} batched decode of {} sequences", tokens.len()),
+                                e,
+                            )
+                        })?;
                 }
             }
         }

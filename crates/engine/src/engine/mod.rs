@@ -39,8 +39,15 @@
 //!   none is refused ([`EngineError::TokenMaskUnsupported`]) before
 //!   anything runs.
 //!
-//! The methods are split by concern: this module holds the [`Site`] trait,
-//! the settings, the engine's state, its accessors and `close`;
+//! A step is a value: [`Engine::plan`] hashes a step once at every site
+//! into [`StepPlans`], keyed by sequence and position; its reads start with
+//! [`Engine::prefetch_plan`] and the planned prefill and decode run it, so
+//! nothing is hashed twice and no site keeps ids between calls. A call
+//! without a plan plans for itself against each site's carry.
+//!
+//! The methods are split by concern: this module holds the site traits
+//! ([`CarrySite`]: what a carry needs; [`Site`]: what a step needs), the
+//! step plan, the settings, the engine's state, its accessors and `close`;
 //! `sequences` carries, the budget, add, prefill and release; `snapshots`
 //! snapshots and the prefix cache; `swap` swap out and in; `speculate`
 //! verify and commit; `decode` batched decode and decode graphs; `error`
@@ -506,7 +513,6 @@ pub fn mask_family(g: &SiteSpec) -> &'static str {
 }
 
 static ENGINE_INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-
 
 impl<S: Site> Engine<S> {
     /// An engine over `sites` (applied in order) on `gpu`. All sites must

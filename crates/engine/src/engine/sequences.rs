@@ -6,12 +6,10 @@
 //! failed forward loses the carry ([`EngineError::Lost`] from then on) and
 //! releases its charge, so preemption never picks a lost sequence.
 
-use metrale_model_layers::layers::ple::highway;
 use metrale_model_layers::layers::ple::PlanPart;
+use metrale_model_layers::layers::ple::highway;
 
-use super::{
-    Added, Carry, Engine, EngineError, Result, Seq, SeqId, Site, StepPlans, Swapped,
-};
+use super::{Added, Carry, Engine, EngineError, Result, Seq, SeqId, Site, StepPlans, Swapped};
 
 impl<S: Site> Engine<S> {
     // ---- carries ----
@@ -240,7 +238,14 @@ impl<S: Site> Engine<S> {
             }
             let rows = &mut highway[done * self.width..(done + n) * self.width];
             let chunk_masked = masked.map(|m| &m[done..done + n]);
-            self.run_one(id, &tokens[done..done + n], chunk_masked, plan, rows, "prefill")?;
+            self.run_one(
+                id,
+                &tokens[done..done + n],
+                chunk_masked,
+                plan,
+                rows,
+                "prefill",
+            )?;
             done += n;
             self.stats.prefill_tokens += n as u64;
             if caching && (have + n).is_multiple_of(b) {
@@ -316,16 +321,9 @@ impl<S: Site> Engine<S> {
                     Some((plan, part)) => {
                         site.run(&plan.sites[i], part, st, hw, fresh, gpu, self.stream)
                     }
-                    None => super::forward_tokens(
-                        site,
-                        st,
-                        tokens,
-                        masked,
-                        hw,
-                        fresh,
-                        gpu,
-                        self.stream,
-                    ),
+                    None => {
+                        super::forward_tokens(site, st, tokens, masked, hw, fresh, gpu, self.stream)
+                    }
                 }
                 .map_err(err)?;
             }

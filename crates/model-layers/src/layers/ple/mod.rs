@@ -13,8 +13,9 @@
 //! - [`kernels`]: the kernels the layer launches (gather, project, gate,
 //!   conv, conv_batch) and their CPU implementations;
 //! - `layer`: [`PleLayer`], [`PleSeqState`], [`PleWeights`],
-//!   [`ForwardContext`], [`LayerError`]: construction, the forward, the
-//!   batched decode step and the row staging;
+//!   [`ForwardContext`], [`LayerError`], and a step as a value
+//!   ([`StepPlan`], [`SeqWork`], [`PlanPart`]): construction, the plan, the
+//!   forward, the batched decode step and the row staging;
 //! - `staging`: the device staging area for resolved row references and the
 //!   lease rules that keep table rows in place until the gather has run;
 //! - [`tensor_parallel`]: a rank's column share of a site

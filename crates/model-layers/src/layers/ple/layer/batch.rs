@@ -1,5 +1,6 @@
-//! The batched decode step: `prestage_batch` (the host half: hash,
-//! resolve and stage every sequence's rows at fixed batch slots),
+//! The batched decode step: `prestage_batch` (the host half: plan, resolve
+//! and stage every sequence's rows at fixed batch slots; `prestage_plan`
+//! with a plan made ahead),
 //! `forward_batch` (one projection, gate and `conv_batch` for the whole
 //! batch, capturable when prestaged), `note_replayed` (bookkeeping after a
 //! graph replay) and `free`.
@@ -48,8 +49,8 @@ impl PleLayer {
     }
 
     /// The host half of one batched decode step: for sequence `i` (one new
-    /// token `tokens[i]` each), hash, resolve and stage its rows at fixed batch
-    /// slot `i`, put its conv-state address in slot `i` of the conv table, and
+    /// token `tokens[i]` each), plan, resolve and stage its rows at fixed
+    /// batch slot `i` (see [`Self::prestage_plan`] for a plan made ahead), put its conv-state address in slot `i` of the conv table, and
     /// advance its history. Slots `B..rows` are padding (a zero row and a
     /// layer-owned dummy conv state), so a graph captured for `rows` rows can
     /// be replayed for any smaller batch. The previous batch's leases are
@@ -421,7 +422,13 @@ impl PleLayer {
         stg.streams.insert(stream);
         self.check_batch_staged(&stg, states, staged, rows)?;
         let heads = self.dims.ngram_heads();
-        self.launch_gather(gpu, stg.batch_slot(0), rows * heads, self.emb_row(0), stream)?;
+        self.launch_gather(
+            gpu,
+            stg.batch_slot(0),
+            rows * heads,
+            self.emb_row(0),
+            stream,
+        )?;
         for i in 0..states.len() {
             if capturing {
                 stg.mark_captured(StagedAt::Batch(i));

@@ -1,6 +1,7 @@
 //! The eager forward of one sequence: token ids from the context, the
-//! n-gram hash against the carried history, row resolution through the
-//! staging area, and the kernel launches (gather, project, then those of
+//! n-gram hash against the carried history (a plan of one sequence,
+//! `layer/plan.rs`), row resolution through the staging area, and the
+//! kernel launches (gather, project, then those of
 //! the site's combination). Also the staging-ring upload the seed's
 //! `prestage` uses.
 //!
@@ -19,13 +20,13 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
+use super::plan::SeqWork;
 use super::{ConvTarget, ForwardContext, PleLayer, PleSeqState, Result};
 use crate::layers::ple::kernels::args::{
     BiasAddArgs, ConvArgs, ConvBatchArgs, GateArgs, GateNormsArgs, GatherArgs, HighwayAddArgs,
     MeanAddArgs, ProjectArgs,
 };
 use crate::layers::ple::spec::Combine;
-use super::plan::SeqWork;
 use crate::layers::ple::staging::{self, StagedAt};
 
 impl PleLayer {
@@ -214,9 +215,10 @@ impl PleLayer {
     /// into `highway [num_tokens, C]`, with the semantics of docs/SPEC.md §6
     /// (Carry lifecycle): reset when `fresh` or the history has the wrong
     /// length; a single-token, non-fresh forward without an override
-    /// consumes the prestage; the prestage is taken in every case; without one, the forward hashes,
-    /// gathers and advances the history itself, which is refused under
-    /// capture.
+    /// consumes the prestage; the prestage is taken in every case; without
+    /// one, the forward plans the tokens against the carry, gathers and
+    /// advances the history itself ([`Self::run`] of its own plan), which is
+    /// refused under capture.
     pub fn forward(
         &self,
         st: &mut PleSeqState,

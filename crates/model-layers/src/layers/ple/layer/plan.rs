@@ -219,7 +219,10 @@ impl PleLayer {
         let groups = self.pipeline_groups(&plan.ids);
         let parts: Vec<Vec<u64>> = match groups {
             None => vec![plan.ids.clone()],
-            Some(g) => g.into_iter().map(|g| self.group_ids(&plan.ids, g)).collect(),
+            Some(g) => g
+                .into_iter()
+                .map(|g| self.group_ids(&plan.ids, g))
+                .collect(),
         };
         let mut index: HashMap<u64, u32> = HashMap::with_capacity(plan.ids.len());
         for part in parts {
@@ -314,7 +317,11 @@ impl PleLayer {
     fn plan_history(&self, plan: &StepPlan, seq: usize, from: usize) -> Vec<u32> {
         let mut h = plan.history(seq).to_vec();
         if from > 0 {
-            let part = PlanPart { seq, from: 0, len: from };
+            let part = PlanPart {
+                seq,
+                from: 0,
+                len: from,
+            };
             self.dims.advance_history(&mut h, plan.part_tokens(part));
             if let Some(m) = plan.part_masked(part) {
                 self.apply_mask_to_history(&mut h, m);
@@ -684,7 +691,10 @@ mod tests {
         };
         assert_eq!(p.part_ids(part), &[30, 31]);
         assert_eq!(p.part_tokens(part), &[5]);
-        assert_eq!(p.reads().collect::<Vec<_>>(), [&[10, 11][..], &[20, 30, 31]]);
+        assert_eq!(
+            p.reads().collect::<Vec<_>>(),
+            [&[10, 11][..], &[20, 30, 31]]
+        );
         for (id, &s) in p.ids().iter().zip(p.slots()) {
             assert_eq!(p.distinct()[s as usize], *id);
         }
