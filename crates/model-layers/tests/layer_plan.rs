@@ -207,6 +207,7 @@ enum Decode {
 /// [`by_forward`] through plans: each prefill planned once and run in
 /// parts of `part` tokens, each decode step planned once for every
 /// sequence.
+#[allow(clippy::too_many_arguments)]
 fn by_plan(
     layer: &PleLayer,
     g: &dyn GpuBackend,

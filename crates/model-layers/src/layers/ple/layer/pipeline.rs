@@ -37,14 +37,9 @@ impl PleLayer {
     /// no resolve waits) or cannot be cut (one head, a group boundary on an
     /// odd step, a resolve limit below one token's rows).
     pub(super) fn pipeline_groups(&self, ids: &[u64]) -> Option<Vec<Group>> {
-        let heads = self.dims.ngram_heads();
-        let per = heads.div_ceil(PIPELINE_GROUPS.min(heads).max(1));
-        let usable = heads >= 2
-            && per < heads
-            && self.table.max_resolve() >= heads
-            && (per * self.row_dim).is_multiple_of(2)
-            && self.table.would_wait(ids);
-        usable.then(|| {
+        let per = self.pipeline_heads()?;
+        self.table.would_wait(ids).then(|| {
+            let heads = self.dims.ngram_heads();
             (0..heads)
                 .step_by(per)
                 .map(|h0| (h0, per.min(heads - h0)))
@@ -52,9 +47,22 @@ impl PleLayer {
         })
     }
 
+    /// Heads per group of a pipelined step, `None` where the geometry or
+    /// the table's resolve limit cannot cut one (one head, a group
+    /// boundary on an odd step, a resolve limit below one token's rows).
+    pub(super) fn pipeline_heads(&self) -> Option<usize> {
+        let heads = self.dims.ngram_heads();
+        let per = heads.div_ceil(PIPELINE_GROUPS.min(heads).max(1));
+        let usable = heads >= 2
+            && per < heads
+            && self.table.max_resolve() >= heads
+            && (per * self.row_dim).is_multiple_of(2);
+        usable.then_some(per)
+    }
+
     /// The ids of head group `(h0, run)` of every token of `ids`
     /// (token-major, `ngram_heads` a token), token by token.
-    pub(super) fn group_ids(&self, ids: &[u64], (h0, run): Group) -> Vec<u64> {
+    fn group_ids(&self, ids: &[u64], (h0, run): Group) -> Vec<u64> {
         let heads = self.dims.ngram_heads();
         ids.chunks_exact(heads)
             .flat_map(|t| t[h0..h0 + run].iter().copied())

@@ -18,6 +18,7 @@
 //! entry ([`PlanPart`]) it runs.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
@@ -96,6 +97,17 @@ pub struct StepPlan {
     /// One flag per token; empty when no token is masked.
     masked: Vec<bool>,
     ids: Vec<u64>,
+    /// Heads per read group where the layer pipelines a step whose reads
+    /// wait (`layer/pipeline.rs`); `None`: one read of every id.
+    group_heads: Option<usize>,
+    /// The distinct ids and their read order, worked out on first use (a
+    /// forward that only gathers never needs them).
+    order: OnceLock<Order>,
+}
+
+/// A plan's distinct ids in read order.
+#[derive(Clone, Debug, Default)]
+struct Order {
     /// The distinct ids, in read order.
     distinct: Vec<u64>,
     /// For each id of `ids`, its index in `distinct`.
@@ -124,23 +136,56 @@ impl StepPlan {
     }
     /// The distinct ids, in the order the step reads them.
     pub fn distinct(&self) -> &[u64] {
-        &self.distinct
+        &self.order().distinct
     }
     /// For each id of [`Self::ids`], the index of its row among
     /// [`Self::distinct`] (the row [`PleLayer::stage`] writes it to).
     pub fn slots(&self) -> &[u32] {
-        &self.slots
+        &self.order().slots
     }
     /// The read requests, in order: consecutive runs of
     /// [`Self::distinct`] (one head group of every token after another
     /// where the step is pipelined, so the first group's rows arrive
     /// first; else one run).
     pub fn reads(&self) -> impl Iterator<Item = &[u64]> + '_ {
+        let order = self.order();
         let mut start = 0;
-        self.reads.iter().map(move |&end| {
-            let part = &self.distinct[start..end];
+        order.reads.iter().map(move |&end| {
+            let part = &order.distinct[start..end];
             start = end;
             part
+        })
+    }
+
+    /// The distinct ids in read order: one head group of every token after
+    /// another where the layer pipelines the step, else step order.
+    fn order(&self) -> &Order {
+        self.order.get_or_init(|| {
+            let heads = self.heads.max(1);
+            let groups: Vec<(usize, usize)> = match self.group_heads {
+                Some(per) => (0..heads)
+                    .step_by(per)
+                    .map(|h0| (h0, per.min(heads - h0)))
+                    .collect(),
+                None => vec![(0, heads)],
+            };
+            let mut o = Order::default();
+            let mut index: HashMap<u64, u32> = HashMap::with_capacity(self.ids.len());
+            for (h0, run) in groups {
+                for token in self.ids.chunks_exact(heads) {
+                    for &id in &token[h0..h0 + run] {
+                        index.entry(id).or_insert_with(|| {
+                            o.distinct.push(id);
+                            (o.distinct.len() - 1) as u32
+                        });
+                    }
+                }
+                if o.reads.last() != Some(&o.distinct.len()) {
+                    o.reads.push(o.distinct.len());
+                }
+            }
+            o.slots = self.ids.iter().map(|id| index[id]).collect();
+            o
         })
     }
     /// The carried history sequence `seq` was planned against
@@ -212,31 +257,12 @@ impl PlanPart {
 
 impl PleLayer {
     /// Hash a step: entry `i` of the plan is `work[i]`. Its reads are
-    /// ordered as the step will resolve them (see [`StepPlan::reads`]).
-    /// Refuses a mask on a site that takes none, or of the wrong length.
+    /// ordered as the step will resolve them where they wait (see
+    /// [`StepPlan::reads`]). Refuses a mask on a site that takes none, or
+    /// of the wrong length.
     pub fn plan(&self, work: &[SeqWork<'_>]) -> Result<StepPlan> {
         let mut plan = self.hash_work(work)?;
-        let groups = self.pipeline_groups(&plan.ids);
-        let parts: Vec<Vec<u64>> = match groups {
-            None => vec![plan.ids.clone()],
-            Some(g) => g
-                .into_iter()
-                .map(|g| self.group_ids(&plan.ids, g))
-                .collect(),
-        };
-        let mut index: HashMap<u64, u32> = HashMap::with_capacity(plan.ids.len());
-        for part in parts {
-            for id in part {
-                index.entry(id).or_insert_with(|| {
-                    plan.distinct.push(id);
-                    (plan.distinct.len() - 1) as u32
-                });
-            }
-            if plan.reads.last() != Some(&plan.distinct.len()) {
-                plan.reads.push(plan.distinct.len());
-            }
-        }
-        plan.slots = plan.ids.iter().map(|id| index[id]).collect();
+        plan.group_heads = self.pipeline_heads();
         Ok(plan)
     }
 
@@ -671,9 +697,8 @@ mod tests {
             tokens: vec![9, 4, 5],
             masked: Vec::new(),
             ids: vec![10, 11, 20, 10, 30, 31],
-            distinct: vec![10, 11, 20, 30, 31],
-            slots: vec![0, 1, 2, 0, 3, 4],
-            reads: vec![2, 5],
+            group_heads: Some(1),
+            order: OnceLock::new(),
         }
     }
 
@@ -691,9 +716,12 @@ mod tests {
         };
         assert_eq!(p.part_ids(part), &[30, 31]);
         assert_eq!(p.part_tokens(part), &[5]);
+        // Head 0 of every token, then head 1.
+        assert_eq!(p.distinct(), &[10, 20, 30, 11, 31]);
+        assert_eq!(p.slots(), &[0, 3, 1, 0, 2, 4]);
         assert_eq!(
             p.reads().collect::<Vec<_>>(),
-            [&[10, 11][..], &[20, 30, 31]]
+            [&[10, 20, 30][..], &[11, 31]]
         );
         for (id, &s) in p.ids().iter().zip(p.slots()) {
             assert_eq!(p.distinct()[s as usize], *id);
