@@ -95,11 +95,11 @@ pub struct ServerConfig {
     /// Start the row reads of each step's decode batch and prefill chunk at
     /// the start of the step.
     pub prefetch: bool,
-    /// With `prefetch`, also start the reads of the next step's decode
-    /// batch (the sequences waiting behind this step's, whose next tokens
-    /// are known), after this step's own ([`Site::prefetch_ahead`]), so
-    /// that they overlap this step's compute. The next step asks for them
-    /// again (a lookup a row) so that its forwards find their ids hashed.
+    /// With `prefetch`, also plan and start the reads of the next step's
+    /// decode batch (the sequences waiting behind this step's, whose next
+    /// tokens are known), after this step's own, so that they overlap this
+    /// step's compute. The next step plans them again (a lookup a row) and
+    /// runs its own plan.
     pub prefetch_ahead: bool,
     /// Run backbone blocks (one per model layer) around the sites. Taken by
     /// [`Server::build`], which wraps the sites; [`Server::new`] takes an
