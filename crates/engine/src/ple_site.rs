@@ -26,15 +26,17 @@ use crate::engine::{CarrySite, Site, SiteResult};
 /// A PLE layer driven by the engine.
 pub struct PleSite {
     layer: PleLayer,
-    /// Host time of plans and of prefetches by plan.
+    /// Host time of the plans whose reads were started, and of starting
+    /// them.
     hash_ns: AtomicU64,
     prefetch_ns: AtomicU64,
 }
 
-/// Host time a site spent planning steps and starting their reads.
+/// Host time a site spent on the steps whose reads were started ahead.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefetchTime {
-    /// Hashing steps into plans (every forward's included).
+    /// Hashing those steps into plans (a forward that plans for itself
+    /// hashes in its own host time instead).
     pub hash: Duration,
     /// Handing plans to the table (claiming slots, queueing the reads).
     pub queue: Duration,
@@ -51,7 +53,7 @@ impl PleSite {
         }
     }
 
-    /// Host time of the plans and prefetches so far.
+    /// Host time of the plans prefetched so far, and of their prefetches.
     pub fn prefetch_time(&self) -> PrefetchTime {
         PrefetchTime {
             hash: Duration::from_nanos(self.hash_ns.load(Ordering::Relaxed)),
@@ -124,14 +126,12 @@ impl Site for PleSite {
     }
 
     fn plan(&self, work: &[SeqWork<'_>]) -> SiteResult<StepPlan> {
-        let t0 = Instant::now();
-        let plan = self.layer.plan(work);
-        self.hash_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(plan?)
+        Ok(self.layer.plan(work)?)
     }
 
     fn prefetch(&self, plan: &StepPlan) -> SiteResult<()> {
+        self.hash_ns
+            .fetch_add(plan.hash_time().as_nanos() as u64, Ordering::Relaxed);
         let t0 = Instant::now();
         let r = self.layer.prefetch(plan);
         self.prefetch_ns

@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
@@ -103,6 +104,8 @@ pub struct StepPlan {
     /// The distinct ids and their read order, worked out on first use (a
     /// forward that only gathers never needs them).
     order: OnceLock<Order>,
+    /// Host time [`PleLayer::plan`] spent hashing it.
+    hash_time: Duration,
 }
 
 /// A plan's distinct ids in read order.
@@ -128,6 +131,11 @@ impl StepPlan {
     /// Row ids per token.
     pub fn heads(&self) -> usize {
         self.heads
+    }
+    /// Host time spent hashing the plan (what a scheduler that plans ahead
+    /// moved out of the step's forwards).
+    pub fn hash_time(&self) -> Duration {
+        self.hash_time
     }
     /// Every id in step order: sequence after sequence, token after token,
     /// `heads()` a token.
@@ -261,8 +269,10 @@ impl PleLayer {
     /// [`StepPlan::reads`]). Refuses a mask on a site that takes none, or
     /// of the wrong length.
     pub fn plan(&self, work: &[SeqWork<'_>]) -> Result<StepPlan> {
+        let t0 = Instant::now();
         let mut plan = self.hash_work(work)?;
         plan.group_heads = self.pipeline_heads();
+        plan.hash_time = t0.elapsed();
         Ok(plan)
     }
 
@@ -699,6 +709,7 @@ mod tests {
             ids: vec![10, 11, 20, 10, 30, 31],
             group_heads: Some(1),
             order: OnceLock::new(),
+            hash_time: Duration::ZERO,
         }
     }
 
