@@ -188,7 +188,8 @@ impl StepPlan {
                         });
                     }
                 }
-                if o.reads.last() != Some(&o.distinct.len()) {
+                // A group whose ids all came before adds no request.
+                if o.distinct.len() > o.reads.last().copied().unwrap_or(0) {
                     o.reads.push(o.distinct.len());
                 }
             }
@@ -766,5 +767,18 @@ mod tests {
             );
         }
         assert!(p.check_part(PlanPart::whole(&p, 1)).is_ok());
+    }
+
+    #[test]
+    fn an_empty_plan_reads_nothing() {
+        let p = StepPlan {
+            ctxl: 2,
+            heads: 2,
+            group_heads: Some(1),
+            ..StepPlan::default()
+        };
+        assert!(p.is_empty());
+        assert_eq!(p.reads().count(), 0);
+        assert!(p.distinct().is_empty() && p.slots().is_empty());
     }
 }
