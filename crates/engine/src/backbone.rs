@@ -50,7 +50,8 @@ use metrale_model_layers::layers::ple::kernels::args::ProjectArgs;
 use metrale_model_layers::layers::ple::kernels::{self, pack_projection};
 use thiserror::Error;
 
-use crate::engine::{Site, SiteResult};
+use crate::engine::{CarrySite, Site, SiteResult};
+use metrale_model_layers::layers::ple::PlanPart;
 
 /// The CUDA C++ source of the backbone's own kernel.
 pub const BACKBONE_CU: &str = include_str!("../kernels/backbone.cu");
@@ -649,77 +650,13 @@ fn plan<S: Site>(
     Ok((Arc::new(bb), c.site_layers.clone(), c.layers))
 }
 
-impl<S: Site> Site for Layered<S> {
+impl<S: Site> CarrySite for Layered<S> {
     type State = S::State;
 
     crate::delegate_site!(inner:
-        geometry, carry_bytes, new_state, snapshot, restore, release,
-        supports_graphs, max_prestage_batch, prestage_batch, note_replayed,
-        rearm, prefetch, prefetch_step, prefetch_ahead, table_stats,
+        geometry, carry_bytes, new_state, history, snapshot, restore, release,
     );
 
-    fn max_tokens(&self) -> usize {
-        let m = self.inner.max_tokens();
-        match &self.backbone {
-            Some(b) => m.min(b.max_rows()),
-            None => m,
-        }
-    }
-    fn forward(
-        &self,
-        st: &mut Self::State,
-        tokens: &[u32],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.measured(highway, tokens.len(), gpu, stream, || {
-            self.inner.forward(st, tokens, highway, fresh, gpu, stream)
-        })
-    }
-    fn forward_batch(
-        &self,
-        states: &mut [&mut Self::State],
-        tokens: &[u32],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.measured(highway, tokens.len(), gpu, stream, || {
-            self.inner
-                .forward_batch(states, tokens, highway, gpu, stream)
-        })
-    }
-    fn forward_masked(
-        &self,
-        st: &mut Self::State,
-        tokens: &[u32],
-        masked: &[bool],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.measured(highway, tokens.len(), gpu, stream, || {
-            self.inner
-                .forward_masked(st, tokens, masked, highway, fresh, gpu, stream)
-        })
-    }
-    fn forward_batch_masked(
-        &self,
-        states: &mut [&mut Self::State],
-        tokens: &[u32],
-        masked: &[bool],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.measured(highway, tokens.len(), gpu, stream, || {
-            self.inner
-                .forward_batch_masked(states, tokens, masked, highway, gpu, stream)
-        })
-    }
     fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
         let r = self.inner.free(gpu);
         if !self.freed {
@@ -731,6 +668,51 @@ impl<S: Site> Site for Layered<S> {
             }
         }
         r
+    }
+}
+
+impl<S: Site> Site for Layered<S> {
+    type Plan = S::Plan;
+
+    crate::delegate_site!(inner:
+        plan, prefetch, supports_graphs, max_prestage_batch, prestage, note_replayed,
+        rearm, table_stats,
+    );
+
+    fn max_tokens(&self) -> usize {
+        let m = self.inner.max_tokens();
+        match &self.backbone {
+            Some(b) => m.min(b.max_rows()),
+            None => m,
+        }
+    }
+    fn run(
+        &self,
+        plan: &S::Plan,
+        part: PlanPart,
+        st: &mut Self::State,
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.measured(highway, part.len, gpu, stream, || {
+            self.inner.run(plan, part, st, highway, fresh, gpu, stream)
+        })
+    }
+    fn run_batch(
+        &self,
+        plan: &S::Plan,
+        seqs: &[usize],
+        states: &mut [&mut Self::State],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        self.measured(highway, states.len(), gpu, stream, || {
+            self.inner
+                .run_batch(plan, seqs, states, highway, gpu, stream)
+        })
     }
     fn forward_prestaged(
         &self,

@@ -1,11 +1,13 @@
-//! [`delegate_site!`](crate::delegate_site): the [`Site`](crate::Site)
-//! methods of a wrapper site that hand each call to a field unchanged.
+//! [`delegate_site!`](crate::delegate_site): the methods of a wrapper site
+//! ([`CarrySite`](crate::engine::CarrySite) and [`Site`](crate::Site)) that
+//! hand each call to a field unchanged.
 //!
 //! A wrapper site (the backbone's `Layered`, a test's hooked site) changes a
-//! few calls and must pass every other one on, or the wrapped site silently
-//! loses its prefetches, graphs or counters to the trait's defaults. Naming
-//! the passed-on methods in one macro call keeps their signatures in one
-//! place, beside the trait, instead of one copy in each wrapper.
+//! few calls (the runs it times or fails) and must pass every other one on,
+//! or the wrapped site silently loses its plans, graphs or counters to the
+//! trait's defaults. Naming the passed-on methods in one macro call keeps
+//! their signatures in one place, beside the traits. The runs themselves
+//! (`run`, `run_batch`) are what wrappers change, so they have no arm.
 
 /// The types the expansion of [`delegate_site!`](crate::delegate_site)
 /// names, so a caller needs no imports of its own.
@@ -13,14 +15,16 @@
 pub mod types {
     pub use crate::SiteResult;
     pub use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
-    pub use metrale_model_layers::layers::ple::SiteSpec;
+    pub use metrale_model_layers::layers::ple::{SeqWork, SiteSpec};
     pub use metrale_storage::table::TableStats;
 }
 
-/// Inside an `impl Site for Wrapper`, implements each named method by calling
-/// the same method of `self.$field` with the same arguments:
-/// `delegate_site!(inner: geometry, snapshot, restore);`. Any method of
-/// [`Site`](crate::Site) may be named; the wrapper writes the others itself.
+/// Inside an `impl CarrySite for Wrapper` or `impl Site for Wrapper`,
+/// implements each named method of that trait by calling the same method of
+/// `self.$field` with the same arguments:
+/// `delegate_site!(inner: geometry, snapshot, restore);`. Any method but
+/// `run` and `run_batch` may be named; the wrapper writes the others
+/// itself.
 #[macro_export]
 macro_rules! delegate_site {
     ($f:ident: $($method:ident),+ $(,)?) => {
@@ -47,58 +51,6 @@ macro_rules! delegate_site {
             gpu: &dyn $crate::delegate::types::GpuBackend,
         ) -> $crate::delegate::types::SiteResult<Self::State> {
             self.$f.new_state(gpu)
-        }
-    };
-    (@one $f:ident forward) => {
-        fn forward(
-            &self,
-            st: &mut Self::State,
-            tokens: &[u32],
-            highway: $crate::delegate::types::DevicePtr,
-            fresh: bool,
-            gpu: &dyn $crate::delegate::types::GpuBackend,
-            stream: $crate::delegate::types::StreamId,
-        ) -> $crate::delegate::types::SiteResult<()> {
-            self.$f.forward(st, tokens, highway, fresh, gpu, stream)
-        }
-    };
-    (@one $f:ident forward_batch) => {
-        fn forward_batch(
-            &self,
-            states: &mut [&mut Self::State],
-            tokens: &[u32],
-            highway: $crate::delegate::types::DevicePtr,
-            gpu: &dyn $crate::delegate::types::GpuBackend,
-            stream: $crate::delegate::types::StreamId,
-        ) -> $crate::delegate::types::SiteResult<()> {
-            self.$f.forward_batch(states, tokens, highway, gpu, stream)
-        }
-    };
-    (@one $f:ident forward_masked) => {
-        fn forward_masked(
-            &self,
-            st: &mut Self::State,
-            tokens: &[u32],
-            masked: &[bool],
-            highway: $crate::delegate::types::DevicePtr,
-            fresh: bool,
-            gpu: &dyn $crate::delegate::types::GpuBackend,
-            stream: $crate::delegate::types::StreamId,
-        ) -> $crate::delegate::types::SiteResult<()> {
-            self.$f.forward_masked(st, tokens, masked, highway, fresh, gpu, stream)
-        }
-    };
-    (@one $f:ident forward_batch_masked) => {
-        fn forward_batch_masked(
-            &self,
-            states: &mut [&mut Self::State],
-            tokens: &[u32],
-            masked: &[bool],
-            highway: $crate::delegate::types::DevicePtr,
-            gpu: &dyn $crate::delegate::types::GpuBackend,
-            stream: $crate::delegate::types::StreamId,
-        ) -> $crate::delegate::types::SiteResult<()> {
-            self.$f.forward_batch_masked(states, tokens, masked, highway, gpu, stream)
         }
     };
     (@one $f:ident snapshot) => {
@@ -149,18 +101,6 @@ macro_rules! delegate_site {
             self.$f.max_prestage_batch()
         }
     };
-    (@one $f:ident prestage_batch) => {
-        fn prestage_batch(
-            &self,
-            states: &mut [&mut Self::State],
-            tokens: &[u32],
-            rows: usize,
-            gpu: &dyn $crate::delegate::types::GpuBackend,
-            stream: $crate::delegate::types::StreamId,
-        ) -> $crate::delegate::types::SiteResult<()> {
-            self.$f.prestage_batch(states, tokens, rows, gpu, stream)
-        }
-    };
     (@one $f:ident forward_prestaged) => {
         fn forward_prestaged(
             &self,
@@ -188,29 +128,35 @@ macro_rules! delegate_site {
             self.$f.rearm(st)
         }
     };
+    (@one $f:ident history) => {
+        fn history<'s>(&self, st: &'s Self::State) -> &'s [u32] {
+            self.$f.history(st)
+        }
+    };
+    (@one $f:ident plan) => {
+        fn plan(
+            &self,
+            work: &[$crate::delegate::types::SeqWork<'_>],
+        ) -> $crate::delegate::types::SiteResult<Self::Plan> {
+            self.$f.plan(work)
+        }
+    };
     (@one $f:ident prefetch) => {
-        fn prefetch(
-            &self,
-            history: &[u32],
-            tokens: &[u32],
-        ) -> $crate::delegate::types::SiteResult<()> {
-            self.$f.prefetch(history, tokens)
+        fn prefetch(&self, plan: &Self::Plan) -> $crate::delegate::types::SiteResult<()> {
+            self.$f.prefetch(plan)
         }
     };
-    (@one $f:ident prefetch_step) => {
-        fn prefetch_step(
+    (@one $f:ident prestage) => {
+        fn prestage(
             &self,
-            work: &[(&[u32], &[u32])],
+            plan: &Self::Plan,
+            seqs: &[usize],
+            states: &mut [&mut Self::State],
+            rows: usize,
+            gpu: &dyn $crate::delegate::types::GpuBackend,
+            stream: $crate::delegate::types::StreamId,
         ) -> $crate::delegate::types::SiteResult<()> {
-            self.$f.prefetch_step(work)
-        }
-    };
-    (@one $f:ident prefetch_ahead) => {
-        fn prefetch_ahead(
-            &self,
-            work: &[(&[u32], &[u32])],
-        ) -> $crate::delegate::types::SiteResult<()> {
-            self.$f.prefetch_ahead(work)
+            self.$f.prestage(plan, seqs, states, rows, gpu, stream)
         }
     };
     (@one $f:ident table_stats) => {

@@ -19,6 +19,11 @@
 //! - [`delegate`]: [`delegate_site!`], the methods of a wrapper site that
 //!   pass calls on unchanged.
 //!
+//! A site is two traits: [`CarrySite`] (geometry, carries, their blobs)
+//! and [`Site`] (a step: plan, prefetch, run, prestage). A step is a value,
+//! [`StepPlans`]: [`Engine::plan`] hashes it once at every site, and the
+//! engine's prefetch, prefill and decode calls take it.
+//!
 //! Tiny test models and the other shared test helpers live in the
 //! `metrale-testkit` crate, a dev-dependency only.
 
@@ -35,7 +40,7 @@ pub mod snapshot;
 pub mod store;
 
 pub use engine::{
-    Added, Engine, EngineConfig, EngineError, EngineStats, Place, SeqId, Site, SiteResult,
-    SwapTarget,
+    Added, CarrySite, Engine, EngineConfig, EngineError, EngineStats, Place, SeqId, Site,
+    SiteResult, StepPlans, SwapTarget,
 };
 pub use server::{Server, ServerConfig, ServerError, ServerReport};

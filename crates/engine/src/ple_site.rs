@@ -1,50 +1,44 @@
 //! The PLE layer as an engine [`Site`].
 //!
 //! [`PleSite`] wraps a [`PleLayer`]; the site's geometry is the layer's
-//! [`SiteSpec`]. Every call maps
-//! onto the layer's own API: `forward` with host token ids, `forward_batch`
-//! (one gather, one projection, one gate, one batched conv for the whole
-//! batch), `snapshot` / `restore` (the aux blob codec of
-//! `carry_blob`) and the seed's `release_seq_state`.
-//!
-//! A step's prefetch ([`Site::prefetch_step`]) hashes the step's tokens
-//! once ([`PleLayer::hash_ahead`]) and keeps the ids, and the step's
-//! forwards (eager batched, prestaged for a graph, or one sequence's
-//! chunk) take them from there instead of hashing again.
+//! [`SiteSpec`]. Every call maps onto the layer's own API: the carry half
+//! ([`CarrySite`]) onto `new_seq_state`, `snapshot` / `restore` (the aux
+//! blob codec of `carry_blob`) and the seed's `release_seq_state`; the
+//! step half onto `plan`, `prefetch`, `run`, `run_batch` and, for a
+//! captured decode step, `prestage_plan` and the prestaged
+//! `forward_batch`. A step's plan is a value the engine hands from the
+//! prefetch to the forwards: the site keeps none.
 //!
 //! Invariant: the wrapper adds no state of a carry's, so a carry's meaning
-//! is exactly the layer's; the ids it keeps are a pure function of a
-//! carried history and tokens, which the layer matches before using them,
-//! so they never change an output.
+//! is exactly the layer's.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::{
-    ForwardContext, HashedIds, PleLayer, PleSeqState, SiteSpec,
+    ForwardContext, PlanPart, PleLayer, PleSeqState, SeqWork, SiteSpec, StepPlan,
 };
 use metrale_storage::table::TableStats;
 
-use crate::engine::{Site, SiteResult};
+use crate::engine::{CarrySite, Site, SiteResult};
 
 /// A PLE layer driven by the engine.
 pub struct PleSite {
     layer: PleLayer,
-    /// The ids of the last step prefetch, for that step's forwards.
-    hashed: Mutex<Option<Arc<HashedIds>>>,
-    /// Host time of step prefetches: hashing, then queueing the reads.
+    /// Host time of the plans whose reads were started, and of starting
+    /// them.
     hash_ns: AtomicU64,
     prefetch_ns: AtomicU64,
 }
 
-/// Host time a site spent starting its step prefetches.
+/// Host time a site spent on the steps whose reads were started ahead.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefetchTime {
-    /// Hashing the step's ids.
+    /// Hashing those steps into plans (a forward that plans for itself
+    /// hashes in its own host time instead).
     pub hash: Duration,
-    /// Handing them to the table (claiming slots, queueing the reads).
+    /// Handing plans to the table (claiming slots, queueing the reads).
     pub queue: Duration,
 }
 
@@ -54,47 +48,17 @@ impl PleSite {
     pub fn new(layer: PleLayer) -> Self {
         PleSite {
             layer,
-            hashed: Mutex::new(None),
             hash_ns: AtomicU64::new(0),
             prefetch_ns: AtomicU64::new(0),
         }
     }
 
-    /// Host time of the step prefetches so far.
+    /// Host time of the plans prefetched so far, and of their prefetches.
     pub fn prefetch_time(&self) -> PrefetchTime {
         PrefetchTime {
             hash: Duration::from_nanos(self.hash_ns.load(Ordering::Relaxed)),
             queue: Duration::from_nanos(self.prefetch_ns.load(Ordering::Relaxed)),
         }
-    }
-
-    /// Hash `work` into one batch of ids and start their reads, timing
-    /// both; with `keep`, the ids become the ones the next forwards take
-    /// (kept even when starting the reads failed: hashing did not).
-    fn hash_and_read(&self, work: &[(&[u32], &[u32])], keep: bool) -> SiteResult<()> {
-        let t0 = Instant::now();
-        let hashed = self.layer.hash_ahead(work)?;
-        let t1 = Instant::now();
-        self.hash_ns
-            .fetch_add((t1 - t0).as_nanos() as u64, Ordering::Relaxed);
-        if hashed.is_empty() {
-            return Ok(());
-        }
-        let r = self.layer.prefetch_hashed(&hashed);
-        if keep {
-            *self.hashed.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(hashed));
-        }
-        self.prefetch_ns
-            .fetch_add(t1.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok(r?)
-    }
-
-    /// The ids the last step prefetch hashed, if any.
-    fn hashed(&self) -> Option<Arc<HashedIds>> {
-        self.hashed
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
     }
 
     /// The wrapped layer.
@@ -103,27 +67,106 @@ impl PleSite {
     }
 }
 
-impl Site for PleSite {
+impl CarrySite for PleSite {
     type State = PleSeqState;
 
-    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
-        Ok(self.layer.prefetch(history, tokens)?)
+    fn geometry(&self) -> SiteSpec {
+        self.layer.spec().clone()
     }
 
-    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        // One batch of ids for the whole step, so the table reads them
-        // together, kept for the step's forwards.
-        self.hash_and_read(work, true)
+    fn carry_bytes(&self) -> usize {
+        self.layer.conv_state_bytes()
     }
 
-    fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        // One batch for the later step, its ids not kept: the step under
-        // way keeps finding its own.
-        self.hash_and_read(work, false)
+    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<PleSeqState> {
+        Ok(self.layer.new_seq_state(gpu)?)
     }
 
-    fn table_stats(&self) -> TableStats {
-        self.layer.table().stats()
+    fn history<'s>(&self, st: &'s PleSeqState) -> &'s [u32] {
+        // A history of another length is reset by the next forward.
+        match st.history().len() == self.layer.dims().context_len() {
+            true => st.history(),
+            false => &[],
+        }
+    }
+
+    fn snapshot(
+        &self,
+        st: &PleSeqState,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<Vec<u8>> {
+        Ok(self.layer.snapshot(st, gpu, stream)?)
+    }
+
+    fn restore(
+        &self,
+        st: &mut PleSeqState,
+        blob: &[u8],
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        Ok(self.layer.restore(st, blob, gpu, stream)?)
+    }
+
+    fn release(&self, st: &mut PleSeqState, gpu: &dyn GpuBackend) -> SiteResult<()> {
+        Ok(self.layer.release_seq_state(st, gpu)?)
+    }
+
+    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
+        Ok(self.layer.free(gpu)?)
+    }
+}
+
+impl Site for PleSite {
+    type Plan = StepPlan;
+
+    fn max_tokens(&self) -> usize {
+        self.layer.max_tokens().min(self.layer.max_batch())
+    }
+
+    fn plan(&self, work: &[SeqWork<'_>]) -> SiteResult<StepPlan> {
+        Ok(self.layer.plan(work)?)
+    }
+
+    fn prefetch(&self, plan: &StepPlan) -> SiteResult<()> {
+        self.hash_ns
+            .fetch_add(plan.hash_time().as_nanos() as u64, Ordering::Relaxed);
+        let t0 = Instant::now();
+        let r = self.layer.prefetch(plan);
+        self.prefetch_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok(r?)
+    }
+
+    fn run(
+        &self,
+        plan: &StepPlan,
+        part: PlanPart,
+        st: &mut PleSeqState,
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        Ok(self
+            .layer
+            .run(plan, part, st, highway, fresh, gpu, stream)?)
+    }
+
+    fn run_batch(
+        &self,
+        plan: &StepPlan,
+        seqs: &[usize],
+        states: &mut [&mut PleSeqState],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let rows = states.len();
+        Ok(self
+            .layer
+            .run_batch(plan, seqs, states, highway, rows, gpu, stream)?)
     }
 
     fn supports_graphs(&self) -> bool {
@@ -136,23 +179,18 @@ impl Site for PleSite {
         Some(self.layer.max_prestage_batch())
     }
 
-    fn prestage_batch(
+    fn prestage(
         &self,
+        plan: &StepPlan,
+        seqs: &[usize],
         states: &mut [&mut PleSeqState],
-        tokens: &[u32],
         rows: usize,
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<()> {
-        let hashed = self.hashed();
-        Ok(self.layer.prestage_batch_hashed(
-            states,
-            tokens,
-            rows,
-            hashed.as_deref(),
-            gpu,
-            stream,
-        )?)
+        Ok(self
+            .layer
+            .prestage_plan(plan, seqs, states, rows, gpu, stream)?)
     }
 
     fn forward_prestaged(
@@ -183,158 +221,7 @@ impl Site for PleSite {
         self.layer.rearm(st);
     }
 
-    fn geometry(&self) -> SiteSpec {
-        self.layer.spec().clone()
-    }
-
-    fn max_tokens(&self) -> usize {
-        self.layer.max_tokens().min(self.layer.max_batch())
-    }
-
-    fn carry_bytes(&self) -> usize {
-        self.layer.conv_state_bytes()
-    }
-
-    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<PleSeqState> {
-        Ok(self.layer.new_seq_state(gpu)?)
-    }
-
-    fn forward(
-        &self,
-        st: &mut PleSeqState,
-        tokens: &[u32],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
-        let hashed = self.hashed();
-        Ok(self.layer.forward_hashed(
-            st,
-            highway,
-            tokens.len(),
-            fresh,
-            &ctx,
-            hashed.as_deref(),
-            stream,
-        )?)
-    }
-
-    fn forward_masked(
-        &self,
-        st: &mut PleSeqState,
-        tokens: &[u32],
-        masked: &[bool],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        // The layer checks the mask (its length, and that the site takes
-        // one) and refuses with `LayerError::TokenMask`.
-        let ctx = ForwardContext::new(gpu)
-            .with_host_ids(tokens)
-            .with_masked(masked);
-        let hashed = self.hashed();
-        Ok(self.layer.forward_hashed(
-            st,
-            highway,
-            tokens.len(),
-            fresh,
-            &ctx,
-            hashed.as_deref(),
-            stream,
-        )?)
-    }
-
-    fn forward_batch_masked(
-        &self,
-        states: &mut [&mut PleSeqState],
-        tokens: &[u32],
-        masked: &[bool],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        if tokens.len() != states.len() {
-            return Err(format!(
-                "PLE site: {} tokens for a batch of {} sequences",
-                tokens.len(),
-                states.len()
-            )
-            .into());
-        }
-        let ctx = ForwardContext::new(gpu)
-            .with_host_ids(tokens)
-            .with_masked(masked);
-        let hashed = self.hashed();
-        Ok(self.layer.forward_batch_hashed(
-            states,
-            highway,
-            states.len(),
-            &ctx,
-            hashed.as_deref(),
-            stream,
-        )?)
-    }
-
-    fn forward_batch(
-        &self,
-        states: &mut [&mut PleSeqState],
-        tokens: &[u32],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        if tokens.len() != states.len() {
-            return Err(format!(
-                "PLE site: {} tokens for a batch of {} sequences",
-                tokens.len(),
-                states.len()
-            )
-            .into());
-        }
-        let ctx = ForwardContext::new(gpu).with_host_ids(tokens);
-        let hashed = self.hashed();
-        Ok(self.layer.forward_batch_hashed(
-            states,
-            highway,
-            states.len(),
-            &ctx,
-            hashed.as_deref(),
-            stream,
-        )?)
-    }
-
-    fn snapshot(
-        &self,
-        st: &PleSeqState,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<Vec<u8>> {
-        Ok(self.layer.snapshot(st, gpu, stream)?)
-    }
-
-    fn restore(
-        &self,
-        st: &mut PleSeqState,
-        blob: &[u8],
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        Ok(self.layer.restore(st, blob, gpu, stream)?)
-    }
-
-    fn release(&self, st: &mut PleSeqState, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        Ok(self.layer.release_seq_state(st, gpu)?)
-    }
-
-    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        *self
-            .hashed
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner) = None;
-        Ok(self.layer.free(gpu)?)
+    fn table_stats(&self) -> TableStats {
+        self.layer.table().stats()
     }
 }

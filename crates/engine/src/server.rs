@@ -7,11 +7,12 @@
 //! sequences, resident carries first) with one prefill chunk (at most
 //! [`ServerConfig::prefill_chunk`] tokens; the same request goes on until
 //! its prompt is done, first come, first served). At the start of each step,
-//! as soon as its tokens are known, it starts the row reads of the step's
-//! decode batch and prefill chunk at every site at once
-//! ([`Site::prefetch_step`]: one batch of ids per site, each id hashed once
-//! and handed to the step's forwards, which hash nothing again), so that
-//! they run while the step computes, and with
+//! as soon as its tokens are known, it plans the step's decode batch and
+//! prefill chunk at every site at once ([`Engine::plan`]: one plan per
+//! site, each id hashed once), starts their row reads
+//! ([`Engine::prefetch_plan`]) and runs the same plan in the step's decode
+//! and prefill, which hash nothing again, so that the reads run while the
+//! step computes, and with
 //! [`ServerConfig::prefetch_ahead`] those of the next step's decode batch
 //! too (sequences waiting behind this step's, whose tokens are known), so
 //! that those overlap this whole step: with a backbone
@@ -50,7 +51,7 @@ use metrale_storage::table::TableStats;
 use thiserror::Error;
 
 use crate::backbone::{BackboneConfig, BackboneError, Layered, layered};
-use crate::engine::{Engine, EngineConfig, EngineError, EngineStats, SeqId, Site};
+use crate::engine::{Engine, EngineConfig, EngineError, EngineStats, SeqId, Site, StepPlans};
 
 /// Where a segment of a request's tokens goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,11 +95,11 @@ pub struct ServerConfig {
     /// Start the row reads of each step's decode batch and prefill chunk at
     /// the start of the step.
     pub prefetch: bool,
-    /// With `prefetch`, also start the reads of the next step's decode
-    /// batch (the sequences waiting behind this step's, whose next tokens
-    /// are known), after this step's own ([`Site::prefetch_ahead`]), so
-    /// that they overlap this step's compute. The next step asks for them
-    /// again (a lookup a row) so that its forwards find their ids hashed.
+    /// With `prefetch`, also plan and start the reads of the next step's
+    /// decode batch (the sequences waiting behind this step's, whose next
+    /// tokens are known), after this step's own, so that they overlap this
+    /// step's compute. The next step plans them again (a lookup a row) and
+    /// runs its own plan.
     pub prefetch_ahead: bool,
     /// Run backbone blocks (one per model layer) around the sites. Taken by
     /// [`Server::build`], which wraps the sites; [`Server::new`] takes an
@@ -399,11 +400,11 @@ impl<S: Site> Server<S> {
             let lives = self.pick_decode(&mut run)?;
             // The step's tokens are known: start every read it will make,
             // then those of the next step's decode batch.
-            let mut started: Started = None;
+            let (mut started, mut plan): (Started, _) = (None, None);
             if self.cfg.prefetch {
-                started = self.prefetch_step(&run, &lives, true, true)?;
+                (started, plan) = self.prefetch_step(&run, &lives, true, true)?;
             }
-            if !self.decode_step(&mut run, lives, &mut highway, done)? {
+            if !self.decode_step(&mut run, lives, &mut highway, plan.as_ref(), done)? {
                 // A failed step starts the next round: admission refills
                 // the places of the sequences it released.
                 continue;
@@ -411,9 +412,9 @@ impl<S: Site> Server<S> {
             // A prompt that became due during the decode step (a turn
             // after generated tokens) starts its reads now.
             if self.cfg.prefetch && started != self.prefill_due(&run) {
-                self.prefetch_step(&run, &[], true, false)?;
+                plan = self.prefetch_step(&run, &[], true, false)?.1;
             }
-            self.prefill_step(&mut run, &mut highway, done)?;
+            self.prefill_step(&mut run, &mut highway, plan.as_ref(), done)?;
         }
         run.report.wall = start.elapsed();
         run.report.stats = self.engine.stats();
@@ -432,56 +433,49 @@ impl<S: Site> Server<S> {
         run.prefilling.front().map(|l| (l.req, l.pos))
     }
 
-    /// Start the row reads of `lives`' decode tokens, with `ahead` and
-    /// [`ServerConfig::prefetch_ahead`] those of the next step's decode
-    /// batch (the first `decode_batch` sequences waiting to decode; a
-    /// guess, since swaps may reorder them, and advice either way), and,
-    /// with `prefill`, of the prefill chunk due next, at every site: one
-    /// call per site with every sequence of the step. Returns the chunk it
-    /// covered.
+    /// Plan the step and start its row reads: `lives`' decode tokens and,
+    /// with `prefill`, the prefill chunk due next, in one plan for every
+    /// site ([`Engine::plan`]), which the step's decode and prefill then
+    /// run; with `ahead` and [`ServerConfig::prefetch_ahead`], also plan
+    /// and read the next step's decode batch (the first `decode_batch`
+    /// sequences waiting to decode; a guess, since swaps may reorder them,
+    /// and advice either way), whose plan is dropped once its reads are
+    /// queued. Returns the chunk it covered and the step's plan.
+    #[allow(clippy::type_complexity)]
     fn prefetch_step(
         &self,
         run: &Run<'_>,
         lives: &[Live],
         prefill: bool,
         ahead: bool,
-    ) -> Result<Started, ServerError> {
+    ) -> Result<(Started, Option<StepPlans<S::Plan>>), ServerError> {
         let reqs = run.w.requests;
         let peek = if ahead && self.cfg.prefetch_ahead {
             self.cfg.decode_batch.min(run.decoding.len())
         } else {
             0
         };
-        // A decode token's entry: the sequence's tokens so far, and it.
-        let entry = |l: &Live| -> Result<(&[u32], &[u32]), EngineError> {
-            let toks = &reqs[l.req].tokens;
-            Ok((self.engine.tokens(l.id)?, &toks[l.pos..l.pos + 1]))
-        };
-        let mut work = lives.iter().map(entry).collect::<Result<Vec<_>, _>>()?;
-        let later = run
-            .decoding
-            .iter()
-            .take(peek)
-            .map(entry)
-            .collect::<Result<Vec<_>, _>>()?;
+        // A decode token's entry: the sequence and its next token.
+        let entry = |l: &Live| (l.id, &reqs[l.req].tokens[l.pos..l.pos + 1]);
+        let mut work: Vec<(SeqId, &[u32])> = lives.iter().map(entry).collect();
+        let later: Vec<(SeqId, &[u32])> = run.decoding.iter().take(peek).map(entry).collect();
         let mut started = None;
         if prefill && let Some(l) = run.prefilling.front() {
             let r = &reqs[l.req];
             let n = (r.segments[l.seg].1 - l.pos).min(self.cfg.prefill_chunk);
-            work.push((self.engine.tokens(l.id)?, &r.tokens[l.pos..l.pos + n]));
+            work.push((l.id, &r.tokens[l.pos..l.pos + n]));
             started = Some((l.req, l.pos));
         }
-        for (i, site) in self.engine.sites().iter().enumerate() {
-            if !work.is_empty() {
-                site.prefetch_step(&work)
-                    .map_err(|e| EngineError::site(i, format!("site {i} step prefetch"), e))?;
-            }
-            if !later.is_empty() {
-                site.prefetch_ahead(&later)
-                    .map_err(|e| EngineError::site(i, format!("site {i} prefetch ahead"), e))?;
-            }
+        let mut plan = None;
+        if !work.is_empty() {
+            let p = self.engine.plan(&work)?;
+            self.engine.prefetch_plan(&p)?;
+            plan = Some(p);
         }
-        Ok(started)
+        if !later.is_empty() {
+            self.engine.prefetch_plan(&self.engine.plan(&later)?)?;
+        }
+        Ok((started, plan))
     }
 
     /// Admit waiting requests up to `in_flight`.
@@ -541,6 +535,7 @@ impl<S: Site> Server<S> {
         run: &mut Run<'_>,
         lives: Vec<Live>,
         highway: &mut [f32],
+        plan: Option<&StepPlans<S::Plan>>,
         done: &mut dyn FnMut(usize),
     ) -> Result<bool, ServerError> {
         let n = lives.len();
@@ -557,7 +552,10 @@ impl<S: Site> Server<S> {
             (run.w.rows)(t, &mut rows[b * width..(b + 1) * width]);
         }
         let t0 = Instant::now();
-        let r = self.engine.decode(&batch, rows);
+        let r = match plan {
+            Some(p) => self.engine.decode_planned(&batch, p, rows),
+            None => self.engine.decode(&batch, rows),
+        };
         run.report.decode_time += t0.elapsed();
         if let Err(source) = r {
             self.lose(run, lives, ServerError::Decode { source }, done)?;
@@ -577,6 +575,7 @@ impl<S: Site> Server<S> {
         &mut self,
         run: &mut Run<'_>,
         highway: &mut [f32],
+        plan: Option<&StepPlans<S::Plan>>,
         done: &mut dyn FnMut(usize),
     ) -> Result<(), ServerError> {
         let Some(mut l) = run.prefilling.pop_front() else {
@@ -592,7 +591,10 @@ impl<S: Site> Server<S> {
             (run.w.rows)(t, &mut rows[i * width..(i + 1) * width]);
         }
         let t0 = Instant::now();
-        let r = self.engine.prefill(l.id, toks, rows);
+        let r = match plan {
+            Some(p) => self.engine.prefill_planned(l.id, toks, p, rows),
+            None => self.engine.prefill(l.id, toks, rows),
+        };
         run.report.prefill_time += t0.elapsed();
         if let Err(source) = r {
             let e = ServerError::Prefill {

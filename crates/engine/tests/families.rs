@@ -263,8 +263,8 @@ fn out_of_vocabulary_tokens_are_refused_at_every_entry_point() {
 
 #[test]
 fn only_the_v41_site_takes_a_token_mask_through_the_site_api() {
-    use metrale_engine::Site;
-    use metrale_model_layers::layers::ple::LayerError;
+    use metrale_engine::{CarrySite, Site};
+    use metrale_model_layers::layers::ple::{LayerError, PlanPart, SeqWork};
 
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let g = gpu.as_ref();
@@ -283,15 +283,20 @@ fn only_the_v41_site_takes_a_token_mask_through_the_site_api() {
         g.copy_h2d(&bytes, hw).unwrap();
         let mut st = site.new_state(g).unwrap();
         let masked = [true; 4];
-        let r = site.forward_masked(&mut st, &tokens, &masked, hw, true, g, 0);
+        let r = site.plan(&[SeqWork::new(&[], &tokens).with_masked(&masked)]);
         if family == TinyFamily::EngramV41 {
-            r.unwrap();
+            let plan = r.unwrap();
+            let whole = PlanPart::whole(&plan, 0);
+            site.run(&plan, whole, &mut st, hw, true, g, 0).unwrap();
             // Every gate shut: the highway comes back bit for bit.
             let mut back = vec![0u8; bytes.len()];
             g.copy_d2h(hw, &mut back).unwrap();
             assert_eq!(back, bytes);
-            let mut one = [&mut st];
-            site.forward_batch_masked(&mut one, &[7], &[true], hw, g, 0)
+            let history = site.history(&st).to_vec();
+            let plan = site
+                .plan(&[SeqWork::new(&history, &[7]).with_masked(&[true])])
+                .unwrap();
+            site.run_batch(&plan, &[0], &mut [&mut st], hw, g, 0)
                 .unwrap();
         } else {
             let e = r.unwrap_err();
@@ -300,9 +305,8 @@ fn only_the_v41_site_takes_a_token_mask_through_the_site_api() {
                 matches!(layer, Some(LayerError::TokenMask(_))),
                 "{family:?}: {e}"
             );
-            let mut one = [&mut st];
             assert!(
-                site.forward_batch_masked(&mut one, &[7], &[false], hw, g, 0)
+                site.plan(&[SeqWork::new(&[], &[7]).with_masked(&[false])])
                     .is_err()
             );
         }

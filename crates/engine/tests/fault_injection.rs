@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::{Engine, EngineConfig, EngineError, SeqId, Site};
+use metrale_engine::{CarrySite, Engine, EngineConfig, EngineError, SeqId};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::PleLayer;
@@ -142,7 +142,7 @@ fn rig_with_budget(
         sites.push(PleSite::new(layer));
         tables.push(table);
     }
-    let carry: usize = sites.iter().map(Site::carry_bytes).sum();
+    let carry: usize = sites.iter().map(CarrySite::carry_bytes).sum();
     let cfg = EngineConfig {
         prefill_chunk: 8,
         prefix_cache_bytes: 0,

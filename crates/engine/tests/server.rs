@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Phase, Request, Workload, fingerprint};
 use metrale_engine::{
-    Engine, EngineConfig, EngineError, Server, ServerConfig, ServerError, ServerReport, Site,
-    SwapTarget,
+    CarrySite, Engine, EngineConfig, EngineError, Server, ServerConfig, ServerError, ServerReport,
+    Site, SwapTarget,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
@@ -216,10 +216,7 @@ fn scheduled_fault(
 ) -> impl Fn(SiteCall<'_>) -> Option<String> + Send + Sync + 'static {
     let (calls, left) = (calls.clone(), left.clone());
     move |call| {
-        if !matches!(
-            call,
-            SiteCall::Forward { .. } | SiteCall::ForwardBatch { .. }
-        ) {
+        if !matches!(call, SiteCall::Run { .. } | SiteCall::RunBatch { .. }) {
             return None;
         }
         let n = calls.fetch_add(1, Ordering::Relaxed) + 1;
@@ -339,14 +336,9 @@ fn malformed_requests_and_settings_are_refused() {
 /// each batched decode.
 #[derive(Debug, PartialEq)]
 enum Seen {
-    Step(Vec<u32>),
-    Ahead(Vec<u32>),
+    /// A prefetch of a plan: each planned sequence's tokens.
+    Prefetch(Vec<Vec<u32>>),
     Batch(Vec<u32>),
-}
-
-/// The last token of each entry.
-fn last_tokens(work: &[(&[u32], &[u32])]) -> Vec<u32> {
-    work.iter().map(|(_, t)| *t.last().unwrap()).collect()
 }
 
 /// A hook that notes prefetches and batched decodes in `seen` and fails
@@ -357,14 +349,23 @@ fn watch(
     let seen = seen.clone();
     move |call| {
         let s = match call {
-            SiteCall::PrefetchStep { work } => Seen::Step(last_tokens(work)),
-            SiteCall::PrefetchAhead { work } => Seen::Ahead(last_tokens(work)),
-            SiteCall::ForwardBatch { tokens } => Seen::Batch(tokens.to_vec()),
+            SiteCall::Prefetch { tokens } => {
+                Seen::Prefetch(tokens.iter().map(|t| t.to_vec()).collect())
+            }
+            SiteCall::RunBatch { tokens } => Seen::Batch(tokens.to_vec()),
             _ => return None,
         };
         seen.lock().unwrap().push(s);
         None
     }
+}
+
+/// Whether `a` and `b` hold the same tokens, in any order.
+fn same_tokens(a: &[u32], b: &[u32]) -> bool {
+    let (mut a, mut b) = (a.to_vec(), b.to_vec());
+    a.sort_unstable();
+    b.sort_unstable();
+    a == b
 }
 
 /// Requests of a short prompt and `generated` tokens each, no shared
@@ -414,17 +415,41 @@ fn the_next_decode_batch_is_read_a_step_ahead() {
         assert!(done.iter().all(|&d| d == 1));
         check(&report.rows, &want, report.stats.prefix_tokens_restored);
         let seen = std::mem::take(&mut *seen.lock().unwrap());
+        // A step's own prefetch plans exactly the decode tokens of the
+        // batch that follows it (and any prefill chunk); a prefetch of
+        // decode tokens the next batch does not run is a look-ahead.
+        let is_ahead: Vec<bool> = seen
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let Seen::Prefetch(entries) = s else {
+                    return false;
+                };
+                let decode: Vec<u32> = entries
+                    .iter()
+                    .filter(|e| e.len() == 1)
+                    .map(|e| e[0])
+                    .collect();
+                let next = seen[i..].iter().find_map(|s| match s {
+                    Seen::Batch(t) => Some(t.as_slice()),
+                    _ => None,
+                });
+                !decode.is_empty() && !next.is_some_and(|t| same_tokens(t, &decode))
+            })
+            .collect();
         // Each batch against the look-ahead started before the batch
         // before it: the step before this one's.
         let mut batches = 0;
         let mut covered = 0;
-        let (mut last_ahead, mut ahead_of_prev) = (None::<&Vec<u32>>, None::<&Vec<u32>>);
-        for s in &seen {
+        let (mut last_ahead, mut ahead_of_prev) = (None::<Vec<u32>>, None::<Vec<u32>>);
+        for (s, &ahead_call) in seen.iter().zip(&is_ahead) {
             match s {
-                Seen::Ahead(t) => last_ahead = Some(t),
+                Seen::Prefetch(entries) if ahead_call => {
+                    last_ahead = Some(entries.iter().flatten().copied().collect());
+                }
                 Seen::Batch(t) => {
                     batches += 1;
-                    let mut pool = ahead_of_prev.cloned().unwrap_or_default();
+                    let mut pool = ahead_of_prev.clone().unwrap_or_default();
                     let all_in = t.iter().all(|tok| {
                         pool.iter()
                             .position(|p| p == tok)
@@ -434,10 +459,10 @@ fn the_next_decode_batch_is_read_a_step_ahead() {
                     covered += usize::from(all_in && !t.is_empty());
                     ahead_of_prev = last_ahead.take();
                 }
-                Seen::Step(_) => {}
+                Seen::Prefetch(_) => {}
             }
         }
-        let aheads = seen.iter().filter(|s| matches!(s, Seen::Ahead(_))).count();
+        let aheads = is_ahead.iter().filter(|&&a| a).count();
         if ahead {
             assert!(aheads > 0);
             assert!(

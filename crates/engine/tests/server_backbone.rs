@@ -10,7 +10,10 @@ use std::sync::Arc;
 use metrale_engine::backbone::{BackboneConfig, BackboneError, BlockShape, layered};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Phase, Request, TimedReader, Workload};
-use metrale_engine::{EngineConfig, Server, ServerConfig, ServerError, ServerReport, Site};
+use metrale_engine::{
+    CarrySite, Engine, EngineConfig, EngineError, SeqId, Server, ServerConfig, ServerError,
+    ServerReport,
+};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::PleLayer;
@@ -333,20 +336,17 @@ fn a_step_prefetch_reads_exactly_the_rows_the_step_resolves() {
     let b = e.add_sequence(&[8, 9]).unwrap().id;
     // The step: one decode token of `a`, a prefill chunk of `b`.
     let (ta, chunk) = (311u32, [412u32, 513, 614]);
-    let history_a = e.tokens(a).unwrap().to_vec();
     e.prefill(b, &[8, 9], &mut rows(&[8, 9])).unwrap();
-    let history_b = e.tokens(b).unwrap().to_vec();
-    let one = [ta];
-    let work: Vec<(&[u32], &[u32])> = vec![(&history_a, &one), (&history_b, &chunk)];
-    for site in e.sites() {
-        site.prefetch_step(&work).unwrap();
-    }
+    let plan = e.plan(&[(a, &[ta]), (b, &chunk)]).unwrap();
+    e.prefetch_plan(&plan).unwrap();
     for c in &caches {
         c.wait_prefetched();
     }
     let before = e.table_stats();
-    e.decode(&[(a, ta)], &mut rows(&[ta])).unwrap();
-    e.prefill(b, &chunk, &mut rows(&chunk)).unwrap();
+    e.decode_planned(&[(a, ta)], &plan, &mut rows(&[ta]))
+        .unwrap();
+    e.prefill_planned(b, &chunk, &plan, &mut rows(&chunk))
+        .unwrap();
     let d = e.table_stats().since(&before);
     let heads: u64 = e
         .geometries()
@@ -358,22 +358,22 @@ fn a_step_prefetch_reads_exactly_the_rows_the_step_resolves() {
     e.close().unwrap();
 }
 
-/// What a step prefetch is told before each call in
-/// [`hashed_ids_run`].
+/// What a step is planned for before each call in [`planned_run`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Ahead {
-    /// No prefetch: every forward hashes its own ids.
+    /// No plan: every call plans for itself.
     None,
-    /// The call's own tokens: its forwards take the prefetch's ids.
+    /// The call's own tokens: the call runs the plan.
     Same,
-    /// Other tokens: nothing matches, so its forwards hash.
+    /// Other tokens: the planned call is refused, changing nothing, and
+    /// the call then runs unplanned.
     Other,
 }
 
 /// Three sequences prefilled (in two chunks each) then decoded six steps
-/// together, eagerly or through decode graphs, with a step prefetch before
-/// every call as `ahead` says; every output row's bits, in order.
-fn hashed_ids_run(family: Option<TinyFamily>, graphs: bool, ahead: Ahead) -> Vec<u32> {
+/// together, eagerly or through decode graphs, each call planned and
+/// prefetched ahead as `ahead` says; every output row's bits, in order.
+fn planned_run(family: Option<TinyFamily>, graphs: bool, ahead: Ahead) -> Vec<u32> {
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
     let s: Vec<PleSite> = match family {
         None => (0..2)
@@ -395,9 +395,10 @@ fn hashed_ids_run(family: Option<TinyFamily>, graphs: bool, ahead: Ahead) -> Vec
         }
         r
     };
-    let prefetch = |e: &metrale_engine::Engine<PleSite>, work: &[(Vec<u32>, Vec<u32>)]| {
+    // The plan of `work` as `ahead` says, its reads started.
+    let plan = |e: &Engine<PleSite>, work: &[(SeqId, Vec<u32>)]| {
         let shift = match ahead {
-            Ahead::None => return,
+            Ahead::None => return None,
             Ahead::Same => 0,
             Ahead::Other => 1,
         };
@@ -405,14 +406,18 @@ fn hashed_ids_run(family: Option<TinyFamily>, graphs: bool, ahead: Ahead) -> Vec
             .iter()
             .map(|(_, t)| t.iter().map(|v| v + shift).collect())
             .collect();
-        let refs: Vec<(&[u32], &[u32])> = work
+        let refs: Vec<(SeqId, &[u32])> = work
             .iter()
             .zip(&shifted)
-            .map(|((h, _), t)| (h.as_slice(), t.as_slice()))
+            .map(|((id, _), t)| (*id, t.as_slice()))
             .collect();
-        for site in e.sites() {
-            site.prefetch_step(&refs).unwrap();
-        }
+        let p = e.plan(&refs).unwrap();
+        e.prefetch_plan(&p).unwrap();
+        Some(p)
+    };
+    let refused = |r: Result<(), EngineError>| match r {
+        Err(EngineError::PlanMismatch { .. }) => {}
+        other => panic!("a plan of other tokens ran: {other:?}"),
     };
     let mut rng = Rng(0xA11);
     let mut out = Vec::new();
@@ -421,24 +426,39 @@ fn hashed_ids_run(family: Option<TinyFamily>, graphs: bool, ahead: Ahead) -> Vec
         let prompt: Vec<u32> = (0..7).map(|_| 1 + rng.below(900) as u32).collect();
         let id = e.add_sequence(&prompt).unwrap().id;
         for chunk in prompt.chunks(4) {
-            prefetch(&e, &[(e.tokens(id).unwrap().to_vec(), chunk.to_vec())]);
+            let p = plan(&e, &[(id, chunk.to_vec())]);
             let mut r = rows(chunk);
-            e.prefill(id, chunk, &mut r).unwrap();
+            match (&p, ahead) {
+                (Some(p), Ahead::Same) => e.prefill_planned(id, chunk, p, &mut r).unwrap(),
+                (Some(p), _) => {
+                    refused(e.prefill_planned(id, chunk, p, &mut r));
+                    assert_eq!(r, rows(chunk), "a refused call wrote rows");
+                    e.prefill(id, chunk, &mut r).unwrap()
+                }
+                (None, _) => e.prefill(id, chunk, &mut r).unwrap(),
+            }
             out.extend(r.iter().map(|v| v.to_bits()));
         }
         ids.push(id);
     }
     for _ in 0..6 {
         let toks: Vec<u32> = ids.iter().map(|_| 1 + rng.below(900) as u32).collect();
-        let work: Vec<(Vec<u32>, Vec<u32>)> = ids
+        let work: Vec<(SeqId, Vec<u32>)> = ids
             .iter()
             .zip(&toks)
-            .map(|(&id, &t)| (e.tokens(id).unwrap().to_vec(), vec![t]))
+            .map(|(&id, &t)| (id, vec![t]))
             .collect();
-        prefetch(&e, &work);
+        let p = plan(&e, &work);
         let batch: Vec<_> = ids.iter().copied().zip(toks.iter().copied()).collect();
         let mut r = rows(&toks);
-        e.decode(&batch, &mut r).unwrap();
+        match (&p, ahead) {
+            (Some(p), Ahead::Same) => e.decode_planned(&batch, p, &mut r).unwrap(),
+            (Some(p), _) => {
+                refused(e.decode_planned(&batch, p, &mut r));
+                e.decode(&batch, &mut r).unwrap()
+            }
+            (None, _) => e.decode(&batch, &mut r).unwrap(),
+        }
         out.extend(r.iter().map(|v| v.to_bits()));
     }
     for site in e.sites() {
@@ -449,26 +469,23 @@ fn hashed_ids_run(family: Option<TinyFamily>, graphs: bool, ahead: Ahead) -> Vec
     out
 }
 
-/// A step prefetch hands its ids to the step's forwards (eager batched,
-/// prestaged for a graph, a prefill chunk); they give the rows of forwards
-/// that hash their own, for every family, and a prefetch of other tokens
-/// is not used.
+/// A step plan made ahead runs in the step's calls (eager batched,
+/// prestaged for a graph, a prefill chunk) and gives the rows of calls
+/// that plan for themselves, for every family; a plan of other tokens is
+/// refused.
 #[test]
-fn ids_hashed_by_a_step_prefetch_give_the_same_rows_on_every_path() {
+fn a_step_planned_ahead_gives_the_same_rows_on_every_path() {
     let families = std::iter::once(None).chain(TinyFamily::ALL.map(Some));
     for family in families {
         for graphs in [false, true] {
-            let want = hashed_ids_run(family, graphs, Ahead::None);
+            let want = planned_run(family, graphs, Ahead::None);
             for ahead in [Ahead::Same, Ahead::Other] {
-                let got = hashed_ids_run(family, graphs, ahead);
-                assert!(
-                    got == want,
-                    "{family:?}, graphs {graphs}, prefetch {ahead:?}"
-                );
+                let got = planned_run(family, graphs, ahead);
+                assert!(got == want, "{family:?}, graphs {graphs}, plan {ahead:?}");
             }
         }
         assert!(
-            hashed_ids_run(family, false, Ahead::None) == hashed_ids_run(family, true, Ahead::None),
+            planned_run(family, false, Ahead::None) == planned_run(family, true, Ahead::None),
             "{family:?}: eager and graph decode"
         );
     }

@@ -15,7 +15,7 @@ use layer_common::{
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::layers::ple::{ForwardContext, PleSeqState};
+use metrale_model_layers::layers::ple::{ForwardContext, PleSeqState, SeqWork};
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::resident::ResidentTable;
@@ -212,7 +212,8 @@ fn prefetch_brings_in_the_rows_of_the_next_forward() {
     let misses_before_next = std::cell::Cell::new(0);
     let got = run(cached.clone() as Arc<dyn RowTable>, &|layer| {
         // The history is what the carry absorbed: the first tokens.
-        layer.prefetch(&first, &next).unwrap();
+        let plan = layer.plan(&[SeqWork::new(&first, &next)]).unwrap();
+        layer.prefetch(&plan).unwrap();
         cached.wait_prefetched();
         misses_before_next.set(cached.stats().misses);
     });
@@ -227,8 +228,9 @@ fn prefetch_brings_in_the_rows_of_the_next_forward() {
     let layer = small
         .layer(g, cached.clone() as Arc<dyn RowTable>, 8)
         .unwrap();
-    layer.prefetch(&[], &next).unwrap();
-    layer.prefetch(&first, &[]).unwrap();
+    for work in [SeqWork::new(&[], &next), SeqWork::new(&first, &[])] {
+        layer.prefetch(&layer.plan(&[work]).unwrap()).unwrap();
+    }
     let mut layer = layer;
     layer.free(g).unwrap();
     drop(layer);

@@ -263,17 +263,3 @@ pub(crate) fn table_mode(name: &str) -> PyResult<TableMode> {
         ))
     })
 }
-
-/// `v` as bytes.
-pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and u8 has alignment 1; the view covers
-    // exactly the slice's memory and borrows it immutably.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}
-
-/// `v` as writable bytes.
-pub(crate) fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as in `f32_bytes`; every byte pattern is a valid f32, so
-    // writes through the view cannot create an invalid value.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
-}

@@ -20,7 +20,7 @@ use pyo3::types::{PyBytes, PyDict};
 use metrale_checkpoint::Checkpoint as CkInner;
 use metrale_checkpoint::runtime::TableMode;
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::{EngineConfig, EngineStats, SeqId, Site, SwapTarget};
+use metrale_engine::{CarrySite, EngineConfig, EngineStats, SeqId, SwapTarget};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::cached::CacheConfig;
@@ -95,7 +95,7 @@ pub(crate) fn build(ck: &CkInner, s: &Setup) -> anyhow::Result<(Inner, Facts)> {
     }
     let mut cfg = s.engine.clone();
     if s.resident_carries > 0 {
-        let carry: usize = sites.iter().map(Site::carry_bytes).sum();
+        let carry: usize = sites.iter().map(CarrySite::carry_bytes).sum();
         cfg.device_budget_bytes = s.resident_carries.saturating_mul(carry);
     }
     let engine = Inner::new(gpu, sites, cfg)?;

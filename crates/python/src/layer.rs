@@ -27,14 +27,15 @@ use metrale_engine::engine::{mask_family, takes_token_mask};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
 use metrale_model_layers::layers::ple::carry_blob;
+use metrale_model_layers::layers::ple::highway::{self, f32_bytes_mut};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
 use metrale_model_layers::layers::ple::{
-    ForwardContext, PleLayer, PleSeqState, PleWeights, SiteSpec,
+    ForwardContext, PleLayer, PleSeqState, PleWeights, SeqWork, SiteSpec, StepPlan,
 };
 use metrale_storage::cached::CacheConfig;
 use metrale_storage::table::RowTable;
 
-use crate::args::{self, Width, f32_bytes, f32_bytes_mut};
+use crate::args::{self, Width};
 use crate::error::{py_err, value_error};
 use metrale_storage::resident::ResidentTable;
 
@@ -64,14 +65,13 @@ impl Core {
         let step = self.layer.max_tokens();
         let g = self.gpu.as_ref();
         for (i, (t, rows)) in tokens.chunks(step).zip(hw.chunks_mut(step * c)).enumerate() {
-            g.copy_h2d(f32_bytes(rows), self.highway)?;
             let mut ctx = ForwardContext::new(g).with_host_ids(t);
             if let Some(m) = masked {
                 ctx = ctx.with_masked(&m[i * step..i * step + t.len()]);
             }
-            self.layer
-                .forward(st, self.highway, t.len(), false, &ctx, 0)?;
-            g.copy_d2h_on_stream(self.highway, f32_bytes_mut(rows), 0)?;
+            highway::on_device(g, self.highway, rows, 0, copy_err, |hw| {
+                Ok(self.layer.forward(st, hw, t.len(), false, &ctx, 0)?)
+            })?;
         }
         Ok(())
     }
@@ -94,16 +94,35 @@ impl Core {
             .zip(hw.chunks_mut(step * c))
             .enumerate()
         {
-            g.copy_h2d(f32_bytes(rows), self.highway)?;
             let mut ctx = ForwardContext::new(g).with_host_ids(t);
             if let Some(m) = masked {
                 ctx = ctx.with_masked(&m[i * step..i * step + t.len()]);
             }
-            self.layer
-                .forward_batch(sts, self.highway, t.len(), &ctx, 0)?;
-            g.copy_d2h_on_stream(self.highway, f32_bytes_mut(rows), 0)?;
+            highway::on_device(g, self.highway, rows, 0, copy_err, |hw| {
+                Ok(self.layer.forward_batch(sts, hw, t.len(), &ctx, 0)?)
+            })?;
         }
         Ok(())
+    }
+
+    /// The rows of `plan`'s distinct ids, `[distinct, row_dim]`, staged
+    /// into a buffer of the caller's (here one allocated for the call) as
+    /// an engine with kernels of its own would.
+    fn stage(&self, plan: &StepPlan) -> anyhow::Result<Vec<f32>> {
+        let g = self.gpu.as_ref();
+        let n = plan.distinct().len() * self.layer.row_dim();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let out = g.alloc(n * 4, "python.staged_rows")?;
+        let mut rows = vec![0f32; n];
+        let r = self
+            .layer
+            .stage(plan, out, g, 0)
+            .map_err(anyhow::Error::from)
+            .and_then(|()| Ok(g.copy_d2h_on_stream(out, f32_bytes_mut(&mut rows), 0)?));
+        g.dealloc(out)?;
+        r.map(|()| rows)
     }
 
     fn check_live(st: &PleSeqState) -> anyhow::Result<()> {
@@ -128,6 +147,11 @@ impl Core {
     fn fresh_blob(&self) -> Vec<u8> {
         carry_blob::fresh(self.layer.spec())
     }
+}
+
+/// A failed highway copy, for [`highway::on_device`].
+fn copy_err(what: &'static str, e: metrale_gpu_runtime::gpu::GpuError) -> anyhow::Error {
+    anyhow::Error::from(e).context(what)
 }
 
 /// A layer shared by its Python object and its carries.
@@ -265,6 +289,13 @@ impl Layer {
             )));
         }
         args::mask(m, "mask", n).map(Some)
+    }
+
+    fn own_plan(&self, plan: &Plan) -> PyResult<()> {
+        if !Arc::ptr_eq(&plan.shared, &self.shared) {
+            return Err(value_error("the plan belongs to another layer"));
+        }
+        Ok(())
     }
 
     fn own<'a>(&self, carry: &'a Bound<'_, PyAny>) -> PyResult<&'a Carry> {
@@ -491,6 +522,71 @@ impl Layer {
         .map_err(py_err)
     }
 
+    /// Hash a step once: `work` is a sequence of `(history, tokens)` pairs,
+    /// the tokens a sequence ends with (only the last `context_len`
+    /// matter; fewer act as a fresh sequence's EOS padding) and the tokens
+    /// it runs next. The `Plan` holds the ids in step order, the distinct
+    /// ids in read order and each id's slot among them.
+    fn plan(&self, py: Python<'_>, work: &Bound<'_, PyAny>) -> PyResult<Plan> {
+        let mut pairs: Vec<(Vec<u32>, Vec<u32>)> = Vec::new();
+        for (i, item) in work
+            .try_iter()
+            .map_err(|_| value_error("work: a sequence of (history, tokens) pairs is required"))?
+            .enumerate()
+        {
+            let item = item?;
+            let (h, t): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract().map_err(|_| {
+                value_error(format!("work[{i}]: a (history, tokens) pair is required"))
+            })?;
+            let vocab = self.shared.vocab;
+            pairs.push((
+                args::tokens(&h, &format!("work[{i}] history"), vocab)?,
+                args::tokens(&t, &format!("work[{i}] tokens"), vocab)?,
+            ));
+        }
+        let shared = &self.shared;
+        let plan = py
+            .detach(|| {
+                let core = shared.core.lock();
+                let work: Vec<SeqWork<'_>> =
+                    pairs.iter().map(|(h, t)| SeqWork::new(h, t)).collect();
+                core.layer.plan(&work)
+            })
+            .map_err(py_err)?;
+        Ok(Plan {
+            shared: self.shared.clone(),
+            plan: Arc::new(plan),
+        })
+    }
+
+    /// Start reading the table rows of `plan`, in its read order (advice:
+    /// nothing changes but what is loaded).
+    fn prefetch(&self, py: Python<'_>, plan: &Plan) -> PyResult<()> {
+        self.own_plan(plan)?;
+        let shared = &self.shared;
+        py.detach(|| shared.core.lock().layer.prefetch(&plan.plan))
+            .map_err(py_err)
+    }
+
+    /// The rows of `plan.distinct`, staged as an engine with kernels of its
+    /// own gathers them: a float32 array `[len(plan.distinct), head_dim]`,
+    /// row `i` the table row of `plan.distinct[i]` (converted from the
+    /// table's row type); `rows[plan.slots]` are the rows of `plan.ids`.
+    fn stage<'py>(
+        &self,
+        py: Python<'py>,
+        plan: &Plan,
+    ) -> PyResult<Bound<'py, numpy::PyArray2<f32>>> {
+        self.own_plan(plan)?;
+        let shared = &self.shared;
+        let rows = py
+            .detach(|| shared.core.lock().stage(&plan.plan))
+            .map_err(py_err)?;
+        let hd = self.shared.head_dim;
+        let n = plan.plan.distinct().len();
+        numpy::PyArray1::from_vec(py, rows).reshape([n, hd])
+    }
+
     /// Width of one highway stream (H).
     #[getter]
     fn hidden_size(&self) -> usize {
@@ -546,6 +642,68 @@ impl Layer {
         format!(
             "Layer(hidden_size={}, hc_mult={}, max_tokens={})",
             self.shared.width.hidden, self.shared.width.hc, self.shared.max_tokens
+        )
+    }
+}
+
+/// A step hashed once by `Layer.plan`: the ids of every sequence's tokens
+/// (`ids`, step order, `ngram_heads` a token), the distinct ids in the
+/// order the step reads them (`distinct`), and for each id the index of
+/// its row among them (`slots`). Immutable; it belongs to its layer.
+#[pyclass(frozen, module = "metrale_ple", name = "Plan")]
+pub struct Plan {
+    shared: Arc<Shared>,
+    plan: Arc<StepPlan>,
+}
+
+#[pymethods]
+impl Plan {
+    /// Every id, in step order: a uint64 array `[tokens, ngram_heads]`.
+    #[getter]
+    fn ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, numpy::PyArray2<u64>>> {
+        let heads = self.plan.heads();
+        let n = self.plan.ids().len() / heads.max(1);
+        numpy::PyArray1::from_slice(py, self.plan.ids()).reshape([n, heads])
+    }
+    /// The distinct ids, in read order (uint64).
+    #[getter]
+    fn distinct<'py>(&self, py: Python<'py>) -> Bound<'py, numpy::PyArray1<u64>> {
+        numpy::PyArray1::from_slice(py, self.plan.distinct())
+    }
+    /// For each id, the index of its row in `distinct`: an int64 array
+    /// shaped as `ids`.
+    #[getter]
+    fn slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, numpy::PyArray2<i64>>> {
+        let heads = self.plan.heads();
+        let n = self.plan.slots().len() / heads.max(1);
+        let wide: Vec<i64> = self.plan.slots().iter().map(|&s| i64::from(s)).collect();
+        numpy::PyArray1::from_vec(py, wide).reshape([n, heads])
+    }
+    /// The ids of sequence `i` of the work, `[len(tokens), ngram_heads]`.
+    fn seq_ids<'py>(
+        &self,
+        py: Python<'py>,
+        i: usize,
+    ) -> PyResult<Bound<'py, numpy::PyArray2<u64>>> {
+        if i >= self.plan.len() {
+            return Err(value_error(format!(
+                "sequence {i}: the plan holds {}",
+                self.plan.len()
+            )));
+        }
+        let heads = self.plan.heads();
+        let ids = self.plan.seq_ids(i);
+        numpy::PyArray1::from_slice(py, ids).reshape([ids.len() / heads.max(1), heads])
+    }
+    fn __len__(&self) -> usize {
+        self.plan.len()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Plan(sequences={}, ids={}, distinct={})",
+            self.plan.len(),
+            self.plan.ids().len(),
+            self.plan.distinct().len()
         )
     }
 }

@@ -4,8 +4,9 @@
 //!
 //! - `ids`: the n-gram id hash with derived constants ([`ids`]);
 //! - `init_checkpoint`, `Checkpoint`, `Site` ([`checkpoint`]);
-//! - `Layer`, `Carry`: one site's forward and per-sequence carry
-//!   ([`layer`]);
+//! - `Layer`, `Carry`, `Plan`: one site's forward, per-sequence carry and
+//!   a step hashed once, with its rows staged for an engine that runs its
+//!   own kernels ([`layer`]);
 //! - `Engine`: sequences over every site with the prefix cache, swaps and
 //!   speculation ([`engine`]);
 //! - `Server`, `serve`: the serving loop over a fixed workload
@@ -45,6 +46,7 @@ fn metrale_ple_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<checkpoint::Site>()?;
     m.add_class::<layer::Layer>()?;
     m.add_class::<layer::Carry>()?;
+    m.add_class::<layer::Plan>()?;
     m.add_class::<engine::Engine>()?;
     m.add_class::<server::Server>()?;
     Ok(())

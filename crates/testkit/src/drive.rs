@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 
+use metrale_engine::engine::forward_tokens;
 use metrale_engine::{Engine, SeqId, Site, SwapTarget};
 use metrale_gpu_runtime::gpu::GpuBackend;
 
@@ -45,8 +46,7 @@ pub fn sequential_run<S: Site>(
         let bytes: Vec<u8> = chunk.iter().flat_map(|v| v.to_le_bytes()).collect();
         gpu.copy_h2d(&bytes, hw).unwrap();
         for (s, st) in sites.iter().zip(states.iter_mut()) {
-            s.forward(st, &tokens[done..done + n], hw, done == 0, gpu, 0)
-                .unwrap();
+            forward_tokens(s, st, &tokens[done..done + n], None, hw, done == 0, gpu, 0).unwrap();
         }
         let mut back = vec![0u8; bytes.len()];
         gpu.copy_d2h_on_stream(hw, &mut back, 0).unwrap();

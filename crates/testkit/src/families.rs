@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use anyhow::Result;
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::{Engine, EngineConfig, Site};
+use metrale_engine::{CarrySite, Engine, EngineConfig};
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ids::splitmix64;
 use metrale_model_layers::layers::ple::spec::{
@@ -257,7 +257,7 @@ pub fn family_engine(
             Ok(s) => built.push(s),
             Err(e) => {
                 for mut s in built {
-                    let _ = Site::free(&mut s, gpu.as_ref());
+                    let _ = CarrySite::free(&mut s, gpu.as_ref());
                 }
                 return Err(e);
             }

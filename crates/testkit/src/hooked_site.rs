@@ -2,41 +2,64 @@
 //! (as a flaky table read or a damaged blob would) or only note it, and
 //! otherwise hands every call to the site it wraps unchanged.
 //!
-//! Invariant: every `Site` method reaches the inner site exactly as it came
-//! unless the hook fails it, so a run whose hook fails nothing is the inner
-//! site's run, prefetches, graphs and counters included.
+//! It wraps sites whose plan says which tokens it runs ([`PlanTokens`]:
+//! the layer's [`StepPlan`], the toy site's plan), so the hook can be
+//! shown them.
+//!
+//! Invariant: every `CarrySite` and `Site` method reaches the inner site
+//! exactly as it came unless the hook fails it, so a run whose hook fails
+//! nothing is the inner site's run, plans, prefetches, graphs and counters
+//! included.
 
-use metrale_engine::{Site, SiteResult};
+use metrale_engine::{CarrySite, Site, SiteResult};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_model_layers::layers::ple::{PlanPart, SeqWork, StepPlan};
 
 /// The calls a [`HookedSite`] shows its hook, with what the hook may want
 /// to note of them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SiteCall<'a> {
-    /// [`Site::forward`] of these tokens.
-    Forward {
+    /// [`Site::run`] of these tokens of one sequence.
+    Run {
         /// The tokens of the forward.
         tokens: &'a [u32],
     },
-    /// [`Site::forward_batch`]: one token for each sequence.
-    ForwardBatch {
+    /// [`Site::run_batch`]: one token for each sequence.
+    RunBatch {
         /// Each sequence's token.
         tokens: &'a [u32],
     },
-    /// [`Site::snapshot`].
+    /// [`CarrySite::snapshot`].
     Snapshot,
-    /// [`Site::restore`].
+    /// [`CarrySite::restore`].
     Restore,
-    /// [`Site::prefetch_step`]: each entry's history and next tokens.
-    PrefetchStep {
-        /// The step's entries.
-        work: &'a [(&'a [u32], &'a [u32])],
+    /// [`Site::plan`]: each sequence's history and next tokens.
+    Plan {
+        /// The step's work.
+        work: &'a [SeqWork<'a>],
     },
-    /// [`Site::prefetch_ahead`], entries as in [`SiteCall::PrefetchStep`].
-    PrefetchAhead {
-        /// The later step's entries.
-        work: &'a [(&'a [u32], &'a [u32])],
+    /// [`Site::prefetch`] of a plan: the tokens of each of its sequences.
+    Prefetch {
+        /// Each planned sequence's tokens.
+        tokens: &'a [&'a [u32]],
     },
+}
+
+/// What a hook is shown of a plan: the tokens of each of its sequences.
+pub trait PlanTokens {
+    /// Number of sequences.
+    fn sequences(&self) -> usize;
+    /// Sequence `seq`'s tokens.
+    fn seq_tokens(&self, seq: usize) -> &[u32];
+}
+
+impl PlanTokens for StepPlan {
+    fn sequences(&self) -> usize {
+        self.len()
+    }
+    fn seq_tokens(&self, seq: usize) -> &[u32] {
+        self.tokens(seq)
+    }
 }
 
 /// The hook: the error message of a call to fail, `None` to let it run.
@@ -69,39 +92,16 @@ impl<S: Site> HookedSite<S> {
     }
 }
 
-impl<S: Site> Site for HookedSite<S> {
+impl<S: Site> CarrySite for HookedSite<S>
+where
+    S::Plan: PlanTokens,
+{
     type State = S::State;
 
     metrale_engine::delegate_site!(inner:
-        geometry, max_tokens, carry_bytes, new_state, release, free,
-        supports_graphs, max_prestage_batch, prestage_batch, forward_prestaged,
-        note_replayed, rearm, prefetch, table_stats,
+        geometry, carry_bytes, new_state, history, release, free,
     );
 
-    fn forward(
-        &self,
-        st: &mut S::State,
-        tokens: &[u32],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.check(SiteCall::Forward { tokens })?;
-        self.inner.forward(st, tokens, highway, fresh, gpu, stream)
-    }
-    fn forward_batch(
-        &self,
-        states: &mut [&mut S::State],
-        tokens: &[u32],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.check(SiteCall::ForwardBatch { tokens })?;
-        self.inner
-            .forward_batch(states, tokens, highway, gpu, stream)
-    }
     fn snapshot(
         &self,
         st: &S::State,
@@ -121,12 +121,54 @@ impl<S: Site> Site for HookedSite<S> {
         self.check(SiteCall::Restore)?;
         self.inner.restore(st, blob, gpu, stream)
     }
-    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        self.check(SiteCall::PrefetchStep { work })?;
-        self.inner.prefetch_step(work)
+}
+
+impl<S: Site> Site for HookedSite<S>
+where
+    S::Plan: PlanTokens,
+{
+    type Plan = S::Plan;
+
+    metrale_engine::delegate_site!(inner:
+        max_tokens, supports_graphs, max_prestage_batch, prestage, forward_prestaged,
+        note_replayed, rearm, table_stats,
+    );
+
+    fn plan(&self, work: &[SeqWork<'_>]) -> SiteResult<S::Plan> {
+        self.check(SiteCall::Plan { work })?;
+        self.inner.plan(work)
     }
-    fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        self.check(SiteCall::PrefetchAhead { work })?;
-        self.inner.prefetch_ahead(work)
+    fn prefetch(&self, plan: &S::Plan) -> SiteResult<()> {
+        let tokens: Vec<&[u32]> = (0..plan.sequences()).map(|i| plan.seq_tokens(i)).collect();
+        self.check(SiteCall::Prefetch { tokens: &tokens })?;
+        self.inner.prefetch(plan)
+    }
+    fn run(
+        &self,
+        plan: &S::Plan,
+        part: PlanPart,
+        st: &mut S::State,
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let tokens = &plan.seq_tokens(part.seq)[part.from..part.from + part.len];
+        self.check(SiteCall::Run { tokens })?;
+        self.inner.run(plan, part, st, highway, fresh, gpu, stream)
+    }
+    fn run_batch(
+        &self,
+        plan: &S::Plan,
+        seqs: &[usize],
+        states: &mut [&mut S::State],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let tokens: Vec<u32> = seqs.iter().map(|&s| plan.seq_tokens(s)[0]).collect();
+        self.check(SiteCall::RunBatch { tokens: &tokens })?;
+        self.inner
+            .run_batch(plan, seqs, states, highway, gpu, stream)
     }
 }

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::{Engine, EngineConfig, Site};
+use metrale_engine::{CarrySite, Engine, EngineConfig};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::{PleLayer, Reduce, ReduceError, Shard, TensorParallel};
 use metrale_storage::resident::ResidentTable;
@@ -207,7 +207,7 @@ pub fn engine_of(
             Ok(s) => built.push(s),
             Err(e) => {
                 for mut s in built {
-                    let _ = Site::free(&mut s, gpu.as_ref());
+                    let _ = CarrySite::free(&mut s, gpu.as_ref());
                 }
                 return Err(e);
             }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use anyhow::Result;
 use metrale_checkpoint::names::{SiteNames, table_shard};
 use metrale_engine::ple_site::PleSite;
-use metrale_engine::{Engine, EngineConfig, Site};
+use metrale_engine::{CarrySite, Engine, EngineConfig};
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::ids::{PleIdDims, derive_multipliers, is_prime, splitmix64};
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
@@ -187,7 +187,7 @@ pub fn tiny_engine(
             Ok(s) => built.push(s),
             Err(e) => {
                 for mut s in built {
-                    let _ = Site::free(&mut s, gpu.as_ref());
+                    let _ = CarrySite::free(&mut s, gpu.as_ref());
                 }
                 return Err(e);
             }

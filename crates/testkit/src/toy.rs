@@ -5,9 +5,11 @@
 //! Invariant: its forward is sequential per token, so chunking and
 //! batching cannot change results.
 
-use metrale_engine::{Site, SiteResult};
+use metrale_engine::{CarrySite, Site, SiteResult};
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
-use metrale_model_layers::layers::ple::SiteSpec;
+use metrale_model_layers::layers::ple::{PlanPart, SeqWork, SiteSpec};
+
+use crate::hooked_site::PlanTokens;
 use metrale_model_layers::layers::ple::carry_blob;
 use metrale_model_layers::layers::ple::ids::{PleIdDims, ple_ngram_ids};
 
@@ -19,6 +21,18 @@ pub struct ToySite {
     pub w: Vec<f32>,
     /// Most tokens per forward.
     pub max_tokens: usize,
+}
+
+/// Its plan: each sequence's tokens (its math hashes them as it runs).
+pub struct ToyPlan(Vec<Vec<u32>>);
+
+impl PlanTokens for ToyPlan {
+    fn sequences(&self) -> usize {
+        self.0.len()
+    }
+    fn seq_tokens(&self, seq: usize) -> &[u32] {
+        &self.0[seq]
+    }
 }
 
 /// Its carry.
@@ -70,23 +84,58 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 }
 
 impl Site for ToySite {
-    type State = ToyState;
-
-    fn geometry(&self) -> SiteSpec {
-        self.geom.clone()
-    }
+    type Plan = ToyPlan;
 
     fn max_tokens(&self) -> usize {
         self.max_tokens
     }
 
-    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<ToyState> {
-        Ok(ToyState {
-            conv: gpu.alloc(self.geom.conv_bytes(), "toy conv")?,
-            history: Vec::new(),
-        })
+    fn plan(&self, work: &[SeqWork<'_>]) -> SiteResult<ToyPlan> {
+        if work.iter().any(|w| w.masked.is_some()) {
+            return Err("toy: this site takes no token mask".into());
+        }
+        Ok(ToyPlan(work.iter().map(|w| w.tokens.to_vec()).collect()))
     }
 
+    fn run(
+        &self,
+        plan: &ToyPlan,
+        part: PlanPart,
+        st: &mut ToyState,
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        let tokens = &plan.0[part.seq][part.from..part.from + part.len];
+        self.forward(st, tokens, highway, fresh, gpu, stream)
+    }
+
+    fn run_batch(
+        &self,
+        plan: &ToyPlan,
+        seqs: &[usize],
+        states: &mut [&mut ToyState],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()> {
+        for (b, (st, &s)) in states.iter_mut().zip(seqs).enumerate() {
+            self.forward(
+                st,
+                &plan.0[s],
+                highway.offset(b * self.c() * 4),
+                false,
+                gpu,
+                stream,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl ToySite {
+    /// `tokens` of one sequence, hashed and run token after token.
     fn forward(
         &self,
         st: &mut ToyState,
@@ -149,26 +198,24 @@ impl Site for ToySite {
         gpu.copy_h2d_async(&bytes(&state), st.conv, stream)?;
         Ok(())
     }
+}
 
-    fn forward_batch(
-        &self,
-        states: &mut [&mut ToyState],
-        tokens: &[u32],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        for (b, st) in states.iter_mut().enumerate() {
-            self.forward(
-                st,
-                &tokens[b..b + 1],
-                highway.offset(b * self.c() * 4),
-                false,
-                gpu,
-                stream,
-            )?;
-        }
-        Ok(())
+impl CarrySite for ToySite {
+    type State = ToyState;
+
+    fn geometry(&self) -> SiteSpec {
+        self.geom.clone()
+    }
+
+    fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<ToyState> {
+        Ok(ToyState {
+            conv: gpu.alloc(self.geom.conv_bytes(), "toy conv")?,
+            history: Vec::new(),
+        })
+    }
+
+    fn history<'s>(&self, st: &'s ToyState) -> &'s [u32] {
+        &st.history
     }
 
     fn snapshot(

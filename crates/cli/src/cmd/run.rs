@@ -43,7 +43,7 @@ use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
 use metrale_engine::backbone::{BackboneConfig, BlockShape, Layered, WaitSplit};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Request, Server, ServerConfig, ServerReport, TimedReader, Workload};
-use metrale_engine::{Engine, EngineConfig, Site, SwapTarget};
+use metrale_engine::{CarrySite, Engine, EngineConfig, Site, SwapTarget};
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_storage::cached::{CacheConfig, DEFAULT_IO_DEPTH, Policy};
 use metrale_storage::io::{PageReader, default_reader};
@@ -330,7 +330,7 @@ pub(super) fn build_sites(
 pub(super) fn engine_config<S: Site>(pc: &EngineSetup, sites: &[S]) -> EngineConfig {
     let mut cfg = pc.engine.clone();
     if pc.resident_carries > 0 {
-        let carry: usize = sites.iter().map(Site::carry_bytes).sum();
+        let carry: usize = sites.iter().map(CarrySite::carry_bytes).sum();
         cfg.device_budget_bytes = pc.resident_carries * carry;
     }
     cfg

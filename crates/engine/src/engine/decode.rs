@@ -21,7 +21,23 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::{Carry, Engine, EngineError, Result, Seq, SeqId, Site, as_bytes, as_bytes_mut};
+use metrale_gpu_runtime::gpu::DevicePtr;
+use metrale_model_layers::layers::ple::{SeqWork, highway};
+
+use super::{Carry, Engine, EngineError, Result, Seq, SeqId, Site, StepPlans};
+
+/// The carries of site `k` of the sequences of `taken`, in order.
+fn states_of<St>(taken: &mut [Seq<St>], k: usize) -> Result<Vec<&mut St>> {
+    taken
+        .iter_mut()
+        .map(|seq| match &mut seq.carry {
+            Carry::Resident(st) => Ok(&mut st[k]),
+            _ => Err(EngineError::Internal(
+                "batched forward of a carry that is not resident",
+            )),
+        })
+        .collect()
+}
 
 impl<S: Site> Engine<S> {
     /// Make batched decode run through graphs: each step first stages
@@ -56,7 +72,25 @@ impl<S: Site> Engine<S> {
     /// run as several batched forwards in order (outputs do not depend on
     /// the split); if a later part fails, the earlier parts have run.
     pub fn decode(&mut self, batch: &[(SeqId, u32)], highway: &mut [f32]) -> Result<()> {
-        self.decode_with(batch, None, highway)
+        self.decode_with(batch, None, None, highway)
+    }
+
+    /// [`Self::decode`] running `plan` (from [`Self::plan`]) for each part
+    /// of the batch whose sequences it holds, so their tokens are not
+    /// hashed again (a part it holds only some of is planned anew).
+    /// Refused, with nothing changed, when the plan holds a sequence for
+    /// another token or position ([`EngineError::PlanMismatch`]).
+    pub fn decode_planned(
+        &mut self,
+        batch: &[(SeqId, u32)],
+        plan: &StepPlans<S::Plan>,
+        highway: &mut [f32],
+    ) -> Result<()> {
+        for &(id, t) in batch {
+            let absorbed = self.seq(id)?.tokens.len();
+            plan.part(id, absorbed, &[t])?;
+        }
+        self.decode_with(batch, None, Some(plan), highway)
     }
 
     /// [`Self::decode`] with a token mask: `masked[b]` flags the token of
@@ -71,13 +105,14 @@ impl<S: Site> Engine<S> {
         masked: &[bool],
         highway: &mut [f32],
     ) -> Result<()> {
-        self.decode_with(batch, Some(masked), highway)
+        self.decode_with(batch, Some(masked), None, highway)
     }
 
     fn decode_with(
         &mut self,
         batch: &[(SeqId, u32)],
         masked: Option<&[bool]>,
+        plan: Option<&StepPlans<S::Plan>>,
         highway: &mut [f32],
     ) -> Result<()> {
         self.check_rows("decode", batch.len(), highway)?;
@@ -116,7 +151,7 @@ impl<S: Site> Engine<S> {
             let part_masked = masked
                 .map(|m| &m[start..start + part.len()])
                 .filter(|m| m.contains(&true));
-            self.decode_part(part, part_masked, rows)?;
+            self.decode_part(part, part_masked, plan, rows)?;
         }
         Ok(())
     }
@@ -125,6 +160,7 @@ impl<S: Site> Engine<S> {
         &mut self,
         part: &[(SeqId, u32)],
         masked: Option<&[bool]>,
+        plan: Option<&StepPlans<S::Plan>>,
         rows: &mut [f32],
     ) -> Result<()> {
         let ids: Vec<SeqId> = part.iter().map(|p| p.0).collect();
@@ -132,11 +168,25 @@ impl<S: Site> Engine<S> {
             self.ensure_resident(id, &ids)?;
         }
         let tokens: Vec<u32> = part.iter().map(|p| p.1).collect();
+        // The step plan runs the part when it holds every sequence of it.
+        let mut entries = Vec::with_capacity(part.len());
+        if let (Some(p), None) = (plan, masked) {
+            for &(id, t) in part {
+                let absorbed = self.seq(id)?.tokens.len();
+                match p.part(id, absorbed, &[t])? {
+                    Some(e) => entries.push(e.seq),
+                    None => break,
+                }
+            }
+        }
+        let planned = plan
+            .filter(|_| entries.len() == part.len())
+            .map(|p| (p, entries.as_slice()));
         let mut taken: Vec<Seq<S::State>> = ids
             .iter()
             .map(|id| self.seqs.remove(id).expect("validated"))
             .collect();
-        let r = self.forward_batch_rows(&mut taken, &tokens, masked, rows);
+        let r = self.forward_batch_rows(&mut taken, &tokens, masked, planned, rows);
         for (i, mut seq) in taken.into_iter().enumerate() {
             match &r {
                 Ok(()) => {
@@ -172,54 +222,77 @@ impl<S: Site> Engine<S> {
 
     /// One batched forward of `tokens` (with `masked`, checked and holding
     /// a flag, or `None`) over the resident carries of `taken`: from a graph
-    /// when graphs are enabled and nothing is masked, else eagerly.
+    /// when graphs are enabled and nothing is masked, else eagerly. With
+    /// `planned`, sequence `b` runs entry `planned.1[b]` of the step plan.
     pub(super) fn forward_batch_rows(
         &mut self,
         taken: &mut [Seq<S::State>],
         tokens: &[u32],
         masked: Option<&[bool]>,
+        planned: Option<(&StepPlans<S::Plan>, &[usize])>,
         rows: &mut [f32],
     ) -> Result<()> {
         if self.graphs.is_some() {
             if masked.is_none() {
-                return self.forward_batch_graph(taken, tokens, rows);
+                return self.forward_batch_graph(taken, tokens, planned, rows);
             }
             self.stats.masked_eager_steps += 1;
         }
         let gpu = self.gpu.as_ref();
-        gpu.copy_h2d_async(as_bytes(rows), self.highway, self.stream)
-            .map_err(|e| EngineError::device("copying the highway rows in", e))?;
-        for (k, site) in self.sites.iter().enumerate() {
-            let mut states: Vec<&mut S::State> = Vec::with_capacity(taken.len());
-            for seq in taken.iter_mut() {
-                let Carry::Resident(st) = &mut seq.carry else {
-                    return Err(EngineError::Internal(
-                        "batched forward of a carry that is not resident",
-                    ));
-                };
-                states.push(&mut st[k]);
-            }
-            match masked {
-                Some(m) => site.forward_batch_masked(
+        let copy = |what, e| EngineError::device(what, e);
+        highway::on_device(gpu, self.highway, rows, self.stream, copy, |hw| {
+            for (k, site) in self.sites.iter().enumerate() {
+                let mut states = states_of(taken, k)?;
+                self.run_site_batch(
+                    k,
+                    site,
                     &mut states,
                     tokens,
-                    m,
-                    self.highway,
-                    gpu,
-                    self.stream,
-                ),
-                None => site.forward_batch(&mut states, tokens, self.highway, gpu, self.stream),
-            }
-            .map_err(|e| {
-                EngineError::site(
-                    k,
-                    format!("site {k} batched decode of {} sequences", tokens.len()),
-                    e,
+                    masked,
+                    planned,
+                    |p, seqs, st| site.run_batch(p, seqs, st, hw, gpu, self.stream),
                 )
-            })?;
+                .map_err(|e| {
+                    EngineError::site(
+                        k,
+                        format!("site {k} batched decode of {} sequences", tokens.len()),
+                        e,
+                    )
+                })?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Run `f` on site `k`'s plan of one token for each of `states`: entry
+    /// `planned.1[b]` of the step plan for `states[b]`, or without one a
+    /// plan made here against the carries.
+    #[allow(clippy::too_many_arguments)]
+    fn run_site_batch(
+        &self,
+        k: usize,
+        site: &S,
+        states: &mut [&mut S::State],
+        tokens: &[u32],
+        masked: Option<&[bool]>,
+        planned: Option<(&StepPlans<S::Plan>, &[usize])>,
+        f: impl FnOnce(&S::Plan, &[usize], &mut [&mut S::State]) -> super::SiteResult<()>,
+    ) -> super::SiteResult<()> {
+        if let Some((plan, seqs)) = planned {
+            return f(&plan.sites[k], seqs, states);
         }
-        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
-            .map_err(|e| EngineError::device("copying the highway rows out", e))
+        let work: Vec<SeqWork<'_>> = states
+            .iter()
+            .enumerate()
+            .map(|(b, st)| SeqWork {
+                history: site.history(st),
+                tokens: &tokens[b..b + 1],
+                masked: masked.map(|m| &m[b..b + 1]),
+            })
+            .collect();
+        let plan = site.plan(&work)?;
+        let seqs: Vec<usize> = (0..states.len()).collect();
+        f(&plan, &seqs, states)
     }
 
     /// One batched decode step through a captured graph: prestage every
@@ -231,34 +304,49 @@ impl<S: Site> Engine<S> {
         &mut self,
         taken: &mut [Seq<S::State>],
         tokens: &[u32],
+        planned: Option<(&StepPlans<S::Plan>, &[usize])>,
         rows: &mut [f32],
     ) -> Result<()> {
-        fn states_of<St>(taken: &mut [Seq<St>], k: usize) -> Result<Vec<&mut St>> {
-            taken
-                .iter_mut()
-                .map(|seq| match &mut seq.carry {
-                    Carry::Resident(st) => Ok(&mut st[k]),
-                    _ => Err(EngineError::Internal(
-                        "batched forward of a carry that is not resident",
-                    )),
-                })
-                .collect()
-        }
         let gpu = self.gpu.clone();
         let gpu = gpu.as_ref();
         let stream = self.stream;
         let padded = tokens.len().next_power_of_two().min(self.batch_cap);
-        gpu.copy_h2d_async(as_bytes(rows), self.highway, stream)
-            .map_err(|e| EngineError::device("copying the highway rows in", e))?;
+        let copy = |what, e| EngineError::device(what, e);
+        let hw = self.highway;
+        highway::on_device(gpu, hw, rows, stream, copy, |hw| {
+            self.graph_step(taken, tokens, planned, padded, hw)
+        })
+    }
+
+    fn graph_step(
+        &mut self,
+        taken: &mut [Seq<S::State>],
+        tokens: &[u32],
+        planned: Option<(&StepPlans<S::Plan>, &[usize])>,
+        padded: usize,
+        highway: DevicePtr,
+    ) -> Result<()> {
+        let gpu = self.gpu.clone();
+        let gpu = gpu.as_ref();
+        let stream = self.stream;
         for (k, site) in self.sites.iter().enumerate() {
-            site.prestage_batch(&mut states_of(taken, k)?, tokens, padded, gpu, stream)
-                .map_err(|e| {
-                    EngineError::site(
-                        k,
-                        format!("site {k} prestage of {} sequences", tokens.len()),
-                        e,
-                    )
-                })?;
+            let mut states = states_of(taken, k)?;
+            self.run_site_batch(
+                k,
+                site,
+                &mut states,
+                tokens,
+                None,
+                planned,
+                |p, seqs, st| site.prestage(p, seqs, st, padded, gpu, stream),
+            )
+            .map_err(|e| {
+                EngineError::site(
+                    k,
+                    format!("site {k} prestage of {} sequences", tokens.len()),
+                    e,
+                )
+            })?;
         }
         let known = self.graphs.as_ref().and_then(|g| g.get(&padded)).copied();
         let graph = match known {
@@ -269,7 +357,7 @@ impl<S: Site> Engine<S> {
                 let mut captured = Ok(());
                 for (k, site) in self.sites.iter().enumerate() {
                     captured = states_of(taken, k).and_then(|mut st| {
-                        site.forward_prestaged(&mut st, self.highway, padded, gpu, stream)
+                        site.forward_prestaged(&mut st, highway, padded, gpu, stream)
                             .map_err(|e| EngineError::site(k, format!("site {k} capture"), e))
                     });
                     if captured.is_err() {
@@ -310,24 +398,17 @@ impl<S: Site> Engine<S> {
             }
             None => {
                 for (k, site) in self.sites.iter().enumerate() {
-                    site.forward_prestaged(
-                        &mut states_of(taken, k)?,
-                        self.highway,
-                        padded,
-                        gpu,
-                        stream,
-                    )
-                    .map_err(|e| {
-                        EngineError::site(
-                            k,
-                            format!("site {k} batched decode of {} sequences", tokens.len()),
-                            e,
-                        )
-                    })?;
+                    site.forward_prestaged(&mut states_of(taken, k)?, highway, padded, gpu, stream)
+                        .map_err(|e| {
+                            EngineError::site(
+                                k,
+                                format!("site {k} batched decode of {} sequences", tokens.len()),
+                                e,
+                            )
+                        })?;
                 }
             }
         }
-        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), stream)
-            .map_err(|e| EngineError::device("copying the highway rows out", e))
+        Ok(())
     }
 }

@@ -88,6 +88,24 @@ pub enum EngineError {
     /// A sequence appears twice in one batch.
     #[error("decode: sequence {0} appears twice in one batch")]
     DuplicateInBatch(SeqId),
+    /// A step plan holds the sequence for other tokens or another
+    /// position than the call runs; nothing of the call ran.
+    #[error(
+        "sequence {seq} was planned for {planned} tokens after {planned_at}, the call runs \
+         {tokens} after {absorbed}; plan the step the call runs"
+    )]
+    PlanMismatch {
+        /// The sequence.
+        seq: SeqId,
+        /// Tokens it had absorbed when planned.
+        planned_at: usize,
+        /// Tokens planned.
+        planned: usize,
+        /// Tokens it has absorbed now.
+        absorbed: usize,
+        /// Tokens the call runs.
+        tokens: usize,
+    },
     /// A token the sites' hash family cannot take (at or above its
     /// vocabulary); nothing of the call ran.
     #[error(

@@ -39,8 +39,15 @@
 //!   none is refused ([`EngineError::TokenMaskUnsupported`]) before
 //!   anything runs.
 //!
-//! The methods are split by concern: this module holds the [`Site`] trait,
-//! the settings, the engine's state, its accessors and `close`;
+//! A step is a value: [`Engine::plan`] hashes a step once at every site
+//! into [`StepPlans`], keyed by sequence and position; its reads start with
+//! [`Engine::prefetch_plan`] and the planned prefill and decode run it, so
+//! nothing is hashed twice and no site keeps ids between calls. A call
+//! without a plan plans for itself against each site's carry.
+//!
+//! The methods are split by concern: this module holds the site traits
+//! ([`CarrySite`]: what a carry needs; [`Site`]: what a step needs), the
+//! step plan, the settings, the engine's state, its accessors and `close`;
 //! `sequences` carries, the budget, add, prefill and release; `snapshots`
 //! snapshots and the prefix cache; `swap` swap out and in; `speculate`
 //! verify and commit; `decode` batched decode and decode graphs; `error`
@@ -61,7 +68,7 @@ use crate::budget::{BudgetStats, MemoryBudget};
 use crate::prefix_cache::{PrefixCache, PrefixCacheStats};
 use crate::snapshot::{GeometryFingerprint, Snapshot};
 use crate::store::{CarryStoreStats, CarryTier};
-use metrale_model_layers::layers::ple::SiteSpec;
+use metrale_model_layers::layers::ple::{PlanPart, SeqWork, SiteSpec};
 
 mod decode;
 mod error;
@@ -84,90 +91,26 @@ pub type SeqId = u64;
 /// What the default graph methods of [`Site`] say.
 const NO_GRAPHS: &str = "this site cannot replay decode graphs";
 
-/// What the default masked forwards of [`Site`] say (a site whose geometry
-/// takes a mask but whose forwards do not).
-const NO_MASK: &str = "this site takes no token mask (only DeepSeek-V4.1's Engram gate has one)";
-
-/// [`Site::prefetch`] for each entry of `work`: what the step prefetches do
-/// for a site that does not batch them.
-fn prefetch_each<S: Site + ?Sized>(site: &S, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-    for (history, tokens) in work {
-        site.prefetch(history, tokens)?;
-    }
-    Ok(())
-}
-
-/// What the engine needs of a PLE site. [`crate::ple_site::PleSite`]
-/// implements it for the PLE layer.
-pub trait Site: Send + Sync {
+/// What a sequence's carry needs of a site: the site's geometry, its
+/// per-sequence states, and their bytes through the one aux blob codec
+/// (`carry_blob`). Swap, snapshots, the prefix cache and speculative
+/// rollback use this half only.
+pub trait CarrySite: Send + Sync {
     /// The per-sequence carry.
     type State: Send;
 
     /// The site's geometry and hash constants.
     fn geometry(&self) -> SiteSpec;
-    /// The most tokens one forward (or sequences one batched forward) takes.
-    fn max_tokens(&self) -> usize;
     /// Device bytes one carry holds.
     fn carry_bytes(&self) -> usize {
         self.geometry().conv_bytes()
     }
     /// Allocate a carry.
     fn new_state(&self, gpu: &dyn GpuBackend) -> SiteResult<Self::State>;
-    /// Run `tokens` of one sequence over the `[T, C]` rows at `highway`.
-    /// `fresh` starts the sequence over.
-    fn forward(
-        &self,
-        st: &mut Self::State,
-        tokens: &[u32],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()>;
-    /// Run one token of each of `states.len()` sequences; row `b` of the
-    /// `[B, C]` rows at `highway` belongs to `states[b]`.
-    fn forward_batch(
-        &self,
-        states: &mut [&mut Self::State],
-        tokens: &[u32],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()>;
-    /// [`Self::forward`] with one mask flag per token (`true`: masked), for
-    /// a site whose published layer takes a token mask (DeepSeek-V4.1's
-    /// Engram gate: a masked token's gate is 0 and the hash's look-back
-    /// stops at it). The default refuses any mask: a site that cannot apply
-    /// one must not run as if it had none.
-    #[allow(clippy::too_many_arguments)]
-    fn forward_masked(
-        &self,
-        st: &mut Self::State,
-        tokens: &[u32],
-        masked: &[bool],
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        let _ = (st, tokens, masked, highway, fresh, gpu, stream);
-        Err(NO_MASK.into())
-    }
-    /// [`Self::forward_batch`] with one mask flag per sequence; the default
-    /// refuses any mask, as [`Self::forward_masked`] does.
-    #[allow(clippy::too_many_arguments)]
-    fn forward_batch_masked(
-        &self,
-        states: &mut [&mut Self::State],
-        tokens: &[u32],
-        masked: &[bool],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        let _ = (states, tokens, masked, highway, gpu, stream);
-        Err(NO_MASK.into())
-    }
+    /// The history the carry's next tokens are hashed against: the last
+    /// `context_len` tokens it absorbed (masked ones blocked as the site
+    /// leaves them), or empty when its next forward resets it.
+    fn history<'s>(&self, st: &'s Self::State) -> &'s [u32];
     /// The carry's aux blob (the seed's format).
     fn snapshot(
         &self,
@@ -187,35 +130,85 @@ pub trait Site: Send + Sync {
     fn release(&self, st: &mut Self::State, gpu: &dyn GpuBackend) -> SiteResult<()>;
     /// Free the site's own device memory (weights, staging).
     fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()>;
+}
+
+/// What a step needs of a site: hash the step once into a plan, start its
+/// reads, and run it (eagerly, or prestaged for a captured graph). Every
+/// forward runs a plan: one the caller made ahead ([`Engine::plan`]) or one
+/// the engine makes for the call. [`crate::ple_site::PleSite`] implements
+/// it for the PLE layer.
+pub trait Site: CarrySite {
+    /// A step hashed once ([`metrale_model_layers::layers::ple::StepPlan`]
+    /// for the PLE layer).
+    type Plan: Send + Sync;
+
+    /// The most tokens one forward (or sequences one batched forward) takes.
+    fn max_tokens(&self) -> usize;
+    /// Hash a step: entry `i` of the plan is `work[i]`. Refuses a mask the
+    /// site cannot apply.
+    fn plan(&self, work: &[SeqWork<'_>]) -> SiteResult<Self::Plan>;
+    /// Start reading what `plan` will need. Advice: the default does
+    /// nothing.
+    fn prefetch(&self, plan: &Self::Plan) -> SiteResult<()> {
+        let _ = plan;
+        Ok(())
+    }
+    /// Run `part` of `plan` on one sequence over the `[part.len, C]` rows
+    /// at `highway`. `fresh` starts the sequence over.
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        plan: &Self::Plan,
+        part: PlanPart,
+        st: &mut Self::State,
+        highway: DevicePtr,
+        fresh: bool,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()>;
+    /// Run one token of each of `states.len()` sequences: `states[b]` runs
+    /// entry `seqs[b]` of `plan` on row `b` of the `[B, C]` rows at
+    /// `highway`.
+    fn run_batch(
+        &self,
+        plan: &Self::Plan,
+        seqs: &[usize],
+        states: &mut [&mut Self::State],
+        highway: DevicePtr,
+        gpu: &dyn GpuBackend,
+        stream: StreamId,
+    ) -> SiteResult<()>;
     /// Whether the site's batched decode can be captured in a graph and
-    /// replayed: [`Self::prestage_batch`], [`Self::forward_prestaged`],
+    /// replayed: [`Self::prestage`], [`Self::forward_prestaged`],
     /// [`Self::note_replayed`] and [`Self::rearm`]. The defaults refuse.
     fn supports_graphs(&self) -> bool {
         false
     }
-    /// The most sequences one [`Self::prestage_batch`] can stage: a
-    /// prestaged step keeps its rows pinned in the site's row table until
-    /// the replay has read them, so a row cache bounds it. `None` (the
-    /// default): no bound besides [`Self::max_tokens`]; `Some(0)`: the
-    /// table cannot keep even one sequence's rows pinned at once.
+    /// The most sequences one [`Self::prestage`] can stage: a prestaged
+    /// step keeps its rows pinned in the site's row table until the replay
+    /// has read them, so a row cache bounds it. `None` (the default): no
+    /// bound besides [`Self::max_tokens`]; `Some(0)`: the table cannot keep
+    /// even one sequence's rows pinned at once.
     fn max_prestage_batch(&self) -> Option<usize> {
         None
     }
-    /// The host half of a replayable decode step: stage sequence `i`'s
-    /// token `tokens[i]` at fixed slot `i`, padding the slots up to `rows`.
-    fn prestage_batch(
+    /// The host half of a replayable decode step: stage entry `seqs[i]` of
+    /// `plan` for `states[i]` at fixed slot `i`, padding the slots up to
+    /// `rows`.
+    fn prestage(
         &self,
+        plan: &Self::Plan,
+        seqs: &[usize],
         states: &mut [&mut Self::State],
-        tokens: &[u32],
         rows: usize,
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> SiteResult<()> {
-        let _ = (states, tokens, rows, gpu, stream);
+        let _ = (plan, seqs, states, rows, gpu, stream);
         Err(NO_GRAPHS.into())
     }
     /// The device half: the `[rows, C]` rows at `highway` through what
-    /// `prestage_batch` staged, reading fixed addresses only, so it can be
+    /// `prestage` staged, reading fixed addresses only, so it can be
     /// captured (or run eagerly).
     fn forward_prestaged(
         &self,
@@ -242,34 +235,92 @@ pub trait Site: Send + Sync {
     fn rearm(&self, st: &mut Self::State) {
         let _ = st;
     }
-    /// Start reading what a forward of `tokens` after a sequence whose
-    /// tokens end with `history` will need. Advice: the default does
-    /// nothing.
-    fn prefetch(&self, history: &[u32], tokens: &[u32]) -> SiteResult<()> {
-        let _ = (history, tokens);
-        Ok(())
-    }
-    /// Start reading the rows of a whole step at once: entry `i` holds the
-    /// tokens a sequence ends with (`history`, as in [`Self::prefetch`]) and
-    /// the tokens its next forward runs. A site with a row table hashes
-    /// every entry into one batch of ids and asks its table once, so the
-    /// reads of a step go out together as soon as its tokens are known.
-    /// Advice, as `prefetch`; the default calls `prefetch` entry by entry.
-    fn prefetch_step(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        prefetch_each(self, work)
-    }
-    /// Start reading the rows of a later step, as [`Self::prefetch_step`],
-    /// after the reads of the step under way (called after its
-    /// `prefetch_step`) and without taking the place of the ids that step
-    /// hashed for its forwards. Advice; the default calls `prefetch` entry
-    /// by entry.
-    fn prefetch_ahead(&self, work: &[(&[u32], &[u32])]) -> SiteResult<()> {
-        prefetch_each(self, work)
-    }
     /// The counters of the site's row table since it was opened. The
     /// default, for sites without a table, reports zeros.
     fn table_stats(&self) -> TableStats {
         TableStats::default()
+    }
+}
+
+/// Run `tokens` (with `masked`) through one carry of `site`, planned here
+/// against the carry (a fresh one's history when `fresh`): what a forward
+/// without a step plan does, in the engine and in a plain sequential run.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_tokens<S: Site + ?Sized>(
+    site: &S,
+    st: &mut S::State,
+    tokens: &[u32],
+    masked: Option<&[bool]>,
+    highway: DevicePtr,
+    fresh: bool,
+    gpu: &dyn GpuBackend,
+    stream: StreamId,
+) -> SiteResult<()> {
+    let history = if fresh { &[][..] } else { site.history(st) };
+    let mut work = SeqWork::new(history, tokens);
+    work.masked = masked;
+    let plan = site.plan(&[work])?;
+    let whole = PlanPart {
+        seq: 0,
+        from: 0,
+        len: tokens.len(),
+    };
+    site.run(&plan, whole, st, highway, fresh, gpu, stream)
+}
+
+/// One sequence of a [`StepPlans`]: its entry in every site's plan, the
+/// tokens it had absorbed when planned, and the tokens planned.
+#[derive(Clone, Debug)]
+struct Planned {
+    entry: usize,
+    start: usize,
+    tokens: Vec<u32>,
+}
+
+/// A step planned ahead by [`Engine::plan`]: every site's plan of the same
+/// work, keyed by sequence and by the position (tokens absorbed) it was
+/// made at. [`Engine::prefetch_plan`] starts its reads; the planned
+/// prefill and decode calls run it, so nothing of it is hashed twice.
+pub struct StepPlans<P> {
+    seqs: HashMap<SeqId, Planned>,
+    sites: Vec<P>,
+}
+
+impl<P> StepPlans<P> {
+    /// Each site's plan, in site order.
+    pub fn sites(&self) -> &[P] {
+        &self.sites
+    }
+
+    /// Whether the plan holds sequence `id`.
+    pub fn holds(&self, id: SeqId) -> bool {
+        self.seqs.contains_key(&id)
+    }
+
+    /// The part of the plan for `tokens` of sequence `id` run after
+    /// `absorbed` tokens: `None` when the plan does not hold the sequence,
+    /// refused when it holds it for other tokens or another position.
+    fn part(&self, id: SeqId, absorbed: usize, tokens: &[u32]) -> Result<Option<PlanPart>> {
+        let Some(p) = self.seqs.get(&id) else {
+            return Ok(None);
+        };
+        let fits = absorbed >= p.start
+            && absorbed - p.start + tokens.len() <= p.tokens.len()
+            && p.tokens[absorbed - p.start..absorbed - p.start + tokens.len()] == *tokens;
+        if !fits {
+            return Err(EngineError::PlanMismatch {
+                seq: id,
+                planned_at: p.start,
+                planned: p.tokens.len(),
+                absorbed,
+                tokens: tokens.len(),
+            });
+        }
+        Ok(Some(PlanPart {
+            seq: p.entry,
+            from: absorbed - p.start,
+            len: tokens.len(),
+        }))
     }
 }
 
@@ -463,18 +514,6 @@ pub fn mask_family(g: &SiteSpec) -> &'static str {
 
 static ENGINE_INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-fn as_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and u8 has alignment 1; the view covers
-    // exactly the slice's memory and borrows it immutably.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
-}
-
-fn as_bytes_mut(v: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as in `as_bytes`; every byte pattern is a valid f32, so writes
-    // through the view cannot create an invalid value.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
-}
-
 impl<S: Site> Engine<S> {
     /// An engine over `sites` (applied in order) on `gpu`. All sites must
     /// share the highway width `hc * hidden`.
@@ -489,7 +528,7 @@ impl<S: Site> Engine<S> {
                 return Err(e);
             }
         };
-        let geoms: Vec<SiteSpec> = sites.iter().map(Site::geometry).collect();
+        let geoms: Vec<SiteSpec> = sites.iter().map(CarrySite::geometry).collect();
         let max_rows = cfg.prefill_chunk.max(batch_cap);
         let highway = match gpu.alloc(max_rows * width * 4, "engine highway rows") {
             Ok(p) => p,
@@ -506,7 +545,7 @@ impl<S: Site> Engine<S> {
         Ok(Engine {
             stream: gpu.default_stream(),
             fingerprint: GeometryFingerprint::of(&geoms),
-            carry_bytes: sites.iter().map(Site::carry_bytes).sum(),
+            carry_bytes: sites.iter().map(CarrySite::carry_bytes).sum(),
             geoms,
             width,
             max_rows,
@@ -616,9 +655,49 @@ impl<S: Site> Engine<S> {
     /// overlap other work. Advice only: outputs never change, nothing is
     /// pinned, and the sequence may be swapped out meanwhile.
     pub fn prefetch(&self, id: SeqId, tokens: &[u32]) -> Result<()> {
-        let history = &self.seq(id)?.tokens;
+        self.prefetch_plan(&self.plan(&[(id, tokens)])?)
+    }
+
+    /// Hash a step once at every site: entry `i` runs `work[i].1` through
+    /// sequence `work[i].0` next (a prefill chunk, or one decode token),
+    /// against the tokens the sequence has absorbed. Hand the plan to
+    /// [`Self::prefetch_plan`] to start its reads and to
+    /// [`Self::prefill_planned`] and [`Self::decode_planned`] to run it. A
+    /// sequence that has absorbed a masked token is left out (its carry's
+    /// history is not its tokens'); the calls that run it plan it then.
+    pub fn plan(&self, work: &[(SeqId, &[u32])]) -> Result<StepPlans<S::Plan>> {
+        let mut seqs = HashMap::with_capacity(work.len());
+        let mut entries = Vec::with_capacity(work.len());
+        for &(id, tokens) in work {
+            let seq = self.seq(id)?;
+            self.check_tokens("plan", tokens.iter().copied())?;
+            if seq.masked {
+                continue;
+            }
+            let planned = Planned {
+                entry: entries.len(),
+                start: seq.tokens.len(),
+                tokens: tokens.to_vec(),
+            };
+            if seqs.insert(id, planned).is_some() {
+                return Err(EngineError::DuplicateInBatch(id));
+            }
+            entries.push(SeqWork::new(&seq.tokens, tokens));
+        }
+        let mut sites = Vec::with_capacity(self.sites.len());
         for (i, site) in self.sites.iter().enumerate() {
-            site.prefetch(history, tokens)
+            sites.push(
+                site.plan(&entries)
+                    .map_err(|e| EngineError::site(i, format!("site {i} plan"), e))?,
+            );
+        }
+        Ok(StepPlans { seqs, sites })
+    }
+
+    /// Start the table reads of `plan` at every site. Advice only.
+    pub fn prefetch_plan(&self, plan: &StepPlans<S::Plan>) -> Result<()> {
+        for (i, (site, p)) in self.sites.iter().zip(&plan.sites).enumerate() {
+            site.prefetch(p)
                 .map_err(|e| EngineError::site(i, format!("site {i} prefetch"), e))?;
         }
         Ok(())

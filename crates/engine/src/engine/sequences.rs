@@ -6,9 +6,10 @@
 //! failed forward loses the carry ([`EngineError::Lost`] from then on) and
 //! releases its charge, so preemption never picks a lost sequence.
 
-use super::{
-    Added, Carry, Engine, EngineError, Result, Seq, SeqId, Site, Swapped, as_bytes, as_bytes_mut,
-};
+use metrale_model_layers::layers::ple::PlanPart;
+use metrale_model_layers::layers::ple::highway;
+
+use super::{Added, Carry, Engine, EngineError, Result, Seq, SeqId, Site, StepPlans, Swapped};
 
 impl<S: Site> Engine<S> {
     // ---- carries ----
@@ -170,7 +171,23 @@ impl<S: Site> Engine<S> {
     /// snapshots are cached). `highway` holds `tokens.len()` rows in, and
     /// gets them back with every site applied.
     pub fn prefill(&mut self, id: SeqId, tokens: &[u32], highway: &mut [f32]) -> Result<()> {
-        self.prefill_with(id, tokens, None, highway)
+        self.prefill_with(id, tokens, None, None, highway)
+    }
+
+    /// [`Self::prefill`] running `plan` (from [`Self::plan`]) where it
+    /// holds the sequence, so its tokens are not hashed again. Refused,
+    /// with nothing changed, when the plan holds the sequence for other
+    /// tokens or another position ([`EngineError::PlanMismatch`]).
+    pub fn prefill_planned(
+        &mut self,
+        id: SeqId,
+        tokens: &[u32],
+        plan: &StepPlans<S::Plan>,
+        highway: &mut [f32],
+    ) -> Result<()> {
+        let absorbed = self.seq(id)?.tokens.len();
+        plan.part(id, absorbed, tokens)?;
+        self.prefill_with(id, tokens, None, Some(plan), highway)
     }
 
     /// [`Self::prefill`] with a token mask: one flag per token, `true` where
@@ -189,7 +206,7 @@ impl<S: Site> Engine<S> {
         masked: &[bool],
         highway: &mut [f32],
     ) -> Result<()> {
-        self.prefill_with(id, tokens, Some(masked), highway)
+        self.prefill_with(id, tokens, Some(masked), None, highway)
     }
 
     fn prefill_with(
@@ -197,6 +214,7 @@ impl<S: Site> Engine<S> {
         id: SeqId,
         tokens: &[u32],
         masked: Option<&[bool]>,
+        plan: Option<&StepPlans<S::Plan>>,
         highway: &mut [f32],
     ) -> Result<()> {
         self.check_usable(id, "prefill", false)?;
@@ -220,7 +238,14 @@ impl<S: Site> Engine<S> {
             }
             let rows = &mut highway[done * self.width..(done + n) * self.width];
             let chunk_masked = masked.map(|m| &m[done..done + n]);
-            self.run_one(id, &tokens[done..done + n], chunk_masked, rows, "prefill")?;
+            self.run_one(
+                id,
+                &tokens[done..done + n],
+                chunk_masked,
+                plan,
+                rows,
+                "prefill",
+            )?;
             done += n;
             self.stats.prefill_tokens += n as u64;
             if caching && (have + n).is_multiple_of(b) {
@@ -235,20 +260,28 @@ impl<S: Site> Engine<S> {
     }
 
     /// One forward of `tokens` (with `masked`, checked by the caller) on
-    /// resident sequence `id`, every site in order; appends the tokens. A
-    /// device failure loses the carry.
+    /// resident sequence `id`, every site in order, running `plan` where it
+    /// holds the sequence; appends the tokens. A device failure loses the
+    /// carry.
     pub(super) fn run_one(
         &mut self,
         id: SeqId,
         tokens: &[u32],
         masked: Option<&[bool]>,
+        plan: Option<&StepPlans<S::Plan>>,
         rows: &mut [f32],
         op: &str,
     ) -> Result<()> {
-        let mut seq = self.seqs.remove(&id).expect("checked by the caller");
         // An all-clear mask is no mask (the layer treats it so too).
         let masked = masked.filter(|m| m.contains(&true));
-        let r = self.forward_rows(&mut seq, tokens, masked, rows);
+        let absorbed = self.seq(id)?.tokens.len();
+        let part = match (plan, masked) {
+            (Some(p), None) => p.part(id, absorbed, tokens)?,
+            _ => None,
+        };
+        let planned = plan.zip(part);
+        let mut seq = self.seqs.remove(&id).expect("checked by the caller");
+        let r = self.forward_rows(&mut seq, tokens, masked, planned, rows);
         match r {
             Ok(()) => {
                 seq.tokens.extend_from_slice(tokens);
@@ -260,11 +293,15 @@ impl<S: Site> Engine<S> {
         r
     }
 
+    /// `tokens` of one resident sequence through every site, running part
+    /// `planned` of a step plan or, without one, a plan made here against
+    /// each site's carry.
     pub(super) fn forward_rows(
         &self,
         seq: &mut Seq<S::State>,
         tokens: &[u32],
         masked: Option<&[bool]>,
+        planned: Option<(&StepPlans<S::Plan>, PlanPart)>,
         rows: &mut [f32],
     ) -> Result<()> {
         let Carry::Resident(states) = &mut seq.carry else {
@@ -274,21 +311,24 @@ impl<S: Site> Engine<S> {
         };
         let fresh = seq.tokens.is_empty();
         let gpu = self.gpu.as_ref();
-        gpu.copy_h2d_async(as_bytes(rows), self.highway, self.stream)
-            .map_err(|e| EngineError::device("copying the highway rows in", e))?;
-        for (i, (site, st)) in self.sites.iter().zip(states.iter_mut()).enumerate() {
-            match masked {
-                Some(m) => {
-                    site.forward_masked(st, tokens, m, self.highway, fresh, gpu, self.stream)
+        let copy = |what, e| EngineError::device(what, e);
+        highway::on_device(gpu, self.highway, rows, self.stream, copy, |hw| {
+            for (i, (site, st)) in self.sites.iter().zip(states.iter_mut()).enumerate() {
+                let err = |e| {
+                    EngineError::site(i, format!("site {i} forward of {} tokens", tokens.len()), e)
+                };
+                match planned {
+                    Some((plan, part)) => {
+                        site.run(&plan.sites[i], part, st, hw, fresh, gpu, self.stream)
+                    }
+                    None => {
+                        super::forward_tokens(site, st, tokens, masked, hw, fresh, gpu, self.stream)
+                    }
                 }
-                None => site.forward(st, tokens, self.highway, fresh, gpu, self.stream),
+                .map_err(err)?;
             }
-            .map_err(|e| {
-                EngineError::site(i, format!("site {i} forward of {} tokens", tokens.len()), e)
-            })?;
-        }
-        gpu.copy_d2h_on_stream(self.highway, as_bytes_mut(rows), self.stream)
-            .map_err(|e| EngineError::device("copying the highway rows out", e))
+            Ok(())
+        })
     }
 
     /// Drop a carry whose state is unknown after a failed device operation.

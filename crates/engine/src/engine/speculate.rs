@@ -32,7 +32,7 @@ impl<S: Site> Engine<S> {
         while done < draft.len() {
             let n = (draft.len() - done).min(self.max_rows);
             let rows = &mut highway[done * self.width..(done + n) * self.width];
-            self.run_one(id, &draft[done..done + n], None, rows, "verify")?;
+            self.run_one(id, &draft[done..done + n], None, None, rows, "verify")?;
             done += n;
         }
         let s = self.seqs.get_mut(&id).expect("present");
@@ -116,7 +116,7 @@ impl<S: Site> Engine<S> {
             while done < accepted {
                 let n = (accepted - done).min(self.max_rows);
                 let r = &mut rows[done * self.width..(done + n) * self.width];
-                self.run_one(id, &p.draft[done..done + n], None, r, "commit")?;
+                self.run_one(id, &p.draft[done..done + n], None, None, r, "commit")?;
                 done += n;
             }
         }

@@ -14,6 +14,9 @@ package exposes the Rust runtime on the CPU backend:
 - ``Layer`` and ``Carry``: one site's forward over a numpy float32 highway
   (or a CPU torch tensor), updated in place, with per-sequence carries
   (``snapshot``/``restore``/``reset``/``release``, context managers);
+- ``Layer.plan(work)`` hashes a step once into a ``Plan`` (ids, distinct
+  ids, slots) and ``Layer.stage(plan)`` returns its rows: all an engine
+  that runs its own kernels needs of the layer;
 - ``Engine``: sequences over every site with the prefix cache, preemption,
   swaps and speculative verify/commit;
 - ``Server`` and ``serve``: the serving loop over a fixed workload;
@@ -35,6 +38,7 @@ from ._metrale_ple import (
     Engine,
     Ids,
     Layer,
+    Plan,
     Server,
     Site,
     __version__,
@@ -51,6 +55,7 @@ __all__ = [
     "Engine",
     "Ids",
     "Layer",
+    "Plan",
     "Server",
     "Site",
     "__version__",

@@ -75,10 +75,11 @@ use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
 use metrale_engine::backbone::{BackboneConfig, Layered, layered};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::TimedReader;
-use metrale_engine::{Engine, EngineConfig, EngineError, SeqId, Site};
+use metrale_engine::{Engine, EngineConfig, SeqId, StepPlans};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::bench::Rng;
+use metrale_model_layers::layers::ple::SeqWork;
 use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{CacheConfig, DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
@@ -1203,6 +1204,9 @@ fn measure_all(
 /// The engine the bench drives.
 type Served = Engine<Layered<PleSite>>;
 
+/// The plan of one site of a [`Served`] engine.
+type PlanOf = <Layered<PleSite> as metrale_engine::Site>::Plan;
+
 /// How a row cache was filled before decoding.
 #[derive(Clone, Debug)]
 struct Filled {
@@ -1260,14 +1264,14 @@ fn fill(
         let mut lookups = 0u64;
         while lookups < slots as u64 {
             let tokens: Vec<u32> = (0..FILL_SEQUENCES).map(|i| streams.next(i)).collect();
-            let work: Vec<(&[u32], &[u32])> = hist
+            let work: Vec<SeqWork<'_>> = hist
                 .iter()
                 .zip(&tokens)
-                .map(|(h, t)| (h.as_slice(), std::slice::from_ref(t)))
+                .map(|(h, t)| SeqWork::new(h, std::slice::from_ref(t)))
                 .collect();
             for site in e.sites() {
                 let layer = site.inner().layer();
-                let hashed = layer.hash_ahead(&work)?;
+                let hashed = layer.plan(&work)?;
                 let table = layer.table();
                 for chunk in hashed.ids().chunks(table.max_resolve().max(1)) {
                     refs.clear();
@@ -1353,26 +1357,25 @@ impl Workload {
         })
     }
 
-    /// Start every site's reads of group `g`'s current tokens, in one
-    /// call per site: for its decode now ([`Site::prefetch_step`], whose
-    /// ids the decode's forwards take), or `ahead` of it, behind the reads
-    /// of the group decoding now ([`Site::prefetch_ahead`]).
-    fn prefetch_group(&mut self, e: &Served, g: usize, ahead: bool) -> Result<()> {
+    /// Plan group `g`'s current tokens at every site ([`Engine::plan`])
+    /// and start their reads: for its decode now (the plan returned, which
+    /// the decode runs), or `ahead` of it, behind the reads of the group
+    /// decoding now (the plan dropped once its reads are queued).
+    fn prefetch_group(
+        &mut self,
+        e: &Served,
+        g: usize,
+        ahead: bool,
+    ) -> Result<Option<StepPlans<PlanOf>>> {
         let t0 = Instant::now();
-        let mut work = Vec::with_capacity(self.groups[g].len());
-        for i in self.groups[g].clone() {
-            work.push((e.tokens(self.ids[i])?, std::slice::from_ref(&self.cur[i])));
-        }
-        for (k, site) in e.sites().iter().enumerate() {
-            let (r, what) = if ahead {
-                (site.prefetch_ahead(&work), "prefetch ahead")
-            } else {
-                (site.prefetch_step(&work), "step prefetch")
-            };
-            r.map_err(|err| EngineError::site(k, format!("site {k} {what}"), err))?;
-        }
+        let work: Vec<(SeqId, &[u32])> = self.groups[g]
+            .clone()
+            .map(|i| (self.ids[i], std::slice::from_ref(&self.cur[i])))
+            .collect();
+        let plan = e.plan(&work)?;
+        e.prefetch_plan(&plan)?;
         self.prefetch_wall += t0.elapsed();
-        Ok(())
+        Ok((!ahead).then_some(plan))
     }
 
     /// One decode step of every sequence, group after group. With
@@ -1384,9 +1387,10 @@ impl Workload {
     /// repetition runs on into another table's turn.
     fn step(&mut self, e: &mut Served, last: bool) -> Result<()> {
         for g in 0..self.groups.len() {
-            if self.prefetch {
-                self.prefetch_group(e, g, false)?;
-            }
+            let plan = match self.prefetch {
+                true => self.prefetch_group(e, g, false)?,
+                false => None,
+            };
             let range = self.groups[g].clone();
             let batch: Vec<(SeqId, u32)> =
                 range.clone().map(|i| (self.ids[i], self.cur[i])).collect();
@@ -1394,7 +1398,10 @@ impl Workload {
             self.highway
                 .extend_from_slice(&self.template[..batch.len() * e.width()]);
             let t1 = Instant::now();
-            e.decode(&batch, &mut self.highway)?;
+            match &plan {
+                Some(p) => e.decode_planned(&batch, p, &mut self.highway)?,
+                None => e.decode(&batch, &mut self.highway)?,
+            }
             self.decode_wall += t1.elapsed();
             for i in range {
                 self.cur[i] = self.streams.next(i);

@@ -19,10 +19,14 @@
 //!   the weights: kernels never let the number of rows in a launch change a
 //!   row's arithmetic, so any chunking of a prefill, any batch and any replay
 //!   of a captured graph give bit-identical highways;
+//! - a step is hashed once into a [`StepPlan`] (`layer/plan.rs`); the
+//!   table's prefetch, staging into a caller's buffer, the eager forwards and
+//!   the batch prestage all take the ids from it, and a plan runs only on a
+//!   carry whose history is the one it was made for;
 //! - the history in a [`PleSeqState`] always has `context_len` entries after
 //!   any forward or prestage, and advances exactly once per token: either by
 //!   the prestage (which also stages the token's rows) or by the forward that
-//!   hashes the token itself;
+//!   runs the token's plan;
 //! - a prestage is taken by the next forward of its sequence whatever that
 //!   forward does, so a leftover is never applied to a later token;
 //! - under graph capture nothing is hashed, resolved or read back: only a
@@ -32,8 +36,9 @@
 //!   [`PleLayer::free`]; `Drop` frees nothing, as with every `DevicePtr`.
 //!
 //! Files: this one holds the types and the accessors; `layer/build.rs` the
-//! constructor and its checks, `layer/forward.rs` the eager forward and the
-//! row staging it uses, `layer/batch.rs` the batched decode step (prestage,
+//! constructor and its checks, `layer/plan.rs` the step plan (hashing a
+//! step, prefetch and staging by plan, running a plan eagerly or prestaging
+//! it), `layer/forward.rs` the eager forward and the row staging it uses, `layer/batch.rs` the batched decode step (prestage,
 //! graph-capturable forward, replay bookkeeping) and `free`,
 //! `layer/carry.rs` a carry's snapshot and restore through the aux blob
 //! codec, `layer/pipeline.rs` the gather that projects each head group while the
@@ -58,12 +63,12 @@ mod build;
 mod carry;
 mod error;
 mod forward;
-mod hashed;
 mod pipeline;
+mod plan;
 
 pub use error::LayerError;
 pub(crate) use error::{DeviceContext, layer_ensure, table_err};
-pub use hashed::HashedIds;
+pub use plan::{PlanPart, SeqWork, StepPlan};
 
 /// Results of the layer.
 type Result<T, E = LayerError> = std::result::Result<T, E>;
@@ -364,26 +369,6 @@ impl PleLayer {
     /// The table the layer reads.
     pub fn table(&self) -> &Arc<dyn RowTable> {
         &self.table
-    }
-
-    /// Start reading the table rows a forward of `tokens` will gather,
-    /// for a sequence whose tokens so far end with `history` (only the last
-    /// `context_len` matter; a shorter one acts as if EOS-padded, as for a
-    /// fresh carry). Advice only: nothing is pinned and the results never
-    /// change; a table that holds its rows in place does nothing. Lets a
-    /// scheduler overlap the next step's reads with this step's compute.
-    pub fn prefetch(&self, history: &[u32], tokens: &[u32]) -> Result<()> {
-        self.check_live()?;
-        if tokens.is_empty() {
-            return Ok(());
-        }
-        let heads = self.dims.ngram_heads();
-        let mut ids = vec![0u64; tokens.len() * heads];
-        self.hasher
-            .ids_with_history_into(history, tokens, &mut ids)?;
-        self.table
-            .prefetch(&ids)
-            .map_err(|e| table_err("prefetching PLE rows")(e))
     }
 
     fn check_live(&self) -> Result<()> {

@@ -6,13 +6,16 @@
 //!   and every size derived from them);
 //! - [`carry_blob`]: the aux blob format, its size, encoder and decoder;
 //! - [`ids`]: the n-gram id hash;
+//! - [`highway`]: highway rows on the host run through a device buffer (the
+//!   host-slice convenience over calls that take a device pointer);
 //! - [`device_kernels`]: `kernels/ple.cu` loaded on a backend that runs
 //!   device code, and the launch shapes of each kind of backend;
 //! - [`kernels`]: the kernels the layer launches (gather, project, gate,
 //!   conv, conv_batch) and their CPU implementations;
 //! - `layer`: [`PleLayer`], [`PleSeqState`], [`PleWeights`],
-//!   [`ForwardContext`], [`LayerError`]: construction, the forward, the
-//!   batched decode step and the row staging;
+//!   [`ForwardContext`], [`LayerError`], and a step as a value
+//!   ([`StepPlan`], [`SeqWork`], [`PlanPart`]): construction, the plan, the
+//!   forward, the batched decode step and the row staging;
 //! - `staging`: the device staging area for resolved row references and the
 //!   lease rules that keep table rows in place until the gather has run;
 //! - [`tensor_parallel`]: a rank's column share of a site
@@ -24,6 +27,7 @@
 mod aux_state;
 pub mod carry_blob;
 pub mod device_kernels;
+pub mod highway;
 pub mod ids;
 pub mod kernels;
 mod layer;
@@ -31,7 +35,9 @@ pub mod spec;
 mod staging;
 pub mod tensor_parallel;
 
-pub use layer::{ForwardContext, HashedIds, LayerError, PleLayer, PleSeqState, PleWeights};
+pub use layer::{
+    ForwardContext, LayerError, PlanPart, PleLayer, PleSeqState, PleWeights, SeqWork, StepPlan,
+};
 pub use spec::{
     Combine, GateSign, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
 };

@@ -2,8 +2,9 @@
 //! device memory, for the gather kernel that reads them.
 //!
 //! One device allocation (`ple.slots`) holds four parts, in this order:
-//! - the *eager* part (`max_tokens * ngram_heads` refs): used by forwards that
-//!   hash and gather their own tokens; it is rewritten by every such forward,
+//! - the *eager* part (`max_tokens * ngram_heads` refs): used by eager
+//!   forwards and by `stage` (rows of a plan into a caller's buffer); it is
+//!   rewritten by every such call,
 //!   which is safe because the copy into it is queued on the same stream after
 //!   the previous gather that read it;
 //! - the *batch* part (`max_batch * ngram_heads` refs): `prestage_batch` puts

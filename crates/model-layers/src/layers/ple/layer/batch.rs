@@ -1,5 +1,6 @@
-//! The batched decode step: `prestage_batch` (the host half: hash,
-//! resolve and stage every sequence's rows at fixed batch slots),
+//! The batched decode step: `prestage_batch` (the host half: plan, resolve
+//! and stage every sequence's rows at fixed batch slots; `prestage_plan`
+//! with a plan made ahead),
 //! `forward_batch` (one projection, gate and `conv_batch` for the whole
 //! batch, capturable when prestaged), `note_replayed` (bookkeeping after a
 //! graph replay) and `free`.
@@ -20,12 +21,13 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
-use super::{ConvTarget, DeviceBufs, ForwardContext, HashedIds, PleLayer, PleSeqState, Result};
+use super::plan::StepPlan;
+use super::{ConvTarget, DeviceBufs, ForwardContext, PleLayer, PleSeqState, Result};
 use crate::layers::ple::staging::{self, StagedAt, Staging};
 
 /// What [`PleLayer::stage_batch`] does with the rows it resolves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Stage {
+pub(super) enum Stage {
     /// Keep them pinned at the batch slots for a later (possibly captured)
     /// gather: `prestage_batch`.
     Hold,
@@ -47,8 +49,8 @@ impl PleLayer {
     }
 
     /// The host half of one batched decode step: for sequence `i` (one new
-    /// token `tokens[i]` each), hash, resolve and stage its rows at fixed batch
-    /// slot `i`, put its conv-state address in slot `i` of the conv table, and
+    /// token `tokens[i]` each), plan, resolve and stage its rows at fixed
+    /// batch slot `i` (see [`Self::prestage_plan`] for a plan made ahead), put its conv-state address in slot `i` of the conv table, and
     /// advance its history. Slots `B..rows` are padding (a zero row and a
     /// layer-owned dummy conv state), so a graph captured for `rows` rows can
     /// be replayed for any smaller batch. The previous batch's leases are
@@ -71,56 +73,47 @@ impl PleLayer {
         gpu: &dyn GpuBackend,
         stream: StreamId,
     ) -> Result<()> {
-        self.stage_batch(states, tokens, rows, gpu, stream, Stage::Hold, None)
-            .map(|_| ())
+        self.check_tokens_per_state(states.len(), tokens.len(), "prestage_batch")?;
+        let plan = self.plan_states(states, tokens, None)?;
+        let seqs: Vec<usize> = (0..states.len()).collect();
+        self.prestage_plan(&plan, &seqs, states, rows, gpu, stream)
     }
 
-    /// [`Self::prestage_batch`], taking each sequence's ids from `hashed`
-    /// (see [`Self::hash_ahead`]) when it holds every one of them, else
-    /// hashing them as `prestage_batch` does. The same outputs either way.
-    pub fn prestage_batch_hashed(
-        &self,
-        states: &mut [&mut PleSeqState],
-        tokens: &[u32],
-        rows: usize,
-        hashed: Option<&HashedIds>,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> Result<()> {
-        self.stage_batch(states, tokens, rows, gpu, stream, Stage::Hold, hashed)
-            .map(|_| ())
+    /// Refuse a batch call with other than one token per sequence.
+    fn check_tokens_per_state(&self, states: usize, tokens: usize, call: &str) -> Result<()> {
+        layer_ensure!(states > 0, Usage, "PLE {call} with no sequences");
+        layer_ensure!(
+            tokens == states,
+            Usage,
+            "PLE {call}: {tokens} tokens for {states} sequences"
+        );
+        Ok(())
     }
 
-    /// Hash, resolve and stage one token per sequence at the batch slots
-    /// (see [`Self::prestage_batch`]). With [`Stage::Hold`] the rows stay
+    /// Resolve and stage one token per sequence, sequence `seqs[i]` of
+    /// `plan` for `states[i]`, at the batch slots (see
+    /// [`Self::prestage_batch`]). With [`Stage::Hold`] the rows stay
     /// pinned for a later gather; with [`Stage::Gather`] they are gathered
     /// into `emb` part by part, each part's lease released with an event
     /// recorded right after its gather, so a batch may need more rows than
     /// the table can pin at once; where resolving them would wait for
     /// reads, the parts are head groups and each group's projection is queued with it
     /// (`layer/pipeline.rs`). Returns whether the projection was queued.
-    /// Ids come from `hashed` when it holds every sequence's, else from the
-    /// hash.
+    /// A plan made for other histories is refused before anything changes.
     #[allow(clippy::too_many_arguments)]
-    fn stage_batch(
+    pub(super) fn stage_batch(
         &self,
         states: &mut [&mut PleSeqState],
-        tokens: &[u32],
+        plan: &StepPlan,
+        seqs: &[usize],
         rows: usize,
         gpu: &dyn GpuBackend,
         stream: StreamId,
         stage: Stage,
-        hashed: Option<&HashedIds>,
     ) -> Result<bool> {
         self.check_live()?;
         let b = states.len();
-        layer_ensure!(b > 0, Usage, "PLE prestage_batch with no sequences");
-        layer_ensure!(
-            tokens.len() == b,
-            Usage,
-            "PLE prestage_batch: {} tokens for {b} sequences",
-            tokens.len()
-        );
+        self.check_tokens_per_state(b, seqs.len(), "prestage_batch")?;
         layer_ensure!(
             rows >= b && rows <= self.max_batch(),
             Usage,
@@ -146,22 +139,10 @@ impl PleLayer {
             );
         }
         let ctxl = self.dims.context_len();
-        // Hash against the histories a reset would give, so a batch that
-        // cannot be staged is refused before any carry is touched.
-        let fresh = vec![self.dims.eos_token_id; ctxl];
-        let histories: Vec<&[u32]> = states
-            .iter()
-            .map(|s| match s.history.len() == ctxl {
-                true => s.history.as_slice(),
-                false => fresh.as_slice(),
-            })
-            .collect();
         let heads = self.dims.ngram_heads();
-        let mut ids = vec![0u64; b * heads];
-        if !hashed.is_some_and(|h| h.fill_batch(&histories, tokens, &mut ids)) {
-            self.hasher
-                .decode_batch_into(&histories, tokens, &mut ids)?;
-        }
+        // Checked against the histories a reset would give, so a batch that
+        // cannot be staged is refused before any carry is touched.
+        let (ids, new_hist) = self.batch_ids(plan, seqs, states)?;
         let table = self.table.as_ref();
         if stage == Stage::Hold {
             let distinct = ids.iter().collect::<std::collections::HashSet<_>>().len();
@@ -175,16 +156,6 @@ impl PleLayer {
                 });
             }
         }
-        let new_hist: Vec<Vec<u32>> = histories
-            .iter()
-            .zip(tokens)
-            .map(|(h, &tok)| {
-                let mut h = h.to_vec();
-                self.dims.advance_history(&mut h, &[tok]);
-                h
-            })
-            .collect();
-        drop(histories);
         for st in states.iter_mut() {
             if st.history.len() != ctxl {
                 self.reset(st, gpu, stream).map_err(LayerError::Reset)?;
@@ -244,7 +215,7 @@ impl PleLayer {
                     let at = stg.batch_slot(b);
                     gpu.copy_h2d_async(&staging::refs_bytes(&pads), at, stream)
                         .device(|| "uploading the PLE batch padding refs".into())?;
-                    self.launch_gather(gpu, at, pads.len(), b * heads, stream)?;
+                    self.launch_gather(gpu, at, pads.len(), self.emb_row(b * heads), stream)?;
                 }
                 match self.pipeline_groups(&ids) {
                     Some(groups) => {
@@ -308,7 +279,9 @@ impl PleLayer {
             let queued = gpu
                 .copy_h2d_async(&staging::refs_bytes(&refs[start..end]), at, stream)
                 .device(|| "uploading PLE batch row refs".into())
-                .and_then(|()| self.launch_gather(gpu, at, end - start, start, stream));
+                .and_then(|()| {
+                    self.launch_gather(gpu, at, end - start, self.emb_row(start), stream)
+                });
             // Released even when queueing failed: the event is recorded after
             // whatever did get queued, so no pin outlives the work reading it.
             let released = staging::release_at_tail(table, gpu, stream, vec![lease]);
@@ -339,21 +312,6 @@ impl PleLayer {
         ctx: &ForwardContext<'_>,
         stream: StreamId,
     ) -> Result<()> {
-        self.forward_batch_hashed(states, highway, rows, ctx, None, stream)
-    }
-
-    /// [`Self::forward_batch`], taking the ids of a step it stages itself
-    /// from `hashed` (see [`Self::hash_ahead`]) when it holds every
-    /// sequence's, else hashing them. The same outputs either way.
-    pub fn forward_batch_hashed(
-        &self,
-        states: &mut [&mut PleSeqState],
-        highway: DevicePtr,
-        rows: usize,
-        ctx: &ForwardContext<'_>,
-        hashed: Option<&HashedIds>,
-        stream: StreamId,
-    ) -> Result<()> {
         self.check_live()?;
         let gpu = ctx.gpu;
         let b = states.len();
@@ -376,31 +334,29 @@ impl PleLayer {
             self.run_batch_staged(
                 gpu, states, &staged, highway, rows, capturing, masked, stream,
             )?;
-        } else {
-            if capturing {
-                Self::refuse_unstaged(ctx, stream)?;
+            if let Some(m) = masked {
+                self.fill_masked_histories(states, m);
             }
-            let tokens = self.tokens_from(ctx, 0, b, capturing, stream)?;
-            let projected =
-                self.stage_batch(states, &tokens, rows, gpu, stream, Stage::Gather, hashed)?;
-            let conv = ConvTarget::Table(self.staging.lock().conv_table());
-            if projected {
-                self.launch_after_projection(gpu, highway, rows, conv, masked, stream)?;
-            } else {
-                self.launch_rest(gpu, highway, rows, conv, masked, stream)?;
+            return Ok(());
+        }
+        if capturing {
+            Self::refuse_unstaged(ctx, stream)?;
+        }
+        let tokens = self.tokens_from(ctx, 0, b, capturing, stream)?;
+        let plan = self.plan_states(states, &tokens, masked)?;
+        let seqs: Vec<usize> = (0..b).collect();
+        self.run_batch_eager(&plan, &seqs, states, highway, rows, masked, gpu, stream)
+    }
+
+    /// Each sequence's history has advanced by its token (at the prestage
+    /// or in the step); a masked token now blocks the look-back of
+    /// everything after it.
+    pub(super) fn fill_masked_histories(&self, states: &mut [&mut PleSeqState], masked: &[bool]) {
+        for (st, &flag) in states.iter_mut().zip(masked) {
+            if flag {
+                st.history.fill(self.dims.eos_token_id);
             }
         }
-        // Each sequence's history has advanced by its token (at the
-        // prestage or in the step); a masked token now blocks the
-        // look-back of everything after it.
-        if let Some(m) = masked {
-            for (st, &flag) in states.iter_mut().zip(m) {
-                if flag {
-                    st.history.fill(self.dims.eos_token_id);
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Check that `staged[i]` is batch slot `i` of the current batch prestage,
@@ -466,7 +422,13 @@ impl PleLayer {
         stg.streams.insert(stream);
         self.check_batch_staged(&stg, states, staged, rows)?;
         let heads = self.dims.ngram_heads();
-        self.launch_gather(gpu, stg.batch_slot(0), rows * heads, 0, stream)?;
+        self.launch_gather(
+            gpu,
+            stg.batch_slot(0),
+            rows * heads,
+            self.emb_row(0),
+            stream,
+        )?;
         for i in 0..states.len() {
             if capturing {
                 stg.mark_captured(StagedAt::Batch(i));

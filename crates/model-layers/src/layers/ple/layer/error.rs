@@ -178,6 +178,11 @@ pub enum LayerError {
     /// or not where the batch step expects it.
     #[error("{0}")]
     Staging(String),
+    /// A step plan that does not fit the call: made for another carry
+    /// history or other tokens, a part outside the plan, or a batch entry
+    /// of more than one token.
+    #[error("{0}")]
+    Plan(String),
     /// A prestaged decode batch needs more distinct table rows than the
     /// table can keep pinned until the step's gather has run.
     #[error(

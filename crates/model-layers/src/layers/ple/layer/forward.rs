@@ -1,6 +1,7 @@
 //! The eager forward of one sequence: token ids from the context, the
-//! n-gram hash against the carried history, row resolution through the
-//! staging area, and the kernel launches (gather, project, then those of
+//! n-gram hash against the carried history (a plan of one sequence,
+//! `layer/plan.rs`), row resolution through the staging area, and the
+//! kernel launches (gather, project, then those of
 //! the site's combination). Also the staging-ring upload the seed's
 //! `prestage` uses.
 //!
@@ -19,8 +20,8 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, LayerError, layer_bail, layer_ensure, table_err};
-use super::{ConvTarget, ForwardContext, HashedIds, PleLayer, PleSeqState, Result};
-use crate::layers::ple::ids::Boundaries;
+use super::plan::SeqWork;
+use super::{ConvTarget, ForwardContext, PleLayer, PleSeqState, Result};
 use crate::layers::ple::kernels::args::{
     BiasAddArgs, ConvArgs, ConvBatchArgs, GateArgs, GateNormsArgs, GatherArgs, HighwayAddArgs,
     MeanAddArgs, ProjectArgs,
@@ -198,7 +199,7 @@ impl PleLayer {
     /// fresh history) at and before the last masked token, which blocks the
     /// look-back of every later token (docs/SPEC.md §11 (Families)).
     /// `chunk_masked` flags the chunk that has just advanced `history`.
-    fn apply_mask_to_history(&self, history: &mut [u32], chunk_masked: &[bool]) {
+    pub(super) fn apply_mask_to_history(&self, history: &mut [u32], chunk_masked: &[bool]) {
         let Some(last) = chunk_masked.iter().rposition(|&m| m) else {
             return;
         };
@@ -214,9 +215,10 @@ impl PleLayer {
     /// into `highway [num_tokens, C]`, with the semantics of docs/SPEC.md §6
     /// (Carry lifecycle): reset when `fresh` or the history has the wrong
     /// length; a single-token, non-fresh forward without an override
-    /// consumes the prestage; the prestage is taken in every case; without one, the forward hashes,
-    /// gathers and advances the history itself, which is refused under
-    /// capture.
+    /// consumes the prestage; the prestage is taken in every case; without
+    /// one, the forward plans the tokens against the carry, gathers and
+    /// advances the history itself ([`Self::run`] of its own plan), which is
+    /// refused under capture.
     pub fn forward(
         &self,
         st: &mut PleSeqState,
@@ -224,23 +226,6 @@ impl PleLayer {
         num_tokens: usize,
         fresh: bool,
         ctx: &ForwardContext<'_>,
-        stream: StreamId,
-    ) -> Result<()> {
-        self.forward_hashed(st, highway, num_tokens, fresh, ctx, None, stream)
-    }
-
-    /// [`Self::forward`], taking the ids of tokens it hashes itself from
-    /// `hashed` (see [`Self::hash_ahead`]) when it holds them for this
-    /// carry's history, else hashing them. The same outputs either way.
-    #[allow(clippy::too_many_arguments)]
-    pub fn forward_hashed(
-        &self,
-        st: &mut PleSeqState,
-        highway: DevicePtr,
-        num_tokens: usize,
-        fresh: bool,
-        ctx: &ForwardContext<'_>,
-        hashed: Option<&HashedIds>,
         stream: StreamId,
     ) -> Result<()> {
         self.check_live()?;
@@ -280,7 +265,7 @@ impl PleLayer {
                  ring, whose addresses change every step; use prestage_batch so that a replay \
                  reads fixed slots"
             );
-            self.launch_gather(gpu, DevicePtr(va), heads, 0, stream)?;
+            self.launch_gather(gpu, DevicePtr(va), heads, self.emb_row(0), stream)?;
             if capturing {
                 stg.mark_captured(at);
             } else {
@@ -298,7 +283,10 @@ impl PleLayer {
             Self::refuse_unstaged(ctx, stream)?;
         }
         let tokens = self.tokens_from(ctx, 0, num_tokens, capturing, stream)?;
-        self.forward_eager(gpu, st, highway, &tokens, hashed, masked, stream)
+        let mut work = SeqWork::new(&st.history, &tokens);
+        work.masked = masked;
+        let plan = self.hash_work(&[work])?;
+        self.forward_eager(gpu, st, highway, plan.ids(), &tokens, masked, stream)
     }
 
     pub(super) fn refuse_unstaged(ctx: &ForwardContext<'_>, stream: StreamId) -> Result<()> {
@@ -316,46 +304,22 @@ impl PleLayer {
         )
     }
 
-    /// Hash `tokens` against the history, gather their rows chunk by chunk
-    /// through the eager staging part and run the kernels, advancing the
-    /// history after each chunk. With `masked`, the hash stops its look-back
-    /// at masked tokens and their gates are shut.
+    /// Gather the rows of `all` (the ids of `tokens`, hashed against the
+    /// carry's history) chunk by chunk through the eager staging part and
+    /// run the kernels, advancing the history after each chunk. With
+    /// `masked`, the gates of masked tokens are shut.
     #[allow(clippy::too_many_arguments)]
-    fn forward_eager(
+    pub(super) fn forward_eager(
         &self,
         gpu: &dyn GpuBackend,
         st: &mut PleSeqState,
         highway: DevicePtr,
+        all: &[u64],
         tokens: &[u32],
-        hashed: Option<&HashedIds>,
         masked: Option<&[bool]>,
         stream: StreamId,
     ) -> Result<()> {
         let heads = self.dims.ngram_heads();
-        let ahead = hashed.filter(|_| masked.is_none());
-        let all = match (ahead.and_then(|h| h.lookup(&st.history, tokens)), masked) {
-            (Some(ids), _) => ids.to_vec(),
-            (None, Some(m)) => {
-                // The history holds no masked token (the pad fill stands in
-                // for one), so only the new tokens carry flags.
-                let mut flags = vec![false; st.history.len()];
-                flags.extend_from_slice(m);
-                let bounds = Boundaries {
-                    doc_start: &[],
-                    masked: &flags,
-                };
-                let mut all = vec![0u64; tokens.len() * heads];
-                self.hasher
-                    .engram_ids_bounded_into(&st.history, tokens, bounds, &mut all)?;
-                all
-            }
-            (None, None) => {
-                let mut all = vec![0u64; tokens.len() * heads];
-                self.hasher
-                    .ids_with_history_into(&st.history, tokens, &mut all)?;
-                all
-            }
-        };
         let c = self.channels();
         let mut t0 = 0;
         while t0 < tokens.len() {
@@ -413,7 +377,8 @@ impl PleLayer {
                 .copy_h2d_async(&staging::refs_bytes(&refs), stg.eager_ref(start), stream)
                 .device(|| "uploading PLE row refs".into())
                 .and_then(|()| {
-                    self.launch_gather(gpu, stg.eager_ref(start), end - start, start, stream)
+                    let out = self.emb_row(start);
+                    self.launch_gather(gpu, stg.eager_ref(start), end - start, out, stream)
                 });
             let released = staging::release_at_tail(table, gpu, stream, vec![lease]);
             queued?;
@@ -423,14 +388,19 @@ impl PleLayer {
         Ok(())
     }
 
-    /// Queue the gather of `n` rows whose refs are at `refs` into `emb`,
-    /// starting at emb row `first_row` (in head rows).
+    /// The address of head row `row` of `emb`.
+    pub(super) fn emb_row(&self, row: usize) -> DevicePtr {
+        self.bufs.emb.offset(row * self.row_dim * 4)
+    }
+
+    /// Queue the gather of `n` rows whose refs are at `refs` into `out`
+    /// (`n * row_dim` f32: rows of `emb`, or a caller's buffer).
     pub(super) fn launch_gather(
         &self,
         gpu: &dyn GpuBackend,
         refs: DevicePtr,
         n: usize,
-        first_row: usize,
+        out: DevicePtr,
         stream: StreamId,
     ) -> Result<()> {
         let cfg = self.kernels.shapes.gather(n, self.row_dim);
@@ -439,7 +409,7 @@ impl PleLayer {
             n: n as u32,
             head_dim: self.row_dim as u32,
             dtype: self.dtype_code,
-            out: self.bufs.emb.offset(first_row * self.row_dim * 4),
+            out,
         };
         gpu.launch(self.kernels.gather, cfg)
             .args(&a)

@@ -2,9 +2,9 @@
 //! reads (a row cache missing some), they are resolved one head group at a
 //! time, and each group's gather and its share of the projection are
 //! queued before the next group is resolved, so the backend computes on
-//! the rows it has while the rest are read. The step prefetch ([`PleLayer::prefetch_hashed`])
-//! asks for the rows in the same group order, so the first group arrives
-//! first.
+//! the rows it has while the rest are read. A step plan orders its reads
+//! the same way ([`super::StepPlan::reads`]), so a prefetch by plan brings
+//! the first group in first.
 //!
 //! Invariants: the projection over consecutive step ranges, each continuing
 //! the sums of the last, is the same FMA chain as one projection
@@ -18,7 +18,7 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::table::RowRef;
 
 use super::error::{DeviceContext, table_err};
-use super::{HashedIds, PleLayer, Result};
+use super::{PleLayer, Result};
 use crate::layers::ple::kernels::args::{GatherRunsArgs, ProjectRangeArgs};
 use crate::layers::ple::kernels::gemm::CUT_STEPS;
 use crate::layers::ple::staging;
@@ -37,19 +37,27 @@ impl PleLayer {
     /// no resolve waits) or cannot be cut (one head, a group boundary on an
     /// odd step, a resolve limit below one token's rows).
     pub(super) fn pipeline_groups(&self, ids: &[u64]) -> Option<Vec<Group>> {
-        let heads = self.dims.ngram_heads();
-        let per = heads.div_ceil(PIPELINE_GROUPS.min(heads).max(1));
-        let usable = heads >= 2
-            && per < heads
-            && self.table.max_resolve() >= heads
-            && (per * self.row_dim).is_multiple_of(2)
-            && self.table.would_wait(ids);
-        usable.then(|| {
+        let per = self.pipeline_heads()?;
+        self.table.would_wait(ids).then(|| {
+            let heads = self.dims.ngram_heads();
             (0..heads)
                 .step_by(per)
                 .map(|h0| (h0, per.min(heads - h0)))
                 .collect()
         })
+    }
+
+    /// Heads per group of a pipelined step, `None` where the geometry or
+    /// the table's resolve limit cannot cut one (one head, a group
+    /// boundary on an odd step, a resolve limit below one token's rows).
+    pub(super) fn pipeline_heads(&self) -> Option<usize> {
+        let heads = self.dims.ngram_heads();
+        let per = heads.div_ceil(PIPELINE_GROUPS.min(heads).max(1));
+        let usable = heads >= 2
+            && per < heads
+            && self.table.max_resolve() >= heads
+            && (per * self.row_dim).is_multiple_of(2);
+        usable.then_some(per)
     }
 
     /// The ids of head group `(h0, run)` of every token of `ids`
@@ -195,29 +203,5 @@ impl PleLayer {
             .device(|| {
                 format!("launching PLE gather of {n} rows in runs of {run} from refs at {refs}")
             })
-    }
-
-    /// Start reading the rows of `hashed` (see [`Self::hash_ahead`]): in
-    /// the order a pipelined step resolves them, one head group of every
-    /// token after another, each group its own request, so the first
-    /// group's rows arrive first; in one request where the step would not
-    /// be pipelined. Advice only, as [`Self::prefetch`].
-    pub fn prefetch_hashed(&self, hashed: &HashedIds) -> Result<()> {
-        self.check_live()?;
-        if hashed.is_empty() {
-            return Ok(());
-        }
-        let fail = |err| table_err("prefetching PLE rows")(err);
-        match self.pipeline_groups(hashed.ids()) {
-            None => self.table.prefetch(hashed.ids()).map_err(fail),
-            Some(groups) => {
-                for group in groups {
-                    self.table
-                        .prefetch(&self.group_ids(hashed.ids(), group))
-                        .map_err(fail)?;
-                }
-                Ok(())
-            }
-        }
     }
 }
