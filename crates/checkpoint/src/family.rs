@@ -22,7 +22,9 @@
 //! Invariant: the writer and the loader take the table tensors of a site
 //! from [`Layout::table_tensors`] alone.
 
-use metrale_model_layers::layers::ple::spec::{EngramKeys, LongCatKeys, ModelFamily, ModelSpec};
+use metrale_model_layers::layers::ple::family::engram::{EngramKeys, EngramSpec};
+use metrale_model_layers::layers::ple::family::longcat::{LongCatKeys, LongCatSpec};
+use metrale_model_layers::layers::ple::spec::ModelSpec;
 
 use crate::names::{
     EngramDemoNames, LongCatNames, MULTIMODAL_ROOT, SiteNames, TEXT_ROOT, V41Names,
@@ -60,15 +62,17 @@ pub enum Layout {
 impl Layout {
     /// The layout of `g`'s family.
     pub fn of(g: &ModelSpec) -> Layout {
-        match &g.family {
-            ModelFamily::Qwen4Exp => Layout::Qwen4Exp { multimodal: false },
-            ModelFamily::Engram(e) => match e.keys {
+        if let Some(e) = g.family.get::<EngramSpec>() {
+            match e.keys {
                 EngramKeys::Demo => Layout::EngramDemo,
                 EngramKeys::V41 => Layout::EngramV41,
-            },
-            ModelFamily::LongCat(l) => Layout::LongCat {
+            }
+        } else if let Some(l) = g.family.get::<LongCatSpec>() {
+            Layout::LongCat {
                 oe: l.keys == LongCatKeys::Oe,
-            },
+            }
+        } else {
+            Layout::Qwen4Exp { multimodal: false }
         }
     }
 

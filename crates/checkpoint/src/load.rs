@@ -41,7 +41,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use metrale_model_layers::layers::ple::PleWeights;
-use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec, SiteSpec, load_token_map};
+use metrale_model_layers::layers::ple::family::engram::{EngramSpec, load_token_map};
+use metrale_model_layers::layers::ple::spec::{ModelSpec, SiteSpec};
 use metrale_storage::StorageError;
 use metrale_storage::dtype::{
     FP8_BLOCK, bf16_to_f32, f32_to_bf16, fp8_block_row_bytes, fp8_e4m3_to_f32, ue8m0_to_f32,
@@ -59,7 +60,7 @@ use crate::names::{
 };
 use crate::release::{SplitTable, check_split, is_block_scale};
 use crate::token_map::decode_token_map;
-use metrale_model_layers::layers::ple::spec::engram::tokenizer::token_map_from_tokenizer_json;
+use metrale_model_layers::layers::ple::family::engram::tokenizer::token_map_from_tokenizer_json;
 
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -187,7 +188,7 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
 /// pad id. An Engram checkpoint with none of the three is refused: hashing
 /// raw ids would address other rows without a word.
 fn with_token_map(spec: ModelSpec, dir: &Path, files: &Files) -> Result<ModelSpec> {
-    if !matches!(spec.family, ModelFamily::Engram(_)) {
+    if spec.family.get::<EngramSpec>().is_none() {
         return Ok(spec);
     }
     let path = dir.join(TOKEN_MAP_FILE);

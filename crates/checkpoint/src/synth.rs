@@ -26,8 +26,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::names::scale_name;
+use metrale_model_layers::layers::ple::family::engram::EngramSpec;
 use metrale_model_layers::layers::ple::ids::DerivedPleIds;
-use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec};
+use metrale_model_layers::layers::ple::spec::ModelSpec;
 use metrale_storage::StorageError;
 use metrale_storage::dtype::{
     FP8_BLOCK, f32_to_bf16, f32_to_fp8_e4m3, fp8_block_row_bytes, quantize_fp8_block_row,
@@ -734,7 +735,7 @@ fn write_into(
         }
     };
     std::fs::write(&cpath, config).map_err(|e| CheckpointError::io(&cpath, e))?;
-    if let ModelFamily::Engram(e) = &g.family {
+    if let Some(e) = g.family.get::<EngramSpec>() {
         let map = synthetic_token_map(g.vocab_size, e.compressed_vocab_size);
         let mpath = dir.join(TOKEN_MAP_FILE);
         let text = serde_json::to_string(&map).expect("a list of ids always serialises");
