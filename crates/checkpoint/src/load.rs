@@ -41,7 +41,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use metrale_model_layers::layers::ple::PleWeights;
-use metrale_model_layers::layers::ple::family::engram::{EngramSpec, load_token_map};
+use metrale_model_layers::layers::ple::family::engram::load_token_map;
 use metrale_model_layers::layers::ple::spec::{ModelSpec, SiteSpec};
 use metrale_storage::StorageError;
 use metrale_storage::dtype::{
@@ -178,8 +178,9 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
     )?)
 }
 
-/// `spec` with the checkpoint's compressed-token map, when it is an Engram
-/// spec and the directory has one, as the file [`TOKEN_MAP_FILE`] or the
+/// `spec` with the checkpoint's compressed-token map, when its family hashes
+/// through one (Engram: `Family::compressed_vocab`) and the directory has
+/// one, as the file [`TOKEN_MAP_FILE`] or the
 /// tensor [`TOKEN_MAP_TENSOR`] listed in `files` (both only if they agree
 /// entry for entry), or else built from the checkpoint's `tokenizer.json`
 /// as the engines that serve DeepSeek's releases build it (a release ships
@@ -188,7 +189,7 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
 /// pad id. An Engram checkpoint with none of the three is refused: hashing
 /// raw ids would address other rows without a word.
 fn with_token_map(spec: ModelSpec, dir: &Path, files: &Files) -> Result<ModelSpec> {
-    if spec.family.get::<EngramSpec>().is_none() {
+    if spec.family.family().compressed_vocab().is_none() {
         return Ok(spec);
     }
     let path = dir.join(TOKEN_MAP_FILE);

@@ -26,7 +26,6 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use crate::names::scale_name;
-use metrale_model_layers::layers::ple::family::engram::EngramSpec;
 use metrale_model_layers::layers::ple::ids::DerivedPleIds;
 use metrale_model_layers::layers::ple::spec::ModelSpec;
 use metrale_storage::StorageError;
@@ -533,8 +532,8 @@ fn write_into(
         }
     };
     std::fs::write(&cpath, config).map_err(|e| CheckpointError::io(&cpath, e))?;
-    if let Some(e) = g.family.get::<EngramSpec>() {
-        let map = synthetic_token_map(g.vocab_size, e.compressed_vocab_size);
+    if let Some(compressed) = g.family.family().compressed_vocab() {
+        let map = synthetic_token_map(g.vocab_size, compressed);
         let mpath = dir.join(TOKEN_MAP_FILE);
         let text = serde_json::to_string(&map).expect("a list of ids always serialises");
         std::fs::write(&mpath, text).map_err(|e| CheckpointError::io(&mpath, e))?;

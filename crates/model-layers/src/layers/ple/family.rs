@@ -54,6 +54,9 @@ pub const BUILTIN: &[&FamilyDesc] = &[
     &longcat::DESC,
 ];
 
+/// A family's detector: the key of a config that names the family, if any.
+pub type Detect = fn(&Fields) -> Result<Option<&'static str>, SpecError>;
+
 /// How a family is recognised and parsed; one `static` per family module.
 pub struct FamilyDesc {
     /// Unique in the registry (`qwen4-exp`, `engram-demo`, ...).
@@ -66,7 +69,7 @@ pub struct FamilyDesc {
     /// Whether a config's keys name this family: the key that does, or
     /// `None`. `None` here makes the family the fallback, which takes
     /// every config no other family claims.
-    pub detect: Option<fn(&Fields) -> Result<Option<&'static str>, SpecError>>,
+    pub detect: Option<Detect>,
     /// Parse and validate a config this family claimed.
     pub parse: fn(&Fields) -> Result<ModelSpec, SpecError>,
 }
@@ -95,6 +98,11 @@ pub trait Family: fmt::Debug + Send + Sync + Any {
     /// Whether `other` is the same family with the same parameters
     /// (implement with [`same`]).
     fn eq_family(&self, other: &dyn Family) -> bool;
+    /// The size of the compressed vocabulary a token map maps raw ids
+    /// onto, for a family that hashes through one (`None`: raw ids).
+    fn compressed_vocab(&self) -> Option<u64> {
+        None
+    }
     /// The compressed-token map the family hashes through, if any.
     fn token_map(&self) -> Option<&TokenMap> {
         None

@@ -115,6 +115,10 @@ impl Family for EngramSpec {
         same(self, other)
     }
 
+    fn compressed_vocab(&self) -> Option<u64> {
+        Some(self.compressed_vocab_size)
+    }
+
     fn token_map(&self) -> Option<&TokenMap> {
         self.token_map.as_ref()
     }
