@@ -23,7 +23,7 @@
 //! (`qwen4_exp.rs`, `engram_demo.rs`, `deepseek_v41.rs`, `longcat.rs`):
 //! which tensors make its table, how its dense weights load into
 //! [`PleWeights`], and which dense tensors `init` writes for it. They sit
-//! behind [`TensorFamily`]; [`BUILTIN`] lists them, one line per family,
+//! behind `TensorFamily`; `BUILTIN` lists them, one line per family,
 //! keyed by the model-layers family id, and [`Layout`] is a family with the
 //! spelling of its names a checkpoint uses.
 //!
