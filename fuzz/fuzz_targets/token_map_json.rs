@@ -8,8 +8,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use metrale_model_layers::layers::ple::spec::engram::check_token_map;
-use metrale_model_layers::layers::ple::spec::{EngramKeys, EngramSpec, parse_token_map};
+use metrale_model_layers::layers::ple::family::engram::check_token_map;
+use metrale_model_layers::layers::ple::family::engram::{EngramKeys, EngramSpec, parse_token_map};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {

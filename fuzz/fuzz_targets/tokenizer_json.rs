@@ -8,7 +8,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use metrale_model_layers::layers::ple::spec::engram::token_map_from_tokenizer_str;
+use metrale_model_layers::layers::ple::family::engram::token_map_from_tokenizer_str;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else {

@@ -15,8 +15,10 @@
 //! `Qwen4ExpTextConfig` defines, and [`Backbone::tensors`] lists each
 //! parameter of the model that is not under `.ple.` exactly once.
 
+use metrale_model_layers::layers::ple::family::qwen4_exp::{
+    INDEXED_ATTENTION, default_layer_types,
+};
 use metrale_model_layers::layers::ple::spec::ModelSpec;
-use metrale_model_layers::layers::ple::spec::qwen::{INDEXED_ATTENTION, default_layer_types};
 use serde_json::{Value, json};
 
 /// The backbone fields of a `Qwen4ExpTextConfig` (the PLE ones are the

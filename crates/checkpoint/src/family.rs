@@ -19,14 +19,41 @@
 //! of an equal-shard table fold as `id % r`; ids of a LongCat sub-table
 //! fold inside the sub-table, as `(id - offset_i) % (r / parts)`.
 //!
+//! Each family's checkpoint facts live in its module under `family/`
+//! (`qwen4_exp.rs`, `engram_demo.rs`, `deepseek_v41.rs`, `longcat.rs`):
+//! which tensors make its table, how its dense weights load into
+//! [`PleWeights`], and which dense tensors `init` writes for it. They sit
+//! behind `TensorFamily`; `BUILTIN` lists them, one line per family,
+//! keyed by the model-layers family id, and [`Layout`] is a family with the
+//! spelling of its names a checkpoint uses.
+//!
 //! Invariant: the writer and the loader take the table tensors of a site
-//! from [`Layout::table_tensors`] alone.
+//! from [`Layout::table_tensors`] alone; every family model-layers parses
+//! has an entry here (a test checks the built-in ones).
 
-use metrale_model_layers::layers::ple::spec::{EngramKeys, LongCatKeys, ModelFamily, ModelSpec};
+use std::fmt;
 
-use crate::names::{
-    EngramDemoNames, LongCatNames, MULTIMODAL_ROOT, SiteNames, TEXT_ROOT, V41Names,
-};
+use metrale_model_layers::layers::ple::PleWeights;
+use metrale_model_layers::layers::ple::ids::DerivedPleIds;
+use metrale_model_layers::layers::ple::spec::{ModelSpec, SiteSpec};
+
+use crate::error::{CheckpointError, Result};
+use crate::load::Files;
+use crate::names::SiteNames;
+use crate::synth::Dense;
+
+mod deepseek_v41;
+mod engram_demo;
+mod longcat;
+mod qwen4_exp;
+
+/// The checkpoint side of the families this crate reads and writes.
+const BUILTIN: &[&dyn TensorFamily] = &[
+    &qwen4_exp::Qwen4ExpTensors,
+    &engram_demo::EngramDemoTensors,
+    &deepseek_v41::V41Tensors,
+    &longcat::LongCatTensors,
+];
 
 /// How transformers' `torch.chunk` cuts `rows` rows into `parts` shards:
 /// `(rows per shard, shards)`. Every shard holds `ceil(rows / parts)` rows
@@ -37,86 +64,151 @@ pub fn chunk_rows(rows: u64, parts: u64) -> (u64, u64) {
     (per, rows.div_ceil(per))
 }
 
-/// The checkpoint layout of a model family (and key spelling).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Layout {
-    /// Qwen4Exp PLE sites (`model.layers.{L}.ple.*`, or
-    /// `model.language_model.layers.{L}.ple.*` when `multimodal`).
-    Qwen4Exp {
-        /// Saved from `Qwen4ExpForConditionalGeneration`.
-        multimodal: bool,
-    },
-    /// The Engram demo (`model.layers.{L}.engram.*`).
-    EngramDemo,
-    /// DeepSeek-V4.1's Engram (`layers.{L}.engram.*`).
-    EngramV41,
-    /// LongCat's n-gram embedding; `oe` for LongCat-2.0's `oe_*` names.
-    LongCat {
-        /// LongCat-2.0's spelling.
-        oe: bool,
-    },
+/// What a family's checkpoint holds and how it is read and written.
+pub(crate) trait TensorFamily: Send + Sync + 'static {
+    /// The model-layers family id (`FamilyDesc::id`) this serves.
+    fn id(&self) -> &'static str;
+    /// How `inspect` names the layout in spelling `variant`.
+    fn name(&self, variant: u8) -> &'static str;
+    /// The spelling of `g`'s names, given a checkpoint's tensor names
+    /// (empty when writing): 0 unless the family has several.
+    fn variant(&self, g: &ModelSpec, tensors: &mut dyn Iterator<Item = &String>) -> u8 {
+        let _ = (g, tensors);
+        0
+    }
+    /// The number of table tensors of a cut table (see
+    /// [`Layout::table_parts`]).
+    fn table_parts(&self, g: &ModelSpec) -> usize;
+    /// Whether the table tensors are sub-tables of their own sizes.
+    fn sub_tables(&self) -> bool {
+        false
+    }
+    /// Whether a whole table is cut as `torch.chunk` cuts it, so that its
+    /// last shard may be shorter (Qwen4-Exp).
+    fn torch_chunked(&self) -> bool {
+        false
+    }
+    /// What `inspect` calls the table tensors.
+    fn part_noun(&self) -> &'static str {
+        "table tensor"
+    }
+    /// Rows each table tensor of an uncut table stores.
+    fn whole_part_rows(&self, g: &ModelSpec, s: usize, padded_rows: u64) -> Vec<u64> {
+        let _ = s;
+        let parts = self.table_parts(g) as u64;
+        vec![padded_rows.div_ceil(parts); parts as usize]
+    }
+    /// The weight tensors of site `s`'s table, in id order.
+    fn table_tensors(&self, variant: u8, g: &ModelSpec, s: usize) -> Vec<String>;
+    /// The prefix of site `s`'s tensors.
+    fn site_prefix(&self, variant: u8, g: &ModelSpec, s: usize) -> String;
+    /// The Qwen4-Exp site names (`None` for other families).
+    fn site_names(&self, variant: u8, layer: usize) -> Option<SiteNames> {
+        let _ = (variant, layer);
+        None
+    }
+    /// Whether the family's tables may be stored as released (block
+    /// scales in their own tensor) and converted on open.
+    fn release_tables(&self) -> bool {
+        false
+    }
+    /// Site `spec`'s dense weights from the checkpoint's tensors.
+    fn load_weights(
+        &self,
+        variant: u8,
+        g: &ModelSpec,
+        files: &Files,
+        spec: &SiteSpec,
+    ) -> Result<PleWeights>;
+    /// The dense tensors `init` writes for site `s`, in file order.
+    fn dense_tensors(&self, variant: u8, g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense>;
+}
+
+/// The checkpoint layout of a model family: the family and the spelling
+/// of its tensor names.
+#[derive(Clone, Copy)]
+pub struct Layout {
+    family: &'static dyn TensorFamily,
+    variant: u8,
+}
+
+impl PartialEq for Layout {
+    fn eq(&self, other: &Self) -> bool {
+        self.family.id() == other.family.id() && self.variant == other.variant
+    }
+}
+
+impl Eq for Layout {}
+
+impl fmt::Debug for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 impl Layout {
-    /// The layout of `g`'s family.
-    pub fn of(g: &ModelSpec) -> Layout {
-        match &g.family {
-            ModelFamily::Qwen4Exp => Layout::Qwen4Exp { multimodal: false },
-            ModelFamily::Engram(e) => match e.keys {
-                EngramKeys::Demo => Layout::EngramDemo,
-                EngramKeys::V41 => Layout::EngramV41,
-            },
-            ModelFamily::LongCat(l) => Layout::LongCat {
-                oe: l.keys == LongCatKeys::Oe,
-            },
-        }
+    /// The layout of `g`'s family as `init` writes it.
+    pub fn of(g: &ModelSpec) -> Result<Layout> {
+        Self::detect(g, std::iter::empty())
+    }
+
+    /// The layout of a checkpoint of `g` whose tensors are `names` (the
+    /// family picks its spelling from them, e.g. Qwen4-Exp's multimodal
+    /// root).
+    pub fn detect<'a>(
+        g: &ModelSpec,
+        mut names: impl Iterator<Item = &'a String>,
+    ) -> Result<Layout> {
+        let id = g.family.desc().id;
+        let family = BUILTIN
+            .iter()
+            .copied()
+            .find(|f| f.id() == id)
+            .ok_or_else(|| {
+                CheckpointError::Invalid(format!(
+                    "family `{id}` has no checkpoint layout (crates/checkpoint/src/family.rs)"
+                ))
+            })?;
+        let variant = family.variant(g, &mut names);
+        Ok(Layout { family, variant })
+    }
+
+    /// The model-layers family id of this layout.
+    pub fn family_id(self) -> &'static str {
+        self.family.id()
     }
 
     /// How `inspect` names the layout.
     pub fn name(self) -> &'static str {
-        match self {
-            Layout::Qwen4Exp { multimodal: false } => "Qwen4Exp PLE",
-            Layout::Qwen4Exp { multimodal: true } => "Qwen4Exp PLE (multimodal model)",
-            Layout::EngramDemo => "Engram (demo)",
-            Layout::EngramV41 => "Engram (DeepSeek-V4.1)",
-            Layout::LongCat { oe: false } => "LongCat n-gram embedding",
-            Layout::LongCat { oe: true } => "LongCat n-gram embedding (oe_* names)",
-        }
+        self.family.name(self.variant)
+    }
+
+    /// What `inspect` calls the table tensors (`shards`, `sub-tables`, ...).
+    pub fn part_noun(self) -> &'static str {
+        self.family.part_noun()
     }
 
     /// Whether the table tensors are sub-tables of their own sizes
     /// (LongCat) rather than equal shards of one table.
     pub fn sub_tables(self) -> bool {
-        matches!(self, Layout::LongCat { .. })
+        self.family.sub_tables()
     }
 
-    /// The layout of a Qwen4Exp checkpoint whose tensors are `names`:
-    /// multimodal when its PLE tensors sit under [`MULTIMODAL_ROOT`]; the
-    /// family's own layout otherwise.
-    pub fn detect<'a>(g: &ModelSpec, mut names: impl Iterator<Item = &'a String>) -> Layout {
-        match Layout::of(g) {
-            Layout::Qwen4Exp { .. } => {
-                let prefix = format!("{MULTIMODAL_ROOT}layers.");
-                Layout::Qwen4Exp {
-                    multimodal: names.any(|n| n.starts_with(&prefix) && n.contains(".ple.")),
-                }
-            }
-            other => other,
-        }
+    /// Whether a whole table is cut as `torch.chunk` cuts it (its last
+    /// shard may be shorter).
+    pub fn torch_chunked(self) -> bool {
+        self.family.torch_chunked()
     }
 
-    /// The names of Qwen4Exp site tensors at model layer `layer`.
-    fn qwen_names(self, layer: usize) -> SiteNames {
-        let root = match self {
-            Layout::Qwen4Exp { multimodal: true } => MULTIMODAL_ROOT,
-            _ => TEXT_ROOT,
-        };
-        SiteNames::with_root(root, layer)
+    /// Whether the family's tables may be stored as released and converted
+    /// on open (DeepSeek-V4.1's block-scaled rows).
+    pub fn release_tables(self) -> bool {
+        self.family.release_tables()
     }
 
     /// The site names of a Qwen4Exp layout (`None` for other families).
     pub fn site_names(self, layer: usize) -> Option<SiteNames> {
-        matches!(self, Layout::Qwen4Exp { .. }).then(|| self.qwen_names(layer))
+        self.family.site_names(self.variant, layer)
     }
 
     /// The number of table tensors a cut table has: the `split_ngram_parts`
@@ -125,81 +217,45 @@ impl Layout {
     /// in each. (A whole Qwen4Exp table is cut as [`chunk_rows`] says,
     /// which may make fewer: [`Self::table_tensors`] counts them.)
     pub fn table_parts(self, g: &ModelSpec) -> usize {
-        match self {
-            Layout::Qwen4Exp { .. } => g.split_ngram_parts,
-            Layout::EngramDemo | Layout::EngramV41 => 1,
-            Layout::LongCat { .. } => g.ngram_heads(),
-        }
+        self.family.table_parts(g)
     }
 
     /// Rows each table tensor of site `s` stores, in
     /// [`Self::table_tensors`] order, given the site's padded row count.
     pub fn part_rows(self, g: &ModelSpec, s: usize, padded_rows: u64) -> Vec<u64> {
-        let parts = self.table_parts(g) as u64;
-        match (self, g.table_rows) {
-            (Layout::Qwen4Exp { .. }, None) => {
-                let (per, n) = chunk_rows(padded_rows, parts);
-                (0..n).map(|i| per.min(padded_rows - i * per)).collect()
+        match g.table_rows {
+            Some(r) => {
+                let parts = self.table_parts(g);
+                vec![r / parts as u64; parts]
             }
-            (Layout::LongCat { .. }, None) => g
-                .derive(s)
-                .map(|d| d.dims.head_vocab_sizes)
-                .unwrap_or_default(),
-            (_, Some(r)) => vec![r / parts; parts as usize],
-            (_, None) => vec![padded_rows.div_ceil(parts); parts as usize],
+            None => self.family.whole_part_rows(g, s, padded_rows),
         }
     }
 
     /// The weight tensors of site `s`'s table, in id order.
     pub fn table_tensors(self, g: &ModelSpec, s: usize) -> Vec<String> {
-        let layer = g.site_layer(s);
-        match self {
-            Layout::Qwen4Exp { .. } => {
-                let n = self.qwen_names(layer);
-                let count = match g.table_rows {
-                    Some(_) => g.split_ngram_parts as u64,
-                    None => g
-                        .derive(s)
-                        .map(|d| chunk_rows(d.padded_rows, g.split_ngram_parts as u64).1)
-                        .unwrap_or(g.split_ngram_parts as u64),
-                };
-                (0..count as usize).map(|i| n.shard_weight(i)).collect()
-            }
-            Layout::EngramDemo => vec![EngramDemoNames::new(layer).table()],
-            Layout::EngramV41 => vec![V41Names::new(layer).table()],
-            Layout::LongCat { oe } => {
-                let n = if oe {
-                    LongCatNames::oe()
-                } else {
-                    LongCatNames::flash()
-                };
-                (0..g.ngram_heads()).map(|i| n.sub_table(i)).collect()
-            }
-        }
+        self.family.table_tensors(self.variant, g, s)
     }
 
     /// The prefix of site `s`'s tensors (`model.layers.1.ple`,
     /// `layers.14.engram`, `model.ngram_embeddings`, ...).
     pub fn site_prefix(self, g: &ModelSpec, s: usize) -> String {
-        let layer = g.site_layer(s);
-        match self {
-            Layout::Qwen4Exp { .. } => self.qwen_names(layer).prefix().to_string(),
-            Layout::EngramDemo => EngramDemoNames::new(layer).prefix().to_string(),
-            Layout::EngramV41 => V41Names::new(layer).prefix().to_string(),
-            Layout::LongCat { .. } => self
-                .longcat_names()
-                .map(|n| n.prefix().to_string())
-                .unwrap_or_default(),
-        }
+        self.family.site_prefix(self.variant, g, s)
     }
 
-    /// The LongCat names of this layout (`None` for other families).
-    pub fn longcat_names(self) -> Option<LongCatNames> {
-        match self {
-            Layout::LongCat { oe: false } => Some(LongCatNames::flash()),
-            Layout::LongCat { oe: true } => Some(LongCatNames::oe()),
-            _ => None,
-        }
+    /// Site `spec`'s dense weights, read from `files`.
+    pub(crate) fn load_weights(
+        self,
+        g: &ModelSpec,
+        files: &Files,
+        spec: &SiteSpec,
+    ) -> Result<PleWeights> {
+        self.family.load_weights(self.variant, g, files, spec)
+    }
+
+    /// The dense tensors `init` writes for site `s`.
+    pub(crate) fn dense_tensors(self, g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
+        self.family.dense_tensors(self.variant, g, s, d)
     }
 }
 
@@ -211,24 +267,38 @@ mod tests {
     #[test]
     fn every_preset_has_its_family_layout() {
         let lite = Preset::LongcatFlashLite.spec();
-        let l = Layout::of(&lite);
-        assert_eq!(l, Layout::LongCat { oe: false });
+        let l = Layout::of(&lite).unwrap();
+        assert_eq!(l.family_id(), "longcat");
+        assert_eq!(l.name(), "LongCat n-gram embedding");
         assert_eq!(l.table_parts(&lite), 12);
         let t = l.table_tensors(&lite, 0);
         assert_eq!(t.len(), 12);
         assert_eq!(t[11], "model.ngram_embeddings.embedders.11.weight");
         let v41 = Preset::DeepseekV41.spec();
-        assert_eq!(Layout::of(&v41), Layout::EngramV41);
+        assert_eq!(Layout::of(&v41).unwrap().family_id(), "deepseek-v4.1");
         assert_eq!(
-            Layout::of(&v41).table_tensors(&v41, 1),
+            Layout::of(&v41).unwrap().table_tensors(&v41, 1),
             ["layers.14.engram.embed.weight"]
         );
         let demo = Preset::EngramDemo.spec();
         assert_eq!(
-            Layout::of(&demo).table_tensors(&demo, 0),
+            Layout::of(&demo).unwrap().table_tensors(&demo, 0),
             ["model.layers.1.engram.multi_head_embedding.embedding.weight"]
         );
         let tiny = Preset::Tiny.spec();
-        assert_eq!(Layout::of(&tiny).table_parts(&tiny), 2);
+        assert_eq!(Layout::of(&tiny).unwrap().table_parts(&tiny), 2);
+    }
+
+    #[test]
+    fn every_builtin_model_family_has_a_checkpoint_layout() {
+        use metrale_model_layers::layers::ple::family::BUILTIN as MODEL;
+        for d in MODEL {
+            assert!(
+                BUILTIN.iter().any(|f| f.id() == d.id),
+                "{} has no checkpoint layout",
+                d.id
+            );
+        }
+        assert_eq!(BUILTIN.len(), MODEL.len());
     }
 }

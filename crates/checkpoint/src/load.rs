@@ -41,7 +41,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use metrale_model_layers::layers::ple::PleWeights;
-use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec, SiteSpec, load_token_map};
+use metrale_model_layers::layers::ple::family::engram::load_token_map;
+use metrale_model_layers::layers::ple::spec::{ModelSpec, SiteSpec};
 use metrale_storage::StorageError;
 use metrale_storage::dtype::{
     FP8_BLOCK, bf16_to_f32, f32_to_bf16, fp8_block_row_bytes, fp8_e4m3_to_f32, ue8m0_to_f32,
@@ -54,12 +55,12 @@ use serde::Deserialize;
 use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
 use crate::names::{
-    CONFIG_FILE, EngramDemoNames, INDEX_FILE, SINGLE_FILE, TOKEN_MAP_FILE, TOKEN_MAP_TENSOR,
-    TOKENIZER_FILE, V41Names, scale_name, table_shard,
+    CONFIG_FILE, INDEX_FILE, SINGLE_FILE, TOKEN_MAP_FILE, TOKEN_MAP_TENSOR, TOKENIZER_FILE,
+    V41Names, scale_name, table_shard,
 };
 use crate::release::{SplitTable, check_split, is_block_scale};
 use crate::token_map::decode_token_map;
-use metrale_model_layers::layers::ple::spec::engram::tokenizer::token_map_from_tokenizer_json;
+use metrale_model_layers::layers::ple::family::engram::tokenizer::token_map_from_tokenizer_json;
 
 /// Where one site's table rows are stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -177,8 +178,9 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
     )?)
 }
 
-/// `spec` with the checkpoint's compressed-token map, when it is an Engram
-/// spec and the directory has one, as the file [`TOKEN_MAP_FILE`] or the
+/// `spec` with the checkpoint's compressed-token map, when its family hashes
+/// through one (Engram: `Family::compressed_vocab`) and the directory has
+/// one, as the file [`TOKEN_MAP_FILE`] or the
 /// tensor [`TOKEN_MAP_TENSOR`] listed in `files` (both only if they agree
 /// entry for entry), or else built from the checkpoint's `tokenizer.json`
 /// as the engines that serve DeepSeek's releases build it (a release ships
@@ -187,7 +189,7 @@ pub fn read_spec(dir: &Path) -> Result<ModelSpec> {
 /// pad id. An Engram checkpoint with none of the three is refused: hashing
 /// raw ids would address other rows without a word.
 fn with_token_map(spec: ModelSpec, dir: &Path, files: &Files) -> Result<ModelSpec> {
-    if !matches!(spec.family, ModelFamily::Engram(_)) {
+    if spec.family.family().compressed_vocab().is_none() {
         return Ok(spec);
     }
     let path = dir.join(TOKEN_MAP_FILE);
@@ -256,7 +258,8 @@ fn with_token_map(spec: ModelSpec, dir: &Path, files: &Files) -> Result<ModelSpe
     Ok(spec.with_token_map(map.into(), &source)?)
 }
 
-struct Files {
+/// A checkpoint's weight map and headers, read by the families' loaders.
+pub(crate) struct Files {
     dir: PathBuf,
     index_path: PathBuf,
     weight_map: BTreeMap<String, String>,
@@ -265,7 +268,7 @@ struct Files {
 
 impl Files {
     /// The file holding `tensor` and its checked info.
-    fn find(&self, tensor: &str) -> Result<(&Header, &TensorInfo)> {
+    pub(crate) fn find(&self, tensor: &str) -> Result<(&Header, &TensorInfo)> {
         let file = self
             .weight_map
             .get(tensor)
@@ -381,14 +384,14 @@ impl Files {
     }
 
     /// A norm, conv or bias weight as f32.
-    fn read_f32(&self, tensor: &str, shape: &[u64]) -> Result<Vec<f32>> {
+    pub(crate) fn read_f32(&self, tensor: &str, shape: &[u64]) -> Result<Vec<f32>> {
         Ok(self.read_floats(tensor, shape)?.1)
     }
 
     /// A projection as BF16 bit patterns: BF16 as stored; F32 and F16
     /// rounded to the nearest BF16 (ties to even), the precision the
     /// projection runs at.
-    fn read_bf16(&self, tensor: &str, shape: &[u64]) -> Result<Vec<u16>> {
+    pub(crate) fn read_bf16(&self, tensor: &str, shape: &[u64]) -> Result<Vec<u16>> {
         Ok(self
             .read_floats(tensor, shape)?
             .1
@@ -401,7 +404,7 @@ impl Files {
     /// block (tensor `scale`, `[ceil(rows/32), ceil(cols/32)]`, F8_E8M0 or
     /// U8), dequantised to BF16 bit patterns. The product of an E4M3
     /// value and a power of two is exact in BF16, so nothing is rounded.
-    fn read_fp8_blocks(
+    pub(crate) fn read_fp8_blocks(
         &self,
         tensor: &str,
         scale: &str,
@@ -470,7 +473,7 @@ impl Files {
         Ok(out)
     }
 
-    fn read_i64(&self, tensor: &str, len: usize) -> Result<(PathBuf, Vec<i64>)> {
+    pub(crate) fn read_i64(&self, tensor: &str, len: usize) -> Result<(PathBuf, Vec<i64>)> {
         let (file, b) = self.read(tensor, Dtype::I64, &[len as u64])?;
         Ok((
             file,
@@ -481,7 +484,13 @@ impl Files {
     }
 }
 
-fn check_buffer(file: &Path, tensor: &str, stored: &[i64], derived: &[u64]) -> Result<()> {
+/// Refuse a stored hash buffer that differs from its derivation.
+pub(crate) fn check_buffer(
+    file: &Path,
+    tensor: &str,
+    stored: &[i64],
+    derived: &[u64],
+) -> Result<()> {
     for (i, (&s, &d)) in stored.iter().zip(derived).enumerate() {
         if u64::try_from(s).ok() != Some(d) {
             return Err(CheckpointError::Value {
@@ -506,7 +515,7 @@ impl Checkpoint {
         let spec = read_spec(dir)?;
         let files = Self::open_files(dir)?;
         let spec = with_token_map(spec, dir, &files)?;
-        let layout = Layout::detect(&spec, files.weight_map.keys());
+        let layout = Layout::detect(&spec, files.weight_map.keys())?;
         let mut sites = Vec::with_capacity(spec.sites());
         for s in 0..spec.sites() {
             sites.push(Self::open_site(&spec, &files, layout, s, opts)?);
@@ -625,12 +634,7 @@ impl Checkpoint {
         })?;
         let dims = derived.dims;
         let spec = g.site_with(s, dims);
-        let weights = match layout {
-            Layout::Qwen4Exp { .. } => Self::qwen_weights(g, files, layout, &spec)?,
-            Layout::EngramDemo => Self::demo_weights(g, files, &spec)?,
-            Layout::EngramV41 => Self::v41_weights(g, files, &spec)?,
-            Layout::LongCat { .. } => Self::longcat_weights(g, files, layout)?,
-        };
+        let weights = layout.load_weights(g, files, &spec)?;
         let table = Self::check_table(g, files, layout, (s, &spec), derived.padded_rows, opts)?;
         Ok(Site {
             index: s,
@@ -639,140 +643,6 @@ impl Checkpoint {
             padded_rows: derived.padded_rows,
             weights,
             table,
-        })
-    }
-
-    fn qwen_weights(
-        g: &ModelSpec,
-        files: &Files,
-        layout: Layout,
-        spec: &SiteSpec,
-    ) -> Result<PleWeights> {
-        let n = layout
-            .site_names(spec.layer)
-            .expect("a Qwen4Exp layout has site names");
-        let dims = &spec.dims;
-        let (file, m) = files.read_i64(&n.layer_multipliers(), g.ngram_size)?;
-        if let Some(i) = m.iter().position(|x| x % 2 == 0) {
-            return Err(CheckpointError::Value {
-                file,
-                tensor: n.layer_multipliers(),
-                msg: format!(
-                    "multiplier {i} is {}, which is even; every multiplier is odd",
-                    m[i]
-                ),
-            });
-        }
-        check_buffer(&file, &n.layer_multipliers(), &m, &dims.multipliers)?;
-        let (file, v) = files.read_i64(&n.vocab_sizes(), g.ngram_heads())?;
-        check_buffer(&file, &n.vocab_sizes(), &v, &dims.head_vocab_sizes)?;
-        let (file, o) = files.read_i64(&n.offsets(), g.ngram_heads())?;
-        check_buffer(&file, &n.offsets(), &o, &dims.head_offsets)?;
-        let (c, e, h, k) = (
-            g.channels() as u64,
-            g.emb_dim() as u64,
-            g.hidden_size as u64,
-            g.conv_kernel_size,
-        );
-        Ok(PleWeights {
-            key_proj: files.read_bf16(&n.key_proj(), &[c, e])?,
-            value_proj: files.read_bf16(&n.value_proj(), &[h, e])?,
-            norm_key: files.read_f32(&n.norm_key(), &[c])?,
-            norm_query: files.read_f32(&n.norm_query(), &[c])?,
-            norm_conv: files.read_f32(&n.norm_conv(), &[c])?,
-            conv1d: files.read_f32(&n.conv1d(), &[c, 1, k as u64])?,
-            key_bias: Vec::new(),
-            value_bias: Vec::new(),
-        })
-    }
-
-    /// The demo's per-branch tensors, stacked branch by branch into the
-    /// layer's `[C, ...]` ones.
-    fn demo_weights(g: &ModelSpec, files: &Files, spec: &SiteSpec) -> Result<PleWeights> {
-        let n = EngramDemoNames::new(spec.layer);
-        let (file, o) = files.read_i64(&n.offsets(), g.ngram_heads())?;
-        check_buffer(&file, &n.offsets(), &o, &spec.dims.head_offsets)?;
-        let (c, e, h) = (
-            g.channels() as u64,
-            g.emb_dim() as u64,
-            g.hidden_size as u64,
-        );
-        let mut w = PleWeights::default();
-        let conv = spec.combine.has_conv();
-        for b in 0..g.hc_mult {
-            w.key_proj.extend(files.read_bf16(&n.key_proj(b), &[h, e])?);
-            w.key_bias.extend(files.read_f32(&n.key_bias(b), &[h])?);
-            w.norm_key.extend(files.read_f32(&n.norm_key(b), &[h])?);
-            w.norm_query.extend(files.read_f32(&n.norm_query(b), &[h])?);
-            if conv {
-                w.norm_conv.extend(files.read_f32(&n.norm_conv(b), &[h])?);
-            }
-        }
-        w.value_proj = files.read_bf16(&n.value_proj(), &[h, e])?;
-        w.value_bias = files.read_f32(&n.value_bias(), &[h])?;
-        if conv {
-            w.conv1d = files.read_f32(&n.conv(), &[c, 1, g.conv_kernel_size as u64])?;
-        }
-        Ok(w)
-    }
-
-    /// DeepSeek-V4.1: the fused FP8 projection dequantised (exactly) to
-    /// BF16, keys first; the norms from `[hc, H]` BF16. The release has no
-    /// projection biases, so a site whose combination asks for them gets
-    /// zeros.
-    fn v41_weights(g: &ModelSpec, files: &Files, spec: &SiteSpec) -> Result<PleWeights> {
-        let n = V41Names::new(spec.layer);
-        let (c, e, h) = (g.channels(), g.emb_dim(), g.hidden_size);
-        let rows = c + h;
-        let kv = files.read_fp8_blocks(&n.wkv(), &n.wkv_scale(), rows, e)?;
-        let (key, value) = kv.split_at(c * e);
-        let hc = g.hc_mult as u64;
-        let bf16_f32 = |name: &str| -> Result<Vec<f32>> {
-            Ok(files
-                .read_bf16(name, &[hc, h as u64])?
-                .into_iter()
-                .map(bf16_to_f32)
-                .collect())
-        };
-        let gated = spec.combine.gated().copied();
-        Ok(PleWeights {
-            key_proj: key.to_vec(),
-            value_proj: value.to_vec(),
-            norm_key: bf16_f32(&n.k_weight())?,
-            norm_query: bf16_f32(&n.q_weight())?,
-            norm_conv: Vec::new(),
-            conv1d: Vec::new(),
-            key_bias: if gated.is_some_and(|g| g.key_bias) {
-                vec![0.0; c]
-            } else {
-                Vec::new()
-            },
-            value_bias: if gated.is_some_and(|g| g.value_bias) {
-                vec![0.0; h]
-            } else {
-                Vec::new()
-            },
-        })
-    }
-
-    /// LongCat: the sub-tables' `[H, d]` projections side by side along the
-    /// input dimension, one `[H, E]` value projection.
-    fn longcat_weights(g: &ModelSpec, files: &Files, layout: Layout) -> Result<PleWeights> {
-        let n = layout
-            .longcat_names()
-            .expect("a LongCat layout has LongCat names");
-        let (h, d, parts) = (g.hidden_size, g.head_dim, g.ngram_heads());
-        let mut value = vec![0u16; h * d * parts];
-        for i in 0..parts {
-            let p = files.read_bf16(&n.post_proj(i), &[h as u64, d as u64])?;
-            for r in 0..h {
-                value[r * d * parts + i * d..r * d * parts + (i + 1) * d]
-                    .copy_from_slice(&p[r * d..(r + 1) * d]);
-            }
-        }
-        Ok(PleWeights {
-            value_proj: value,
-            ..PleWeights::default()
         })
     }
 
@@ -874,8 +744,8 @@ impl Checkpoint {
         };
         // Qwen4Exp's whole table is cut as torch.chunk cuts it (the last
         // shard may be shorter); the rest as before.
-        let qwen_rows = match (layout, g.table_rows) {
-            (Layout::Qwen4Exp { .. }, None) => layout.part_rows(g, s, padded_rows),
+        let qwen_rows = match g.table_rows {
+            None if layout.torch_chunked() => layout.part_rows(g, s, padded_rows),
             _ => Vec::new(),
         };
         let expect_rows = |i: usize| -> u64 {
@@ -993,7 +863,7 @@ impl Checkpoint {
         layer: usize,
         (h0, t0): (&Header, &TensorInfo),
     ) -> Result<Option<SplitTable>> {
-        if layout != Layout::EngramV41 || t0.dtype != Dtype::F8E4M3 {
+        if !layout.release_tables() || t0.dtype != Dtype::F8E4M3 {
             return Ok(None);
         }
         let sn = V41Names::new(layer).table_scale();

@@ -8,9 +8,11 @@
 //! sizes); `init` cuts their tables to the rows asked for.
 
 use crate::backbone::Backbone;
-use metrale_model_layers::layers::ple::spec::{
-    EngramKeys, EngramSpec, LongCatKeys, LongCatSpec, ModelFamily, ModelSpec,
-};
+use metrale_model_layers::layers::ple::family::ModelFamily;
+use metrale_model_layers::layers::ple::family::engram::{EngramKeys, EngramSpec};
+use metrale_model_layers::layers::ple::family::longcat::{LongCatKeys, LongCatSpec};
+use metrale_model_layers::layers::ple::family::qwen4_exp::Qwen4Exp;
+use metrale_model_layers::layers::ple::spec::ModelSpec;
 
 /// The synthetic geometries `metrale-ple init` can write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,7 +158,7 @@ impl Preset {
                 hash_seed: 1234,
                 num_hidden_layers: 4,
                 table_rows: None,
-                family: ModelFamily::Qwen4Exp,
+                family: ModelFamily::new(Qwen4Exp),
             },
             Preset::Small => ModelSpec {
                 vocab_size: 32_000,
@@ -175,7 +177,7 @@ impl Preset {
                 hash_seed: 1234,
                 num_hidden_layers: 8,
                 table_rows: None,
-                family: ModelFamily::Qwen4Exp,
+                family: ModelFamily::new(Qwen4Exp),
             },
             Preset::Flagship => ModelSpec {
                 vocab_size: 248_320,
@@ -194,7 +196,7 @@ impl Preset {
                 hash_seed: 1234,
                 num_hidden_layers: 40,
                 table_rows: None,
-                family: ModelFamily::Qwen4Exp,
+                family: ModelFamily::new(Qwen4Exp),
             },
             Preset::EngramDemo => ModelSpec {
                 vocab_size: 129_280,
@@ -213,7 +215,7 @@ impl Preset {
                 hash_seed: 0,
                 num_hidden_layers: 30,
                 table_rows: None,
-                family: ModelFamily::Engram(EngramSpec {
+                family: ModelFamily::new(EngramSpec {
                     keys: EngramKeys::Demo,
                     vocab_bases: vec![5 * 129_280, 5 * 129_280],
                     compressed_vocab_size: DEEPSEEK_COMPRESSED_VOCAB,
@@ -239,7 +241,7 @@ impl Preset {
                 hash_seed: 0,
                 num_hidden_layers: 40,
                 table_rows: None,
-                family: ModelFamily::Engram(EngramSpec {
+                family: ModelFamily::new(EngramSpec {
                     keys: EngramKeys::V41,
                     vocab_bases: vec![16_000_000; 3],
                     compressed_vocab_size: DEEPSEEK_COMPRESSED_VOCAB,
@@ -265,7 +267,7 @@ impl Preset {
                 hash_seed: 0,
                 num_hidden_layers: 1,
                 table_rows: None,
-                family: ModelFamily::LongCat(LongCatSpec {
+                family: ModelFamily::new(LongCatSpec {
                     keys: LongCatKeys::Flash,
                 }),
             },
@@ -409,9 +411,7 @@ mod tests {
     #[test]
     fn v41_rebuilds_engram_num_embeddings() {
         let g = Preset::DeepseekV41.spec();
-        let ModelFamily::Engram(e) = &g.family else {
-            panic!("not Engram")
-        };
+        let e = g.family.get::<EngramSpec>().expect("an Engram spec");
         let stated = e.num_embeddings.clone().unwrap();
         for (s, &want) in stated.iter().enumerate() {
             let d = g.derive(s).unwrap();
@@ -423,9 +423,10 @@ mod tests {
         assert_eq!(g.site_layer(1), 14);
         // A stated size that differs is refused, naming the field.
         let mut bad = g.clone();
-        if let ModelFamily::Engram(e) = &mut bad.family {
-            e.num_embeddings = Some(vec![384_006_168, 1]);
-        }
+        bad.family = ModelFamily::new(EngramSpec {
+            num_embeddings: Some(vec![384_006_168, 1]),
+            ..e.clone()
+        });
         let e = bad.validate("v41").unwrap_err().to_string();
         assert!(e.contains("engram_num_embeddings[1]"), "{e}");
     }

@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use crate::names::scale_name;
 use metrale_model_layers::layers::ple::ids::DerivedPleIds;
-use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec};
+use metrale_model_layers::layers::ple::spec::ModelSpec;
 use metrale_storage::StorageError;
 use metrale_storage::dtype::{
     FP8_BLOCK, f32_to_bf16, f32_to_fp8_e4m3, fp8_block_row_bytes, quantize_fp8_block_row,
@@ -39,10 +39,7 @@ use metrale_storage::splitmix::SplitMix64;
 use crate::backbone::{Backbone, Init};
 use crate::error::{CheckpointError, Result};
 use crate::family::Layout;
-use crate::names::{
-    CONFIG_FILE, EngramDemoNames, INDEX_FILE, LongCatNames, SiteNames, TOKEN_MAP_FILE, V41Names,
-    shard_file,
-};
+use crate::names::{CONFIG_FILE, INDEX_FILE, TOKEN_MAP_FILE, shard_file};
 use crate::preset::Preset;
 
 /// The element type of the table rows written.
@@ -140,7 +137,7 @@ impl Stream {
 }
 
 /// How a dense tensor's values are drawn.
-enum Fill {
+pub(crate) enum Fill {
     /// BF16 `center + amp * u`.
     Bf16 { center: f32, amp: f32 },
     /// F32 `center + amp * u`.
@@ -155,7 +152,7 @@ enum Fill {
 }
 
 /// One dense tensor of a site.
-struct Dense {
+pub(crate) struct Dense {
     name: String,
     dtype: Dtype,
     shape: Vec<u64>,
@@ -164,7 +161,7 @@ struct Dense {
 }
 
 impl Dense {
-    fn new(name: String, dtype: Dtype, shape: &[u64], tag: u64, fill: Fill) -> Dense {
+    pub(crate) fn new(name: String, dtype: Dtype, shape: &[u64], tag: u64, fill: Fill) -> Dense {
         Dense {
             name,
             dtype,
@@ -179,209 +176,8 @@ impl Dense {
 }
 
 /// The dense tensors of site `s` of `g`, in file order.
-fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<Dense> {
-    let (c, e, h, k) = (
-        g.channels() as u64,
-        g.emb_dim() as u64,
-        g.hidden_size as u64,
-        g.conv_kernel_size as u64,
-    );
-    let hc = g.hc_mult;
-    let amp = 1.0 / (e as f32).sqrt();
-    let heads = g.ngram_heads() as u64;
-    let layer = g.site_layer(s);
-    let bf = |center, amp| Fill::Bf16 { center, amp };
-    let f32f = |center, amp| Fill::F32 { center, amp };
-    let mut v = Vec::new();
-    match Layout::of(g) {
-        Layout::Qwen4Exp { .. } => {
-            let n = SiteNames::new(layer);
-            v.push(Dense::new(
-                n.key_proj(),
-                Dtype::BF16,
-                &[c, e],
-                1,
-                bf(0.0, amp),
-            ));
-            v.push(Dense::new(
-                n.value_proj(),
-                Dtype::BF16,
-                &[h, e],
-                2,
-                bf(0.0, amp),
-            ));
-            v.push(Dense::new(
-                n.norm_key(),
-                Dtype::F32,
-                &[c],
-                3,
-                f32f(0.0, 0.1),
-            ));
-            v.push(Dense::new(
-                n.norm_query(),
-                Dtype::F32,
-                &[c],
-                4,
-                f32f(0.0, 0.1),
-            ));
-            v.push(Dense::new(
-                n.norm_conv(),
-                Dtype::F32,
-                &[c],
-                5,
-                f32f(0.0, 0.1),
-            ));
-            v.push(Dense::new(
-                n.conv1d(),
-                Dtype::F32,
-                &[c, 1, k],
-                6,
-                f32f(0.0, 0.5),
-            ));
-            v.push(Dense::new(
-                n.layer_multipliers(),
-                Dtype::I64,
-                &[g.ngram_size as u64],
-                0,
-                Fill::I64(d.dims.multipliers.clone()),
-            ));
-            v.push(Dense::new(
-                n.vocab_sizes(),
-                Dtype::I64,
-                &[heads],
-                0,
-                Fill::I64(d.dims.head_vocab_sizes.clone()),
-            ));
-            v.push(Dense::new(
-                n.offsets(),
-                Dtype::I64,
-                &[heads],
-                0,
-                Fill::I64(d.dims.head_offsets.clone()),
-            ));
-        }
-        Layout::EngramDemo => {
-            // Norm weights of the `w` form sit around 1, as they start.
-            let n = EngramDemoNames::new(layer);
-            for b in 0..hc {
-                let t = 0x1000 + 16 * b as u64;
-                v.push(Dense::new(
-                    n.key_proj(b),
-                    Dtype::BF16,
-                    &[h, e],
-                    t,
-                    bf(0.0, amp),
-                ));
-                v.push(Dense::new(
-                    n.key_bias(b),
-                    Dtype::F32,
-                    &[h],
-                    t + 1,
-                    f32f(0.0, 0.05),
-                ));
-                v.push(Dense::new(
-                    n.norm_key(b),
-                    Dtype::F32,
-                    &[h],
-                    t + 2,
-                    f32f(1.0, 0.1),
-                ));
-                v.push(Dense::new(
-                    n.norm_query(b),
-                    Dtype::F32,
-                    &[h],
-                    t + 3,
-                    f32f(1.0, 0.1),
-                ));
-                v.push(Dense::new(
-                    n.norm_conv(b),
-                    Dtype::F32,
-                    &[h],
-                    t + 4,
-                    f32f(1.0, 0.1),
-                ));
-            }
-            v.push(Dense::new(
-                n.value_proj(),
-                Dtype::BF16,
-                &[h, e],
-                0x2000,
-                bf(0.0, amp),
-            ));
-            v.push(Dense::new(
-                n.value_bias(),
-                Dtype::F32,
-                &[h],
-                0x2001,
-                f32f(0.0, 0.05),
-            ));
-            v.push(Dense::new(
-                n.conv(),
-                Dtype::F32,
-                &[c, 1, k],
-                0x2002,
-                f32f(0.0, 0.5),
-            ));
-            v.push(Dense::new(
-                n.offsets(),
-                Dtype::I64,
-                &[heads],
-                0,
-                Fill::I64(d.dims.head_offsets.clone()),
-            ));
-        }
-        Layout::EngramV41 => {
-            let n = V41Names::new(layer);
-            let rows = c + h;
-            let blk = FP8_BLOCK as u64;
-            v.push(Dense::new(
-                n.wkv(),
-                Dtype::F8E4M3,
-                &[rows, e],
-                0x3000,
-                Fill::Fp8Blocks { amp },
-            ));
-            v.push(Dense::new(
-                n.wkv_scale(),
-                SCALE_DTYPE,
-                &[rows.div_ceil(blk), e.div_ceil(blk)],
-                0,
-                Fill::BlockScales,
-            ));
-            v.push(Dense::new(
-                n.q_weight(),
-                Dtype::BF16,
-                &[hc as u64, h],
-                0x3001,
-                bf(1.0, 0.1),
-            ));
-            v.push(Dense::new(
-                n.k_weight(),
-                Dtype::BF16,
-                &[hc as u64, h],
-                0x3002,
-                bf(1.0, 0.1),
-            ));
-        }
-        Layout::LongCat { oe } => {
-            let n = if oe {
-                LongCatNames::oe()
-            } else {
-                LongCatNames::flash()
-            };
-            let dd = g.head_dim as u64;
-            for i in 0..g.ngram_heads() {
-                v.push(Dense::new(
-                    n.post_proj(i),
-                    Dtype::BF16,
-                    &[h, dd],
-                    0x4000 + i as u64,
-                    bf(0.0, amp),
-                ));
-            }
-        }
-    }
-    v
+fn dense_tensors(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Result<Vec<Dense>> {
+    Ok(Layout::of(g)?.dense_tensors(g, s, d))
 }
 
 /// The dtype the inline layout stores UE8M0 block scales as: raw bytes,
@@ -407,7 +203,8 @@ fn plan(mut g: ModelSpec, name: &str, want: Option<u64>) -> Result<(ModelSpec, u
     for s in 0..g.sites() {
         padded = padded.max(derive_site(&g, s)?.padded_rows);
     }
-    let parts = Layout::of(&g).table_parts(&g) as u64;
+    let layout = Layout::of(&g)?;
+    let parts = layout.table_parts(&g) as u64;
     let stored = match want {
         Some(0) => {
             return Err(CheckpointError::Invalid(
@@ -424,7 +221,7 @@ fn plan(mut g: ModelSpec, name: &str, want: Option<u64>) -> Result<(ModelSpec, u
     };
     // A LongCat sub-table cannot store more rows than it has: a cut that
     // would is no cut.
-    let smallest = if Layout::of(&g).sub_tables() {
+    let smallest = if layout.sub_tables() {
         derive_site(&g, 0)?
             .dims
             .head_vocab_sizes
@@ -443,7 +240,7 @@ fn plan(mut g: ModelSpec, name: &str, want: Option<u64>) -> Result<(ModelSpec, u
     // A table cut below the padded size folds ids; the config records the
     // fold modulus, which is the number of rows stored.
     g.table_rows = (stored < padded).then_some(stored);
-    if Layout::of(&g).sub_tables() && g.table_rows.is_none() {
+    if layout.sub_tables() && g.table_rows.is_none() {
         // An uncut LongCat table stores every sub-table whole.
         return Ok((g, padded));
     }
@@ -459,8 +256,8 @@ fn derive_site(g: &ModelSpec, s: usize) -> Result<DerivedPleIds> {
 
 /// Rows stored in each table tensor of site `s` (in [`Layout::table_tensors`]
 /// order).
-fn part_rows(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Vec<u64> {
-    Layout::of(g).part_rows(g, s, d.padded_rows)
+fn part_rows(g: &ModelSpec, s: usize, d: &DerivedPleIds) -> Result<Vec<u64>> {
+    Ok(Layout::of(g)?.part_rows(g, s, d.padded_rows))
 }
 
 /// Bytes `init` will write for `opts` (tensor data, not headers).
@@ -473,11 +270,11 @@ fn planned(g: &ModelSpec, dtype: TableDType) -> Result<u64> {
     let mut total = 0;
     for s in 0..g.sites() {
         let d = derive_site(g, s)?;
-        total += dense_tensors(g, s, &d)
+        total += dense_tensors(g, s, &d)?
             .iter()
             .map(Dense::bytes)
             .sum::<u64>();
-        total += part_rows(g, s, &d).iter().sum::<u64>() * dtype.row_bytes(g.head_dim as u64);
+        total += part_rows(g, s, &d)?.iter().sum::<u64>() * dtype.row_bytes(g.head_dim as u64);
     }
     Ok(total)
 }
@@ -550,13 +347,14 @@ fn write_planned(
             )));
         }
     }
+    let layout = Layout::of(&g)?;
     if table_layout == TableLayout::Release
-        && (dtype != TableDType::Fp8Block || Layout::of(&g) != Layout::EngramV41)
+        && (dtype != TableDType::Fp8Block || !layout.release_tables())
     {
         return Err(CheckpointError::Invalid(format!(
             "the release layout is DeepSeek-V4.1's FP8 block table (--preset deepseek-v4.1 \
              --dtype fp8-block); this is a {} table of {dtype:?} rows",
-            Layout::of(&g).name()
+            layout.name()
         )));
     }
     if dtype == TableDType::Fp8Block && !g.head_dim.is_multiple_of(FP8_BLOCK) {
@@ -621,11 +419,11 @@ fn write_into(
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<()> {
     let release = table_layout == TableLayout::Release;
-    let layout = Layout::of(g);
+    let layout = Layout::of(g)?;
     let tables: Vec<(Vec<String>, Vec<u64>)> = (0..g.sites())
         .map(|s| {
             let d = derive_site(g, s)?;
-            Ok((layout.table_tensors(g, s), part_rows(g, s, &d)))
+            Ok((layout.table_tensors(g, s), part_rows(g, s, &d)?))
         })
         .collect::<Result<_>>()?;
     let nfiles = 1 + tables.iter().map(|(n, _)| n.len()).sum::<usize>();
@@ -640,7 +438,7 @@ fn write_into(
     let mut dense = Vec::new();
     for s in 0..g.sites() {
         let d = derive_site(g, s)?;
-        for mut t in dense_tensors(g, s, &d) {
+        for mut t in dense_tensors(g, s, &d)? {
             if release && matches!(t.fill, Fill::BlockScales) {
                 t.dtype = Dtype::F8E8M0;
             }
@@ -734,8 +532,8 @@ fn write_into(
         }
     };
     std::fs::write(&cpath, config).map_err(|e| CheckpointError::io(&cpath, e))?;
-    if let ModelFamily::Engram(e) = &g.family {
-        let map = synthetic_token_map(g.vocab_size, e.compressed_vocab_size);
+    if let Some(compressed) = g.family.family().compressed_vocab() {
+        let map = synthetic_token_map(g.vocab_size, compressed);
         let mpath = dir.join(TOKEN_MAP_FILE);
         let text = serde_json::to_string(&map).expect("a list of ids always serialises");
         std::fs::write(&mpath, text).map_err(|e| CheckpointError::io(&mpath, e))?;

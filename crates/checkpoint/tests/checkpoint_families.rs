@@ -63,7 +63,7 @@ fn the_engram_demo_checkpoint_has_the_demo_names_and_keys() {
     assert_eq!(v["ple_table_rows"], serde_json::json!(4096));
     assert!(ck.join(TOKEN_MAP_FILE).exists());
     let c = Checkpoint::open(&ck).unwrap();
-    assert_eq!(Layout::of(&c.spec), Layout::EngramDemo);
+    assert_eq!(Layout::of(&c.spec).unwrap().family_id(), "engram-demo");
     assert_eq!(c.sites.len(), 2);
     let (h, hc) = (1024usize, 4usize);
     for s in &c.sites {
@@ -397,7 +397,10 @@ fn longcat_2_0_names_load_as_the_same_model() {
     }
     std::fs::write(&index_path, index.to_string()).unwrap();
     let oe = Checkpoint::open(&ck).unwrap();
-    assert_eq!(Layout::of(&oe.spec), Layout::LongCat { oe: true });
+    assert_eq!(
+        Layout::of(&oe.spec).unwrap().name(),
+        "LongCat n-gram embedding (oe_* names)"
+    );
     let (a, b) = (&flash.sites[0], &oe.sites[0]);
     assert_eq!(a.weights.value_proj, b.weights.value_proj);
     assert_eq!(a.table.sub_tables, b.table.sub_tables);

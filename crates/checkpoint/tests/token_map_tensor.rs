@@ -9,7 +9,6 @@ use metrale_checkpoint::names::{INDEX_FILE, TOKEN_MAP_FILE, TOKEN_MAP_TENSOR};
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, CheckpointError, InitOptions, Preset};
 use metrale_model_layers::layers::ple::ids::PleIdHasher;
-use metrale_model_layers::layers::ple::spec::ModelFamily;
 use metrale_storage::safetensors::{Dtype, TensorSpec, write_file};
 
 const TM_FILE: &str = "token-map.safetensors";
@@ -57,9 +56,9 @@ fn ids(ck: &Checkpoint, tokens: &[u32]) -> Vec<u64> {
 }
 
 fn loaded_map(ck: &Checkpoint) -> Vec<u32> {
-    match &ck.spec.family {
-        ModelFamily::Engram(e) => e.token_map.as_deref().expect("a token map").to_vec(),
-        other => panic!("not Engram: {other:?}"),
+    match ck.spec.family.family().token_map() {
+        Some(m) => m.to_vec(),
+        None => panic!("no token map: {:?}", ck.spec.family),
     }
 }
 

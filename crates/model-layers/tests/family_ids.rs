@@ -10,7 +10,7 @@
 use metrale_model_layers::layers::ple::ids::{
     HashFamily, IdError, PleIdHasher, TokenMap, family_ids_into_plain,
 };
-use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec, SpecError};
+use metrale_model_layers::layers::ple::spec::{ModelSpec, SpecError};
 use metrale_testkit::fixtures::{fixtures_dir, read_json, u32s, u64s};
 use serde_json::Value;
 
@@ -45,12 +45,9 @@ fn check(name: &str) -> usize {
     let family = doc["family"].as_str().unwrap();
     assert_eq!(spec.family.name(), family, "{name}");
     let back = ModelSpec::from_json_str(&spec.to_config_json(), "back").unwrap();
-    let mut back = match &spec.family {
-        ModelFamily::Engram(e) => match &e.token_map {
-            Some(m) => back.with_token_map(m.clone(), "map").unwrap(),
-            None => back,
-        },
-        _ => back,
+    let mut back = match spec.family.family().token_map() {
+        Some(m) => back.with_token_map(m.clone(), "map").unwrap(),
+        None => back,
     };
     back.rms_norm_eps = spec.rms_norm_eps;
     assert_eq!(back, spec, "{name}: config.json round trip");

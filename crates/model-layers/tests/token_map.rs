@@ -8,11 +8,11 @@
 //! Metaspace decoder. The map also loads into an Engram spec whose
 //! compressed vocabulary is the map's.
 
-use metrale_model_layers::layers::ple::ids::PleIdHasher;
-use metrale_model_layers::layers::ple::spec::ModelSpec;
-use metrale_model_layers::layers::ple::spec::engram::{
+use metrale_model_layers::layers::ple::family::engram::{
     TokenizerJsonError, token_map_from_tokenizer_json, token_map_from_tokenizer_str,
 };
+use metrale_model_layers::layers::ple::ids::PleIdHasher;
+use metrale_model_layers::layers::ple::spec::ModelSpec;
 use metrale_testkit::fixtures::{fixtures_dir, read_json, u32s};
 use serde_json::json;
 

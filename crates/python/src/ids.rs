@@ -7,11 +7,11 @@
 use numpy::{PyArray2, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
+use metrale_model_layers::layers::ple::family::engram::token_map_from_tokenizer_json;
 use metrale_model_layers::layers::ple::ids::{
     Boundaries, DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, HashFamily, PleHashParams, PleIdDims,
     PleIdHasher,
 };
-use metrale_model_layers::layers::ple::spec::engram::token_map_from_tokenizer_json;
 
 use crate::args;
 use crate::error::{py_err, value_error};

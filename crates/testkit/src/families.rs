@@ -20,10 +20,11 @@ use anyhow::Result;
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::{CarrySite, Engine, EngineConfig};
 use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::family::ModelFamily;
+use metrale_model_layers::layers::ple::family::engram::{EngramKeys, EngramSpec};
+use metrale_model_layers::layers::ple::family::longcat::{LongCatKeys, LongCatSpec};
 use metrale_model_layers::layers::ple::ids::splitmix64;
-use metrale_model_layers::layers::ple::spec::{
-    EngramKeys, EngramSpec, LongCatKeys, LongCatSpec, ModelFamily, ModelSpec,
-};
+use metrale_model_layers::layers::ple::spec::ModelSpec;
 use metrale_model_layers::layers::ple::{PleLayer, PleWeights, Shard, SiteSpec};
 use metrale_storage::concat::ConcatTable;
 use metrale_storage::dtype::{f32_to_bf16, quantize_fp8_block_row};
@@ -54,7 +55,7 @@ impl TinyFamily {
     /// The family's tiny config, validated like any parsed one.
     pub fn spec(self) -> ModelSpec {
         let engram = |keys, bases: Vec<u64>| {
-            ModelFamily::Engram(EngramSpec {
+            ModelFamily::new(EngramSpec {
                 keys,
                 vocab_bases: bases,
                 compressed_vocab_size: 1000,
@@ -80,7 +81,7 @@ impl TinyFamily {
             hash_seed: 0,
             num_hidden_layers: 4,
             table_rows: None,
-            family: ModelFamily::Qwen4Exp,
+            family: ModelFamily::default(),
         };
         let g = match self {
             TinyFamily::EngramConv => ModelSpec {
@@ -102,7 +103,7 @@ impl TinyFamily {
                 conv_kernel_size: 1,
                 ple_layer_ids: vec![1],
                 num_hidden_layers: 1,
-                family: ModelFamily::LongCat(LongCatSpec {
+                family: ModelFamily::new(LongCatSpec {
                     keys: LongCatKeys::Flash,
                 }),
                 ..base

@@ -22,12 +22,12 @@ use std::path::PathBuf;
 use anyhow::{Context as _, anyhow};
 use clap::Args;
 use metrale_model_layers::layers::ple::ModelSpec;
+use metrale_model_layers::layers::ple::family::engram::load_token_map;
+use metrale_model_layers::layers::ple::family::engram::token_map_from_tokenizer_json;
 use metrale_model_layers::layers::ple::ids::{
     Boundaries, DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, DerivedPleIds, HashFamily, IdError,
     PleHashParams, PleIdHasher,
 };
-use metrale_model_layers::layers::ple::spec::engram::token_map_from_tokenizer_json;
-use metrale_model_layers::layers::ple::spec::load_token_map;
 use serde_json::json;
 
 use metrale_ple_cli::parse::{check_vocab, parse_tokens};

@@ -55,8 +55,9 @@ fn combination(c: &Combine) -> String {
     }
 }
 
-fn print_spec(g: &ModelSpec) {
-    println!("family              {}", Layout::of(g).name());
+fn print_spec(g: &ModelSpec) -> Result<(), CmdError> {
+    let layout = Layout::of(g).map_err(input)?;
+    println!("family              {}", layout.name());
     println!("  layer             {}", combination(&g.combine()));
     println!("geometry");
     println!(
@@ -88,18 +89,14 @@ fn print_spec(g: &ModelSpec) {
         "  hash              base {}, padded to a multiple of {}, seed {}",
         g.ngram_vocab_size_base, g.divisible_by, g.hash_seed
     );
-    let layout = Layout::of(g);
     println!(
         "  sites             {} at layer ids {:?} ({} {} each)",
         g.sites(),
         g.ple_layer_ids,
         layout.table_parts(g),
-        match layout {
-            Layout::LongCat { .. } => "sub-tables",
-            Layout::Qwen4Exp { .. } => "shards",
-            Layout::EngramDemo | Layout::EngramV41 => "table tensor",
-        }
+        layout.part_noun()
     );
+    Ok(())
 }
 
 /// Run `inspect`.
@@ -112,7 +109,7 @@ pub fn run(a: InspectArgs) -> Result<(), CmdError> {
             return Err(input(e));
         }
     };
-    print_spec(&g);
+    print_spec(&g)?;
     let ck = match Checkpoint::open(&a.dir) {
         Ok(c) => c,
         Err(e) => {

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use clap::Args;
-use metrale_model_layers::layers::ple::spec::engram::token_map_from_tokenizer_json;
+use metrale_model_layers::layers::ple::family::engram::token_map_from_tokenizer_json;
 use serde_json::json;
 
 use super::{CmdError, failure, input};

@@ -27,6 +27,7 @@
 mod aux_state;
 pub mod carry_blob;
 pub mod device_kernels;
+pub mod family;
 pub mod highway;
 pub mod ids;
 pub mod kernels;

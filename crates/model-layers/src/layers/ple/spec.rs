@@ -22,10 +22,11 @@
 //! [`super::carry_blob`].
 //!
 //! Layout: the error type is in `spec/error.rs`, [`SiteSpec`] in
-//! `spec/site.rs`, the families' keys in `spec/engram.rs` and
-//! `spec/longcat.rs`. This file keeps [`ModelSpec`] with its field reader,
-//! parser and validation together (about 870 lines): a check and the parse
-//! of the field it checks are read side by side.
+//! `spec/site.rs`; each family's keys, checks, hash constants and
+//! combination are in its module under `ple/family/`, reached through the
+//! [`ModelFamily`] a spec holds and the registry in `ple/family.rs`. This
+//! file keeps [`ModelSpec`] with its field reader ([`Fields`]) and the
+//! checks every family shares.
 
 use std::path::{Path, PathBuf};
 
@@ -33,55 +34,24 @@ use serde_json::{Map, Value};
 use thiserror::Error;
 
 use super::carry_blob;
-use super::ids::{
-    DerivedPleIds, IdError, MAX_NGRAM_SIZE, PleHashParams, PleIdDims, engram_head_sizes,
-    engram_multipliers, longcat_layout, running_offsets, validate_family,
-};
+use super::family;
+pub use super::family::ModelFamily;
+use super::ids::{DerivedPleIds, IdError, MAX_NGRAM_SIZE, PleIdDims};
 pub use super::ids::{HashFamily, TokenMap};
 
 pub mod combine;
-pub mod engram;
 mod error;
 mod site;
 
 pub use combine::{Combine, GateSign, GatedSpec, NormForm};
 pub use error::SpecError;
 pub use site::SiteSpec;
-pub mod longcat;
-pub mod qwen;
-
-pub use engram::{EngramKeys, EngramSpec, load_token_map, parse_token_map};
-pub use longcat::{LongCatKeys, LongCatSpec};
 
 /// The config.json key of the extension this project adds for cut tables.
 pub const TABLE_ROWS_KEY: &str = "ple_table_rows";
 
 /// Largest supported `hc_mult` (parallel residual streams).
 pub const MAX_HC_MULT: usize = 64;
-
-/// The model family a config describes, with what its config adds to the
-/// shared fields of [`ModelSpec`] (docs/SPEC.md, "Families").
-#[derive(Clone, Debug, PartialEq, Eq, Default)]
-pub enum ModelFamily {
-    /// Qwen4Exp: the fields of docs/SPEC.md, "Geometry".
-    #[default]
-    Qwen4Exp,
-    /// DeepSeek Engram (the demo's keys or DeepSeek-V4.1's).
-    Engram(EngramSpec),
-    /// LongCat's n-gram embedding (LongCat-Flash or LongCat-2.0 keys).
-    LongCat(LongCatSpec),
-}
-
-impl ModelFamily {
-    /// `qwen4exp`, `engram` or `longcat`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            ModelFamily::Qwen4Exp => "qwen4exp",
-            ModelFamily::Engram(_) => "engram",
-            ModelFamily::LongCat(_) => "longcat",
-        }
-    }
-}
 
 /// Everything `config.json` says about the PLE part of a model.
 #[derive(Clone, Debug, PartialEq)]
@@ -131,14 +101,18 @@ pub struct ModelSpec {
     pub family: ModelFamily,
 }
 
-/// Reads typed fields out of the JSON object, naming the file on error.
-struct Fields<'a> {
-    map: &'a Map<String, Value>,
-    file: &'a str,
+/// Reads typed fields out of a config's JSON object, naming the file on
+/// error; what a family's parser and detector read a config through.
+pub struct Fields<'a> {
+    /// The object the keys are read from.
+    pub map: &'a Map<String, Value>,
+    /// The config's name in errors (usually its path).
+    pub file: &'a str,
 }
 
 impl Fields<'_> {
-    fn field_err(&self, field: &str, problem: String) -> SpecError {
+    /// An error about `field` of this config.
+    pub fn field_err(&self, field: &str, problem: String) -> SpecError {
         SpecError::Field {
             file: self.file.to_string(),
             field: field.to_string(),
@@ -146,7 +120,8 @@ impl Fields<'_> {
         }
     }
 
-    fn get(&self, name: &str) -> Result<&Value, SpecError> {
+    /// The value of `name`, which must be present and not null.
+    pub fn get(&self, name: &str) -> Result<&Value, SpecError> {
         match self.map.get(name) {
             Some(v) if !v.is_null() => Ok(v),
             _ => Err(SpecError::Missing {
@@ -156,16 +131,19 @@ impl Fields<'_> {
         }
     }
 
-    fn u64_of(&self, name: &str, v: &Value) -> Result<u64, SpecError> {
+    /// `v` (the value of `name`) as a non-negative integer.
+    pub fn u64_of(&self, name: &str, v: &Value) -> Result<u64, SpecError> {
         v.as_u64()
             .ok_or_else(|| self.field_err(name, format!("must be a non-negative integer, got {v}")))
     }
 
-    fn u64(&self, name: &str) -> Result<u64, SpecError> {
+    /// `name` as a non-negative integer.
+    pub fn u64(&self, name: &str) -> Result<u64, SpecError> {
         self.u64_of(name, self.get(name)?)
     }
 
-    fn u64_opt(&self, name: &str) -> Result<Option<u64>, SpecError> {
+    /// `name` as a non-negative integer, `None` when absent or null.
+    pub fn u64_opt(&self, name: &str) -> Result<Option<u64>, SpecError> {
         match self.map.get(name) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => self.u64_of(name, v).map(Some),
@@ -173,11 +151,12 @@ impl Fields<'_> {
     }
 
     /// A count that must be at least `min` and fit in `usize`.
-    fn count(&self, name: &str, min: u64) -> Result<usize, SpecError> {
+    pub fn count(&self, name: &str, min: u64) -> Result<usize, SpecError> {
         self.count_of(name, self.u64(name)?, min)
     }
 
-    fn count_of(&self, name: &str, v: u64, min: u64) -> Result<usize, SpecError> {
+    /// `v` (the value of `name`) as a count of at least `min`.
+    pub fn count_of(&self, name: &str, v: u64, min: u64) -> Result<usize, SpecError> {
         if v < min {
             return Err(self.field_err(name, format!("must be at least {min}, got {v}")));
         }
@@ -185,7 +164,7 @@ impl Fields<'_> {
     }
 
     /// `vocab_size`, at least 1.
-    fn vocab_size(&self) -> Result<u64, SpecError> {
+    pub fn vocab_size(&self) -> Result<u64, SpecError> {
         let v = self.u64("vocab_size")?;
         if v == 0 {
             return Err(self.field_err("vocab_size", "must be at least 1, got 0".into()));
@@ -194,7 +173,7 @@ impl Fields<'_> {
     }
 
     /// The n-gram order `name`, in `2..=MAX_NGRAM_SIZE`.
-    fn ngram_size(&self, name: &str) -> Result<usize, SpecError> {
+    pub fn ngram_size(&self, name: &str) -> Result<usize, SpecError> {
         let n = self.count(name, 2)?;
         if n > MAX_NGRAM_SIZE {
             return Err(self.field_err(name, format!("must be at most {MAX_NGRAM_SIZE}, got {n}")));
@@ -203,12 +182,12 @@ impl Fields<'_> {
     }
 
     /// Whether `name` is present and not null.
-    fn has(&self, name: &str) -> bool {
+    pub fn has(&self, name: &str) -> bool {
         self.map.get(name).is_some_and(|v| !v.is_null())
     }
 
     /// A positive finite number, `default` when absent.
-    fn eps_or(&self, name: &str, default: f64) -> Result<f64, SpecError> {
+    pub fn eps_or(&self, name: &str, default: f64) -> Result<f64, SpecError> {
         if !self.has(name) {
             return Ok(default);
         }
@@ -220,7 +199,7 @@ impl Fields<'_> {
     }
 
     /// `eos_token_id`: an integer, or a list whose first entry is used.
-    fn eos(&self) -> Result<u32, SpecError> {
+    pub fn eos(&self) -> Result<u32, SpecError> {
         let eos = match self.get("eos_token_id")? {
             Value::Array(items) => {
                 let first = items
@@ -239,7 +218,7 @@ impl Fields<'_> {
     }
 
     /// `eos_token_id` when present.
-    fn eos_opt(&self) -> Result<Option<u32>, SpecError> {
+    pub fn eos_opt(&self) -> Result<Option<u32>, SpecError> {
         if self.has("eos_token_id") {
             self.eos().map(Some)
         } else {
@@ -248,7 +227,7 @@ impl Fields<'_> {
     }
 
     /// `num_hidden_layers`, else `num_layers`, else `default`.
-    fn layers_or(&self, default: usize) -> Result<usize, SpecError> {
+    pub fn layers_or(&self, default: usize) -> Result<usize, SpecError> {
         for name in ["num_hidden_layers", "num_layers"] {
             if let Some(n) = self.u64_opt(name)? {
                 return self.count_of(name, n, 0);
@@ -256,80 +235,6 @@ impl Fields<'_> {
         }
         Ok(default)
     }
-
-    /// The family the keys name: Engram (V4.1 spelling when any
-    /// `engram_*` key other than `engram_vocab_size` is present, else the
-    /// demo's when `engram_vocab_size` is), LongCat (a non-null
-    /// `ngram_vocab_size_ratio` or `oe_vocab_size_ratio`), else Qwen4Exp.
-    /// Keys of two families at once are refused.
-    fn family_keys(&self) -> Result<Option<FamilyKeys>, SpecError> {
-        // V4.1 is named by its geometry keys; other `engram_*` keys (a
-        // quantised repack's `engram_rotation_config`) name no family.
-        const V41_KEYS: [&str; 8] = [
-            "engram_layer_ids",
-            "engram_max_ngram_size",
-            "engram_n_heads",
-            "engram_head_dim",
-            "engram_pad_token_id",
-            "engram_pad_id",
-            "engram_compressed_vocab_size",
-            "engram_num_embeddings",
-        ];
-        let v41 = V41_KEYS.iter().any(|k| self.has(k));
-        let engram = if v41 {
-            Some(EngramKeys::V41)
-        } else if self.has("engram_vocab_size") {
-            Some(EngramKeys::Demo)
-        } else {
-            None
-        };
-        // SGLang reads `use_oe_embedding` by truthiness and vLLM ignores it:
-        // only a boolean is unambiguous.
-        let use_oe = match self.map.get("use_oe_embedding") {
-            None | Some(Value::Null) => true,
-            Some(Value::Bool(b)) => *b,
-            Some(v) => {
-                return Err(self.field_err(
-                    "use_oe_embedding",
-                    format!("must be true or false, got {v}"),
-                ));
-            }
-        };
-        if !use_oe && self.has("oe_vocab_size_ratio") && !self.has("ngram_vocab_size_ratio") {
-            return Err(self.field_err(
-                "use_oe_embedding",
-                "is false: the config turns its n-gram embedding off, so it has no site to \
-                 serve"
-                    .into(),
-            ));
-        }
-        let longcat = if self.has("ngram_vocab_size_ratio") {
-            Some(LongCatKeys::Flash)
-        } else if self.has("oe_vocab_size_ratio") && use_oe {
-            Some(LongCatKeys::Oe)
-        } else {
-            None
-        };
-        match (engram, longcat) {
-            (Some(_), Some(_)) => Err(self.field_err(
-                if self.has("ngram_vocab_size_ratio") {
-                    "ngram_vocab_size_ratio"
-                } else {
-                    "oe_vocab_size_ratio"
-                },
-                "is set together with Engram keys (engram_*): a config names one family".into(),
-            )),
-            (Some(e), None) => Ok(Some(FamilyKeys::Engram(e))),
-            (None, Some(l)) => Ok(Some(FamilyKeys::LongCat(l))),
-            (None, None) => Ok(None),
-        }
-    }
-}
-
-/// The spelling of a non-Qwen4Exp config.
-enum FamilyKeys {
-    Engram(EngramKeys),
-    LongCat(LongCatKeys),
 }
 
 impl ModelSpec {
@@ -356,10 +261,8 @@ impl ModelSpec {
             });
         };
         let f = Fields { map, file: source };
-        match f.family_keys()? {
-            Some(FamilyKeys::Engram(keys)) => return engram::parse(&f, keys),
-            Some(FamilyKeys::LongCat(keys)) => return longcat::parse(&f, keys),
-            None => {}
+        if let Some(d) = family::claim(&f)? {
+            return (d.parse)(&f);
         }
         // Multimodal configs nest the language model's keys under
         // `text_config`; a family found there is parsed from there.
@@ -368,46 +271,24 @@ impl ModelSpec {
                 map: inner,
                 file: source,
             };
-            match t.family_keys()? {
-                Some(FamilyKeys::Engram(keys)) => return engram::parse(&t, keys),
-                Some(FamilyKeys::LongCat(keys)) => return longcat::parse(&t, keys),
-                None => {}
+            if let Some(d) = family::claim(&t)? {
+                return (d.parse)(&t);
             }
         }
-
-        qwen::parse(&f)
+        (family::fallback().parse)(&f)
     }
 
-    /// This Engram spec with its compressed-token map (checked with
-    /// [`engram::check_token_map`]); `source` names the map in errors.
-    /// Other families have no map and are refused.
+    /// This spec with its compressed-token map, checked by the family;
+    /// `source` names the map in errors. Families without a map (all but
+    /// Engram) refuse.
     pub fn with_token_map(mut self, map: TokenMap, source: &str) -> Result<Self, SpecError> {
-        let ModelFamily::Engram(e) = &mut self.family else {
-            return Err(SpecError::TokenMap {
-                file: source.to_string(),
-                problem: format!(
-                    "only Engram configs hash through a token map; this one is {}",
-                    self.family.name()
-                ),
-            });
-        };
-        engram::check_token_map(e, &map, source)?;
-        e.token_map = Some(map);
+        self.family = self.family.family().with_token_map(map, source)?;
         Ok(self)
     }
 
     /// The site-level family: what a hasher needs beyond the dims.
     pub fn hash_family(&self) -> HashFamily {
-        match &self.family {
-            ModelFamily::Qwen4Exp => HashFamily::Qwen4Exp,
-            ModelFamily::Engram(e) => HashFamily::Engram {
-                token_map: e.token_map.clone(),
-                hashed_vocab: e.compressed_vocab_size,
-            },
-            ModelFamily::LongCat(_) => HashFamily::LongCat {
-                vocab_size: self.vocab_size,
-            },
-        }
+        self.family.family().hash_family(self)
     }
 
     /// Check the invariants in the module docs; `source` names the config
@@ -482,100 +363,7 @@ impl ModelSpec {
             return Err(bad(TABLE_ROWS_KEY, "must be positive, got 0".into()));
         }
         self.check_sizes(source)?;
-        self.validate_family(source)
-    }
-
-    /// The family's own invariants (docs/SPEC.md, "Families").
-    fn validate_family(&self, source: &str) -> Result<(), SpecError> {
-        let bad = |field: &str, problem: String| SpecError::Field {
-            file: source.to_string(),
-            field: field.to_string(),
-            problem,
-        };
-        match &self.family {
-            ModelFamily::Qwen4Exp => Ok(()),
-            ModelFamily::Engram(e) => {
-                let v41 = e.keys == EngramKeys::V41;
-                let name = |demo: &'static str, v: &'static str| if v41 { v } else { demo };
-                if e.vocab_bases.len() != self.ngram_size - 1 {
-                    return Err(bad(
-                        "engram_vocab_size",
-                        format!(
-                            "has {} entries, orders 2..={} need {}",
-                            e.vocab_bases.len(),
-                            self.ngram_size,
-                            self.ngram_size - 1
-                        ),
-                    ));
-                }
-                if let Some(i) = e.vocab_bases.iter().position(|&b| b == 0) {
-                    return Err(bad(
-                        &format!("engram_vocab_size[{i}]"),
-                        "must be at least 1, got 0".into(),
-                    ));
-                }
-                let cv = e.compressed_vocab_size;
-                let cv_name = name("compressed_vocab_size", "engram_compressed_vocab_size");
-                if cv == 0 {
-                    return Err(bad(cv_name, "must be at least 1, got 0".into()));
-                }
-                let pad_limit = e.token_map.as_ref().map_or(cv, |m| m.len() as u64);
-                if u64::from(e.pad_id) >= pad_limit {
-                    return Err(bad(
-                        name("pad_id", "engram_pad_token_id"),
-                        format!("= {} is not below {pad_limit}", e.pad_id),
-                    ));
-                }
-                if let Some(map) = &e.token_map {
-                    engram::check_token_map(e, map, source)?;
-                }
-                if let Some(stated) = &e.num_embeddings {
-                    if stated.len() != self.sites() {
-                        return Err(bad(
-                            "engram_num_embeddings",
-                            format!(
-                                "has {} entries for {} Engram layers",
-                                stated.len(),
-                                self.sites()
-                            ),
-                        ));
-                    }
-                    let sizes =
-                        engram_head_sizes(&e.vocab_bases, self.heads_per_ngram, self.sites())
-                            .map_err(|err| bad("engram_vocab_size", err.to_string()))?;
-                    for (i, (layer, &want)) in sizes.iter().zip(stated).enumerate() {
-                        let got = running_offsets(layer)
-                            .map_err(|err| bad("engram_vocab_size", err.to_string()))?
-                            .1;
-                        if got != want {
-                            return Err(bad(
-                                &format!("engram_num_embeddings[{i}]"),
-                                format!(
-                                    "= {want}, but the head sizes rebuilt for layer {} sum to {got}",
-                                    self.site_layer(i)
-                                ),
-                            ));
-                        }
-                    }
-                }
-                Ok(())
-            }
-            ModelFamily::LongCat(l) => {
-                let base = match l.keys {
-                    LongCatKeys::Flash => "ngram_vocab_size_ratio",
-                    LongCatKeys::Oe => "oe_vocab_size_ratio",
-                };
-                if self.ple_layer_ids != [1] {
-                    return Err(bad(
-                        "ple_layer_ids",
-                        "must be [1]: the LongCat n-gram embedding sits at the input".into(),
-                    ));
-                }
-                longcat_layout(self.ngram_vocab_size_base, self.ngram_heads())
-                    .map(|_| ())
-                    .map_err(|err| bad(base, err.to_string()))
-            }
-        }
+        self.family.family().validate(self, source)
     }
 
     /// Every size derived from the fields must be computable: a config with
@@ -659,17 +447,8 @@ impl ModelSpec {
         self.sites() * self.conv_bytes()
     }
 
-    /// The parameters that derive site `s`'s hash constants.
-    pub fn hash_params(&self, s: usize) -> Result<PleHashParams, SpecError> {
-        if self.family != ModelFamily::Qwen4Exp {
-            return Err(SpecError::Site {
-                field: "family",
-                problem: format!(
-                    "{} has no Qwen4Exp hash parameters; derive its sites with ModelSpec::derive",
-                    self.family.name()
-                ),
-            });
-        }
+    /// Refuse `s` when it is not a site.
+    pub fn check_site(&self, s: usize) -> Result<(), SpecError> {
         if s >= self.sites() {
             return Err(SpecError::NoSuchSite {
                 site: s,
@@ -677,83 +456,22 @@ impl ModelSpec {
                 ids: self.ple_layer_ids.clone(),
             });
         }
-        Ok(PleHashParams {
-            vocab_size: self.vocab_size,
-            eos_token_id: self.eos_token_id,
-            ngram_size: self.ngram_size,
-            heads_per_ngram: self.heads_per_ngram,
-            ngram_vocab_size_base: self.ngram_vocab_size_base,
-            divisible_by: self.divisible_by,
-            seed: self.hash_seed,
+        Ok(())
+    }
+
+    /// A failed derivation of site `s`'s constants, naming the site.
+    pub fn derive_error(&self, s: usize, source: IdError) -> SpecError {
+        SpecError::Derive {
             site: s,
-        })
+            layer_id: self.ple_layer_ids[s],
+            source,
+        }
     }
 
     /// Site `s`'s derived hash constants and padded table size.
     pub fn derive(&self, s: usize) -> Result<DerivedPleIds, SpecError> {
-        if s >= self.sites() {
-            return Err(SpecError::NoSuchSite {
-                site: s,
-                count: self.sites(),
-                ids: self.ple_layer_ids.clone(),
-            });
-        }
-        let wrap = |source: IdError| SpecError::Derive {
-            site: s,
-            layer_id: self.ple_layer_ids[s],
-            source,
-        };
-        let (multipliers, sizes, eos) = match &self.family {
-            ModelFamily::Qwen4Exp => return self.derive_qwen(s),
-            ModelFamily::Engram(e) => {
-                let mut all =
-                    engram_head_sizes(&e.vocab_bases, self.heads_per_ngram, s + 1).map_err(wrap)?;
-                let sizes = all.pop().unwrap_or_default();
-                let m = engram_multipliers(
-                    e.compressed_vocab_size,
-                    self.ngram_size,
-                    self.hash_seed,
-                    self.site_layer(s),
-                )
-                .map_err(wrap)?;
-                (m, sizes, e.pad_id)
-            }
-            ModelFamily::LongCat(_) => {
-                let (sizes, _, _) =
-                    longcat_layout(self.ngram_vocab_size_base, self.ngram_heads()).map_err(wrap)?;
-                (Vec::new(), sizes, self.eos_token_id)
-            }
-        };
-        let (head_offsets, total) = running_offsets(&sizes).map_err(wrap)?;
-        let padded_rows = total
-            .div_ceil(self.divisible_by)
-            .checked_mul(self.divisible_by)
-            .ok_or_else(|| {
-                wrap(IdError::Params(
-                    "the padded row count exceeds 2^64 - 1".into(),
-                ))
-            })?;
-        let dims = PleIdDims {
-            ngram_size: self.ngram_size,
-            heads_per_ngram: self.heads_per_ngram,
-            multipliers,
-            head_vocab_sizes: sizes,
-            head_offsets,
-            eos_token_id: eos,
-            family: self.hash_family(),
-        };
-        validate_family(&self.hash_family(), &dims).map_err(wrap)?;
-        Ok(DerivedPleIds { dims, padded_rows })
-    }
-
-    fn derive_qwen(&self, s: usize) -> Result<DerivedPleIds, SpecError> {
-        self.hash_params(s)?
-            .derive()
-            .map_err(|source| SpecError::Derive {
-                site: s,
-                layer_id: self.ple_layer_ids[s],
-                source,
-            })
+        self.check_site(s)?;
+        self.family.family().derive(self, s)
     }
 
     /// The spec of site `s`: its derived hash constants and carry shape.
@@ -779,29 +497,15 @@ impl ModelSpec {
         }
     }
 
-    /// How the family's sites combine their rows with the highway: the
-    /// Qwen4Exp layer; Engram's gated layer, with the short conv when
-    /// `conv_kernel_size` is at least 2 (the demo) and without it at 1
-    /// (DeepSeek-V4.1), under the published V4.1 gate rules when the config
-    /// uses V4.1's `engram_*` keys; LongCat's mean with the word embedding.
+    /// How the family's sites combine their rows with the highway (the
+    /// family decides: see its module under `ple/family/`).
     pub fn combine(&self) -> Combine {
-        match &self.family {
-            ModelFamily::Qwen4Exp => Combine::qwen4exp(),
-            ModelFamily::Engram(e) if e.keys == engram::EngramKeys::V41 => {
-                Combine::Gated(GatedSpec::deepseek_v41(self.conv_kernel_size >= 2))
-            }
-            ModelFamily::Engram(_) => Combine::Gated(GatedSpec::engram(self.conv_kernel_size >= 2)),
-            ModelFamily::LongCat(_) => Combine::Mean,
-        }
+        self.family.family().combine(self)
     }
 
     /// The `config.json` text of this spec.
     pub fn to_config_json(&self) -> String {
-        let mut v = match &self.family {
-            ModelFamily::Qwen4Exp => qwen::to_json(self),
-            ModelFamily::Engram(e) => engram::to_json(self, e),
-            ModelFamily::LongCat(l) => longcat::to_json(self, l),
-        };
+        let mut v = self.family.family().to_json(self);
         if let Some(r) = self.table_rows {
             v[TABLE_ROWS_KEY] = serde_json::json!(r);
         }

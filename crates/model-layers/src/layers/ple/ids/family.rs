@@ -43,8 +43,13 @@ use super::{HeadMod, HeadRows, IdError, MAX_NGRAM_SIZE, PleIdDims, Result};
 /// Shared, since one map serves every site of a model.
 pub type TokenMap = Arc<[u32]>;
 
-/// The id-hash family of a site: how n-grams map to rows. Every family
-/// shares the carry (the last `context_len` tokens) and the id layout.
+/// The id-hash rule of a site: how n-grams map to rows. Every rule shares
+/// the carry (the last `context_len` tokens) and the id layout.
+///
+/// A closed enum on purpose: the hasher's per-token loop branches on it
+/// (through `Prepared`). Which rule a model uses, with which parameters,
+/// is its family's decision (`Family::hash_family`, in the family's module
+/// under `ple/family/`); families that hash alike share a variant.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Default)]
 pub enum HashFamily {
     /// Qwen4Exp: XOR of `token * multiplier` over an EOS-delimited window,

@@ -176,6 +176,11 @@ impl GatedSpec {
 pub const ENGRAM_CONV_EPS: f32 = 1e-5;
 
 /// How a site combines its gathered rows with the highway.
+///
+/// A closed enum on purpose: the layer picks its kernels and their
+/// per-element loops by variant. Which variant a model uses, and with
+/// which parameters, is its family's decision (`Family::combine`, in the
+/// family's module under `ple/family/`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Combine {
     /// A key per stream gates a shared value (Qwen4Exp, Engram).

@@ -3,6 +3,7 @@
 //! says how the family turns rows into output (docs/SPEC.md §5 (Layer
 //! math)).
 
+use super::super::ids::validate_family;
 use super::*;
 use combine::Combine;
 

@@ -31,7 +31,7 @@ fn flagship_with_defaults() {
     assert_eq!(c.num_hidden_layers, 2);
     let d = c.derive(0).unwrap();
     assert_eq!(d.padded_rows, 320_001_536);
-    let e = c.hash_params(1).unwrap_err();
+    let e = crate::layers::ple::family::qwen4_exp::hash_params(&c, 1).unwrap_err();
     assert!(matches!(
         e,
         SpecError::NoSuchSite {

@@ -1,8 +1,13 @@
-//! DeepSeek Engram configs (docs/SPEC.md, "Families"): the demo's keys
-//! (`engram_vocab_size` as a list per order, `max_ngram_size`,
-//! `n_embed_per_ngram`, `n_head_per_ngram`, `layer_ids`, `pad_id`, `seed`,
-//! `kernel_size`) and DeepSeek-V4.1's `engram_*` keys, parsed into one
-//! [`ModelSpec`] with an [`EngramSpec`].
+//! What the two Engram families share (docs/SPEC.md §11 (Families)): the
+//! [`EngramSpec`] both parse into (the demo's keys, `engram_vocab_size` as
+//! a list per order, `max_ngram_size`, `n_embed_per_ngram`,
+//! `n_head_per_ngram`, `layer_ids`, `pad_id`, `seed`, `kernel_size`, or
+//! DeepSeek-V4.1's `engram_*` keys), the compressed-token map, and the hash
+//! constants (prime head sizes searched across layers, numpy-drawn
+//! multipliers, the pad id as the fill token) under the
+//! [`HashFamily::Engram`] rule. What differs between the two (how a config
+//! is recognised, the combination, the keys written back) is in
+//! [`super::engram_demo`] and [`super::deepseek_v41`].
 //!
 //! Invariants of a parsed Engram spec: one table base per order, each at
 //! least 1; `ple_layer_ids` are the config's 0-based block indices plus 1;
@@ -15,7 +20,11 @@ use std::path::Path;
 
 use serde_json::{Value, json};
 
-use super::{Fields, ModelFamily, ModelSpec, SpecError, TokenMap};
+use super::{Family, FamilyDesc, ModelFamily, deepseek_v41, derive_dims, engram_demo, same};
+use crate::layers::ple::ids::{
+    DerivedPleIds, TokenMap, engram_head_sizes, engram_multipliers, running_offsets,
+};
+use crate::layers::ple::spec::{Combine, Fields, HashFamily, ModelSpec, SpecError, TABLE_ROWS_KEY};
 
 pub mod tokenizer;
 
@@ -53,6 +62,148 @@ pub struct EngramSpec {
     pub num_embeddings: Option<Vec<u64>>,
     /// The compressed-token map, loaded separately ([`load_token_map`]).
     pub token_map: Option<TokenMap>,
+}
+
+impl Family for EngramSpec {
+    fn desc(&self) -> &'static FamilyDesc {
+        match self.keys {
+            EngramKeys::Demo => &engram_demo::DESC,
+            EngramKeys::V41 => &deepseek_v41::DESC,
+        }
+    }
+
+    fn validate(&self, spec: &ModelSpec, source: &str) -> Result<(), SpecError> {
+        validate(self, spec, source)
+    }
+
+    fn derive(&self, spec: &ModelSpec, s: usize) -> Result<DerivedPleIds, SpecError> {
+        let wrap = |source| spec.derive_error(s, source);
+        let mut all =
+            engram_head_sizes(&self.vocab_bases, spec.heads_per_ngram, s + 1).map_err(wrap)?;
+        let sizes = all.pop().unwrap_or_default();
+        let m = engram_multipliers(
+            self.compressed_vocab_size,
+            spec.ngram_size,
+            spec.hash_seed,
+            spec.site_layer(s),
+        )
+        .map_err(wrap)?;
+        // The raw pad id: the map turns it into the compressed one.
+        derive_dims(spec, s, m, sizes, self.pad_id)
+    }
+
+    fn hash_family(&self, _spec: &ModelSpec) -> HashFamily {
+        HashFamily::Engram {
+            token_map: self.token_map.clone(),
+            hashed_vocab: self.compressed_vocab_size,
+        }
+    }
+
+    fn combine(&self, spec: &ModelSpec) -> Combine {
+        let conv = spec.conv_kernel_size >= 2;
+        match self.keys {
+            EngramKeys::Demo => engram_demo::combine(conv),
+            EngramKeys::V41 => deepseek_v41::combine(conv),
+        }
+    }
+
+    fn to_json(&self, spec: &ModelSpec) -> Value {
+        to_json(spec, self)
+    }
+
+    fn eq_family(&self, other: &dyn Family) -> bool {
+        same(self, other)
+    }
+
+    fn compressed_vocab(&self) -> Option<u64> {
+        Some(self.compressed_vocab_size)
+    }
+
+    fn token_map(&self) -> Option<&TokenMap> {
+        self.token_map.as_ref()
+    }
+
+    fn with_token_map(&self, map: TokenMap, source: &str) -> Result<ModelFamily, SpecError> {
+        check_token_map(self, &map, source)?;
+        Ok(ModelFamily::new(EngramSpec {
+            token_map: Some(map),
+            ..self.clone()
+        }))
+    }
+}
+
+/// The Engram invariants a [`ModelSpec`] must keep: one base per order,
+/// each at least 1, a pad inside the map or the compressed vocabulary, a
+/// map that fits, and stated row counts equal to the rebuilt ones.
+fn validate(e: &EngramSpec, spec: &ModelSpec, source: &str) -> Result<(), SpecError> {
+    let bad = |field: &str, problem: String| SpecError::Field {
+        file: source.to_string(),
+        field: field.to_string(),
+        problem,
+    };
+    let v41 = e.keys == EngramKeys::V41;
+    let name = |demo: &'static str, v: &'static str| if v41 { v } else { demo };
+    if e.vocab_bases.len() != spec.ngram_size - 1 {
+        return Err(bad(
+            "engram_vocab_size",
+            format!(
+                "has {} entries, orders 2..={} need {}",
+                e.vocab_bases.len(),
+                spec.ngram_size,
+                spec.ngram_size - 1
+            ),
+        ));
+    }
+    if let Some(i) = e.vocab_bases.iter().position(|&b| b == 0) {
+        return Err(bad(
+            &format!("engram_vocab_size[{i}]"),
+            "must be at least 1, got 0".into(),
+        ));
+    }
+    let cv = e.compressed_vocab_size;
+    let cv_name = name("compressed_vocab_size", "engram_compressed_vocab_size");
+    if cv == 0 {
+        return Err(bad(cv_name, "must be at least 1, got 0".into()));
+    }
+    let pad_limit = e.token_map.as_ref().map_or(cv, |m| m.len() as u64);
+    if u64::from(e.pad_id) >= pad_limit {
+        return Err(bad(
+            name("pad_id", "engram_pad_token_id"),
+            format!("= {} is not below {pad_limit}", e.pad_id),
+        ));
+    }
+    if let Some(map) = &e.token_map {
+        check_token_map(e, map, source)?;
+    }
+    if let Some(stated) = &e.num_embeddings {
+        if stated.len() != spec.sites() {
+            return Err(bad(
+                "engram_num_embeddings",
+                format!(
+                    "has {} entries for {} Engram layers",
+                    stated.len(),
+                    spec.sites()
+                ),
+            ));
+        }
+        let sizes = engram_head_sizes(&e.vocab_bases, spec.heads_per_ngram, spec.sites())
+            .map_err(|err| bad("engram_vocab_size", err.to_string()))?;
+        for (i, (layer, &want)) in sizes.iter().zip(stated).enumerate() {
+            let got = running_offsets(layer)
+                .map_err(|err| bad("engram_vocab_size", err.to_string()))?
+                .1;
+            if got != want {
+                return Err(bad(
+                    &format!("engram_num_embeddings[{i}]"),
+                    format!(
+                        "= {want}, but the head sizes rebuilt for layer {} sum to {got}",
+                        spec.site_layer(i)
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A list of non-negative integers, or (when `scalar_ok`) one integer.
@@ -189,7 +340,7 @@ pub(super) fn parse(f: &Fields, keys: EngramKeys) -> Result<ModelSpec, SpecError
     let eos_token_id = f.eos_opt()?.unwrap_or(pad_id);
     let max_layer = ple_layer_ids.iter().copied().max().unwrap_or(0);
     let num_hidden_layers = f.layers_or(max_layer)?;
-    let table_rows = f.u64_opt(super::TABLE_ROWS_KEY)?;
+    let table_rows = f.u64_opt(TABLE_ROWS_KEY)?;
 
     let spec = ModelSpec {
         vocab_size,
@@ -208,7 +359,7 @@ pub(super) fn parse(f: &Fields, keys: EngramKeys) -> Result<ModelSpec, SpecError
         hash_seed,
         num_hidden_layers,
         table_rows,
-        family: ModelFamily::Engram(EngramSpec {
+        family: ModelFamily::new(EngramSpec {
             keys,
             vocab_bases,
             compressed_vocab_size,
@@ -222,8 +373,7 @@ pub(super) fn parse(f: &Fields, keys: EngramKeys) -> Result<ModelSpec, SpecError
 }
 
 /// The config.json object of an Engram spec, in its own spelling.
-pub(super) fn to_json(spec: &ModelSpec, e: &EngramSpec) -> Value {
-    let layers: Vec<usize> = spec.ple_layer_ids.iter().map(|l| l - 1).collect();
+fn to_json(spec: &ModelSpec, e: &EngramSpec) -> Value {
     let mut v = json!({
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
@@ -233,37 +383,8 @@ pub(super) fn to_json(spec: &ModelSpec, e: &EngramSpec) -> Value {
         "num_hidden_layers": spec.num_hidden_layers,
     });
     let extra = match e.keys {
-        EngramKeys::Demo => json!({
-            "engram_vocab_size": e.vocab_bases,
-            "max_ngram_size": spec.ngram_size,
-            "n_embed_per_ngram": spec.head_dim * spec.heads_per_ngram,
-            "n_head_per_ngram": spec.heads_per_ngram,
-            "layer_ids": layers,
-            "pad_id": e.pad_id,
-            "seed": spec.hash_seed,
-            "kernel_size": spec.conv_kernel_size,
-            "compressed_vocab_size": e.compressed_vocab_size,
-        }),
-        EngramKeys::V41 => {
-            let bases = if e.vocab_bases.windows(2).all(|w| w[0] == w[1]) {
-                json!(e.vocab_bases[0])
-            } else {
-                json!(e.vocab_bases)
-            };
-            json!({
-                "architectures": ["DeepseekV41ForCausalLM"],
-                "engram_layer_ids": layers,
-                "engram_max_ngram_size": spec.ngram_size,
-                "engram_vocab_size": bases,
-                "engram_n_heads": spec.heads_per_ngram,
-                "engram_head_dim": spec.head_dim,
-                "engram_pad_token_id": e.pad_id,
-                "engram_compressed_vocab_size": e.compressed_vocab_size,
-                // This project's extension (the published model has no
-                // conv); written only when it is used.
-                "engram_kernel_size": (spec.conv_kernel_size != 1).then_some(spec.conv_kernel_size),
-            })
-        }
+        EngramKeys::Demo => engram_demo::keys_json(spec, e),
+        EngramKeys::V41 => deepseek_v41::keys_json(spec, e),
     };
     if let (Some(obj), Value::Object(more)) = (v.as_object_mut(), extra) {
         obj.extend(more);

@@ -1,4 +1,5 @@
-//! LongCat n-gram embedding configs (docs/SPEC.md, "Families"):
+//! The LongCat family (docs/SPEC.md §11 (Families)): its n-gram embedding
+//! configs,
 //! LongCat-Flash's `ngram_vocab_size_ratio` (its presence switches the path
 //! on), `emb_neighbor_num`, `emb_split_num`, and LongCat-2.0's renames
 //! `oe_vocab_size_ratio`, `oe_neighbor_num`, `oe_split_num`.
@@ -9,10 +10,66 @@
 //! `m + 2i + 1` rows); one site on layer 1 (the input), no conv
 //! (`conv_kernel_size` 1), unpadded rows in one part, and `hidden_size`
 //! split evenly over the `k * (n - 1)` sub-tables.
+//!
+//! The family's hash is the polynomial one ([`HashFamily::LongCat`]) over
+//! sub-tables of `m + 2i + 1` rows ([`longcat_layout`]), and its layer
+//! takes the mean with the word embedding ([`Combine::Mean`]).
 
 use serde_json::{Value, json};
 
-use super::{Fields, ModelFamily, ModelSpec, SpecError};
+use super::{Family, FamilyDesc, ModelFamily, derive_dims, same};
+use crate::layers::ple::ids::{DerivedPleIds, TokenMap, longcat_layout};
+use crate::layers::ple::spec::{Combine, Fields, HashFamily, ModelSpec, SpecError, TABLE_ROWS_KEY};
+
+/// The registry entry: a config with a non-null `ngram_vocab_size_ratio`
+/// or (unless `use_oe_embedding` is false) `oe_vocab_size_ratio`.
+pub static DESC: FamilyDesc = FamilyDesc {
+    id: "longcat",
+    name: "longcat",
+    title: "LongCat",
+    detect: Some(detect),
+    parse: |f| parse(f, keys_of(f)),
+};
+
+/// The key spelling of a claimed config.
+fn keys_of(f: &Fields) -> LongCatKeys {
+    if f.has("ngram_vocab_size_ratio") {
+        LongCatKeys::Flash
+    } else {
+        LongCatKeys::Oe
+    }
+}
+
+/// The key that names LongCat in `f`, if any.
+fn detect(f: &Fields) -> Result<Option<&'static str>, SpecError> {
+    // SGLang reads `use_oe_embedding` by truthiness and vLLM ignores it:
+    // only a boolean is unambiguous.
+    let use_oe = match f.map.get("use_oe_embedding") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => {
+            return Err(f.field_err(
+                "use_oe_embedding",
+                format!("must be true or false, got {v}"),
+            ));
+        }
+    };
+    if !use_oe && f.has("oe_vocab_size_ratio") && !f.has("ngram_vocab_size_ratio") {
+        return Err(f.field_err(
+            "use_oe_embedding",
+            "is false: the config turns its n-gram embedding off, so it has no site to \
+             serve"
+                .into(),
+        ));
+    }
+    Ok(if f.has("ngram_vocab_size_ratio") {
+        Some("ngram_vocab_size_ratio")
+    } else if f.has("oe_vocab_size_ratio") && use_oe {
+        Some("oe_vocab_size_ratio")
+    } else {
+        None
+    })
+}
 
 /// The config.json key of this project's extension that states `m`
 /// exactly when the ratio is not an integer.
@@ -32,6 +89,59 @@ pub enum LongCatKeys {
 pub struct LongCatSpec {
     /// The key spelling, kept so that the config written back reads alike.
     pub keys: LongCatKeys,
+}
+
+impl Family for LongCatSpec {
+    fn desc(&self) -> &'static FamilyDesc {
+        &DESC
+    }
+
+    fn validate(&self, spec: &ModelSpec, source: &str) -> Result<(), SpecError> {
+        let bad = |field: &str, problem: String| SpecError::Field {
+            file: source.to_string(),
+            field: field.to_string(),
+            problem,
+        };
+        let (base, _, _) = key_names(self.keys);
+        if spec.ple_layer_ids != [1] {
+            return Err(bad(
+                "ple_layer_ids",
+                "must be [1]: the LongCat n-gram embedding sits at the input".into(),
+            ));
+        }
+        longcat_layout(spec.ngram_vocab_size_base, spec.ngram_heads())
+            .map(|_| ())
+            .map_err(|err| bad(base, err.to_string()))
+    }
+
+    fn derive(&self, spec: &ModelSpec, s: usize) -> Result<DerivedPleIds, SpecError> {
+        let (sizes, _, _) = longcat_layout(spec.ngram_vocab_size_base, spec.ngram_heads())
+            .map_err(|e| spec.derive_error(s, e))?;
+        // An EOS history reads as "no predecessor".
+        derive_dims(spec, s, Vec::new(), sizes, spec.eos_token_id)
+    }
+
+    fn hash_family(&self, spec: &ModelSpec) -> HashFamily {
+        HashFamily::LongCat {
+            vocab_size: spec.vocab_size,
+        }
+    }
+
+    fn combine(&self, _spec: &ModelSpec) -> Combine {
+        Combine::Mean
+    }
+
+    fn to_json(&self, spec: &ModelSpec) -> Value {
+        to_json(spec, self)
+    }
+
+    fn eq_family(&self, other: &dyn Family) -> bool {
+        same(self, other)
+    }
+
+    fn token_map(&self) -> Option<&TokenMap> {
+        None
+    }
 }
 
 /// `m` from the ratio: exact for an integer ratio, else the truncated
@@ -75,7 +185,7 @@ fn key_names(keys: LongCatKeys) -> (&'static str, &'static str, &'static str) {
 }
 
 /// Parse a LongCat config whose spelling is `keys`.
-pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecError> {
+fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecError> {
     let (ratio_name, n_name, k_name) = key_names(keys);
     let vocab_size = f.vocab_size()?;
     let hidden_size = f.count("hidden_size", 1)?;
@@ -132,15 +242,15 @@ pub(super) fn parse(f: &Fields, keys: LongCatKeys) -> Result<ModelSpec, SpecErro
         ple_layer_ids: vec![1],
         hash_seed: 0,
         num_hidden_layers,
-        table_rows: f.u64_opt(super::TABLE_ROWS_KEY)?,
-        family: ModelFamily::LongCat(LongCatSpec { keys }),
+        table_rows: f.u64_opt(TABLE_ROWS_KEY)?,
+        family: ModelFamily::new(LongCatSpec { keys }),
     };
     spec.validate(f.file)?;
     Ok(spec)
 }
 
 /// The config.json object of a LongCat spec, in its own spelling.
-pub(super) fn to_json(spec: &ModelSpec, l: &LongCatSpec) -> Value {
+fn to_json(spec: &ModelSpec, l: &LongCatSpec) -> Value {
     let (ratio_name, n_name, k_name) = key_names(l.keys);
     let m = spec.ngram_vocab_size_base;
     let mut v = json!({

@@ -1,5 +1,8 @@
-//! Qwen4-Exp configs as transformers' `Qwen4ExpTextConfig` reads and writes
-//! them (docs/SPEC.md §2 (Geometry)).
+//! The Qwen4-Exp family: configs as transformers' `Qwen4ExpTextConfig`
+//! reads and writes them (docs/SPEC.md §2 (Geometry)), its hash constants
+//! (docs/SPEC.md §3 (Constant derivation): [`PleHashParams`]) and its gated
+//! layer with the short conv. It is the fallback family: a config no other
+//! family claims is read as Qwen4-Exp.
 //!
 //! The keys are transformers' (`hc_count`, `seed`, `ple_embed_dim`, ...),
 //! and an absent key takes transformers' default, so a config means here
@@ -22,7 +25,74 @@
 
 use serde_json::{Value, json};
 
-use super::{Fields, ModelFamily, ModelSpec, SpecError, TABLE_ROWS_KEY};
+use super::{Family, FamilyDesc, ModelFamily, same};
+use crate::layers::ple::ids::{DerivedPleIds, PleHashParams};
+use crate::layers::ple::spec::{Combine, Fields, HashFamily, ModelSpec, SpecError, TABLE_ROWS_KEY};
+
+/// The registry entry: every config no other family claims.
+pub static DESC: FamilyDesc = FamilyDesc {
+    id: "qwen4-exp",
+    name: "qwen4exp",
+    title: "Qwen4-Exp",
+    detect: None,
+    parse,
+};
+
+/// The Qwen4-Exp family: its config adds nothing to the shared fields of
+/// [`ModelSpec`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Qwen4Exp;
+
+impl Family for Qwen4Exp {
+    fn desc(&self) -> &'static FamilyDesc {
+        &DESC
+    }
+    fn validate(&self, _spec: &ModelSpec, _source: &str) -> Result<(), SpecError> {
+        Ok(())
+    }
+    fn derive(&self, spec: &ModelSpec, s: usize) -> Result<DerivedPleIds, SpecError> {
+        hash_params(spec, s)?
+            .derive()
+            .map_err(|source| spec.derive_error(s, source))
+    }
+    fn hash_family(&self, _spec: &ModelSpec) -> HashFamily {
+        HashFamily::Qwen4Exp
+    }
+    fn combine(&self, _spec: &ModelSpec) -> Combine {
+        Combine::qwen4exp()
+    }
+    fn to_json(&self, spec: &ModelSpec) -> Value {
+        to_json(spec)
+    }
+    fn eq_family(&self, other: &dyn Family) -> bool {
+        same(self, other)
+    }
+}
+
+/// The parameters that derive site `s`'s hash constants (a Qwen4-Exp spec
+/// only).
+pub fn hash_params(spec: &ModelSpec, s: usize) -> Result<PleHashParams, SpecError> {
+    if spec.family.get::<Qwen4Exp>().is_none() {
+        return Err(SpecError::Site {
+            field: "family",
+            problem: format!(
+                "{} has no Qwen4Exp hash parameters; derive its sites with ModelSpec::derive",
+                spec.family.name()
+            ),
+        });
+    }
+    spec.check_site(s)?;
+    Ok(PleHashParams {
+        vocab_size: spec.vocab_size,
+        eos_token_id: spec.eos_token_id,
+        ngram_size: spec.ngram_size,
+        heads_per_ngram: spec.heads_per_ngram,
+        ngram_vocab_size_base: spec.ngram_vocab_size_base,
+        divisible_by: spec.divisible_by,
+        seed: spec.hash_seed,
+        site: s,
+    })
+}
 
 /// `model_type` of the text model.
 pub const MODEL_TYPE: &str = "qwen4_exp_text";
@@ -74,7 +144,7 @@ fn is_transformers(f: &Fields) -> bool {
 
 /// The fields a Qwen4-Exp config keeps its keys in: `text_config` when the
 /// top level has none of its own PLE keys and nests them there.
-pub(super) fn text_fields<'a>(f: &Fields<'a>) -> Fields<'a> {
+fn text_fields<'a>(f: &Fields<'a>) -> Fields<'a> {
     if !f.has("ple_layer_ids")
         && let Some(inner) = f.map.get("text_config").and_then(Value::as_object)
     {
@@ -120,7 +190,7 @@ fn count_or(f: &Fields, name: &str, default: u64, min: u64) -> Result<usize, Spe
 }
 
 /// Parse a Qwen4-Exp config (top level or `text_config`).
-pub(super) fn parse(top: &Fields) -> Result<ModelSpec, SpecError> {
+fn parse(top: &Fields) -> Result<ModelSpec, SpecError> {
     let f = text_fields(top);
     let transformers = is_transformers(&f) || is_transformers(top);
     let vocab_size = f.u64_opt("vocab_size")?.unwrap_or(defaults::VOCAB_SIZE);
@@ -202,7 +272,7 @@ pub(super) fn parse(top: &Fields) -> Result<ModelSpec, SpecError> {
         hash_seed,
         num_hidden_layers,
         table_rows,
-        family: ModelFamily::Qwen4Exp,
+        family: ModelFamily::new(Qwen4Exp),
     };
     spec.validate(f.file)?;
     Ok(spec)
@@ -340,7 +410,7 @@ pub fn default_layer_types(layers: usize, every: usize) -> Vec<String> {
 
 /// The config of `spec` as transformers writes a `Qwen4ExpTextConfig`'s
 /// PLE keys (the backbone's own keys are the caller's: `init` adds them).
-pub(super) fn to_json(spec: &ModelSpec) -> Value {
+fn to_json(spec: &ModelSpec) -> Value {
     let mut v = json!({
         "architectures": ["Qwen4ExpForCausalLM"],
         "model_type": MODEL_TYPE,
