@@ -2,30 +2,30 @@
 //! printed as one table where every figure sits beside a baseline measured
 //! in the same run, and the ratio of the two.
 //!
-//! The workloads are the crates' own (`bench` modules, the ones `cargo
-//! bench` runs); this command only picks their sizes, times them and
-//! prints the table. The model geometry is a checkpoint preset's (flagship;
+//! Built only with the crate's `bench` feature. The workloads are
+//! `metrale-bench`'s (the ones its `cargo bench` harnesses run); this
+//! command only picks their sizes, times them and prints the table. The model geometry is a checkpoint preset's (flagship;
 //! tiny for the hidden `--smoke` sizes):
 //!
-//! - ids ([`metrale_model_layers::bench`]): the hot-path hasher at the
+//! - ids ([`metrale_bench::layer`]): the hot-path hasher at the
 //!   preset's first site against the plain `%` form, for a prefill run and
 //!   for a batched decode step against per-sequence plain hashing;
-//! - storage ([`metrale_storage::bench`]): random row gather from a
+//! - storage ([`metrale_bench::table`]): random row gather from a
 //!   resident table (rows of the preset's `head_dim`) against a `memcpy` of
 //!   the same bytes; the cached table's hit path against a `HashMap`
 //!   lookup; random 4 KiB reads through the miss path's reader (io_uring at
 //!   the row cache's depth, O_DIRECT where the file system allows it)
 //!   against a plain `pread` loop on the same descriptor, one read at a
 //!   time;
-//! - layer ([`metrale_model_layers::bench`]): one PLE layer's forward on the
+//! - layer ([`metrale_bench::layer`]): one PLE layer's forward on the
 //!   CPU backend (a prefill chunk and a batched decode step) against a
 //!   naive scalar projection of one token on one thread; the layer is built
 //!   from a synthetic checkpoint of the preset (table cut to a bench size,
 //!   resident);
-//! - engine ([`metrale_engine::bench`]): over engines built from the same
+//! - engine ([`metrale_bench::engine`]): over engines built from the same
 //!   checkpoint, restoring a cached prefix against recomputing it, and
 //!   swapping a carry out and in against a `memcpy` of the same bytes;
-//! - runtime ([`metrale_gpu_runtime::bench`]): `copy_d2d_async` bandwidth
+//! - runtime ([`metrale_bench::runtime`]): `copy_d2d_async` bandwidth
 //!   against `memcpy`.
 //!
 //! Invariants: every value and baseline is the median of several
@@ -45,28 +45,26 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
+use metrale_bench::engine::{PrefixRestore, SwapCarry};
+use metrale_bench::layer::{IdsDecode, IdsPrefill, LayerForward, LayerSizes, token_bound};
+use metrale_bench::runtime::CopyD2d;
+use metrale_bench::table::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset};
-use metrale_engine::bench::{PrefixRestore, SwapCarry};
 use metrale_engine::{Engine, EngineConfig, Site};
-use metrale_gpu_runtime::bench::CopyD2d;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::bench::{IdsDecode, IdsPrefill, LayerForward, LayerSizes, token_bound};
 use metrale_model_layers::layers::ple::ModelSpec;
-use metrale_storage::bench::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 
-use self::report::{Row, print_rows};
 use super::common::{Device, bytes, open_backend};
 use super::init::PresetArg;
 use super::run::{EngineSetup, build_engine};
 use super::{CmdError, failure, input};
+use metrale_bench::report::{Row, print_rows};
 
-mod memory;
 mod offload;
 mod remote;
-mod report;
 mod stream;
 
 /// Arguments of `metrale-ple bench`.

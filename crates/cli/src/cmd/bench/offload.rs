@@ -69,6 +69,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use clap::Args;
+use metrale_bench::layer::Rng;
+use metrale_bench::table::RandomReads;
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
@@ -78,8 +80,6 @@ use metrale_engine::server::TimedReader;
 use metrale_engine::{Engine, EngineConfig, EngineError, SeqId, Site};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::bench::Rng;
-use metrale_storage::bench::RandomReads;
 use metrale_storage::cached::{CacheConfig, DEFAULT_IO_DEPTH, DEFAULT_POLICY, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::remote::RemoteTier;
@@ -91,10 +91,10 @@ use serde::Serialize;
 use crate::cmd::common::{Zipf, bytes};
 use metrale_ple_cli::parse::parse_prompts;
 
-use super::memory;
 use super::stream::{Source, Streams};
 use crate::cmd::run::{CacheOptions, EngineSetup, build_sites, engine_config};
 use crate::cmd::{CmdError, failure, input};
+use metrale_bench::memory;
 
 /// Arguments of `metrale-ple bench offload`.
 #[derive(Args, Debug)]
