@@ -13,17 +13,23 @@
 //! - [`engine`]: prefix restore and carry swap against recompute and
 //!   `memcpy`.
 //!
-//! Beside them the measurement helpers the command's drivers print with:
-//! [`report`] (the figure-beside-baseline table) and [`memory`] (RSS and
-//! page-cache figures read from the kernel).
+//! Beside them the measurement helpers of the command's drivers, which need
+//! nothing of the command line: [`stats`] (alternating repetitions,
+//! medians and their confidence interval), [`report`] (the
+//! figure-beside-baseline table), [`memory`] (RSS and page-cache figures
+//! read from the kernel), [`counters`] (storage bytes read and thread CPU
+//! time), [`disk`] (the disk's random-read ceiling and a read's CPU cost).
 //!
 //! Invariant: a workload only sets up and runs the measured operation and
 //! its same-run baseline; the caller does the timing, so the harnesses and
 //! the command time the same code.
 
+pub mod counters;
+pub mod disk;
 pub mod engine;
 pub mod layer;
 pub mod memory;
 pub mod report;
 pub mod runtime;
+pub mod stats;
 pub mod table;

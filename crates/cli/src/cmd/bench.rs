@@ -62,6 +62,7 @@ use super::init::PresetArg;
 use super::run::{EngineSetup, build_engine};
 use super::{CmdError, failure, input};
 use metrale_bench::report::{Row, print_rows};
+use metrale_bench::stats::{Step, infallible, interleaved, median, nothing, secs};
 
 mod offload;
 mod remote;
@@ -257,67 +258,27 @@ const SMOKE: Sizes = Sizes {
     copy_reps: 3,
 };
 
-/// Seconds, never zero (a rate over a zero duration would be infinite).
-fn secs(d: Duration) -> f64 {
-    d.as_secs_f64().max(1e-9)
+/// Removes a scratch directory when dropped, so a failed run leaves
+/// nothing behind either; `who` names the command in the warning when it
+/// cannot.
+struct Scratch {
+    dir: PathBuf,
+    who: &'static str,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn median_dur(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-/// One step of a workload, timed or not.
-type Step<'a, W> = &'a dyn Fn(&mut W) -> Result<()>;
-
-/// An untimed step that does nothing.
-fn nothing<W>(_: &mut W) -> Result<()> {
-    Ok(())
-}
-
-/// A step that cannot fail, as a [`Step`].
-fn infallible<W>(f: fn(&mut W)) -> impl Fn(&mut W) -> Result<()> {
-    move |w| {
-        f(w);
-        Ok(())
+impl Scratch {
+    fn new(who: &'static str, dir: PathBuf) -> Scratch {
+        Scratch { dir, who }
     }
 }
-
-/// Median times of `reps` repetitions of: `prepare` (untimed), then each
-/// of `steps` in turn, timed; so a figure and its baseline alternate.
-fn interleaved<W>(
-    reps: usize,
-    w: &mut W,
-    prepare: Step<'_, W>,
-    steps: &[Step<'_, W>],
-) -> Result<Vec<Duration>> {
-    let mut times = vec![Vec::with_capacity(reps); steps.len()];
-    for _ in 0..reps.max(1) {
-        prepare(w)?;
-        for (f, t) in steps.iter().zip(&mut times) {
-            let t0 = Instant::now();
-            f(w)?;
-            t.push(t0.elapsed());
-        }
-    }
-    Ok(times.into_iter().map(median_dur).collect())
-}
-
-/// Removes the scratch directory when dropped, so a failed run leaves
-/// nothing behind either.
-struct Scratch(PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
             eprintln!(
-                "bench: could not remove scratch directory {}: {e}",
-                self.0.display()
+                "{}: could not remove scratch directory {}: {e}",
+                self.who,
+                self.dir.display()
             );
         }
     }
@@ -349,14 +310,14 @@ pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
     std::fs::create_dir(&path)
         .with_context(|| format!("creating scratch directory {}", path.display()))
         .map_err(input)?;
-    let scratch = Scratch(path);
+    let scratch = Scratch::new("bench", path);
     let t0 = Instant::now();
     eprintln!(
         "bench: {} run on {} CPU threads, {} geometry; scratch files under {}",
         sizes.name,
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         sizes.model.name(),
-        scratch.0.display()
+        scratch.dir.display()
     );
     if args.device != Device::Cpu {
         eprintln!(
@@ -369,7 +330,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
         sizes,
         device: args.device,
         spec: sizes.model.spec(),
-        dir: scratch.0.clone(),
+        dir: scratch.dir.clone(),
         checkpoint: None,
     };
     let rows = bench_all(&mut ctx, &args.only).map_err(failure)?;
