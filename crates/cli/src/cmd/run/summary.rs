@@ -3,10 +3,8 @@
 //! wait, prefix cache, swaps, carry memory, faults, the carry store, the
 //! remote tier, the verify pass), as aligned text or as JSON.
 //!
-//! Invariant: every figure comes from the pass that was measured (the
-//! verify pass contributes only its comparison and its time); a figure a
-//! run does not have (no backbone, no faults, no store) is absent, never
-//! zero.
+//! Invariant: every figure comes from the pass that was measured; the
+//! verify pass contributes only its comparison and its time.
 
 use std::fmt::Write as _;
 use std::path::Path;
