@@ -40,7 +40,7 @@ pub struct Disk {
 
 /// A chain of dependent multiply-adds on each of `cores` threads: `iters`
 /// steps each.
-pub fn spin_all(cores: usize, iters: u64) -> Duration {
+fn spin_all(cores: usize, iters: u64) -> Duration {
     let t0 = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..cores {
