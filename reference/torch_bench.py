@@ -6,7 +6,7 @@ RMS norms, gate, dilated causal conv with a carried state, and the highway
 add. Prints tokens/s for one 512-token prefill chunk and for decode steps of
 batch 1, 16, 32 and 64 (with the projection's GFLOP/s), for side-by-side
 comparison with
-`cargo bench -p metrale-model-layers --bench ple_forward`.
+`cargo bench -p metrale-bench --bench ple_forward`.
 
 Not part of CI: it needs `pip install torch`. Usage:
     python3 reference/torch_bench.py [--rows 3000000] [--reps 5] [--threads N] [--fp32-weights]

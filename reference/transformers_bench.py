@@ -9,7 +9,7 @@ than the real one (`--rows`, default about 3,000,000 rows, through
 Prints tokens/s for one 512-token prefill chunk and for decode steps of
 batch 1, 16, 32 and 64 (each sequence first prefilled with 16 tokens), in
 the line format of `reference/torch_bench.py`, for the side by side of
-`cargo bench -p metrale-model-layers --bench ple_forward`.
+`cargo bench -p metrale-bench --bench ple_forward`.
 
 Not part of CI: it needs transformers with Qwen4-Exp (5.25 or later) and
 torch. Usage:

@@ -37,7 +37,8 @@ enum Command {
     /// prefix caching, preemption) through the engine, with a summary.
     Run(cmd::run::RunArgs),
     /// Run the project's benchmarks and print each figure beside its
-    /// same-run baseline and the ratio.
+    /// same-run baseline and the ratio (built with the `bench` feature).
+    #[cfg(feature = "bench")]
     Bench(cmd::bench::BenchArgs),
     /// Table tools: `table pack` realigns shards to 4 KiB, `table push`
     /// loads tables onto remote row servers.
@@ -79,6 +80,7 @@ fn main() -> ExitCode {
         Command::Init(args) => cmd::init::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Run(args) => cmd::run::run(&args),
+        #[cfg(feature = "bench")]
         Command::Bench(args) => cmd::bench::run(&args),
         Command::Table(args) => cmd::table::run(args),
         Command::TokenMap(args) => cmd::token_map::run(&args),

@@ -136,19 +136,37 @@ fn init_refuses_a_non_empty_directory_and_bad_flags() {
 
 #[test]
 fn every_command_has_help_with_an_example() {
-    for args in [
+    let mut commands = vec![
         &["init", "--help"][..],
         &["inspect", "--help"],
         &["table", "pack", "--help"],
         &["ids", "--help"],
         &["run", "--help"],
-        &["bench", "--help"],
         &["soak", "--help"],
-    ] {
+    ];
+    if cfg!(feature = "bench") {
+        commands.push(&["bench", "--help"]);
+    }
+    for args in commands {
         let o = run(args);
         let (out, _) = text(&o);
         assert!(o.status.success(), "{args:?}");
         assert!(out.contains("Example"), "{args:?}: {out}");
+    }
+}
+
+#[test]
+fn bench_is_a_command_only_with_the_bench_feature() {
+    let o = run(&["bench", "--help"]);
+    if cfg!(feature = "bench") {
+        assert!(o.status.success(), "{:?}", text(&o));
+    } else {
+        assert_eq!(o.status.code(), Some(2), "{:?}", text(&o));
+        assert!(
+            text(&o).1.contains("unrecognized subcommand 'bench'"),
+            "{:?}",
+            text(&o)
+        );
     }
 }
 

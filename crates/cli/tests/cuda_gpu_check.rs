@@ -5,8 +5,8 @@
 //! - `gpu_check` on the CUDA device, where none opens (or without the
 //!   `cuda` feature), says `no CUDA device: <reason>` and exits with status
 //!   2: no fake pass;
-//! - `metrale-ple run --device cuda` and `bench --device cuda` are clear
-//!   errors where no device opens, and `--device` refuses what is not a
+//! - `metrale-ple run --device cuda` and (with the `bench` feature) `bench
+//!   --device cuda` are clear errors where no device opens, and `--device` refuses what is not a
 //!   device.
 //!
 //! The no-device cases ask for device 2^20, which no machine has.
@@ -138,20 +138,22 @@ fn run_on_a_missing_cuda_device_is_a_clear_error() {
     } else {
         assert!(err.contains("`cuda` feature"), "{err}");
     }
-    let scratch = tempfile::tempdir().unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
-        .args(["bench", "--smoke", "--device", "cuda:1048576", "--dir"])
-        .arg(scratch.path())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(!o.status.success());
-    assert!(err.contains("--device cuda:1048576"), "{err}");
-    assert_eq!(
-        std::fs::read_dir(scratch.path()).unwrap().count(),
-        0,
-        "bench left scratch files"
-    );
+    if cfg!(feature = "bench") {
+        let scratch = tempfile::tempdir().unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
+            .args(["bench", "--smoke", "--device", "cuda:1048576", "--dir"])
+            .arg(scratch.path())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success());
+        assert!(err.contains("--device cuda:1048576"), "{err}");
+        assert_eq!(
+            std::fs::read_dir(scratch.path()).unwrap().count(),
+            0,
+            "bench left scratch files"
+        );
+    }
     let o = Command::new(env!("CARGO_BIN_EXE_metrale-ple"))
         .args(["run", "--device", "tpu"])
         .output()

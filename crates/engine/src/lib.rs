@@ -28,8 +28,6 @@
 //! `metrale-testkit` crate, a dev-dependency only.
 
 pub mod backbone;
-#[cfg(feature = "bench")]
-pub mod bench;
 pub mod budget;
 pub mod delegate;
 pub mod engine;

@@ -20,8 +20,6 @@
 use std::sync::Arc;
 
 pub mod args;
-#[cfg(feature = "bench")]
-pub mod bench;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -3,6 +3,4 @@
 //! `layers::ple` holds the n-gram id hash, the layer forward and the
 //! per-sequence carry.
 
-#[cfg(feature = "bench")]
-pub mod bench;
 pub mod layers;

@@ -21,11 +21,9 @@
 //! [`remote`] is the remote row tier a row cache can read its misses from
 //! instead of the shard files (rows on Redis-protocol servers), and
 //! `table push`'s loader; [`digest`] the one SHA-256; [`splitmix`] the one
-//! splitmix64 mixer and stream; `zipf` (feature `bench`) the one Zipf
+//! splitmix64 mixer and stream; [`zipf`] the one Zipf
 //! sampler of the synthetic workloads.
 
-#[cfg(feature = "bench")]
-pub mod bench;
 pub mod cached;
 pub mod concat;
 pub mod digest;
@@ -46,7 +44,6 @@ pub mod shared;
 pub mod spec;
 pub mod splitmix;
 pub mod table;
-#[cfg(feature = "bench")]
 pub mod zipf;
 
 pub use error::{RemoteFault, Result, StorageError};

@@ -1,6 +1,9 @@
-//! The one Zipf sampler of the workspace's synthetic workloads (feature
-//! `bench`): the storage benches' id streams and the command line's
-//! synthetic tokens (`run`, `bench offload`) draw ranks from it.
+//! The one Zipf sampler of the workspace's synthetic workloads: the
+//! command line's synthetic tokens (`run`, `bench offload`) and the table
+//! benches' id streams (`metrale-bench`) draw ranks from it. It is built
+//! without any feature because `metrale-ple run`, in every release binary,
+//! needs it; it lives here beside [`crate::splitmix`], the lowest crate
+//! both the command line and the benches reach.
 //!
 //! Ranks are drawn by inverting the cumulative distribution, so a draw is
 //! a pure function of one uniform number: each caller keeps its own

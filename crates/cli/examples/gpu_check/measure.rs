@@ -17,12 +17,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
+use metrale_bench::layer::{LayerForward, LayerSizes};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::{Checkpoint, Preset, TableDType};
 use metrale_engine::{EngineConfig, SeqId};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend};
-use metrale_model_layers::bench::{LayerForward, LayerSizes};
 use metrale_model_layers::layers::ple::device_kernels::{LaunchShapes, load_ple_module};
 use metrale_model_layers::layers::ple::ids::PleIdHasher;
 use metrale_model_layers::layers::ple::kernels::args::{GatherArgs, HashArgs};

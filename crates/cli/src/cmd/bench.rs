@@ -2,30 +2,30 @@
 //! printed as one table where every figure sits beside a baseline measured
 //! in the same run, and the ratio of the two.
 //!
-//! The workloads are the crates' own (`bench` modules, the ones `cargo
-//! bench` runs); this command only picks their sizes, times them and
-//! prints the table. The model geometry is a checkpoint preset's (flagship;
+//! Built only with the crate's `bench` feature. The workloads are
+//! `metrale-bench`'s (the ones its `cargo bench` harnesses run); this
+//! command only picks their sizes, times them and prints the table. The model geometry is a checkpoint preset's (flagship;
 //! tiny for the hidden `--smoke` sizes):
 //!
-//! - ids ([`metrale_model_layers::bench`]): the hot-path hasher at the
+//! - ids ([`metrale_bench::layer`]): the hot-path hasher at the
 //!   preset's first site against the plain `%` form, for a prefill run and
 //!   for a batched decode step against per-sequence plain hashing;
-//! - storage ([`metrale_storage::bench`]): random row gather from a
+//! - storage ([`metrale_bench::table`]): random row gather from a
 //!   resident table (rows of the preset's `head_dim`) against a `memcpy` of
 //!   the same bytes; the cached table's hit path against a `HashMap`
 //!   lookup; random 4 KiB reads through the miss path's reader (io_uring at
 //!   the row cache's depth, O_DIRECT where the file system allows it)
 //!   against a plain `pread` loop on the same descriptor, one read at a
 //!   time;
-//! - layer ([`metrale_model_layers::bench`]): one PLE layer's forward on the
+//! - layer ([`metrale_bench::layer`]): one PLE layer's forward on the
 //!   CPU backend (a prefill chunk and a batched decode step) against a
 //!   naive scalar projection of one token on one thread; the layer is built
 //!   from a synthetic checkpoint of the preset (table cut to a bench size,
 //!   resident);
-//! - engine ([`metrale_engine::bench`]): over engines built from the same
+//! - engine ([`metrale_bench::engine`]): over engines built from the same
 //!   checkpoint, restoring a cached prefix against recomputing it, and
 //!   swapping a carry out and in against a `memcpy` of the same bytes;
-//! - runtime ([`metrale_gpu_runtime::bench`]): `copy_d2d_async` bandwidth
+//! - runtime ([`metrale_bench::runtime`]): `copy_d2d_async` bandwidth
 //!   against `memcpy`.
 //!
 //! Invariants: every value and baseline is the median of several
@@ -45,28 +45,27 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
+use metrale_bench::engine::{PrefixRestore, SwapCarry};
+use metrale_bench::layer::{IdsDecode, IdsPrefill, LayerForward, LayerSizes, token_bound};
+use metrale_bench::runtime::CopyD2d;
+use metrale_bench::table::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset};
-use metrale_engine::bench::{PrefixRestore, SwapCarry};
 use metrale_engine::{Engine, EngineConfig, Site};
-use metrale_gpu_runtime::bench::CopyD2d;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::bench::{IdsDecode, IdsPrefill, LayerForward, LayerSizes, token_bound};
 use metrale_model_layers::layers::ple::ModelSpec;
-use metrale_storage::bench::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 
-use self::report::{Row, print_rows};
 use super::common::{Device, bytes, open_backend};
 use super::init::PresetArg;
 use super::run::{EngineSetup, build_engine};
 use super::{CmdError, failure, input};
+use metrale_bench::report::{Row, print_rows};
+use metrale_bench::stats::{Step, infallible, interleaved, median, nothing, secs};
 
-mod memory;
 mod offload;
 mod remote;
-mod report;
 mod stream;
 
 /// Arguments of `metrale-ple bench`.
@@ -259,67 +258,27 @@ const SMOKE: Sizes = Sizes {
     copy_reps: 3,
 };
 
-/// Seconds, never zero (a rate over a zero duration would be infinite).
-fn secs(d: Duration) -> f64 {
-    d.as_secs_f64().max(1e-9)
+/// Removes a scratch directory when dropped, so a failed run leaves
+/// nothing behind either; `who` names the command in the warning when it
+/// cannot.
+struct Scratch {
+    dir: PathBuf,
+    who: &'static str,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn median_dur(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-/// One step of a workload, timed or not.
-type Step<'a, W> = &'a dyn Fn(&mut W) -> Result<()>;
-
-/// An untimed step that does nothing.
-fn nothing<W>(_: &mut W) -> Result<()> {
-    Ok(())
-}
-
-/// A step that cannot fail, as a [`Step`].
-fn infallible<W>(f: fn(&mut W)) -> impl Fn(&mut W) -> Result<()> {
-    move |w| {
-        f(w);
-        Ok(())
+impl Scratch {
+    fn new(who: &'static str, dir: PathBuf) -> Scratch {
+        Scratch { dir, who }
     }
 }
-
-/// Median times of `reps` repetitions of: `prepare` (untimed), then each
-/// of `steps` in turn, timed; so a figure and its baseline alternate.
-fn interleaved<W>(
-    reps: usize,
-    w: &mut W,
-    prepare: Step<'_, W>,
-    steps: &[Step<'_, W>],
-) -> Result<Vec<Duration>> {
-    let mut times = vec![Vec::with_capacity(reps); steps.len()];
-    for _ in 0..reps.max(1) {
-        prepare(w)?;
-        for (f, t) in steps.iter().zip(&mut times) {
-            let t0 = Instant::now();
-            f(w)?;
-            t.push(t0.elapsed());
-        }
-    }
-    Ok(times.into_iter().map(median_dur).collect())
-}
-
-/// Removes the scratch directory when dropped, so a failed run leaves
-/// nothing behind either.
-struct Scratch(PathBuf);
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
             eprintln!(
-                "bench: could not remove scratch directory {}: {e}",
-                self.0.display()
+                "{}: could not remove scratch directory {}: {e}",
+                self.who,
+                self.dir.display()
             );
         }
     }
@@ -351,14 +310,14 @@ pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
     std::fs::create_dir(&path)
         .with_context(|| format!("creating scratch directory {}", path.display()))
         .map_err(input)?;
-    let scratch = Scratch(path);
+    let scratch = Scratch::new("bench", path);
     let t0 = Instant::now();
     eprintln!(
         "bench: {} run on {} CPU threads, {} geometry; scratch files under {}",
         sizes.name,
         std::thread::available_parallelism().map_or(1, |n| n.get()),
         sizes.model.name(),
-        scratch.0.display()
+        scratch.dir.display()
     );
     if args.device != Device::Cpu {
         eprintln!(
@@ -371,7 +330,7 @@ pub fn run(args: &BenchArgs) -> Result<(), CmdError> {
         sizes,
         device: args.device,
         spec: sizes.model.spec(),
-        dir: scratch.0.clone(),
+        dir: scratch.dir.clone(),
         checkpoint: None,
     };
     let rows = bench_all(&mut ctx, &args.only).map_err(failure)?;

@@ -2,6 +2,7 @@
 //! exit status: [`CmdError::Input`] (status 2) for anything wrong with
 //! what the user gave, [`CmdError::Failure`] (status 1) for everything else.
 
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod common;
 pub mod faults;

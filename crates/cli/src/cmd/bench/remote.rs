@@ -17,8 +17,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Result;
+use metrale_bench::layer::Rng;
 use metrale_checkpoint::Checkpoint;
-use metrale_model_layers::bench::Rng;
 use metrale_storage::remote::format::{payload_bytes, table_digest};
 use metrale_storage::remote::push::{PushOptions, push_table};
 use metrale_storage::remote::redis::RedisTier;

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 /// One line of the table.
 #[derive(Serialize, Debug)]
-pub(super) struct Row {
+pub struct Row {
     area: &'static str,
     figure: String,
     value: f64,
@@ -26,7 +26,7 @@ pub(super) struct Row {
 
 impl Row {
     /// A rate (higher is better).
-    pub(super) fn rate(
+    pub fn rate(
         area: &'static str,
         figure: String,
         value: f64,
@@ -46,7 +46,7 @@ impl Row {
     }
 
     /// A time or cost (lower is better).
-    pub(super) fn cost(
+    pub fn cost(
         area: &'static str,
         figure: String,
         value: f64,
@@ -76,7 +76,7 @@ fn num(v: f64) -> String {
 }
 
 /// Print `rows` to stdout, as JSON or as a text table.
-pub(super) fn print_rows(rows: &[Row], json: bool) -> Result<()> {
+pub fn print_rows(rows: &[Row], json: bool) -> Result<()> {
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, rows)?;

@@ -12,16 +12,16 @@
 //! `METRALE_BENCH_PREFIX` sets the prefix length (default 512, rounded down
 //! to the block size of 64).
 //!
-//! The workloads are `metrale_engine::bench`'s, the ones `metrale-ple
+//! The workloads are `metrale_bench::engine`'s, the ones `metrale-ple
 //! bench` times.
 //!
-//! Run: `cargo bench -p metrale-engine --bench engine`.
+//! Run: `cargo bench -p metrale-bench --bench engine`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use metrale_bench::engine::{PrefixRestore, SwapCarry};
 use metrale_engine::EngineConfig;
-use metrale_engine::bench::{PrefixRestore, SwapCarry};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_testkit::tiny::{TinySpec, tiny_engine};

@@ -1,13 +1,13 @@
 //! Throughput of the PLE id hash at the flagship geometry (3-grams, 16
 //! heads): the reciprocal fast path against the plain `%` form, both
 //! measured in the same run on one core, with their ratio. The workloads
-//! are `metrale_model_layers::bench`'s, the ones `metrale-ple bench` times.
+//! are `metrale_bench::layer`'s, the ones `metrale-ple bench` times.
 //!
-//! Run: `cargo bench -p metrale-model-layers --bench ids`.
+//! Run: `cargo bench -p metrale-bench --bench ids`.
 
 use std::time::{Duration, Instant};
 
-use metrale_model_layers::bench::{IdsDecode, IdsPrefill};
+use metrale_bench::layer::{IdsDecode, IdsPrefill};
 use metrale_model_layers::layers::ple::ModelSpec;
 
 /// The flagship geometry of docs/SPEC.md §2 (Geometry), as its config.json

@@ -1,4 +1,4 @@
-//! Benchmark workloads of the device runtime (feature `bench`), shared by
+//! Benchmark workloads of the device runtime, shared by
 //! `cargo bench --bench launch` and `metrale-ple bench`.
 //!
 //! A workload is set up from its sizes, exposes the measured operation as
@@ -10,8 +10,8 @@
 
 use std::hint::black_box;
 
-use crate::Result;
-use crate::gpu::{DevicePtr, GpuBackend, StreamId};
+use metrale_gpu_runtime::Result;
+use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 
 /// A host `memcpy` (`copy_from_slice`) between two touched buffers of one
 /// size: the baseline that copies of the same bytes (device copies, carry
@@ -97,7 +97,7 @@ impl<'a> CopyD2d<'a> {
     /// The measured operation: one device-to-device copy and a synchronize.
     pub fn run(&mut self) -> Result<()> {
         let Some((a, b, s)) = self.dev else {
-            return Err(crate::GpuError::invalid(
+            return Err(metrale_gpu_runtime::GpuError::invalid(
                 "bench copy_d2d",
                 "the workload was closed",
             ));
@@ -135,7 +135,7 @@ impl Drop for CopyD2d<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::CpuBackend;
+    use metrale_gpu_runtime::cpu::CpuBackend;
 
     #[test]
     fn copies_and_frees_everything() {

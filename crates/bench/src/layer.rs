@@ -1,5 +1,5 @@
-//! Benchmark workloads of the PLE layer (feature `bench`), shared by
-//! `cargo bench` in this crate and `metrale-ple bench`.
+//! Benchmark workloads of the PLE layer, shared by
+//! `cargo bench --bench ids`, `--bench ple_forward` and `metrale-ple bench`.
 //!
 //! Each workload is set up from a [`ModelSpec`] (a preset's geometry) and
 //! its sizes, and exposes the measured operation (`run`, or `prefill` and
@@ -21,10 +21,10 @@ use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::dtype::bf16_to_f32;
 use thiserror::Error;
 
-use crate::layers::ple::ids::{
+use metrale_model_layers::layers::ple::ids::{
     IdError, PleIdDims, PleIdHasher, ple_ngram_ids_into_plain, splitmix64,
 };
-use crate::layers::ple::{
+use metrale_model_layers::layers::ple::{
     ForwardContext, LayerError, ModelSpec, PleLayer, PleSeqState, PleWeights, SpecError,
 };
 

@@ -1,4 +1,4 @@
-//! Benchmark workloads of the engine (feature `bench`), shared by
+//! Benchmark workloads of the engine, shared by
 //! `cargo bench --bench engine` and `metrale-ple bench`.
 //!
 //! The workloads borrow engines their caller built (from any sites: a
@@ -15,10 +15,10 @@
 
 use std::hint::black_box;
 
+use crate::runtime::HostMemcpy;
 use anyhow::{Context, Result, ensure};
-use metrale_gpu_runtime::bench::HostMemcpy;
 
-use crate::engine::{Engine, SeqId, Site, SwapTarget};
+use metrale_engine::engine::{Engine, SeqId, Site, SwapTarget};
 
 /// Highway rows for `n` tokens of `width` values: any values will do.
 pub fn highway_rows(n: usize, width: usize, salt: u32) -> Vec<f32> {

@@ -2,13 +2,13 @@
 //! `memcpy` (`copy_from_slice`) of 64 MiB measured in the same run, since
 //! absolute times drift on shared machines.
 //!
-//! Run: `cargo bench -p metrale-gpu-runtime --bench launch`
+//! Run: `cargo bench -p metrale-bench --bench launch`
 
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use metrale_gpu_runtime::bench::CopyD2d;
+use metrale_bench::runtime::CopyD2d;
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{
     ArgKind, DevicePtr, GpuBackend, HostMemory, KernelArg, LaunchConfig,

@@ -1,4 +1,4 @@
-//! Benchmark workloads of the table (feature `bench`), shared by
+//! Benchmark workloads of the table, shared by
 //! `cargo bench --bench table` and `metrale-ple bench`.
 //!
 //! Each workload is set up from its sizes and exposes the measured
@@ -26,12 +26,14 @@ use metrale_gpu_runtime::gpu::{
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::cached::{CacheConfig, CachedTable};
-use crate::io::{AlignedBuf, PAGE, PageReader, ReadReq, ShardFile, default_reader, pread_full};
-use crate::layout::{ShardSource, TableFiles};
-use crate::resident::ResidentTable;
-use crate::safetensors::{Dtype, TensorSpec, Writer};
-use crate::table::{Lease, RowRef, RowTable, TableStats};
+use metrale_storage::cached::{CacheConfig, CachedTable};
+use metrale_storage::io::{
+    AlignedBuf, PAGE, PageReader, ReadReq, ShardFile, default_reader, pread_full,
+};
+use metrale_storage::layout::{ShardSource, TableFiles};
+use metrale_storage::resident::ResidentTable;
+use metrale_storage::safetensors::{Dtype, TensorSpec, Writer};
+use metrale_storage::table::{Lease, RowRef, RowTable, TableStats};
 
 /// Write a BF16 table of `shards` shard files, each `rows_per_shard` rows of
 /// `head_dim` random values, into `dir` (`bench-{i}.safetensors`), and open
@@ -627,7 +629,7 @@ impl CacheHits {
 }
 
 /// Random 4 KiB reads of one shard file through the miss path's reader
-/// (io_uring at the row cache's depth, [`crate::cached::DEFAULT_IO_DEPTH`],
+/// (io_uring at the row cache's depth, [`metrale_storage::cached::DEFAULT_IO_DEPTH`],
 /// where available, O_DIRECT where the file system
 /// allows it), against a plain `pread` loop on the same descriptor, one
 /// read at a time.
@@ -646,7 +648,7 @@ impl RandomReads {
     /// Open `path` for reads in batches of `batch` pages.
     pub fn new(path: &Path, batch: usize, seed: u64) -> Result<Self> {
         let file = ShardFile::open(path, true)?;
-        let reader = default_reader(crate::cached::DEFAULT_IO_DEPTH)?;
+        let reader = default_reader(metrale_storage::cached::DEFAULT_IO_DEPTH)?;
         let pages = std::fs::metadata(path)
             .with_context(|| format!("reading the size of {}", path.display()))?
             .len()

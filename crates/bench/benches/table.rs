@@ -14,7 +14,7 @@
 //! temp dir): about 168 MB, removed at the end. `BENCH_PF` sets the gather's
 //! software prefetch distance in rows (default 16, 0 disables it).
 //!
-//! The gather, hit and read workloads are `metrale_storage::bench`'s, the
+//! The gather, hit and read workloads are `metrale_bench::table`'s, the
 //! ones `metrale-ple bench` times.
 
 use std::collections::{HashMap, VecDeque};
@@ -24,9 +24,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
+use metrale_bench::table::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_storage::bench::{CacheHits, HitSizes, RandomReads, ResidentGather, write_table};
 use metrale_storage::cached::{CacheConfig, CachedTable};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::table::{RowRef, RowTable};

@@ -22,7 +22,7 @@ use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use std::collections::HashMap;
 
-use metrale_storage::bench::write_table;
+use metrale_bench::table::write_table;
 use metrale_storage::cached::{CacheConfig, CachedTable, Policy};
 use metrale_storage::io::DioAlign;
 use metrale_storage::layout::TableFiles;

@@ -38,7 +38,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use metrale_model_layers::bench::{Rng, naive_project};
+use metrale_bench::layer::{Rng, naive_project};
 use metrale_model_layers::layers::ple::PleWeights;
 use metrale_model_layers::layers::ple::kernels::conv::{ConvDims, conv, conv_batch};
 use metrale_model_layers::layers::ple::kernels::cpu::{
