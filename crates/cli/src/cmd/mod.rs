@@ -10,6 +10,7 @@ pub mod init;
 pub mod inspect;
 pub mod remote;
 pub mod run;
+pub mod shard;
 pub mod soak;
 pub mod table;
 pub mod token_map;

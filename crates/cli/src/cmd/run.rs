@@ -45,6 +45,7 @@ use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Request, Server, ServerConfig, ServerReport, TimedReader, Workload};
 use metrale_engine::{Engine, EngineConfig, Site, SwapTarget};
 use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::Shard;
 use metrale_storage::cached::{CacheConfig, DEFAULT_IO_DEPTH, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::remote::RemoteTier;
@@ -59,6 +60,7 @@ use super::remote::{RemoteSummary, check_loaded, open_tier};
 use super::{CmdError, failure, input};
 
 mod store;
+mod tensor_parallel;
 mod workload;
 
 use workload::{embed, from_prompt, synthetic};
@@ -222,6 +224,9 @@ pub struct RunArgs {
     /// Most block boundaries probed in the carry store per new sequence.
     #[arg(long, default_value_t = 8)]
     pub store_probes: usize,
+    /// Tensor-parallel ranks run in this process.
+    #[command(flatten)]
+    pub tp: tensor_parallel::TpArgs,
 }
 
 /// How to build an engine over a checkpoint's sites (shared with `soak`).
@@ -307,6 +312,19 @@ pub(super) fn build_sites(
     max_tokens: usize,
     cache: &CacheOptions,
 ) -> Result<Vec<PleSite>> {
+    build_rank_sites(ck, gpu, pc, max_tokens, cache, None)
+}
+
+/// [`build_sites`], each layer built for tensor-parallel rank `shard` when
+/// given (`ck` then a rank's share, `tensor_parallel`).
+fn build_rank_sites(
+    ck: &Checkpoint,
+    gpu: &Arc<dyn GpuBackend>,
+    pc: &EngineSetup,
+    max_tokens: usize,
+    cache: &CacheOptions,
+    shard: Option<&Shard>,
+) -> Result<Vec<PleSite>> {
     let mut sites = Vec::new();
     for s in 0..ck.sites.len() {
         // The cache settings count only for a cached table.
@@ -319,7 +337,10 @@ pub(super) fn build_sites(
         cfg.remote = cache.remote.clone();
         cfg.remote_fallback = cache.remote_fallback;
         let table = ck.serve_table(s, pc.mode, cfg, gpu.clone())?;
-        let layer = ck.build_layer(s, table, max_tokens, gpu.as_ref())?;
+        let layer = match shard {
+            Some(sh) => ck.build_layer_sharded(s, table, max_tokens, gpu.as_ref(), sh.clone())?,
+            None => ck.build_layer(s, table, max_tokens, gpu.as_ref())?,
+        };
         sites.push(PleSite::new(layer));
     }
     Ok(sites)
@@ -336,13 +357,15 @@ pub(super) fn engine_config<S: Site>(pc: &EngineSetup, sites: &[S]) -> EngineCon
     cfg
 }
 
-/// Run the workload once, through the engine's server.
+/// Run the workload once, through the engine's server; as tensor-parallel
+/// rank `shard` of `ck`, a rank's share, when given.
 fn pass(
     ck: &Checkpoint,
     plans: &[Request],
     a: &RunArgs,
     pc: &PassConfig,
     bar: &ProgressBar,
+    shard: Option<&Shard>,
 ) -> Result<PassResult> {
     let gpu: Arc<dyn GpuBackend> = open_backend(a.device).map_err(|e| anyhow!("{e}"))?;
     let max_tokens = a.prefill_chunk.max(a.decode_batch);
@@ -365,7 +388,7 @@ fn pass(
         remote: pc.remote.clone().map(|t| t as Arc<dyn RemoteTier>),
         remote_fallback: a.remote_fallback,
     };
-    let sites = build_sites(ck, &gpu, &pc.setup, max_tokens, &cache)?;
+    let sites = build_rank_sites(ck, &gpu, &pc.setup, max_tokens, &cache, shard)?;
     let engine_cfg = engine_config(&pc.setup, &sites);
     let cfg = ServerConfig {
         in_flight: a.in_flight.max(1),
@@ -442,6 +465,7 @@ struct Summary {
     verify: Option<VerifySummary>,
     carry_store: Option<store::StoreSummary>,
     remote: Option<RemoteRun>,
+    tensor_parallel: Option<tensor_parallel::TpSummary>,
 }
 
 #[derive(Serialize)]
@@ -657,6 +681,9 @@ fn render(s: &Summary) -> String {
                 .map_or(String::new(), |e| format!("; first: {e}"))
         );
     }
+    if let Some(tp) = &s.tensor_parallel {
+        o.push_str(&tensor_parallel::render(tp));
+    }
     let _ = writeln!(o, "  wall time       {:.2} s", s.wall_seconds);
     match &s.verify {
         Some(VerifySummary {
@@ -785,8 +812,15 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         return Err(input(anyhow!("--backbone-scale must be positive")));
     }
     drop(open_backend(a.device)?);
-    let dir = checkpoint_dir(&a.dir)?;
-    let ck = Checkpoint::open(&dir).map_err(input)?;
+    let ranks = tensor_parallel::open(a)?;
+    let (dir, ck) = match &ranks {
+        Some(g) => (a.tp.tp_ranks[0].clone(), g[0].ck.clone()),
+        None => {
+            let dir = checkpoint_dir(&a.dir)?;
+            let ck = Checkpoint::open(&dir).map_err(input)?;
+            (dir, ck)
+        }
+    };
     let store_setup = store::setup(a, &dir).map_err(input)?;
     let g = &ck.spec;
     let vocab = g.vocab_size;
@@ -864,7 +898,8 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         remote: remote.clone(),
     };
     let bar = sequence_bar(plans.len(), "run");
-    let r = pass(&ck, &plans, a, &main, &bar).map_err(failure)?;
+    let (r, tp_run) = tensor_parallel::pass_all(ranks.as_deref(), &ck, &plans, a, &main, &bar)
+        .map_err(failure)?;
     bar.finish_and_clear();
 
     let verify = if a.verify {
@@ -888,7 +923,8 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             remote: None,
         };
         let bar = sequence_bar(plans.len(), "verify");
-        let v = pass(&ck, &plans, a, &check, &bar).map_err(failure)?;
+        let (v, _) = tensor_parallel::pass_all(ranks.as_deref(), &ck, &plans, a, &check, &bar)
+            .map_err(failure)?;
         bar.finish_and_clear();
         let (rows_compared, first_mismatch) = compare(&r.report.rows, &v.report.rows);
         Some(VerifySummary {
@@ -1002,6 +1038,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
             failed_sequences: r.report.failed.len(),
             first_error: r.report.first_fault.clone(),
         }),
+        tensor_parallel: tp_run,
     };
     if a.json {
         let text = serde_json::to_string_pretty(&summary).map_err(failure)?;

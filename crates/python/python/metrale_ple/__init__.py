@@ -17,6 +17,10 @@ package exposes the Rust runtime on the CPU backend:
 - ``Engine``: sequences over every site with the prefix cache, preemption,
   swaps and speculative verify/commit;
 - ``Server`` and ``serve``: the serving loop over a fixed workload;
+- ``shard_checkpoint`` and ``TensorParallelEngine``: tensor-parallel ranks'
+  shares of a checkpoint (each rank's columns of every table row) and
+  sequences over them, every rank in this process or one rank whose
+  projections a ``reduce`` callable completes;
 - ``metrale_ple.torch.PleEmbedding``: an ``nn.Module`` for one PLE site
   (torch is optional and imported only there);
 - ``metrale_ple.transformers``: ``patch(model, checkpoint_dir, table=...)``
@@ -37,11 +41,13 @@ from ._metrale_ple import (
     Layer,
     Server,
     Site,
+    TensorParallelEngine,
     __version__,
     _rust_decode_timing,
     ids,
     init_checkpoint,
     serve,
+    shard_checkpoint,
     token_map,
 )
 
@@ -53,9 +59,11 @@ __all__ = [
     "Layer",
     "Server",
     "Site",
+    "TensorParallelEngine",
     "__version__",
     "ids",
     "init_checkpoint",
     "serve",
+    "shard_checkpoint",
     "token_map",
 ]

@@ -35,4 +35,6 @@ pub use layer::{ForwardContext, HashedIds, LayerError, PleLayer, PleSeqState, Pl
 pub use spec::{
     Combine, GateSign, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
 };
-pub use tensor_parallel::{Reduce, ReduceError, Shard, ShardError, TensorParallel};
+pub use tensor_parallel::{
+    GroupError, InProcessGroup, Reduce, ReduceError, Shard, ShardError, TensorParallel,
+};
