@@ -19,7 +19,7 @@ use metrale_engine::ple_site::PleSite;
 use metrale_engine::{Engine, EngineConfig, SeqId};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
-use metrale_model_layers::layers::ple::spec::ModelSpec;
+use metrale_model_layers::layers::ple::spec::{ModelFamily, ModelSpec};
 use metrale_model_layers::layers::ple::{
     ForwardContext, InProcessGroup, LayerError, PleLayer, Reduce, Shard, ShardError, TensorParallel,
 };
@@ -306,7 +306,8 @@ fn tensor_parallel_shares_written_by_the_writer_reproduce_every_family() {
     ];
     for (name, spec, dtype) in cases {
         let src = root.path().join(name).join("full");
-        write_spec_synthetic(&src, &spec, Some(1024), dtype, SEED).unwrap();
+        let rows = matches!(spec.family, ModelFamily::Qwen4Exp).then_some(1024);
+        write_spec_synthetic(&src, &spec, rows, dtype, SEED).unwrap();
         let full = Checkpoint::open(&src).unwrap();
         let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
         let mut e = checkpoint_engine(&full, &gpu, TableMode::Resident, &cache, None);
@@ -338,15 +339,20 @@ fn tensor_parallel_ranks_read_a_share_of_the_table_bytes() {
     // A checkpoint with rows of 1024 BF16 values: a quarter row is one
     // 512-byte I/O granule (and the writer puts the tables first in each
     // 4 KiB-aligned file), so each rank's row cache reads exactly its
-    // columns. The shares are written by the production writer and opened
+    // columns of the rows the unsharded cache reads. The shares are written by the production writer and opened
     // as the runtime opens them.
     let spec = ModelSpec {
         head_dim: 1024,
         ..Preset::Tiny.spec()
     };
     let dir = tempfile::tempdir().unwrap();
+    let written = dir.path().join("written");
+    write_spec_synthetic(&written, &spec, Some(4096), TableDType::Bf16, SEED).unwrap();
+    // The unsharded reference laid out as the shares are (one rank of one:
+    // whole rows, the tables first in each file), so its rows fill whole
+    // granules as theirs do.
     let src = dir.path().join("full");
-    write_spec_synthetic(&src, &spec, Some(4096), TableDType::Bf16, SEED).unwrap();
+    write_rank(&written, TensorParallel::SINGLE, &src, &mut |_, _| {}).unwrap();
     let cache = CacheConfig {
         slots: 4096,
         direct: false,
@@ -369,6 +375,7 @@ fn tensor_parallel_ranks_read_a_share_of_the_table_bytes() {
                 "rank {r} of {ranks} read {read} bytes, the unsharded table {whole}"
             );
             assert!(max_rel_diff(out, &want) <= 2e-6, "rank {r} of {ranks}");
+            eprintln!("rank {r} of {ranks}: read {read} bytes, the unsharded table {whole}");
         }
         let share = Checkpoint::open(&full.dir).unwrap().table_bytes() / ranks as u64;
         let opened = open_group(
