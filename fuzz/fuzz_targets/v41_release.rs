@@ -116,6 +116,7 @@ fuzz_target!(|data: &[u8]| {
         &src,
         OpenOptions {
             release_tables: true,
+            ..OpenOptions::default()
         },
     ) else {
         return;
@@ -131,7 +132,8 @@ fuzz_target!(|data: &[u8]| {
             .iter()
             .find(|s| s.layer == t.layer)
             .expect("the converted site");
-        let (wf, name) = &site.table.shards[0];
+        let shard = &site.table.shards[0];
+        let (wf, name) = (&shard.path, &shard.weight);
         assert_eq!(name, &t.weight);
         let got = Header::read(wf).unwrap().read_tensor(name).unwrap();
         let vals = Header::read(&t.weight_file)

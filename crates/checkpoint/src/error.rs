@@ -141,13 +141,13 @@ pub enum CheckpointError {
     },
     /// A site's table cannot be split among tensor-parallel ranks as asked
     /// (the numbers are in the source's message).
-    #[error("the table of layer {layer}: {source}")]
+    #[error("the table of layer {layer}: {split}")]
     TensorParallel {
         /// The 0-based model layer of the PLE site.
         layer: usize,
-        /// Why the split was refused.
-        #[source]
-        source: ShardError,
+        /// Why the split was refused (in the message, not chained: it is
+        /// the whole reason).
+        split: ShardError,
     },
     /// A safetensors file could not be read or written.
     #[error("{file}: {source}")]

@@ -91,7 +91,14 @@ fn read_manifest_file(path: &Path) -> Result<Option<RankManifest>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(CheckpointError::io(path, e)),
     };
-    let m: RankManifest = serde_json::from_str(&text).map_err(|e| {
+    parse_manifest(&text, path).map(Some)
+}
+
+/// Parse a manifest's `text` (read from `path`, which errors name):
+/// refused unless it names the column split and a rank below a positive
+/// number of ranks.
+pub fn parse_manifest(text: &str, path: &Path) -> Result<RankManifest> {
+    let m: RankManifest = serde_json::from_str(text).map_err(|e| {
         CheckpointError::Invalid(format!(
             "{}: not a tensor-parallel manifest: {e}",
             path.display()
@@ -104,8 +111,9 @@ fn read_manifest_file(path: &Path) -> Result<Option<RankManifest>> {
             m.split
         )));
     }
-    m.tensor_parallel()?;
-    Ok(Some(m))
+    TensorParallel::new(m.rank, m.ranks)
+        .map_err(|e| CheckpointError::Invalid(format!("{}: {e}", path.display())))?;
+    Ok(m)
 }
 
 /// Refuse to open `dir` with `table_ranks` (see
@@ -313,9 +321,9 @@ pub fn write_rank(
     let mut report = RankReport::default();
     for s in &ck.sites {
         tp.columns(s.table.head_dim, s.table.dtype)
-            .map_err(|source| CheckpointError::TensorParallel {
+            .map_err(|split| CheckpointError::TensorParallel {
                 layer: s.layer,
-                source,
+                split,
             })?;
         report.source_table_bytes += s.table.bytes;
         for sh in &s.table.shards {

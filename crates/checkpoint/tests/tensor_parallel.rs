@@ -161,7 +161,7 @@ fn tensor_parallel_splits_that_do_not_divide_are_refused_before_writing() {
         matches!(
             e,
             CheckpointError::TensorParallel {
-                source: ShardError::Indivisible {
+                split: ShardError::Indivisible {
                     head_dim: 16,
                     ranks: 3
                 },
@@ -191,7 +191,7 @@ fn tensor_parallel_splits_that_do_not_divide_are_refused_before_writing() {
         matches!(
             e,
             CheckpointError::TensorParallel {
-                source: ShardError::ScaleBlock {
+                split: ShardError::ScaleBlock {
                     head_dim: 32,
                     ranks: 2,
                     width: 16,

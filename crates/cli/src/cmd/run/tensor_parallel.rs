@@ -54,7 +54,7 @@ pub struct TpArgs {
 pub struct TpSummary {
     /// The number of ranks.
     ranks: usize,
-    /// How the tables were split.
+    /// How the tables were split: `"column"`.
     split: &'static str,
     /// Each rank's directory.
     dirs: Vec<String>,
@@ -138,7 +138,7 @@ pub(super) fn pass_all(
     }
     let summary = TpSummary {
         ranks: ranks.len(),
-        split: "columns",
+        split: "column",
         dirs: ranks
             .iter()
             .map(|r| r.ck.dir.display().to_string())
