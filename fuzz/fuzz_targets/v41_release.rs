@@ -116,6 +116,7 @@ fuzz_target!(|data: &[u8]| {
         &src,
         OpenOptions {
             release_tables: true,
+            ..OpenOptions::default()
         },
     ) else {
         return;

@@ -5,8 +5,8 @@
 
 use std::path::PathBuf;
 
-use metrale_model_layers::layers::ple::LayerError;
 use metrale_model_layers::layers::ple::spec::SpecError;
+use metrale_model_layers::layers::ple::{LayerError, ShardError};
 use metrale_storage::StorageError;
 
 /// Why a checkpoint could not be read, validated or written.
@@ -138,6 +138,25 @@ pub enum CheckpointError {
         /// Why (boxed, as `Config`'s).
         #[source]
         source: Box<LayerError>,
+    },
+    /// A site's table cannot be split among tensor-parallel ranks as asked
+    /// (the numbers are in the source's message).
+    #[error("the table of layer {layer}: {split}")]
+    TensorParallel {
+        /// The 0-based model layer of the PLE site.
+        layer: usize,
+        /// Why the split was refused (in the message, not chained: it is
+        /// the whole reason).
+        split: ShardError,
+    },
+    /// A safetensors file could not be read or written.
+    #[error("{file}: {source}")]
+    Storage {
+        /// The file.
+        file: PathBuf,
+        /// The storage layer's error (boxed, as `Config`'s).
+        #[source]
+        source: Box<StorageError>,
     },
     /// A request that cannot be met (bad preset, bad row count, a target
     /// directory that already holds a checkpoint).

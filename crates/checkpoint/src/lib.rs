@@ -14,7 +14,9 @@
 //! with a [`CheckpointError`] naming the file and tensor; [`remap`] reads
 //! the row order of a table whose hot rows were relaid together; [`release`] converts
 //! DeepSeek-V4.1's table as released to the rows the runtime reads;
-//! [`token_map`] reads Engram's token map stored as a tensor.
+//! [`token_map`] reads Engram's token map stored as a tensor;
+//! [`tensor_parallel`] writes and opens one tensor-parallel rank's column
+//! slice of a checkpoint.
 //!
 //! Invariant: a [`load::Checkpoint`] exists only for a directory that
 //! passed every check in [`load`].
@@ -29,6 +31,7 @@ pub mod release;
 pub mod remap;
 pub mod runtime;
 pub mod synth;
+pub mod tensor_parallel;
 pub mod token_map;
 
 pub use error::CheckpointError;

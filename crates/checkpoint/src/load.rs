@@ -76,7 +76,8 @@ pub struct SiteTable {
     pub fold_rows: Option<u64>,
     /// Element type.
     pub dtype: RowDType,
-    /// Values per row.
+    /// Values per stored row: the model's `head_dim`, or a tensor-parallel
+    /// rank's share of it ([`OpenOptions::table_ranks`]).
     pub head_dim: usize,
     /// Bytes of row data (and FP8 scales) over all shards.
     pub bytes: u64,
@@ -98,6 +99,12 @@ pub struct OpenOptions {
     /// F8_E8M0 scales in two tensors), checked from their headers, for
     /// `table pack` to convert; [`Checkpoint::open`] refuses them.
     pub release_tables: bool,
+    /// Read every site's table as one tensor-parallel rank's column slice
+    /// of this many ranks (rows of `head_dim / table_ranks` values, as
+    /// [`crate::tensor_parallel::write_rank`] writes them); 0 and 1 read
+    /// whole rows. [`crate::tensor_parallel::RankCheckpoint::open`] sets it
+    /// from the directory's manifest.
+    pub table_ranks: usize,
 }
 
 /// One LongCat sub-table.
@@ -513,6 +520,7 @@ impl Checkpoint {
     pub fn open_with(dir: &Path, opts: OpenOptions) -> Result<Checkpoint> {
         // The config first: its errors say the most about a wrong directory.
         let spec = read_spec(dir)?;
+        crate::tensor_parallel::check_ranks(dir, opts.table_ranks)?;
         let files = Self::open_files(dir)?;
         let spec = with_token_map(spec, dir, &files)?;
         let layout = Layout::detect(&spec, files.weight_map.keys())?;
@@ -697,8 +705,17 @@ impl Checkpoint {
                 scale: sp.scale.clone(),
             });
         }
-        let hd = g.head_dim as u64;
-        let block_width = fp8_block_row_bytes(g.head_dim) as u64;
+        // A tensor-parallel rank's table holds its columns of every row.
+        let ranks = opts.table_ranks.max(1);
+        if !g.head_dim.is_multiple_of(ranks) {
+            return Err(shards_err(format!(
+                "head_dim {} does not divide among {ranks} tensor-parallel ranks",
+                g.head_dim
+            )));
+        }
+        let row_width = g.head_dim / ranks;
+        let hd = row_width as u64;
+        let block_width = fp8_block_row_bytes(row_width) as u64;
         // A padded table's rows are narrower than its tensor.
         let t0_width = declared_row_width(h0, &names[0])
             .ok()
@@ -725,7 +742,7 @@ impl Checkpoint {
                 });
             }
         };
-        if !dtype.fits_head_dim(g.head_dim) {
+        if !dtype.fits_head_dim(row_width) {
             return Err(shards_err(format!(
                 "{}: {dtype:?} rows need a head_dim that is a multiple of {FP8_BLOCK}, not {hd}",
                 names[0]
@@ -825,11 +842,11 @@ impl Checkpoint {
         }
         .map_err(|e| shards_err(format!("{e:#}")))?;
         for t in &opened {
-            if t.info.dtype != dtype || t.info.head_dim != g.head_dim {
+            if t.info.dtype != dtype || t.info.head_dim != row_width {
                 return Err(shards_err(format!(
                     "{}: the table reads as {} values of {:?} a row, but the layer needs {} of \
                      {dtype:?}",
-                    t.shards[0].tensor, t.info.head_dim, t.info.dtype, g.head_dim
+                    t.shards[0].tensor, t.info.head_dim, t.info.dtype, row_width
                 )));
             }
         }
@@ -839,7 +856,7 @@ impl Checkpoint {
             stored_rows,
             fold_rows,
             dtype,
-            head_dim: g.head_dim,
+            head_dim: row_width,
             bytes,
             sub_tables: logical
                 .into_iter()

@@ -40,6 +40,7 @@ fn write(dir: &Path, name: &str, layout: TableLayout) -> PathBuf {
 fn release_opts() -> OpenOptions {
     OpenOptions {
         release_tables: true,
+        ..OpenOptions::default()
     }
 }
 

@@ -4,27 +4,31 @@
 //! and completing its projections through an in-process all-reduce,
 //! reproduce the unsharded engine's outputs to FP32 accuracy through
 //! chunked prefill, batched decode and a snapshot and restore, agreeing
-//! with each other bit for bit; each rank's row cache reads 1/R of the
+//! with each other bit for bit; each rank's share of a checkpoint, as
+//! `table shard` writes it, opens and its row cache reads 1/R of the
 //! unsharded table's bytes; splits that do not divide are refused by
 //! name.
 
+use std::path::Path;
 use std::sync::Arc;
 
+use metrale_checkpoint::synth::write_spec_synthetic;
+use metrale_checkpoint::tensor_parallel::{RankCheckpoint, open_group, write_rank};
+use metrale_checkpoint::{Checkpoint, Preset, TableDType};
 use metrale_engine::ple_site::PleSite;
 use metrale_engine::{Engine, EngineConfig, SeqId};
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::family::qwen4_exp::Qwen4Exp;
 use metrale_model_layers::layers::ple::spec::ModelSpec;
 use metrale_model_layers::layers::ple::{
-    ForwardContext, LayerError, PleLayer, Shard, ShardError, TensorParallel,
+    ForwardContext, InProcessGroup, LayerError, PleLayer, Reduce, Shard, ShardError, TensorParallel,
 };
 use metrale_storage::TableMode;
 use metrale_storage::cached::CacheConfig;
-use metrale_storage::table::RowDType;
 use metrale_testkit::families::{TinyFamily, family_site_of};
 use metrale_testkit::rows::rows_for;
-use metrale_testkit::shards::write_bf16_shards;
-use metrale_testkit::tensor_parallel::{InProcessGroup, engine_of, shard_of, tiny_site_shard};
+use metrale_testkit::tensor_parallel::{engine_of, shard_of, tiny_site_shard};
 use metrale_testkit::tiny::{TinySpec, tiny_site, tiny_weights};
 
 const SEED: u64 = 11;
@@ -209,81 +213,180 @@ fn tensor_parallel_ranks_reproduce_the_unsharded_site_for_every_family() {
     }
 }
 
+/// An engine over every site of the checkpoint `ck`, its tables served in
+/// `mode` (with `cache` when cached); as a rank of `rank`'s share,
+/// reducing through the given collective, when given.
+fn checkpoint_engine(
+    ck: &Checkpoint,
+    gpu: &Arc<dyn GpuBackend>,
+    mode: TableMode,
+    cache: &CacheConfig,
+    rank: Option<(&RankCheckpoint, Arc<dyn Reduce>)>,
+) -> Engine<PleSite> {
+    let cfg = EngineConfig {
+        prefill_chunk: 5,
+        ..Default::default()
+    };
+    engine_of(gpu, ck.sites.len(), cfg, |i| {
+        let table = ck.serve_table(i, mode, cache.clone(), gpu.clone())?;
+        let layer = match &rank {
+            Some((rc, reduce)) => {
+                rc.build_layer(i, table, MAX_TOKENS, gpu.as_ref(), reduce.clone())?
+            }
+            None => ck.build_layer(i, table, MAX_TOKENS, gpu.as_ref())?,
+        };
+        Ok(PleSite::new(layer))
+    })
+    .unwrap()
+}
+
+/// Write the `ranks` shares of the checkpoint `src` under `root` with the
+/// production writer, run [`script`] over every rank (one thread and
+/// backend each, an in-process all-reduce) and return each rank's outputs
+/// and table bytes read.
+fn shares_run(
+    src: &Path,
+    root: &Path,
+    ranks: usize,
+    mode: TableMode,
+    cache: &CacheConfig,
+) -> Vec<(Vec<f32>, u64)> {
+    let dirs: Vec<_> = (0..ranks)
+        .map(|r| {
+            let out = root.join(format!("rank-{r}-of-{ranks}"));
+            let tp = TensorParallel::new(r, ranks).unwrap();
+            write_rank(src, tp, &out, &mut |_, _| {}).unwrap();
+            out
+        })
+        .collect();
+    let group = open_group(&dirs).unwrap();
+    let reduces = InProcessGroup::ranks(ranks);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = group
+            .iter()
+            .zip(&reduces)
+            .map(|(rc, reduce)| {
+                s.spawn(move || {
+                    let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+                    let mut e =
+                        checkpoint_engine(&rc.ck, &gpu, mode, cache, Some((rc, reduce.clone())));
+                    let out = script(&mut e);
+                    let read = e.table_stats().bytes_read;
+                    e.close().unwrap();
+                    assert_eq!(gpu.live_alloc_count(), 0);
+                    (out, read)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn tensor_parallel_shares_written_by_the_writer_reproduce_every_family() {
+    let root = tempfile::tempdir().unwrap();
+    let cache = CacheConfig {
+        slots: 1024,
+        direct: false,
+        ..CacheConfig::default()
+    };
+    let cases = [
+        ("qwen", Preset::Tiny.spec(), TableDType::Bf16),
+        ("qwen-fp8", Preset::Tiny.spec(), TableDType::Fp8),
+        (
+            "engram-conv",
+            TinyFamily::EngramConv.spec(),
+            TableDType::Bf16,
+        ),
+        (
+            "engram-v41",
+            Model::Family(TinyFamily::EngramV41).spec().unwrap(),
+            TableDType::Fp8Block,
+        ),
+        ("longcat", TinyFamily::LongCat.spec(), TableDType::Bf16),
+    ];
+    for (name, spec, dtype) in cases {
+        let src = root.path().join(name).join("full");
+        let rows = spec.family.get::<Qwen4Exp>().is_some().then_some(1024);
+        write_spec_synthetic(&src, &spec, rows, dtype, SEED).unwrap();
+        let full = Checkpoint::open(&src).unwrap();
+        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
+        let mut e = checkpoint_engine(&full, &gpu, TableMode::Resident, &cache, None);
+        let (inputs, want) = script_with_inputs(&mut e);
+        e.close().unwrap();
+        assert!(
+            max_rel_diff(&want, &inputs) > 1e-2,
+            "{name}: the sites moved nothing"
+        );
+        for ranks in [2, 4] {
+            for mode in [TableMode::Resident, TableMode::Cached] {
+                let sub = root.path().join(name).join(format!("{mode:?}"));
+                let outs = shares_run(&src, &sub, ranks, mode, &cache);
+                for (r, (got, _)) in outs.iter().enumerate() {
+                    assert!(
+                        metrale_testkit::same_bits(got, &outs[0].0),
+                        "{name}: rank {r} of {ranks} differs from rank 0"
+                    );
+                }
+                let d = max_rel_diff(&outs[0].0, &want);
+                assert!(d <= 2e-6, "{name} over {ranks} ranks ({mode:?}): {d:e}");
+            }
+        }
+    }
+}
+
 #[test]
 fn tensor_parallel_ranks_read_a_share_of_the_table_bytes() {
-    // Rows of 1024 BF16 values: a quarter row is one 512-byte I/O granule,
-    // so the row cache reads exactly the rank's columns.
-    let spec = TinySpec {
+    // A checkpoint with rows of 1024 BF16 values: a quarter row is one
+    // 512-byte I/O granule (and the writer puts the tables first in each
+    // 4 KiB-aligned file), so each rank's row cache reads exactly its
+    // columns of the rows the unsharded cache reads. The shares are written by the production writer and opened
+    // as the runtime opens them.
+    let spec = ModelSpec {
         head_dim: 1024,
-        max_tokens: MAX_TOKENS,
-        ..TinySpec::default()
+        ..Preset::Tiny.spec()
     };
     let dir = tempfile::tempdir().unwrap();
+    let written = dir.path().join("written");
+    write_spec_synthetic(&written, &spec, Some(4096), TableDType::Bf16, SEED).unwrap();
+    // The unsharded reference laid out as the shares are (one rank of one:
+    // whole rows, the tables first in each file), so its rows fill whole
+    // granules as theirs do.
+    let src = dir.path().join("full");
+    write_rank(&written, TensorParallel::SINGLE, &src, &mut |_, _| {}).unwrap();
     let cache = CacheConfig {
         slots: 4096,
         direct: false,
         ..CacheConfig::default()
     };
-    let run = |gpu: &Arc<dyn GpuBackend>, stem: &str, shard: Option<Shard>| {
-        let (site, weights, table) = tiny_weights(&spec, 0, SEED);
-        let width = spec.head_dim / shard.as_ref().map_or(1, |s| s.tp.ranks());
-        let bits: Vec<u16> = match &shard {
-            Some(s) => {
-                let bytes: Vec<u8> = table.iter().flat_map(|b| b.to_le_bytes()).collect();
-                s.tp.shard_rows(&bytes, spec.head_dim, RowDType::Bf16)
-                    .unwrap()
-                    .chunks_exact(2)
-                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                    .collect()
-            }
-            None => table,
-        };
-        let sub = dir.path().join(stem);
-        std::fs::create_dir_all(&sub).unwrap();
-        let files = write_bf16_shards(&sub, "t", 0, &bits, width, 1).unwrap();
-        let table =
-            metrale_storage::open_files(files, gpu.clone(), TableMode::Cached, cache.clone())
-                .unwrap();
-        let layer = match shard {
-            Some(s) => PleLayer::new_sharded(&site, weights, table, MAX_TOKENS, gpu.as_ref(), s),
-            None => PleLayer::new(&site, weights, table, MAX_TOKENS, gpu.as_ref()),
-        }
-        .unwrap();
-        let cfg = EngineConfig {
-            prefill_chunk: 5,
-            ..Default::default()
-        };
-        let mut e = Engine::new(gpu.clone(), vec![PleSite::new(layer)], cfg).unwrap();
-        let out = script(&mut e);
-        let read = e.table_stats().bytes_read;
-        e.close().unwrap();
-        (out, read)
-    };
+    let full = Checkpoint::open(&src).unwrap();
     let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-    let (want, full) = run(&gpu, "full", None);
-    assert!(full > 0, "the unsharded cache read nothing");
-    for ranks in [2u64, 4] {
-        let group = InProcessGroup::ranks(ranks as usize);
-        let results: Vec<(Vec<f32>, u64)> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..ranks as usize)
-                .map(|r| {
-                    let shard = shard_of(&group, r);
-                    let run = &run;
-                    s.spawn(move || {
-                        let gpu: Arc<dyn GpuBackend> = Arc::new(CpuBackend::new());
-                        run(&gpu, &format!("r{r}of{ranks}"), Some(shard))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+    let mut e = checkpoint_engine(&full, &gpu, TableMode::Cached, &cache, None);
+    let want = script(&mut e);
+    let whole = e.table_stats().bytes_read;
+    e.close().unwrap();
+    assert!(whole > 0, "the unsharded cache read nothing");
+    for ranks in [2usize, 4] {
+        let sub = dir.path().join(format!("of{ranks}"));
+        let results = shares_run(&src, &sub, ranks, TableMode::Cached, &cache);
         for (r, (out, read)) in results.iter().enumerate() {
             assert_eq!(
-                *read * ranks,
-                full,
-                "rank {r} of {ranks} read {read} bytes, the unsharded table {full}"
+                *read * ranks as u64,
+                whole,
+                "rank {r} of {ranks} read {read} bytes, the unsharded table {whole}"
             );
             assert!(max_rel_diff(out, &want) <= 2e-6, "rank {r} of {ranks}");
+            eprintln!("rank {r} of {ranks}: read {read} bytes, the unsharded table {whole}");
+        }
+        let share = Checkpoint::open(&full.dir).unwrap().table_bytes() / ranks as u64;
+        let opened = open_group(
+            &(0..ranks)
+                .map(|r| sub.join(format!("rank-{r}-of-{ranks}")))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+        for rc in &opened {
+            assert_eq!(rc.ck.table_bytes(), share);
         }
     }
 }

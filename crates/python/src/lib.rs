@@ -11,6 +11,8 @@
 //!   speculation ([`engine`]);
 //! - `Server`, `serve`: the serving loop over a fixed workload
 //!   ([`server`]);
+//! - `shard_checkpoint`, `TensorParallelEngine`: tensor-parallel ranks'
+//!   shares of a checkpoint, and sequences over them ([`tensor_parallel`]);
 //! - `_rust_decode_timing`: the engine's batched decode timed from Rust,
 //!   beside which a Python loop's overhead is measured ([`timing`]).
 //!
@@ -29,6 +31,7 @@ mod error;
 mod ids;
 mod layer;
 mod server;
+mod tensor_parallel;
 mod timing;
 
 /// The native module.
@@ -41,6 +44,7 @@ fn metrale_ple_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checkpoint::init_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(server::serve, m)?)?;
     m.add_function(wrap_pyfunction!(timing::_rust_decode_timing, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_parallel::shard_checkpoint, m)?)?;
     m.add_class::<ids::Ids>()?;
     m.add_class::<checkpoint::Checkpoint>()?;
     m.add_class::<checkpoint::Site>()?;
@@ -49,5 +53,6 @@ fn metrale_ple_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<layer::Plan>()?;
     m.add_class::<engine::Engine>()?;
     m.add_class::<server::Server>()?;
+    m.add_class::<tensor_parallel::TensorParallelEngine>()?;
     Ok(())
 }

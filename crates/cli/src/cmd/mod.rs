@@ -11,6 +11,7 @@ pub mod init;
 pub mod inspect;
 pub mod remote;
 pub mod run;
+pub mod shard;
 pub mod soak;
 pub mod table;
 pub mod token_map;

@@ -42,6 +42,7 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use metrale_checkpoint::runtime::TableMode;
 use metrale_checkpoint::synth::write_synthetic;
+use metrale_checkpoint::tensor_parallel::RankCheckpoint;
 use metrale_checkpoint::{Checkpoint, InitOptions, Preset, TableDType};
 use metrale_engine::backbone::BackboneConfig;
 use metrale_engine::server::Request;
@@ -59,6 +60,7 @@ use super::{CmdError, failure, input};
 mod engine;
 mod store;
 mod summary;
+mod tensor_parallel;
 mod workload;
 
 pub(super) use self::engine::{EngineSetup, build_engine};
@@ -226,6 +228,9 @@ pub struct RunArgs {
     /// Most block boundaries probed in the carry store per new sequence.
     #[arg(long, default_value_t = 8)]
     pub store_probes: usize,
+    /// Tensor-parallel ranks run in this process.
+    #[command(flatten)]
+    pub tp: tensor_parallel::TpArgs,
 }
 
 /// A progress bar over `n` sequences on stderr (hidden off a terminal).
@@ -370,6 +375,7 @@ fn plans(a: &RunArgs, ck: &Checkpoint) -> Result<Vec<Request>, CmdError> {
 /// with no prefix cache, no preemption, no backbone and no prefetch, its
 /// rows compared with those of the measured pass `r`.
 fn verify(
+    ranks: Option<&[RankCheckpoint]>,
     ck: &Checkpoint,
     plans: &[Request],
     a: &RunArgs,
@@ -396,7 +402,8 @@ fn verify(
         remote: None,
     };
     let bar = sequence_bar(plans.len(), "verify");
-    let v = pass(ck, plans, a, &check, &bar).map_err(failure)?;
+    let (v, _) =
+        tensor_parallel::pass_all(ranks, ck, plans, a, &check, &bar).map_err(failure)?;
     bar.finish_and_clear();
     let (rows_compared, first_mismatch) = compare(&r.report.rows, &v.report.rows);
     Ok(VerifySummary {
@@ -411,8 +418,15 @@ fn verify(
 pub fn run(a: &RunArgs) -> Result<(), CmdError> {
     validate(a)?;
     drop(open_backend(a.device)?);
-    let dir = checkpoint_dir(&a.dir)?;
-    let ck = Checkpoint::open(&dir).map_err(input)?;
+    let ranks = tensor_parallel::open(a)?;
+    let (dir, ck) = match &ranks {
+        Some(g) => (a.tp.tp_ranks[0].clone(), g[0].ck.clone()),
+        None => {
+            let dir = checkpoint_dir(&a.dir)?;
+            let ck = Checkpoint::open(&dir).map_err(input)?;
+            (dir, ck)
+        }
+    };
     let store_setup = store::setup(a, &dir).map_err(input)?;
     let plans = plans(a, &ck)?;
     let total_tokens: u64 = plans.iter().map(|p| p.tokens.len() as u64).sum();
@@ -464,11 +478,12 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         remote: remote.clone(),
     };
     let bar = sequence_bar(plans.len(), "run");
-    let r = pass(&ck, &plans, a, &main, &bar).map_err(failure)?;
+    let (r, tp_run) = tensor_parallel::pass_all(ranks.as_deref(), &ck, &plans, a, &main, &bar)
+        .map_err(failure)?;
     bar.finish_and_clear();
 
     let verify = if a.verify {
-        Some(verify(&ck, &plans, a, &main, &r)?)
+        Some(verify(ranks.as_deref(), &ck, &plans, a, &main, &r)?)
     } else {
         None
     };
@@ -483,7 +498,7 @@ pub fn run(a: &RunArgs) -> Result<(), CmdError> {
         faults: faults.as_deref(),
         remote: remote.as_deref(),
     }
-    .summary(verify);
+    .summary(verify, tp_run);
     if a.json {
         let text = serde_json::to_string_pretty(&summary).map_err(failure)?;
         println!("{text}");

@@ -85,6 +85,12 @@ enum TableCmd {
         after_help = "Examples:\n  metrale-ple table push ~/.cache/metrale-ple/tiny --to redis://127.0.0.1:6379\n  metrale-ple table push /data/flagship --to redis://10.0.0.5:7000,redis://10.0.0.5:7001,redis://10.0.0.6:7000"
     )]
     Push(super::remote::PushArgs),
+    /// Write tensor-parallel ranks' shares of a checkpoint (each rank's
+    /// columns of every table row) for `run --tp-ranks`.
+    #[command(
+        after_help = "Examples:\n  metrale-ple table shard ~/.cache/metrale-ple/tiny --of 2 --out /tmp/tiny-tp2\n  metrale-ple table shard /data/flagship --rank 1 --of 4 --out /local/flagship-r1of4"
+    )]
+    Shard(super::shard::ShardArgs),
 }
 
 /// Arguments of `table pack`.
@@ -121,6 +127,7 @@ pub fn run(a: TableArgs) -> Result<(), CmdError> {
     match a.cmd {
         TableCmd::Pack(p) => pack_cmd(p),
         TableCmd::Push(p) => super::remote::push(p),
+        TableCmd::Shard(s) => super::shard::run(s),
     }
 }
 
@@ -274,6 +281,7 @@ fn pack_cmd(a: PackArgs) -> Result<(), CmdError> {
         &a.src,
         OpenOptions {
             release_tables: true,
+            ..OpenOptions::default()
         },
     )
     .map_err(input)?;

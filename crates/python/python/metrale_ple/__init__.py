@@ -20,6 +20,10 @@ package exposes the Rust runtime on the CPU backend:
 - ``Engine``: sequences over every site with the prefix cache, preemption,
   swaps and speculative verify/commit;
 - ``Server`` and ``serve``: the serving loop over a fixed workload;
+- ``shard_checkpoint`` and ``TensorParallelEngine``: tensor-parallel ranks'
+  shares of a checkpoint (each rank's columns of every table row) and
+  sequences over them, every rank in this process or one rank whose
+  projections a ``reduce`` callable completes;
 - ``metrale_ple.torch.PleEmbedding``: an ``nn.Module`` for one PLE site
   (torch is optional and imported only there);
 - ``metrale_ple.transformers``: ``patch(model, checkpoint_dir, table=...)``
@@ -41,11 +45,13 @@ from ._metrale_ple import (
     Plan,
     Server,
     Site,
+    TensorParallelEngine,
     __version__,
     _rust_decode_timing,
     ids,
     init_checkpoint,
     serve,
+    shard_checkpoint,
     token_map,
 )
 
@@ -58,9 +64,11 @@ __all__ = [
     "Plan",
     "Server",
     "Site",
+    "TensorParallelEngine",
     "__version__",
     "ids",
     "init_checkpoint",
     "serve",
+    "shard_checkpoint",
     "token_map",
 ]

@@ -9,11 +9,13 @@ from ._metrale_ple import (
     Plan as Plan,
     Server as Server,
     Site as Site,
+    TensorParallelEngine as TensorParallelEngine,
     __version__ as __version__,
     _rust_decode_timing as _rust_decode_timing,
     ids as ids,
     init_checkpoint as init_checkpoint,
     serve as serve,
+    shard_checkpoint as shard_checkpoint,
     token_map as token_map,
 )
 
@@ -26,9 +28,11 @@ __all__ = [
     "Plan",
     "Server",
     "Site",
+    "TensorParallelEngine",
     "__version__",
     "ids",
     "init_checkpoint",
     "serve",
+    "shard_checkpoint",
     "token_map",
 ]

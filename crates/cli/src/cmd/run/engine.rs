@@ -17,6 +17,7 @@ use metrale_engine::ple_site::PleSite;
 use metrale_engine::server::{Request, Server, ServerConfig, ServerReport, TimedReader, Workload};
 use metrale_engine::{CarrySite, Engine, EngineConfig, Site};
 use metrale_gpu_runtime::gpu::GpuBackend;
+use metrale_model_layers::layers::ple::Shard;
 use metrale_storage::cached::{CacheConfig, DEFAULT_IO_DEPTH, Policy};
 use metrale_storage::io::{PageReader, default_reader};
 use metrale_storage::remote::RemoteTier;
@@ -111,6 +112,19 @@ pub(in crate::cmd) fn build_sites(
     max_tokens: usize,
     cache: &CacheOptions,
 ) -> Result<Vec<PleSite>> {
+    build_rank_sites(ck, gpu, pc, max_tokens, cache, None)
+}
+
+/// [`build_sites`], each layer built for tensor-parallel rank `shard` when
+/// given (`ck` then a rank's share, `tensor_parallel`).
+fn build_rank_sites(
+    ck: &Checkpoint,
+    gpu: &Arc<dyn GpuBackend>,
+    pc: &EngineSetup,
+    max_tokens: usize,
+    cache: &CacheOptions,
+    shard: Option<&Shard>,
+) -> Result<Vec<PleSite>> {
     let mut sites = Vec::new();
     for s in 0..ck.sites.len() {
         // The cache settings count only for a cached table.
@@ -123,7 +137,10 @@ pub(in crate::cmd) fn build_sites(
         cfg.remote = cache.remote.clone();
         cfg.remote_fallback = cache.remote_fallback;
         let table = ck.serve_table(s, pc.mode, cfg, gpu.clone())?;
-        let layer = ck.build_layer(s, table, max_tokens, gpu.as_ref())?;
+        let layer = match shard {
+            Some(sh) => ck.build_layer_sharded(s, table, max_tokens, gpu.as_ref(), sh.clone())?,
+            None => ck.build_layer(s, table, max_tokens, gpu.as_ref())?,
+        };
         sites.push(PleSite::new(layer));
     }
     Ok(sites)
@@ -140,13 +157,15 @@ pub(in crate::cmd) fn engine_config<S: Site>(pc: &EngineSetup, sites: &[S]) -> E
     cfg
 }
 
-/// Run the workload once, through the engine's server.
+/// Run the workload once, through the engine's server; as tensor-parallel
+/// rank `shard` of `ck`, a rank's share, when given.
 pub(super) fn pass(
     ck: &Checkpoint,
     plans: &[Request],
     a: &RunArgs,
     pc: &PassConfig,
     bar: &ProgressBar,
+    shard: Option<&Shard>,
 ) -> Result<PassResult> {
     let gpu: Arc<dyn GpuBackend> = open_backend(a.device).map_err(|e| anyhow!("{e}"))?;
     let max_tokens = a.prefill_chunk.max(a.decode_batch);
@@ -169,7 +188,7 @@ pub(super) fn pass(
         remote: pc.remote.clone().map(|t| t as Arc<dyn RemoteTier>),
         remote_fallback: a.remote_fallback,
     };
-    let sites = build_sites(ck, &gpu, &pc.setup, max_tokens, &cache)?;
+    let sites = build_rank_sites(ck, &gpu, &pc.setup, max_tokens, &cache, shard)?;
     let engine_cfg = engine_config(&pc.setup, &sites);
     let cfg = ServerConfig {
         in_flight: a.in_flight.max(1),

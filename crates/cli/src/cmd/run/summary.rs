@@ -20,7 +20,7 @@ use super::super::common::bytes;
 use super::super::faults::FlakyReader;
 use super::super::remote::RemoteSummary;
 use super::engine::{PassConfig, PassResult};
-use super::{RunArgs, TableArg, store};
+use super::{RunArgs, TableArg, store, tensor_parallel};
 
 /// What a run did, for its summary: the arguments, the checkpoint, the
 /// workload's size, and the measured pass with what it ran over.
@@ -67,6 +67,7 @@ pub(super) struct Summary {
     pub(super) verify: Option<VerifySummary>,
     carry_store: Option<store::StoreSummary>,
     remote: Option<RemoteRun>,
+    tensor_parallel: Option<tensor_parallel::TpSummary>,
 }
 
 #[derive(Serialize)]
@@ -151,8 +152,13 @@ pub(super) struct VerifySummary {
 }
 
 impl Ran<'_> {
-    /// The summary of this run, with the verify pass's comparison.
-    pub(super) fn summary(&self, verify: Option<VerifySummary>) -> Summary {
+    /// The summary of this run, with the verify pass's comparison and the
+    /// tensor-parallel ranks' figures.
+    pub(super) fn summary(
+        &self,
+        verify: Option<VerifySummary>,
+        tensor_parallel: Option<tensor_parallel::TpSummary>,
+    ) -> Summary {
         let (a, r, main) = (self.a, self.r, self.main);
         let g = &self.ck.spec;
         let st = r.report.stats;
@@ -259,6 +265,7 @@ impl Ran<'_> {
                 failed_sequences: r.report.failed.len(),
                 first_error: r.report.first_fault.clone(),
             }),
+            tensor_parallel,
         }
     }
 }
@@ -394,6 +401,9 @@ pub(super) fn render(s: &Summary) -> String {
                 .as_deref()
                 .map_or(String::new(), |e| format!("; first: {e}"))
         );
+    }
+    if let Some(tp) = &s.tensor_parallel {
+        o.push_str(&tensor_parallel::render(tp));
     }
     let _ = writeln!(o, "  wall time       {:.2} s", s.wall_seconds);
     match &s.verify {

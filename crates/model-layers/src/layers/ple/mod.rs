@@ -42,4 +42,6 @@ pub use layer::{
 pub use spec::{
     Combine, GateSign, GatedSpec, HashFamily, MAX_HC_MULT, ModelSpec, NormForm, SiteSpec, SpecError,
 };
-pub use tensor_parallel::{Reduce, ReduceError, Shard, ShardError, TensorParallel};
+pub use tensor_parallel::{
+    GroupError, InProcessGroup, Reduce, ReduceError, Shard, ShardError, TensorParallel,
+};

@@ -1,6 +1,8 @@
 //! Tensor-parallel shards of a PLE site (docs/SPEC.md §5, "Tensor-parallel
 //! shards"): the column split of the n-gram table and the projections, and
-//! the all-reduce hook that completes a rank's partial projection.
+//! the all-reduce hook that completes a rank's partial projection, and an
+//! in-process group of ranks ([`InProcessGroup`]) that sums through host
+//! memory.
 //!
 //! A site opened for rank `r` of `R` ([`TensorParallel`]) holds columns
 //! `[r*d/R, (r+1)*d/R)` of every table row (`d = head_dim`; transformers'
@@ -23,7 +25,8 @@
 //!   unsharded path, with no reduce call.
 
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::Duration;
 
 use metrale_gpu_runtime::gpu::{DevicePtr, GpuBackend, StreamId};
 use metrale_storage::dtype::FP8_BLOCK;
@@ -268,6 +271,193 @@ impl Shard {
 impl std::fmt::Debug for Shard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shard").field("tp", &self.tp).finish()
+    }
+}
+
+/// Why an [`InProcessGroup`] all-reduce failed.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum GroupError {
+    /// A rank waited past [`InProcessGroup::TIMEOUT`] for the others (a
+    /// rank stopped calling, or the ranks' calls diverged).
+    #[error("tensor-parallel rank {rank} of {ranks} waited {waited:?} for the other ranks")]
+    Timeout {
+        /// The waiting rank.
+        rank: usize,
+        /// The group's size.
+        ranks: usize,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// One rank gave two parts to one all-reduce.
+    #[error("tensor-parallel rank {rank} gave two parts to one all-reduce")]
+    Twice {
+        /// The rank.
+        rank: usize,
+    },
+    /// The ranks reduce different lengths (their calls diverged).
+    #[error("tensor-parallel rank {rank} reduces {len} values, another rank {other}")]
+    Length {
+        /// The rank.
+        rank: usize,
+        /// Its length.
+        len: usize,
+        /// Another rank's.
+        other: usize,
+    },
+}
+
+/// State shared by the ranks of one group.
+#[derive(Default)]
+struct Meeting {
+    /// Each rank's contribution to the current call.
+    parts: Vec<Option<Vec<f32>>>,
+    /// Ranks that have taken the current sum.
+    taken: usize,
+    /// The sum of the current call, once every rank has given its part.
+    sum: Option<Arc<Vec<f32>>>,
+    /// Completed calls.
+    generation: u64,
+}
+
+/// Tensor-parallel ranks in one process (one thread each): an all-reduce
+/// that sums the ranks' buffers through host memory, the collective of
+/// `run --tp-ranks`, Python's in-process ranks and the tests.
+///
+/// Every rank receives the same sum, added in rank order (rank 0 first),
+/// so the ranks' outputs agree bit for bit; a rank that waits more than
+/// [`InProcessGroup::TIMEOUT`] for the others gets [`GroupError::Timeout`]
+/// instead of hanging; the group is reusable call after call
+/// (generations), and calls must come in the same order and lengths on
+/// every rank, as a collective's.
+pub struct InProcessGroup {
+    ranks: usize,
+    meeting: Mutex<Meeting>,
+    cv: Condvar,
+}
+
+impl InProcessGroup {
+    /// How long a rank waits for the others.
+    pub const TIMEOUT: Duration = Duration::from_secs(120);
+
+    /// One [`Reduce`] per rank of a new group of `ranks`.
+    pub fn ranks(ranks: usize) -> Vec<Arc<dyn Reduce>> {
+        let group = Arc::new(InProcessGroup {
+            ranks,
+            meeting: Mutex::new(Meeting {
+                parts: vec![None; ranks],
+                ..Meeting::default()
+            }),
+            cv: Condvar::new(),
+        });
+        (0..ranks)
+            .map(|rank| {
+                Arc::new(RankReduce {
+                    group: group.clone(),
+                    rank,
+                }) as Arc<dyn Reduce>
+            })
+            .collect()
+    }
+
+    /// One [`Shard`] per rank of a new group of `ranks` (`ranks > 0`).
+    pub fn shards(ranks: usize) -> Result<Vec<Shard>, ShardError> {
+        Self::ranks(ranks)
+            .into_iter()
+            .enumerate()
+            .map(|(r, reduce)| Ok(Shard::new(TensorParallel::new(r, ranks)?, reduce)))
+            .collect()
+    }
+
+    /// Give `part` for `rank`, wait for every rank's, and return the sum
+    /// added in rank order.
+    fn sum(&self, rank: usize, part: Vec<f32>) -> Result<Arc<Vec<f32>>, GroupError> {
+        let timeout = GroupError::Timeout {
+            rank,
+            ranks: self.ranks,
+            waited: Self::TIMEOUT,
+        };
+        let m = self.meeting.lock().unwrap_or_else(PoisonError::into_inner);
+        // A rank that comes back before the last call's sum was taken by
+        // everyone waits for that first.
+        let gen0 = m.generation;
+        let (mut m, t) = self
+            .cv
+            .wait_timeout_while(m, Self::TIMEOUT, |m| {
+                m.sum.is_some() && m.generation == gen0
+            })
+            .unwrap_or_else(PoisonError::into_inner);
+        if t.timed_out() {
+            return Err(timeout);
+        }
+        if m.parts[rank].is_some() {
+            return Err(GroupError::Twice { rank });
+        }
+        if let Some(other) = m.parts.iter().flatten().next()
+            && other.len() != part.len()
+        {
+            return Err(GroupError::Length {
+                rank,
+                len: part.len(),
+                other: other.len(),
+            });
+        }
+        m.parts[rank] = Some(part);
+        if m.parts.iter().all(Option::is_some) {
+            let parts: Vec<Vec<f32>> = m.parts.iter_mut().map(|p| p.take().unwrap()).collect();
+            let mut sum = parts[0].clone();
+            for p in &parts[1..] {
+                for (s, v) in sum.iter_mut().zip(p) {
+                    *s += v;
+                }
+            }
+            m.sum = Some(Arc::new(sum));
+            m.taken = 0;
+            self.cv.notify_all();
+        } else {
+            let (g, t) = self
+                .cv
+                .wait_timeout_while(m, Self::TIMEOUT, |m| m.sum.is_none())
+                .unwrap_or_else(PoisonError::into_inner);
+            m = g;
+            if t.timed_out() {
+                return Err(timeout);
+            }
+        }
+        let sum = m.sum.clone().expect("set above or awaited");
+        m.taken += 1;
+        if m.taken == self.ranks {
+            m.sum = None;
+            m.generation += 1;
+            self.cv.notify_all();
+        }
+        Ok(sum)
+    }
+}
+
+/// One rank's end of an [`InProcessGroup`].
+struct RankReduce {
+    group: Arc<InProcessGroup>,
+    rank: usize,
+}
+
+impl Reduce for RankReduce {
+    fn all_reduce_sum(
+        &self,
+        gpu: &dyn GpuBackend,
+        buf: DevicePtr,
+        len: usize,
+        stream: StreamId,
+    ) -> Result<(), ReduceError> {
+        let mut bytes = vec![0u8; len * 4];
+        gpu.copy_d2h_on_stream(buf, &mut bytes, stream)?;
+        let part = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .collect();
+        let sum = self.group.sum(self.rank, part)?;
+        let out: Vec<u8> = sum.iter().flat_map(|v| v.to_le_bytes()).collect();
+        gpu.copy_h2d_async(&out, buf, stream)?;
+        Ok(())
     }
 }
 
