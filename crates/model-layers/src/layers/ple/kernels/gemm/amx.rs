@@ -459,7 +459,7 @@ pub(super) fn token_tile(
                 chunks.push((j0, j0 + 1, true));
             }
             for ja in whole.clone().step_by(kc) {
-                chunks.push((ja, (ja + kc).min(whole.end), false));
+                chunks.push((ja, ja.saturating_add(kc).min(whole.end), false));
             }
             if last_cut {
                 chunks.push((j1 - 1, j1, true));
