@@ -402,8 +402,7 @@ fn verify(
         remote: None,
     };
     let bar = sequence_bar(plans.len(), "verify");
-    let (v, _) =
-        tensor_parallel::pass_all(ranks, ck, plans, a, &check, &bar).map_err(failure)?;
+    let (v, _) = tensor_parallel::pass_all(ranks, ck, plans, a, &check, &bar).map_err(failure)?;
     bar.finish_and_clear();
     let (rows_compared, first_mismatch) = compare(&r.report.rows, &v.report.rows);
     Ok(VerifySummary {
