@@ -36,6 +36,11 @@
 //! [`Checkpoint::open_with`] and [`OpenOptions::release_tables`] accept it
 //! for that conversion only, as a site whose [`SiteTable::release`] names
 //! the pair.
+//!
+//! Why one long file: the loader is one sequence of checks, each naming the
+//! file, tensor or key it refuses, over state (the index, the headers seen,
+//! the sites built so far) that every check reads; the family-specific
+//! checks live in `family/`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

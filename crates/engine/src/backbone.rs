@@ -35,6 +35,10 @@
 //!   covered (an event recorded after the blocks before the site was still
 //!   pending when the site's host work ended: the backend never idled for
 //!   it) or exposed ([`Layered::wait_split`]).
+//!
+//! Why one long file: the blocks, the weights they share and the wait
+//! accounting are one schedule around the sites; about a tenth of it is
+//! tests of that schedule.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};

@@ -11,6 +11,10 @@
 //! blob codec (a blob that does not fit is refused, the prestage cleared); `reset`
 //! installs `context_len` EOS tokens and a zero conv state; `release` is
 //! idempotent, and a released carry refuses everything but `release`.
+//!
+//! Why one long file: `Layer`, `Plan` and `Carry` share the locking order
+//! above and one `Shared` core, which each method takes; apart they would
+//! need that core public to the crate.
 
 use std::borrow::Cow;
 use std::collections::HashSet;

@@ -20,6 +20,10 @@
 //!   [`AlignedBuf`] guarantees for whole buffers);
 //! - where O_DIRECT is refused the file is read through the page cache with
 //!   `POSIX_FADV_RANDOM`, and a warning is logged once per file.
+//!
+//! Why one long file: a quarter of it is the tests of the readers against
+//! each other (io_uring, the thread pool, O_DIRECT and its fallback), which
+//! need the private buffer and alignment helpers they share.
 
 use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::fs::{File, OpenOptions};

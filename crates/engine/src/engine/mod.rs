@@ -56,6 +56,11 @@
 //! Concurrency: the engine is driven through `&mut self` from one thread; it
 //! uses one stream of the backend and synchronises on it before returning
 //! outputs.
+//!
+//! Why one long file: it holds the [`Engine`] value, its configuration and
+//! statistics and the calls every submodule above builds on (the step
+//! plans, the forward of a token batch over every site); the operations
+//! themselves live in the submodules.
 
 use std::collections::HashMap;
 use std::path::PathBuf;

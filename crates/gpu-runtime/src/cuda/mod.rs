@@ -55,6 +55,12 @@
 //! allocation, after which a stale pointer into it reads as live; errors in
 //! queued kernels are the driver's own (and an illegal address poisons the
 //! whole context).
+//!
+//! Why one long file: every method of [`CudaBackend`] goes through the same
+//! context guard, the capture-refusal bookkeeping and the allocation ledger
+//! that the invariants above describe; split by method they would be read
+//! and changed apart. What stands alone already lives beside it (`ledger`,
+//! `nvrtc`, `params`).
 
 mod ledger;
 pub mod nvrtc;

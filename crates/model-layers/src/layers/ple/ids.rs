@@ -25,6 +25,11 @@
 //!   [`PleIdDims::table_rows`];
 //! - the per-token context lives on the stack (`ngram_size` is capped at
 //!   [`MAX_NGRAM_SIZE`]), so the hot path never allocates.
+//!
+//! Why one long file: the dims, the hash loop and [`PleIdHasher`] are one
+//! hot path, monomorphised over the context length and the row reduction
+//! so that the compiler sees it whole; the families' hashes, the SIMD
+//! kernels and the tests already live in `ids/`.
 
 mod derive;
 mod engram;

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use thiserror::Error;
 use tokenizers::normalizers::replace::ReplacePattern;
 use tokenizers::normalizers::{Lowercase, NFD, NFKC, Replace, Sequence, Strip, StripAccents};
-use tokenizers::{NormalizedString, Normalizer, Tokenizer};
+use tokenizers::{Model, NormalizedString, Normalizer, Tokenizer};
 
 use super::super::TokenMap;
 
@@ -58,6 +58,18 @@ pub enum TokenizerJsonError {
         file: String,
         /// The library's panic message.
         msg: String,
+    },
+    /// Two tokens of the model's vocabulary have one id.
+    #[error("tokenizer {file}: model vocabulary: id {id} is both {first:?} and {second:?}")]
+    SharedId {
+        /// The file (or text source).
+        file: String,
+        /// The id.
+        id: u32,
+        /// One token holding it (the smaller of the two).
+        first: String,
+        /// Another token holding it.
+        second: String,
     },
     /// The library refused to decode or normalise one id.
     #[error("tokenizer {file}: id {id}: {msg}")]
@@ -109,11 +121,12 @@ pub fn token_map_from_tokenizer_str(
     };
     // Syntax first: the library reads some parts through untagged enums
     // and `expect`s them, so a syntax error inside a decoder panics there
-    // (tokenizers 0.23, `decoders/mod.rs`). From a parsed value it cannot.
-    let value: serde_json::Value = serde_json::from_str(text).map_err(json)?;
+    // (tokenizers 0.23, `decoders/mod.rs`). Valid JSON it reads again from
+    // the text, so its errors keep their line and column.
+    serde_json::from_str::<serde_json::Value>(text).map_err(json)?;
     // The library still `expect`s a few values it reads (a `Precompiled`
     // normaliser's charsmap): its panic becomes this file's error.
-    let tok: Tokenizer = std::panic::catch_unwind(|| serde_json::from_value(value))
+    let tok: Tokenizer = std::panic::catch_unwind(|| serde_json::from_str(text))
         .map_err(|panic| TokenizerJsonError::Library {
             file: source.to_string(),
             msg: panic_message(panic.as_ref()),
@@ -124,6 +137,24 @@ pub fn token_map_from_tokenizer_str(
         id,
         msg: e.to_string(),
     };
+    // The library keeps the reverse of a vocabulary in a hash map, so an
+    // id two strings claim decodes to either one, differently from run to
+    // run: such a vocabulary has no one token map.
+    let vocab = tok.get_model().get_vocab();
+    let mut held: Vec<(u32, &str)> = vocab.iter().map(|(t, &id)| (id, t.as_ref())).collect();
+    held.sort_unstable();
+    let clash = held
+        .windows(2)
+        .find(|w| w[0].0 == w[1].0)
+        .map(|w| (w[0].0, w[0].1.to_string(), w[1].1.to_string()));
+    if let Some((id, first, second)) = clash {
+        return Err(TokenizerJsonError::SharedId {
+            file: source.to_string(),
+            id,
+            first,
+            second,
+        });
+    }
     let norm = key_normalizer();
     let len = tok.get_vocab_size(true);
     let mut index: HashMap<String, u32> = HashMap::new();
@@ -235,6 +266,8 @@ mod tests {
             // A syntax error inside the decoder: the library's reader
             // panics on it when it reads the text itself.
             r#"{"model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"},"decoder":{"type":"Metaspace","replacement":"_", da"d":false}}"#,
+            // Two tokens with one id: the library decodes it to either.
+            r#"{"model":{"type":"WordLevel","vocab":{"a":0,"b":0},"unk_token":"a"}}"#,
             // A charsmap the library `expect`s to read.
             r#"{"model":{"type":"WordLevel","vocab":{"a":0},"unk_token":"a"},"normalizer":{"type":"Precompiled","precompiled_charsmap":"!!"}}"#,
         ] {
