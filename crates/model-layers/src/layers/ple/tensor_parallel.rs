@@ -448,15 +448,10 @@ impl Reduce for RankReduce {
         len: usize,
         stream: StreamId,
     ) -> Result<(), ReduceError> {
-        let mut bytes = vec![0u8; len * 4];
-        gpu.copy_d2h_on_stream(buf, &mut bytes, stream)?;
-        let part = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
-            .collect();
+        let mut part = vec![0f32; len];
+        gpu.copy_d2h_on_stream(buf, super::highway::f32_bytes_mut(&mut part), stream)?;
         let sum = self.group.sum(self.rank, part)?;
-        let out: Vec<u8> = sum.iter().flat_map(|v| v.to_le_bytes()).collect();
-        gpu.copy_h2d_async(&out, buf, stream)?;
+        gpu.copy_h2d_async(super::highway::f32_bytes(&sum), buf, stream)?;
         Ok(())
     }
 }
