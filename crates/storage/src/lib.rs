@@ -1,11 +1,11 @@
 //! metrale-storage: the PLE n-gram table and its row cache.
 //!
-//! [`table`] is the interface the layer uses; the resident, mapped and
-//! cached tables implement it. [`safetensors`] reads shard headers (and
+//! [`table`] is the interface the layer uses; the resident, mapped, cached
+//! and shared tables implement it. [`safetensors`] reads shard headers (and
 //! writes files), [`layout`] validates a set of table shards and locates
 //! rows in them, [`dtype`] converts BF16 and FP8 E4M3 elements.
 //!
-//! The three tables: [`resident::ResidentTable`] (rows in device memory),
+//! The four tables: [`resident::ResidentTable`] (rows in device memory),
 //! [`mapped::MappedTable`] (shard files memory-mapped and registered as
 //! device-addressable host memory), [`cached::CachedTable`] (a slot
 //! arena in host-mapped memory filled by O_DIRECT reads through [`io`]) and

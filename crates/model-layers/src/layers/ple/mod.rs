@@ -4,6 +4,9 @@
 //! - [`spec`]: [`ModelSpec`] (the PLE part of config.json, parsed and
 //!   validated once) and [`SiteSpec`] (one site: hash constants, carry shape
 //!   and every size derived from them);
+//! - [`family`]: one module per model family (its config keys, hash
+//!   constants and combine rule) behind the [`family::Family`] trait, and
+//!   the registry ([`family::BUILTIN`], [`family::register`]);
 //! - [`carry_blob`]: the aux blob format, its size, encoder and decoder;
 //! - [`ids`]: the n-gram id hash;
 //! - [`highway`]: highway rows on the host run through a device buffer (the
