@@ -698,36 +698,8 @@ pub(super) unsafe fn amx_peak(iters: usize) -> f32 {
     unsafe { amx::peak(iters) }
 }
 
-/// One limit of the AMX path measured by a microbenchmark (see
-/// [`amx_limits`]): the fastest and the median of many short trials.
-#[derive(Clone, Debug)]
-pub struct AmxLimit {
-    /// What was measured.
-    pub what: String,
-    /// The unit of `min` and `median`.
-    pub unit: &'static str,
-    /// The figure of the fastest trial (for rates, of the best).
-    pub min: f64,
-    /// The figure of the median trial.
-    pub median: f64,
-}
-
-/// Microbenchmarks of the AMX path on the calling thread: `tileloadd`
-/// from L1, L2 and beyond, `tdpbf16ps` with operands from each level, and
-/// packing the activations of a token tile. Empty where AMX does not run.
-pub fn amx_limits() -> Vec<AmxLimit> {
-    #[cfg(target_arch = "x86_64")]
-    if CpuPath::Amx.available() {
-        // SAFETY: `available` checked CPUID and the tile permission.
-        return unsafe { amx_limits::measure() };
-    }
-    Vec::new()
-}
-
 #[cfg(target_arch = "x86_64")]
 mod amx;
-#[cfg(target_arch = "x86_64")]
-mod amx_limits;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
