@@ -54,8 +54,8 @@ use metrale_model_layers::layers::ple::kernels::args::ProjectArgs;
 use metrale_model_layers::layers::ple::kernels::{self, pack_projection};
 use thiserror::Error;
 
-use crate::engine::{CarrySite, Site, SiteResult};
-use metrale_model_layers::layers::ple::PlanPart;
+use crate::engine::{Site, SiteResult};
+use crate::wrap::{DeviceWork, RunKind, SiteWrap, Wrapped};
 
 /// The CUDA C++ source of the backbone's own kernel.
 pub const BACKBONE_CU: &str = include_str!("../kernels/backbone.cu");
@@ -431,11 +431,10 @@ impl Backbone {
     }
 }
 
-/// A site with the backbone blocks that run before it (and, for the last
-/// site, after it). Without a backbone it is the site itself. See the
-/// module docs.
-pub struct Layered<S> {
-    inner: S,
+/// The backbone's part of a [`Layered`] site: the blocks it runs before
+/// the site's forwards (and, for the last site, after them), and the
+/// accounting of its waits. Without a backbone it changes nothing.
+pub struct Blocks {
     before: usize,
     after: usize,
     backbone: Option<Arc<Backbone>>,
@@ -450,6 +449,11 @@ pub struct Layered<S> {
     host_ns: AtomicU64,
 }
 
+/// A site with the backbone blocks that run before it (and, for the last
+/// site, after it): the site wrapped with its [`Blocks`]. Without a
+/// backbone it is the site itself. See the module docs.
+pub type Layered<S> = Wrapped<S, Blocks>;
+
 /// How a site's waits for table rows fell against the backend's work.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WaitSplit {
@@ -462,29 +466,25 @@ pub struct WaitSplit {
     pub exposed: Duration,
 }
 
-impl<S> Layered<S> {
-    /// The wrapped site.
-    pub fn inner(&self) -> &S {
-        &self.inner
-    }
-
+impl<S> Wrapped<S, Blocks> {
     /// Blocks run before the site and after it.
     pub fn blocks(&self) -> (usize, usize) {
-        (self.before, self.after)
+        (self.wrap().before, self.wrap().after)
     }
 
     /// The shared backbone, if any.
     pub fn backbone(&self) -> Option<&Arc<Backbone>> {
-        self.backbone.as_ref()
+        self.wrap().backbone.as_ref()
     }
 
     /// The site's waits for rows so far, split by whether the blocks before
     /// it covered them (see [`WaitSplit`]). Forwards replayed from a graph
     /// resolve nothing and are not counted.
     pub fn wait_split(&self) -> WaitSplit {
+        let w = self.wrap();
         WaitSplit {
-            covered: Duration::from_nanos(self.wait_covered_ns.load(Ordering::Relaxed)),
-            exposed: Duration::from_nanos(self.wait_exposed_ns.load(Ordering::Relaxed)),
+            covered: Duration::from_nanos(w.wait_covered_ns.load(Ordering::Relaxed)),
+            exposed: Duration::from_nanos(w.wait_exposed_ns.load(Ordering::Relaxed)),
         }
     }
 
@@ -492,39 +492,46 @@ impl<S> Layered<S> {
     /// rows, waiting for them and queueing the kernels; without the blocks).
     /// Forwards replayed from a graph are not counted.
     pub fn host_time(&self) -> Duration {
-        Duration::from_nanos(self.host_ns.load(Ordering::Relaxed))
-    }
-
-    fn blocks_around(
-        &self,
-        n: usize,
-        highway: DevicePtr,
-        rows: usize,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        if let Some(b) = &self.backbone {
-            b.run(n, highway, rows, gpu, stream)?;
-        }
-        Ok(())
+        Duration::from_nanos(self.wrap().host_ns.load(Ordering::Relaxed))
     }
 }
 
-impl<S: Site> Layered<S> {
+impl Blocks {
+    fn new(before: usize, after: usize, backbone: Option<Arc<Backbone>>) -> Self {
+        if let Some(b) = &backbone {
+            b.users.fetch_add(1, Ordering::AcqRel);
+        }
+        Blocks {
+            before,
+            after,
+            backbone,
+            freed: false,
+            wait_covered_ns: AtomicU64::new(0),
+            wait_exposed_ns: AtomicU64::new(0),
+            host_ns: AtomicU64::new(0),
+        }
+    }
+
+    fn blocks_around(&self, n: usize, w: &DeviceWork<'_>) -> SiteResult<()> {
+        if let Some(b) = &self.backbone {
+            b.run(n, w.highway, w.rows, w.gpu, w.stream)?;
+        }
+        Ok(())
+    }
+
     /// Queue the blocks before the site, run `site` (the wrapped site's
     /// host work: hashing, resolving rows, queueing its kernels), file the
     /// time it waited for rows as covered when the blocks were still
     /// running when it returned, else as exposed, and queue the blocks
     /// after the site.
-    fn measured(
+    fn measured<S: Site>(
         &self,
-        highway: DevicePtr,
-        rows: usize,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
+        inner: &S,
+        w: &DeviceWork<'_>,
         site: impl FnOnce() -> SiteResult<()>,
     ) -> SiteResult<()> {
-        self.blocks_around(self.before, highway, rows, gpu, stream)?;
+        let (gpu, stream) = (w.gpu, w.stream);
+        self.blocks_around(self.before, w)?;
         // An event after the blocks tells whether they were still running;
         // without one (no blocks, or the backend refused it) every wait
         // counts as exposed.
@@ -540,12 +547,12 @@ impl<S: Site> Layered<S> {
         } else {
             None
         };
-        let w0 = self.inner.table_stats().io_wait_ns;
+        let w0 = inner.table_stats().io_wait_ns;
         let t0 = std::time::Instant::now();
         let r = site();
         self.host_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let waited = self.inner.table_stats().io_wait_ns.saturating_sub(w0);
+        let waited = inner.table_stats().io_wait_ns.saturating_sub(w0);
         let covered = match ev {
             Some(e) => {
                 let done = gpu.event_query(e).unwrap_or(true);
@@ -561,7 +568,46 @@ impl<S: Site> Layered<S> {
         };
         counter.fetch_add(waited, Ordering::Relaxed);
         r?;
-        self.blocks_around(self.after, highway, rows, gpu, stream)
+        self.blocks_around(self.after, w)
+    }
+}
+
+impl<S: Site> SiteWrap<S> for Blocks {
+    fn around(
+        &self,
+        inner: &S,
+        work: DeviceWork<'_>,
+        run: impl FnOnce() -> SiteResult<()>,
+    ) -> SiteResult<()> {
+        match work.kind {
+            RunKind::Run | RunKind::RunBatch => self.measured(inner, &work, run),
+            // A prestaged forward resolves nothing (its host half did), so
+            // there is no wait to file: only the blocks around it.
+            RunKind::Prestaged => {
+                self.blocks_around(self.before, &work)?;
+                run()?;
+                self.blocks_around(self.after, &work)
+            }
+        }
+    }
+
+    fn max_tokens(&self, inner: usize) -> usize {
+        match &self.backbone {
+            Some(b) => inner.min(b.max_rows()),
+            None => inner,
+        }
+    }
+
+    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
+        if !self.freed {
+            self.freed = true;
+            if let Some(b) = &self.backbone
+                && b.users.fetch_sub(1, Ordering::AcqRel) == 1
+            {
+                b.free(gpu)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -591,29 +637,11 @@ pub fn layered<S: Site>(
         .into_iter()
         .enumerate()
         .map(|(k, inner)| match &plan {
-            None => Layered {
-                inner,
-                before: 0,
-                after: 0,
-                backbone: None,
-                freed: false,
-                wait_covered_ns: AtomicU64::new(0),
-                wait_exposed_ns: AtomicU64::new(0),
-                host_ns: AtomicU64::new(0),
-            },
+            None => Wrapped::new(inner, Blocks::new(0, 0, None)),
             Some((bb, cuts, layers)) => {
-                bb.users.fetch_add(1, Ordering::AcqRel);
                 let prev = if k == 0 { 1 } else { cuts[k - 1] };
-                Layered {
-                    inner,
-                    before: cuts[k] - prev,
-                    after: if k + 1 == n { layers + 1 - cuts[k] } else { 0 },
-                    backbone: Some(bb.clone()),
-                    freed: false,
-                    wait_covered_ns: AtomicU64::new(0),
-                    wait_exposed_ns: AtomicU64::new(0),
-                    host_ns: AtomicU64::new(0),
-                }
+                let after = if k + 1 == n { layers + 1 - cuts[k] } else { 0 };
+                Wrapped::new(inner, Blocks::new(cuts[k] - prev, after, Some(bb.clone())))
             }
         })
         .collect())
@@ -652,85 +680,6 @@ fn plan<S: Site>(
         .unwrap_or(0);
     let bb = Backbone::new(gpu, width, c.scale, max_rows)?;
     Ok((Arc::new(bb), c.site_layers.clone(), c.layers))
-}
-
-impl<S: Site> CarrySite for Layered<S> {
-    type State = S::State;
-
-    crate::delegate_site!(inner:
-        geometry, carry_bytes, new_state, history, snapshot, restore, release,
-    );
-
-    fn free(&mut self, gpu: &dyn GpuBackend) -> SiteResult<()> {
-        let r = self.inner.free(gpu);
-        if !self.freed {
-            self.freed = true;
-            if let Some(b) = &self.backbone
-                && b.users.fetch_sub(1, Ordering::AcqRel) == 1
-            {
-                b.free(gpu)?;
-            }
-        }
-        r
-    }
-}
-
-impl<S: Site> Site for Layered<S> {
-    type Plan = S::Plan;
-
-    crate::delegate_site!(inner:
-        plan, prefetch, supports_graphs, max_prestage_batch, prestage, note_replayed,
-        rearm, table_stats,
-    );
-
-    fn max_tokens(&self) -> usize {
-        let m = self.inner.max_tokens();
-        match &self.backbone {
-            Some(b) => m.min(b.max_rows()),
-            None => m,
-        }
-    }
-    fn run(
-        &self,
-        plan: &S::Plan,
-        part: PlanPart,
-        st: &mut Self::State,
-        highway: DevicePtr,
-        fresh: bool,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.measured(highway, part.len, gpu, stream, || {
-            self.inner.run(plan, part, st, highway, fresh, gpu, stream)
-        })
-    }
-    fn run_batch(
-        &self,
-        plan: &S::Plan,
-        seqs: &[usize],
-        states: &mut [&mut Self::State],
-        highway: DevicePtr,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.measured(highway, states.len(), gpu, stream, || {
-            self.inner
-                .run_batch(plan, seqs, states, highway, gpu, stream)
-        })
-    }
-    fn forward_prestaged(
-        &self,
-        states: &mut [&mut Self::State],
-        highway: DevicePtr,
-        rows: usize,
-        gpu: &dyn GpuBackend,
-        stream: StreamId,
-    ) -> SiteResult<()> {
-        self.blocks_around(self.before, highway, rows, gpu, stream)?;
-        self.inner
-            .forward_prestaged(states, highway, rows, gpu, stream)?;
-        self.blocks_around(self.after, highway, rows, gpu, stream)
-    }
 }
 
 #[cfg(test)]

@@ -16,8 +16,9 @@
 //! - [`ple_site`]: the PLE layer as an engine site;
 //! - [`backbone`]: GEMM blocks standing in for the model's layers around
 //!   the sites, so table reads have compute to hide behind;
-//! - [`delegate`]: [`delegate_site!`], the methods of a wrapper site that
-//!   pass calls on unchanged.
+//! - [`wrap`]: [`wrap::Wrapped`], a site around another that hands every
+//!   call on, with a small middleware where a wrapper changes one (the
+//!   backbone's [`backbone::Layered`], a test's hooked site).
 //!
 //! A site is two traits: [`CarrySite`] (geometry, carries, their blobs)
 //! and [`Site`] (a step: plan, prefetch, run, prestage). A step is a value,
@@ -29,16 +30,16 @@
 
 pub mod backbone;
 pub mod budget;
-pub mod delegate;
 pub mod engine;
 pub mod ple_site;
 pub mod prefix_cache;
 pub mod server;
 pub mod snapshot;
 pub mod store;
+pub mod wrap;
 
 pub use engine::{
-    Added, CarrySite, Engine, EngineConfig, EngineError, EngineStats, Place, SeqId, Site,
+    Added, CarrySite, Engine, EngineConfig, EngineError, EngineStats, Highway, Place, SeqId, Site,
     SiteResult, StepPlans, SwapTarget,
 };
 pub use server::{Server, ServerConfig, ServerError, ServerReport};

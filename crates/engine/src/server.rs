@@ -553,8 +553,8 @@ impl<S: Site> Server<S> {
         }
         let t0 = Instant::now();
         let r = match plan {
-            Some(p) => self.engine.decode_planned(&batch, p, rows),
-            None => self.engine.decode(&batch, rows),
+            Some(p) => self.engine.decode_planned(&batch, p, &mut *rows),
+            None => self.engine.decode(&batch, &mut *rows),
         };
         run.report.decode_time += t0.elapsed();
         if let Err(source) = r {
@@ -592,8 +592,8 @@ impl<S: Site> Server<S> {
         }
         let t0 = Instant::now();
         let r = match plan {
-            Some(p) => self.engine.prefill_planned(l.id, toks, p, rows),
-            None => self.engine.prefill(l.id, toks, rows),
+            Some(p) => self.engine.prefill_planned(l.id, toks, p, &mut *rows),
+            None => self.engine.prefill(l.id, toks, &mut *rows),
         };
         run.report.prefill_time += t0.elapsed();
         if let Err(source) = r {

@@ -25,7 +25,7 @@ fn a_failed_host_swap_in_changes_nothing_and_the_retry_continues_bit_identically
     let sites = (0..2)
         .map(|i| {
             let refuse = refuse.clone();
-            HookedSite::new(ToySite::new(8, 2, i, 16), move |call| {
+            HookedSite::new(ToySite::new(8, 2, i, 16), move |call: SiteCall<'_>| {
                 (i == 1 && call == SiteCall::Restore && refuse.load(Ordering::SeqCst))
                     .then(|| "flaky: restore refused".to_string())
             })

@@ -22,8 +22,9 @@
 use std::collections::{HashMap, HashSet};
 
 use metrale_gpu_runtime::gpu::DevicePtr;
-use metrale_model_layers::layers::ple::{SeqWork, highway};
+use metrale_model_layers::layers::ple::SeqWork;
 
+use super::rows::{Highway, run_on, run_staged};
 use super::{Carry, Engine, EngineError, Result, Seq, SeqId, Site, StepPlans};
 
 /// The carries of site `k` of the sequences of `taken`, in order.
@@ -44,7 +45,10 @@ impl<S: Site> Engine<S> {
     /// its rows on the host (`prestage_batch`), then replays a graph
     /// captured once per padded batch size (the next power of two, up to
     /// [`Self::batch_capacity`]), as a server replays CUDA graphs. Outputs
-    /// are bit-identical to eager decode. Refused when a site cannot replay.
+    /// are bit-identical to eager decode. The graphs read and write the
+    /// engine's own device rows, so a step on device rows ([`Highway`])
+    /// copies them in and out on the device around the replay. Refused when
+    /// a site cannot replay.
     pub fn enable_decode_graphs(&mut self) -> Result<()> {
         if let Some(i) = self.sites.iter().position(|s| !s.supports_graphs()) {
             return Err(EngineError::GraphsUnsupported(i));
@@ -66,13 +70,18 @@ impl<S: Site> Engine<S> {
     }
 
     /// One decode step: token `batch[b].1` for sequence `batch[b].0`, on row
-    /// `b` of `highway` (`batch.len()` rows in, out). Batches larger than
+    /// `b` of `highway` (`batch.len()` rows in, out: host rows, or rows on
+    /// the device run in place, see [`Highway`]). Batches larger than
     /// [`Self::batch_capacity`], than the device budget holds carries, or
     /// (with graphs) than a site's row table can keep pinned for one step,
     /// run as several batched forwards in order (outputs do not depend on
     /// the split); if a later part fails, the earlier parts have run.
-    pub fn decode(&mut self, batch: &[(SeqId, u32)], highway: &mut [f32]) -> Result<()> {
-        self.decode_with(batch, None, None, highway)
+    pub fn decode<'h>(
+        &mut self,
+        batch: &[(SeqId, u32)],
+        highway: impl Into<Highway<'h>>,
+    ) -> Result<()> {
+        self.decode_with(batch, None, None, highway.into())
     }
 
     /// [`Self::decode`] running `plan` (from [`Self::plan`]) for each part
@@ -80,17 +89,17 @@ impl<S: Site> Engine<S> {
     /// hashed again (a part it holds only some of is planned anew).
     /// Refused, with nothing changed, when the plan holds a sequence for
     /// another token or position ([`EngineError::PlanMismatch`]).
-    pub fn decode_planned(
+    pub fn decode_planned<'h>(
         &mut self,
         batch: &[(SeqId, u32)],
         plan: &StepPlans<S::Plan>,
-        highway: &mut [f32],
+        highway: impl Into<Highway<'h>>,
     ) -> Result<()> {
         for &(id, t) in batch {
             let absorbed = self.seq(id)?.tokens.len();
             plan.part(id, absorbed, &[t])?;
         }
-        self.decode_with(batch, None, Some(plan), highway)
+        self.decode_with(batch, None, Some(plan), highway.into())
     }
 
     /// [`Self::decode`] with a token mask: `masked[b]` flags the token of
@@ -99,13 +108,13 @@ impl<S: Site> Engine<S> {
     /// graphs; a sequence that absorbs one no longer caches its block
     /// boundaries. Refused, with nothing changed, when a site's published
     /// layer has no mask or the mask's length is not the batch's.
-    pub fn decode_masked(
+    pub fn decode_masked<'h>(
         &mut self,
         batch: &[(SeqId, u32)],
         masked: &[bool],
-        highway: &mut [f32],
+        highway: impl Into<Highway<'h>>,
     ) -> Result<()> {
-        self.decode_with(batch, Some(masked), None, highway)
+        self.decode_with(batch, Some(masked), None, highway.into())
     }
 
     fn decode_with(
@@ -113,9 +122,9 @@ impl<S: Site> Engine<S> {
         batch: &[(SeqId, u32)],
         masked: Option<&[bool]>,
         plan: Option<&StepPlans<S::Plan>>,
-        highway: &mut [f32],
+        mut highway: Highway<'_>,
     ) -> Result<()> {
-        self.check_rows("decode", batch.len(), highway)?;
+        highway.check("decode", batch.len(), self.width)?;
         self.check_tokens("decode", batch.iter().map(|&(_, t)| t))?;
         if let Some(m) = masked {
             self.check_mask("decode", m, batch.len())?;
@@ -141,12 +150,9 @@ impl<S: Site> Engine<S> {
                 }
             }
         }
-        for (i, (part, rows)) in batch
-            .chunks(part_len)
-            .zip(highway.chunks_mut(part_len * self.width))
-            .enumerate()
-        {
+        for (i, part) in batch.chunks(part_len).enumerate() {
             let start = i * part_len;
+            let rows = highway.rows(start, part.len(), self.width);
             // An all-clear part is no mask (the layer treats it so too).
             let part_masked = masked
                 .map(|m| &m[start..start + part.len()])
@@ -161,7 +167,7 @@ impl<S: Site> Engine<S> {
         part: &[(SeqId, u32)],
         masked: Option<&[bool]>,
         plan: Option<&StepPlans<S::Plan>>,
-        rows: &mut [f32],
+        rows: Highway<'_>,
     ) -> Result<()> {
         let ids: Vec<SeqId> = part.iter().map(|p| p.0).collect();
         for &id in &ids {
@@ -230,7 +236,7 @@ impl<S: Site> Engine<S> {
         tokens: &[u32],
         masked: Option<&[bool]>,
         planned: Option<(&StepPlans<S::Plan>, &[usize])>,
-        rows: &mut [f32],
+        rows: Highway<'_>,
     ) -> Result<()> {
         if self.graphs.is_some() {
             if masked.is_none() {
@@ -239,8 +245,7 @@ impl<S: Site> Engine<S> {
             self.stats.masked_eager_steps += 1;
         }
         let gpu = self.gpu.as_ref();
-        let copy = |what, e| EngineError::device(what, e);
-        highway::on_device(gpu, self.highway, rows, self.stream, copy, |hw| {
+        run_on(gpu, self.highway, self.stream, rows, |hw| {
             for (k, site) in self.sites.iter().enumerate() {
                 let mut states = states_of(taken, k)?;
                 self.run_site_batch(
@@ -299,21 +304,22 @@ impl<S: Site> Engine<S> {
     /// site, capture the step for this padded size if it is the first,
     /// replay it, and note the replay. A failed capture gives the prestages
     /// back and runs the same prestaged step eagerly, so nothing is hashed
-    /// twice and the outputs are the same.
+    /// twice and the outputs are the same. The graph runs on the engine's
+    /// own rows, so device rows are copied through them.
     pub(super) fn forward_batch_graph(
         &mut self,
         taken: &mut [Seq<S::State>],
         tokens: &[u32],
         planned: Option<(&StepPlans<S::Plan>, &[usize])>,
-        rows: &mut [f32],
+        rows: Highway<'_>,
     ) -> Result<()> {
         let gpu = self.gpu.clone();
         let gpu = gpu.as_ref();
         let stream = self.stream;
         let padded = tokens.len().next_power_of_two().min(self.batch_cap);
-        let copy = |what, e| EngineError::device(what, e);
-        let hw = self.highway;
-        highway::on_device(gpu, hw, rows, stream, copy, |hw| {
+        let staging = self.highway;
+        let shape = (tokens.len(), self.width);
+        run_staged(gpu, staging, stream, rows, shape, |hw| {
             self.graph_step(taken, tokens, planned, padded, hw)
         })
     }

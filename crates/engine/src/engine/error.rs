@@ -64,6 +64,14 @@ pub enum EngineError {
         /// Values per token.
         width: usize,
     },
+    /// A device highway at the null address for tokens to run.
+    #[error("{op}: a null device highway given for {tokens} tokens")]
+    NullHighway {
+        /// The operation.
+        op: &'static str,
+        /// Tokens given.
+        tokens: usize,
+    },
     /// A speculative verify is pending on the sequence.
     #[error("{op}: sequence {seq} has a pending verify; commit it first")]
     PendingVerify {

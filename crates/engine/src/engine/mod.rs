@@ -4,7 +4,9 @@
 //! chunks, decoded in batches of one token each, verified speculatively and
 //! committed, swapped out to host memory or a file and back, and released.
 //! The caller passes the highway rows (`[T, hc * hidden]` f32) of every token
-//! it runs and gets them back with every site applied in order.
+//! it runs and gets them back with every site applied in order: as a host
+//! slice, copied through the engine's own device rows, or as rows already
+//! on the device, run in place ([`Highway`]).
 //!
 //! Invariants:
 //! - a sequence's carry is in exactly one place: resident (one state per
@@ -77,6 +79,7 @@ use metrale_model_layers::layers::ple::{PlanPart, SeqWork, SiteSpec};
 
 mod decode;
 mod error;
+mod rows;
 mod sequences;
 mod snapshots;
 mod speculate;
@@ -84,6 +87,7 @@ mod swap;
 
 pub(crate) use error::chain as error_chain;
 pub use error::{BoxError, EngineError, Place, Result};
+pub use rows::Highway;
 
 /// What a [`Site`] returns: any error type of the site's layer, table or
 /// backend, boxed; the engine carries it, with its causes, as the source of
@@ -821,18 +825,6 @@ impl<S: Site> Engine<S> {
                 op,
                 flags: masked.len(),
                 tokens,
-            });
-        }
-        Ok(())
-    }
-
-    fn check_rows(&self, op: &'static str, tokens: usize, rows: &[f32]) -> Result<()> {
-        if rows.len() != tokens * self.width {
-            return Err(EngineError::HighwaySize {
-                op,
-                rows: rows.len(),
-                tokens,
-                width: self.width,
             });
         }
         Ok(())

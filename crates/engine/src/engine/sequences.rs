@@ -7,8 +7,8 @@
 //! releases its charge, so preemption never picks a lost sequence.
 
 use metrale_model_layers::layers::ple::PlanPart;
-use metrale_model_layers::layers::ple::highway;
 
+use super::rows::{Highway, run_on};
 use super::{Added, Carry, Engine, EngineError, Result, Seq, SeqId, Site, StepPlans, Swapped};
 
 impl<S: Site> Engine<S> {
@@ -169,25 +169,32 @@ impl<S: Site> Engine<S> {
     /// Run `tokens` through sequence `id` in chunks of at most
     /// `prefill_chunk` (split further at prefix-cache block boundaries, where
     /// snapshots are cached). `highway` holds `tokens.len()` rows in, and
-    /// gets them back with every site applied.
-    pub fn prefill(&mut self, id: SeqId, tokens: &[u32], highway: &mut [f32]) -> Result<()> {
-        self.prefill_with(id, tokens, None, None, highway)
+    /// gets them back with every site applied: host rows, or rows on the
+    /// device run in place ([`Highway`]; a chunk runs the rows at its
+    /// offset).
+    pub fn prefill<'h>(
+        &mut self,
+        id: SeqId,
+        tokens: &[u32],
+        highway: impl Into<Highway<'h>>,
+    ) -> Result<()> {
+        self.prefill_with(id, tokens, None, None, highway.into())
     }
 
     /// [`Self::prefill`] running `plan` (from [`Self::plan`]) where it
     /// holds the sequence, so its tokens are not hashed again. Refused,
     /// with nothing changed, when the plan holds the sequence for other
     /// tokens or another position ([`EngineError::PlanMismatch`]).
-    pub fn prefill_planned(
+    pub fn prefill_planned<'h>(
         &mut self,
         id: SeqId,
         tokens: &[u32],
         plan: &StepPlans<S::Plan>,
-        highway: &mut [f32],
+        highway: impl Into<Highway<'h>>,
     ) -> Result<()> {
         let absorbed = self.seq(id)?.tokens.len();
         plan.part(id, absorbed, tokens)?;
-        self.prefill_with(id, tokens, None, Some(plan), highway)
+        self.prefill_with(id, tokens, None, Some(plan), highway.into())
     }
 
     /// [`Self::prefill`] with a token mask: one flag per token, `true` where
@@ -199,14 +206,14 @@ impl<S: Site> Engine<S> {
     /// Refused, with nothing changed, when a site's published layer has no
     /// mask ([`EngineError::TokenMaskUnsupported`]) or the mask's length is
     /// not the tokens' ([`EngineError::MaskSize`]).
-    pub fn prefill_masked(
+    pub fn prefill_masked<'h>(
         &mut self,
         id: SeqId,
         tokens: &[u32],
         masked: &[bool],
-        highway: &mut [f32],
+        highway: impl Into<Highway<'h>>,
     ) -> Result<()> {
-        self.prefill_with(id, tokens, Some(masked), None, highway)
+        self.prefill_with(id, tokens, Some(masked), None, highway.into())
     }
 
     fn prefill_with(
@@ -215,10 +222,10 @@ impl<S: Site> Engine<S> {
         tokens: &[u32],
         masked: Option<&[bool]>,
         plan: Option<&StepPlans<S::Plan>>,
-        highway: &mut [f32],
+        mut highway: Highway<'_>,
     ) -> Result<()> {
         self.check_usable(id, "prefill", false)?;
-        self.check_rows("prefill", tokens.len(), highway)?;
+        highway.check("prefill", tokens.len(), self.width)?;
         self.check_tokens("prefill", tokens.iter().copied())?;
         if let Some(m) = masked {
             self.check_mask("prefill", m, tokens.len())?;
@@ -236,7 +243,7 @@ impl<S: Site> Engine<S> {
             if caching {
                 n = n.min(b - have % b);
             }
-            let rows = &mut highway[done * self.width..(done + n) * self.width];
+            let rows = highway.rows(done, n, self.width);
             let chunk_masked = masked.map(|m| &m[done..done + n]);
             self.run_one(
                 id,
@@ -269,7 +276,7 @@ impl<S: Site> Engine<S> {
         tokens: &[u32],
         masked: Option<&[bool]>,
         plan: Option<&StepPlans<S::Plan>>,
-        rows: &mut [f32],
+        rows: Highway<'_>,
         op: &str,
     ) -> Result<()> {
         // An all-clear mask is no mask (the layer treats it so too).
@@ -302,7 +309,7 @@ impl<S: Site> Engine<S> {
         tokens: &[u32],
         masked: Option<&[bool]>,
         planned: Option<(&StepPlans<S::Plan>, PlanPart)>,
-        rows: &mut [f32],
+        rows: Highway<'_>,
     ) -> Result<()> {
         let Carry::Resident(states) = &mut seq.carry else {
             return Err(EngineError::Internal(
@@ -311,8 +318,7 @@ impl<S: Site> Engine<S> {
         };
         let fresh = seq.tokens.is_empty();
         let gpu = self.gpu.as_ref();
-        let copy = |what, e| EngineError::device(what, e);
-        highway::on_device(gpu, self.highway, rows, self.stream, copy, |hw| {
+        run_on(gpu, self.highway, self.stream, rows, |hw| {
             for (i, (site, st)) in self.sites.iter().zip(states.iter_mut()).enumerate() {
                 let err = |e| {
                     EngineError::site(i, format!("site {i} forward of {} tokens", tokens.len()), e)

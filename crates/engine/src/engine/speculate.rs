@@ -6,15 +6,25 @@
 //! carry is exactly that of `tokens ++ draft[..k]`, rebuilt by restoring the
 //! pre-draft carry and re-running the accepted tokens from their saved rows.
 
+use super::rows::Highway;
 use super::{Carry, Engine, EngineError, Pending, Result, SeqId, Site};
 
 impl<S: Site> Engine<S> {
     /// Speculative verify: run `draft` through sequence `id` and return, in
-    /// `highway`, the output rows of every draft position. The carry from
-    /// before is kept until [`Self::commit`] says how many tokens stay.
-    pub fn verify(&mut self, id: SeqId, draft: &[u32], highway: &mut [f32]) -> Result<()> {
+    /// `highway`, the output rows of every draft position (host rows, or
+    /// rows on the device run in place, see [`Highway`]). The carry from
+    /// before is kept until [`Self::commit`] says how many tokens stay; so
+    /// are the draft's input rows, on the host (device rows are read back
+    /// once for them).
+    pub fn verify<'h>(
+        &mut self,
+        id: SeqId,
+        draft: &[u32],
+        highway: impl Into<Highway<'h>>,
+    ) -> Result<()> {
+        let mut highway = highway.into();
         self.check_usable(id, "verify", false)?;
-        self.check_rows("verify", draft.len(), highway)?;
+        highway.check("verify", draft.len(), self.width)?;
         self.check_tokens("verify", draft.iter().copied())?;
         self.ensure_resident(id, &[id])?;
         let before = {
@@ -26,12 +36,12 @@ impl<S: Site> Engine<S> {
                 _ => None,
             }
         };
-        let rows_in = highway.to_vec();
+        let rows_in = highway.to_host(draft.len(), self.width, self.gpu.as_ref(), self.stream)?;
         let start = self.seq(id)?.tokens.len();
         let mut done = 0;
         while done < draft.len() {
             let n = (draft.len() - done).min(self.max_rows);
-            let rows = &mut highway[done * self.width..(done + n) * self.width];
+            let rows = highway.rows(done, n, self.width);
             self.run_one(id, &draft[done..done + n], None, None, rows, "verify")?;
             done += n;
         }
@@ -115,7 +125,7 @@ impl<S: Site> Engine<S> {
             }
             while done < accepted {
                 let n = (accepted - done).min(self.max_rows);
-                let r = &mut rows[done * self.width..(done + n) * self.width];
+                let r = Highway::Host(&mut rows[done * self.width..(done + n) * self.width]);
                 self.run_one(id, &p.draft[done..done + n], None, None, r, "commit")?;
                 done += n;
             }
