@@ -122,7 +122,8 @@ impl<'a, S: Site> PrefixRestore<'a, S> {
             .recompute
             .as_mut()
             .context("bench prefix: baseline before prepare_baseline")?;
-        self.plain.prefill(*id, &self.prompt[..self.prefix], hw)?;
+        self.plain
+            .prefill(*id, &self.prompt[..self.prefix], &mut *hw)?;
         black_box(hw);
         Ok(())
     }

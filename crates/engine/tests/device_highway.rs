@@ -249,7 +249,7 @@ fn verify_and_commit_on_device_rows_match_host_rows() {
     let w = p.host.width();
     for accepted in [0, 2, 6, 9] {
         let toks = tokens(7, accepted as u32);
-        let ids = prefilled(&mut p, &[toks.clone()]);
+        let ids = prefilled(&mut p, std::slice::from_ref(&toks));
         let id = ids[0];
         // Longer than one forward takes: the verify runs in chunks.
         let draft = tokens(9, 40 + accepted as u32);
@@ -296,7 +296,7 @@ fn masked_prefill_and_decode_on_device_rows_match_host_rows() {
     for step in 0..3u32 {
         let batch: Vec<(u64, u32)> = ids.iter().map(|&id| (id, id as u32 + step + 1)).collect();
         let masked: Vec<bool> = (0..batch.len())
-            .map(|b| (b + step as usize) % 3 == 0)
+            .map(|b| (b + step as usize).is_multiple_of(3))
             .collect();
         let toks: Vec<u32> = batch.iter().map(|b| b.1).collect();
         let rows = rows_for(&toks, 0, toks.len(), w);

@@ -30,9 +30,9 @@ pub enum SiteCall<'a> {
         /// Each sequence's token.
         tokens: &'a [u32],
     },
-    /// [`CarrySite::snapshot`].
+    /// [`metrale_engine::CarrySite::snapshot`].
     Snapshot,
-    /// [`CarrySite::restore`].
+    /// [`metrale_engine::CarrySite::restore`].
     Restore,
     /// [`Site::plan`]: each sequence's history and next tokens.
     Plan {
