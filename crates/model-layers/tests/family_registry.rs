@@ -19,6 +19,8 @@ static TOY: FamilyDesc = FamilyDesc {
     title: "Toy",
     detect: Some(|f| Ok(f.has(KEY).then_some(KEY))),
     parse,
+    // Its sites are LongCat's, which LongCat's entry names.
+    site_layer: |_| None,
 };
 
 #[derive(Clone, Debug, PartialEq)]

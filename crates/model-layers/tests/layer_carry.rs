@@ -7,55 +7,13 @@ mod layer_common;
 use std::sync::Arc;
 
 use layer_common::{
-    Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
+    Fx, Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
 };
 use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::GpuBackend;
 use metrale_model_layers::layers::ple::carry_blob::{self, AuxBlobError};
 use metrale_model_layers::layers::ple::ids::IdError;
-use metrale_model_layers::layers::ple::{
-    ForwardContext, LayerError, PleLayer, PleSeqState, SpecError,
-};
-
-struct Fx {
-    gpu: CpuBackend,
-    start: usize,
-    small: Small,
-    table: Arc<TestTable>,
-}
-
-impl Fx {
-    fn new(seed: u64) -> Fx {
-        let gpu = CpuBackend::new_debug();
-        let start = gpu.live_alloc_count();
-        let small = Small::new(seed);
-        let table = TestTable::new(&gpu, &small.table_bits, small.head_dim, 5).unwrap();
-        Fx {
-            gpu,
-            start,
-            small,
-            table,
-        }
-    }
-    fn g(&self) -> &dyn GpuBackend {
-        &self.gpu
-    }
-    fn layer(&self, max_tokens: usize) -> PleLayer {
-        self.small
-            .layer(self.g(), self.table.clone(), max_tokens)
-            .unwrap()
-    }
-    fn finish(self, mut layer: PleLayer, states: Vec<PleSeqState>) {
-        let g: &dyn GpuBackend = &self.gpu;
-        for mut st in states {
-            layer.release_seq_state(&mut st, g).unwrap();
-        }
-        layer.free(g).unwrap();
-        assert_eq!(self.table.pinned(g), 0, "leases left pinned");
-        self.table.free(g);
-        assert_no_leaks(g, self.start);
-    }
-}
+use metrale_model_layers::layers::ple::{ForwardContext, LayerError, PleLayer, SpecError};
 
 fn err_text<T, E: std::fmt::Display>(r: Result<T, E>) -> String {
     match r {
@@ -66,7 +24,7 @@ fn err_text<T, E: std::fmt::Display>(r: Result<T, E>) -> String {
 
 #[test]
 fn restore_of_a_wrong_size_blob_fails_and_changes_nothing() {
-    let fx = Fx::new(1);
+    let fx = Fx::new(1, 5);
     let g = fx.g();
     let layer = fx.layer(8);
     let c = fx.small.channels();
@@ -107,7 +65,7 @@ fn restore_of_a_wrong_size_blob_fails_and_changes_nothing() {
 /// the same bytes, both ways.
 #[test]
 fn codec_matches_the_seed_blob_both_ways() {
-    let fx = Fx::new(11);
+    let fx = Fx::new(11, 5);
     let g = fx.g();
     let layer = fx.layer(8);
     let spec = layer.spec().clone();
@@ -173,7 +131,7 @@ fn codec_matches_the_seed_blob_both_ways() {
 /// take the seed's bytes: for a carry that ran and for one that has not.
 #[test]
 fn layer_snapshot_and_restore_are_the_seeds_bytes() {
-    let fx = Fx::new(12);
+    let fx = Fx::new(12, 5);
     let g = fx.g();
     let layer = fx.layer(8);
     let c = fx.small.channels();
@@ -235,7 +193,7 @@ fn layer_snapshot_and_restore_are_the_seeds_bytes() {
 
 #[test]
 fn release_twice_is_fine_and_a_released_state_is_refused() {
-    let fx = Fx::new(2);
+    let fx = Fx::new(2, 5);
     let g = fx.g();
     let layer = fx.layer(8);
     let mut st = layer.new_seq_state(g).unwrap();
@@ -258,7 +216,7 @@ fn release_twice_is_fine_and_a_released_state_is_refused() {
 
 #[test]
 fn constructor_validates_every_shape_and_leaks_nothing() {
-    let fx = Fx::new(3);
+    let fx = Fx::new(3, 5);
     let g = fx.g();
     let s = &fx.small;
     let table = || Arc::clone(&fx.table) as Arc<dyn metrale_storage::table::RowTable>;
@@ -358,11 +316,11 @@ fn eager_run(
 
 #[test]
 fn capture_refusals_name_the_reason() {
-    let fx = Fx::new(4);
+    let fx = Fx::new(4, 5);
     let g = fx.g();
     let layer = fx.layer(8);
     let c = layer.channels();
-    let s = g.create_stream().unwrap();
+    let s = fx.s;
     let mut st = layer.new_seq_state(g).unwrap();
     let hw = upload(g, &vec![0.25; c], "hw");
     layer
@@ -425,12 +383,11 @@ fn capture_refusals_name_the_reason() {
     g.free(hw).unwrap();
     g.synchronize(s).unwrap();
     fx.finish(layer, vec![st]);
-    // (the stream dies with the backend)
 }
 
 #[test]
 fn rearm_after_a_failed_capture_makes_the_eager_rerun_correct() {
-    let fx = Fx::new(5);
+    let fx = Fx::new(5, 5);
     let g = fx.g();
     let layer = fx.layer(8);
     let c = layer.channels();
@@ -440,7 +397,7 @@ fn rearm_after_a_failed_capture_makes_the_eager_rerun_correct() {
     let hws: Vec<Vec<f32>> = (0..3).map(|_| highway(&mut r, 1, c)).collect();
     let (want, want_blob) = eager_run(&layer, g, &pre, &toks, &hws);
 
-    let s = g.create_stream().unwrap();
+    let s = fx.s;
     let mut st = layer.new_seq_state(g).unwrap();
     let hw = upload(g, &vec![0.5; pre.len() * c], "hw");
     layer
@@ -496,7 +453,7 @@ fn rearm_after_a_failed_capture_makes_the_eager_rerun_correct() {
 
 #[test]
 fn stale_and_overridden_prestages_are_never_applied() {
-    let fx = Fx::new(6);
+    let fx = Fx::new(6, 5);
     let g = fx.g();
     let layer = fx.layer(4);
     let c = layer.channels();
@@ -611,11 +568,11 @@ fn fp8_rows_give_the_same_highway_as_their_bf16_rounding() {
 fn leases_outlive_the_call_until_the_gather_has_run() {
     use metrale_gpu_runtime::cpu::Latch;
     use metrale_gpu_runtime::gpu::LaunchConfig;
-    let fx = Fx::new(9);
+    let fx = Fx::new(9, 5);
     let g = fx.g();
     let layer = fx.layer(8);
     let c = layer.channels();
-    let s = g.create_stream().unwrap();
+    let s = fx.s;
     let mut st = layer.new_seq_state(g).unwrap();
     let hw = upload(g, &vec![0.5; 3 * c], "hw");
     for staged in [false, true] {

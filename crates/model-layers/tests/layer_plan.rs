@@ -8,12 +8,7 @@
 
 mod layer_common;
 
-use std::sync::Arc;
-
-use layer_common::{
-    Rng, Small, TestTable, assert_no_leaks, bits, download, highway, tokens, upload, write,
-};
-use metrale_gpu_runtime::cpu::CpuBackend;
+use layer_common::{Fx, Rng, Small, bits, download, highway, tokens, upload, write};
 use metrale_gpu_runtime::gpu::{GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::ids::ple_ngram_ids;
 use metrale_model_layers::layers::ple::{
@@ -32,51 +27,6 @@ fn reference_ids(small: &Small, history: &[u32], tokens: &[u32]) -> Vec<u64> {
         .iter()
         .flat_map(|r| r.iter().copied())
         .collect()
-}
-
-struct Fx {
-    gpu: CpuBackend,
-    start: usize,
-    small: Small,
-    table: Arc<TestTable>,
-    /// The stream every call runs on (destroyed after the layer is freed).
-    s: StreamId,
-}
-
-impl Fx {
-    fn new(seed: u64, max_resolve: usize) -> Fx {
-        let gpu = CpuBackend::new_debug();
-        let start = gpu.live_alloc_count();
-        let small = Small::new(seed);
-        let table = TestTable::new(&gpu, &small.table_bits, small.head_dim, max_resolve).unwrap();
-        let s = gpu.create_stream().unwrap();
-        Fx {
-            gpu,
-            start,
-            small,
-            table,
-            s,
-        }
-    }
-    fn g(&self) -> &dyn GpuBackend {
-        &self.gpu
-    }
-    fn layer(&self, max_tokens: usize) -> PleLayer {
-        self.small
-            .layer(self.g(), self.table.clone(), max_tokens)
-            .unwrap()
-    }
-    fn finish(self, mut layer: PleLayer, states: Vec<PleSeqState>) {
-        let g: &dyn GpuBackend = &self.gpu;
-        for mut st in states {
-            layer.release_seq_state(&mut st, g).unwrap();
-        }
-        layer.free(g).unwrap();
-        g.destroy_stream(self.s).unwrap();
-        assert_eq!(self.table.pinned(g), 0, "leases left pinned");
-        self.table.free(g);
-        assert_no_leaks(g, self.start);
-    }
 }
 
 /// A GPU engine with kernels of its own plans a step and stages its rows

@@ -9,8 +9,7 @@ use pyo3::prelude::*;
 
 use metrale_model_layers::layers::ple::family::engram::token_map_from_tokenizer_json;
 use metrale_model_layers::layers::ple::ids::{
-    Boundaries, DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, HashFamily, PleHashParams, PleIdDims,
-    PleIdHasher,
+    Boundaries, DEFAULT_DIVISIBLE_BY, DEFAULT_HASH_SEED, PleHashParams, PleIdDims, PleIdHasher,
 };
 
 use crate::args;
@@ -113,7 +112,7 @@ pub(crate) fn hash(
     };
     let heads = dims.ngram_heads();
     let n = tokens.len();
-    if bounds.any() && !matches!(hasher.family(), HashFamily::Engram { .. }) {
+    if bounds.any() && !hasher.family().takes_boundaries() {
         return Err(value_error(format!(
             "doc_starts and masked are defined for the Engram family; this site is {}",
             hasher.family().name()

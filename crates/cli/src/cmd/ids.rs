@@ -141,7 +141,8 @@ fn from_config(args: &IdsArgs, path: &std::path::Path) -> anyhow::Result<Site> {
         .derive(site)
         .with_context(|| format!("{}", path.display()))?;
     let family = spec.hash_family();
-    let qwen_vocab = (family == HashFamily::Qwen4Exp).then_some(spec.vocab_size);
+    // A rule that bounds no token leaves the config's vocabulary to check.
+    let qwen_vocab = family.token_limit().is_none().then_some(spec.vocab_size);
     Ok(Site {
         family,
         derived,
@@ -227,7 +228,7 @@ pub fn run(args: &IdsArgs) -> Result<(), CmdError> {
     };
 
     let bounded = args.doc_starts.is_some() || args.masked.is_some();
-    if bounded && !matches!(site.family, HashFamily::Engram { .. }) {
+    if bounded && !site.family.takes_boundaries() {
         return Err(input(anyhow!(
             "--doc-starts and --masked are defined for the Engram family; this config is {}",
             site.family.name()

@@ -13,7 +13,6 @@ use metrale_checkpoint::Checkpoint;
 use metrale_checkpoint::family::Layout;
 use metrale_checkpoint::load::read_spec;
 use metrale_model_layers::layers::ple::ModelSpec;
-use metrale_model_layers::layers::ple::spec::{Combine, NormForm};
 use metrale_storage::layout::TableFiles;
 use metrale_storage::table::RowDType;
 
@@ -28,37 +27,10 @@ pub struct InspectArgs {
     pub dir: PathBuf,
 }
 
-/// The combination a family's sites apply, in words.
-fn combination(c: &Combine) -> String {
-    match c {
-        Combine::Gated(g) => format!(
-            "gated: a key per stream, {} norms{}{}",
-            match g.norm {
-                NormForm::OnePlusWeight => "(1 + w)",
-                NormForm::Weight => "w",
-            },
-            match (g.key_bias, g.value_bias) {
-                (true, true) => ", key and value biases",
-                (true, false) => ", a key bias",
-                (false, true) => ", a value bias",
-                (false, false) => "",
-            },
-            if g.conv {
-                ", dilated short conv"
-            } else {
-                ", no conv"
-            }
-        ),
-        Combine::Mean => {
-            "mean: (word embedding + projected sub-table rows) / (1 + sub-tables)".to_string()
-        }
-    }
-}
-
 fn print_spec(g: &ModelSpec) -> Result<(), CmdError> {
     let layout = Layout::of(g).map_err(input)?;
     println!("family              {}", layout.name());
-    println!("  layer             {}", combination(&g.combine()));
+    println!("  layer             {}", g.combine().describe());
     println!("geometry");
     println!(
         "  vocab_size        {} (eos {})",

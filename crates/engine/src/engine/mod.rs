@@ -503,22 +503,9 @@ pub fn takes_token_mask(g: &SiteSpec) -> bool {
 }
 
 /// The family of a site of geometry `g`, as a refused token mask names it:
-/// the published layer the site follows (`"Qwen4-Exp"`, `"Engram demo"`,
-/// `"DeepSeek-V4.1 Engram"`, `"DeepSeek-V4.1 Engram with a short conv"`,
-/// `"LongCat"`).
+/// the published layer the site follows ([`SiteSpec::published_layer`]).
 pub fn mask_family(g: &SiteSpec) -> &'static str {
-    use metrale_model_layers::layers::ple::{GateSign, HashFamily};
-    let v41 =
-        |c: &metrale_model_layers::layers::ple::GatedSpec| matches!(c.sign, GateSign::CopySign);
-    match (&g.dims.family, g.combine.gated()) {
-        (HashFamily::Qwen4Exp, _) => "Qwen4-Exp",
-        (HashFamily::LongCat { .. }, _) => "LongCat",
-        (HashFamily::Engram { .. }, Some(c)) if v41(c) && c.conv => {
-            "DeepSeek-V4.1 Engram with a short conv"
-        }
-        (HashFamily::Engram { .. }, Some(c)) if v41(c) => "DeepSeek-V4.1 Engram",
-        (HashFamily::Engram { .. }, _) => "Engram demo",
-    }
+    g.published_layer()
 }
 
 static ENGINE_INSTANCES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);

@@ -1,5 +1,6 @@
 //! What the PLE layer tests share: a tiny device-resident row table
-//! that counts its pins, a small random geometry, and highway rows.
+//! that counts its pins, a small random geometry, highway rows, and the
+//! fixture holding them on a debug CPU backend ([`Fx`]).
 //!
 //! The table pins every resolved row and only unpins a lease once the event
 //! given with its release has completed, so a test can check that no lease
@@ -10,9 +11,10 @@
 use std::sync::Arc;
 
 use anyhow::Result;
+use metrale_gpu_runtime::cpu::CpuBackend;
 use metrale_gpu_runtime::gpu::{DevicePtr, EventHandle, GpuBackend, StreamId};
 use metrale_model_layers::layers::ple::ids::PleIdDims;
-use metrale_model_layers::layers::ple::{PleLayer, PleWeights, SiteSpec};
+use metrale_model_layers::layers::ple::{PleLayer, PleSeqState, PleWeights, SiteSpec};
 use metrale_storage::table::{Lease, RowDType, RowRef, RowTable, TableInfo, TableStats};
 use metrale_storage::{Result as StorageResult, StorageError};
 pub use metrale_testkit::Rng;
@@ -323,6 +325,79 @@ impl Small {
             max_tokens,
             gpu,
         )?)
+    }
+}
+
+/// A small layer's world: a debug CPU backend (which checks every
+/// pointer), a [`Small`] geometry, its [`TestTable`] and the stream every
+/// call runs on. [`Fx::finish`] frees it all and fails on a leak.
+pub struct Fx {
+    pub gpu: CpuBackend,
+    /// The backend's live allocations before the fixture made any.
+    pub start: usize,
+    pub small: Small,
+    pub table: Arc<TestTable>,
+    /// Destroyed after the layers are freed.
+    pub s: StreamId,
+}
+
+impl Fx {
+    /// Geometry and table drawn from `seed`; the table resolves at most
+    /// `max_resolve` ids a call.
+    pub fn new(seed: u64, max_resolve: usize) -> Fx {
+        let gpu = CpuBackend::new_debug();
+        let start = gpu.live_alloc_count();
+        let small = Small::new(seed);
+        let table = TestTable::new(&gpu, &small.table_bits, small.head_dim, max_resolve).unwrap();
+        let s = gpu.create_stream().unwrap();
+        Fx {
+            gpu,
+            start,
+            small,
+            table,
+            s,
+        }
+    }
+
+    pub fn g(&self) -> &dyn GpuBackend {
+        &self.gpu
+    }
+
+    /// A layer over the fixture's table.
+    pub fn layer(&self, max_tokens: usize) -> PleLayer {
+        self.small
+            .layer(self.g(), self.table.clone(), max_tokens)
+            .unwrap()
+    }
+
+    /// [`Self::finish_all`] with one layer.
+    pub fn finish(self, layer: PleLayer, states: Vec<PleSeqState>) {
+        self.finish_all(vec![layer], states);
+    }
+
+    /// Release `states` (through the first layer), free `layers`, the
+    /// table and the stream, and check that no lease was released without
+    /// an event, none is left pinned and no allocation is left live.
+    pub fn finish_all(self, layers: Vec<PleLayer>, states: Vec<PleSeqState>) {
+        let g: &dyn GpuBackend = &self.gpu;
+        // Every lease so far was released with an event recorded after the
+        // gather that read it, never at issue time.
+        assert_eq!(
+            self.table.bare_releases(),
+            0,
+            "a pinned lease was released without an event"
+        );
+        for mut st in states {
+            layers[0].release_seq_state(&mut st, g).unwrap();
+        }
+        for mut l in layers {
+            l.free(g).unwrap();
+        }
+        assert_eq!(self.table.pinned(g), 0, "leases left pinned");
+        self.table.free(g);
+        g.synchronize(self.s).unwrap();
+        g.destroy_stream(self.s).unwrap();
+        assert_no_leaks(g, self.start);
     }
 }
 

@@ -14,8 +14,9 @@
 //!   keys).
 //!
 //! Each module exports a [`FamilyDesc`] (how a config is recognised and
-//! parsed) and a type implementing [`Family`] (the parsed family part of a
-//! [`ModelSpec`], answering everything later code asks of it).
+//! parsed, and which published layer a site follows) and a type
+//! implementing [`Family`] (the parsed family part of a [`ModelSpec`],
+//! answering everything later code asks of it).
 //! [`BUILTIN`] lists the descriptors, one line per family; [`register`]
 //! adds one at run time (a family defined outside this crate).
 //!
@@ -23,7 +24,10 @@
 //! [`Combine`] are small enums because their per-token and per-element
 //! loops branch on them; a family picks one of their variants and sets
 //! their parameters, and a family with a new hash rule or a new combination
-//! adds a variant there too.
+//! adds a variant there too. Outside their own modules, the kernels that
+//! dispatch on a combination and the family modules, code asks the enums'
+//! methods (`takes_boundaries`, `check_site`, ...) instead of matching
+//! variants.
 //!
 //! Invariants: descriptor ids are unique across the registry; exactly one
 //! registered family (Qwen4-Exp) has no `detect` and takes every config no
@@ -38,7 +42,7 @@ use serde_json::Value;
 use thiserror::Error;
 
 use super::ids::{DerivedPleIds, IdError, PleIdDims, TokenMap, running_offsets, validate_family};
-use super::spec::{Combine, Fields, HashFamily, ModelSpec, SpecError};
+use super::spec::{Combine, Fields, HashFamily, ModelSpec, SiteSpec, SpecError};
 
 pub mod deepseek_v41;
 pub mod engram;
@@ -72,6 +76,11 @@ pub struct FamilyDesc {
     pub detect: Option<Detect>,
     /// Parse and validate a config this family claimed.
     pub parse: fn(&Fields) -> Result<ModelSpec, SpecError>,
+    /// The published layer a site follows, as messages name it, when its
+    /// hash rule and combination are this family's; `None` for a site of
+    /// another family. Families that share a site's rules (a second
+    /// spelling of one model) answer `None` and leave it to the first.
+    pub site_layer: fn(&SiteSpec) -> Option<&'static str>,
 }
 
 impl fmt::Debug for FamilyDesc {
@@ -236,6 +245,16 @@ pub(crate) fn claim(f: &Fields) -> Result<Option<&'static FamilyDesc>, SpecError
         found = Some((d, key));
     }
     Ok(found.map(|(d, _)| d))
+}
+
+/// The published layer `site` follows, as messages name it: the answer of
+/// the first family whose [`FamilyDesc::site_layer`] claims the site, or
+/// the hash rule's name when none does.
+pub fn site_layer(site: &SiteSpec) -> &'static str {
+    families()
+        .into_iter()
+        .find_map(|d| (d.site_layer)(site))
+        .unwrap_or_else(|| site.family.name())
 }
 
 /// The family that takes configs nobody claims.

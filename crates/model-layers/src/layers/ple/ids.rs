@@ -464,17 +464,9 @@ pub fn ple_ngram_ids(dims: &PleIdDims, tokens: &[u32]) -> Vec<Vec<u64>> {
     }
     let heads = dims.ngram_heads();
     let mut flat = vec![0u64; tokens.len() * heads];
-    if dims.family != HashFamily::Qwen4Exp {
-        if let Err(e) = family_ids_into_plain(&dims.family, dims, &[], tokens, &mut flat) {
-            panic!("ple_ngram_ids: {e:#}");
-        }
-        return flat.chunks_exact(heads).map(<[u64]>::to_vec).collect();
+    if let Err(e) = family_ids_into_plain(&dims.family, dims, &[], tokens, &mut flat) {
+        panic!("ple_ngram_ids: {e:#}");
     }
-    let rows = PlainRows {
-        sizes: &dims.head_vocab_sizes,
-        offsets: &dims.head_offsets,
-    };
-    hash_run(dims, &rows, &[], tokens, &mut flat);
     flat.chunks_exact(heads).map(<[u64]>::to_vec).collect()
 }
 
@@ -488,22 +480,14 @@ pub fn ple_ngram_ids_into_plain(
     tokens: &[u32],
     out: &mut [u64],
 ) -> Result<()> {
-    if dims.family != HashFamily::Qwen4Exp {
-        return family_ids_into_plain(&dims.family, dims, history, tokens, out);
-    }
-    dims.validate()?;
-    check_out(
+    plain_into(
         "ple_ngram_ids_into_plain",
-        out.len(),
-        tokens.len(),
-        dims.ngram_heads(),
-    )?;
-    let rows = PlainRows {
-        sizes: &dims.head_vocab_sizes,
-        offsets: &dims.head_offsets,
-    };
-    hash_run(dims, &rows, history, tokens, out);
-    Ok(())
+        &dims.family,
+        dims,
+        history,
+        tokens,
+        out,
+    )
 }
 
 /// The `%` form of any family (docs/SPEC.md, "Families"): hash `history ++
@@ -519,36 +503,30 @@ pub fn family_ids_into_plain(
     tokens: &[u32],
     out: &mut [u64],
 ) -> Result<()> {
+    plain_into("family_ids_into_plain", family, dims, history, tokens, out)
+}
+
+/// [`family_ids_into_plain`], its errors naming `what`.
+fn plain_into(
+    what: &str,
+    family: &HashFamily,
+    dims: &PleIdDims,
+    history: &[u32],
+    tokens: &[u32],
+    out: &mut [u64],
+) -> Result<()> {
     validate_family(family, dims)?;
-    if *family == HashFamily::Qwen4Exp {
-        check_out(
-            "family_ids_into_plain",
-            out.len(),
-            tokens.len(),
-            dims.ngram_heads(),
-        )?;
-        let rows = PlainRows {
-            sizes: &dims.head_vocab_sizes,
-            offsets: &dims.head_offsets,
-        };
-        hash_run(dims, &rows, history, tokens, out);
-        return Ok(());
-    }
-    check_out(
-        "family_ids_into_plain",
-        out.len(),
-        tokens.len(),
-        dims.ngram_heads(),
-    )?;
+    check_out(what, out.len(), tokens.len(), dims.ngram_heads())?;
+    // Nothing to refuse for a rule without a token limit (Qwen4Exp).
     check_tokens(family, "history", history)?;
     check_tokens(family, "tokens", tokens)?;
+    let rows = PlainRows {
+        sizes: &dims.head_vocab_sizes,
+        offsets: &dims.head_offsets,
+    };
     match family::Prepared::new(family, dims) {
-        family::Prepared::Qwen4Exp => {}
+        family::Prepared::Qwen4Exp => hash_run(dims, &rows, history, tokens, out),
         family::Prepared::Engram { map, fill } => {
-            let rows = PlainRows {
-                sizes: &dims.head_vocab_sizes,
-                offsets: &dims.head_offsets,
-            };
             family::engram_run(dims, map.as_deref(), fill, &rows, history, tokens, out);
         }
         family::Prepared::LongCat { weights, .. } => {
@@ -585,10 +563,7 @@ impl PleIdHasher {
         #[allow(unused_mut)]
         let mut h = Self::new_portable(dims)?;
         #[cfg(target_arch = "x86_64")]
-        if matches!(
-            dims.family,
-            HashFamily::Qwen4Exp | HashFamily::Engram { .. }
-        ) {
+        if dims.family.mixes_once_per_order() {
             h.avx2 = simd::Avx2Plan::new(dims);
         }
         Ok(h)

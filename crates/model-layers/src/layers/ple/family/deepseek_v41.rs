@@ -8,8 +8,8 @@
 use serde_json::{Value, json};
 
 use super::FamilyDesc;
-use super::engram::{EngramKeys, EngramSpec, parse};
-use crate::layers::ple::spec::{Combine, Fields, GatedSpec, ModelSpec, SpecError};
+use super::engram::{EngramKeys, EngramSpec, is_engram, parse, v41_gate};
+use crate::layers::ple::spec::{Combine, Fields, GatedSpec, ModelSpec, SiteSpec, SpecError};
 
 /// The registry entry.
 pub static DESC: FamilyDesc = FamilyDesc {
@@ -18,7 +18,21 @@ pub static DESC: FamilyDesc = FamilyDesc {
     title: "DeepSeek-V4.1 Engram",
     detect: Some(detect),
     parse: |f| parse(f, EngramKeys::V41),
+    site_layer,
 };
+
+/// An Engram site with V4.1's gate; "with a short conv" when it has this
+/// project's conv, which the published layer lacks.
+fn site_layer(site: &SiteSpec) -> Option<&'static str> {
+    if !(is_engram(site) && v41_gate(site)) {
+        return None;
+    }
+    Some(if site.combine.has_conv() {
+        "DeepSeek-V4.1 Engram with a short conv"
+    } else {
+        DESC.title
+    })
+}
 
 /// The geometry keys that name V4.1; other `engram_*` keys (a quantised
 /// repack's `engram_rotation_config`) name no family.

@@ -24,7 +24,9 @@ use super::{Family, FamilyDesc, ModelFamily, deepseek_v41, derive_dims, engram_d
 use crate::layers::ple::ids::{
     DerivedPleIds, TokenMap, engram_head_sizes, engram_multipliers, running_offsets,
 };
-use crate::layers::ple::spec::{Combine, Fields, HashFamily, ModelSpec, SpecError, TABLE_ROWS_KEY};
+use crate::layers::ple::spec::{
+    Combine, Fields, GateSign, HashFamily, ModelSpec, SiteSpec, SpecError, TABLE_ROWS_KEY,
+};
 
 pub mod tokenizer;
 
@@ -221,6 +223,19 @@ fn u64_list(f: &Fields, name: &str, scalar_ok: bool) -> Result<Vec<u64>, SpecErr
 
 fn u32_of(f: &Fields, name: &str, v: u64) -> Result<u32, SpecError> {
     u32::try_from(v).map_err(|_| f.field_err(name, format!("= {v} does not fit a u32 token id")))
+}
+
+/// Whether `site` hashes under the Engram rule (either spelling's site).
+pub(super) fn is_engram(site: &SiteSpec) -> bool {
+    matches!(site.family, HashFamily::Engram { .. })
+}
+
+/// Whether `site`'s gate is DeepSeek-V4.1's (copysign at a zero dot
+/// product), which tells V4.1's sites from the demo's.
+pub(super) fn v41_gate(site: &SiteSpec) -> bool {
+    site.combine
+        .gated()
+        .is_some_and(|g| g.sign == GateSign::CopySign)
 }
 
 /// Parse an Engram config whose spelling is `keys`.

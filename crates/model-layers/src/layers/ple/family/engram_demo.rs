@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 
 use super::FamilyDesc;
 use super::deepseek_v41;
-use super::engram::{EngramKeys, EngramSpec, parse};
+use super::engram::{EngramKeys, EngramSpec, is_engram, parse, v41_gate};
 use crate::layers::ple::spec::{Combine, Fields, GatedSpec, ModelSpec, SpecError};
 
 /// The registry entry.
@@ -19,6 +19,7 @@ pub static DESC: FamilyDesc = FamilyDesc {
     title: "Engram demo",
     detect: Some(detect),
     parse: |f| parse(f, EngramKeys::Demo),
+    site_layer: |site| (is_engram(site) && !v41_gate(site)).then_some(DESC.title),
 };
 
 /// `engram_vocab_size`, unless DeepSeek-V4.1's keys claim the config.

@@ -29,6 +29,7 @@ pub static DESC: FamilyDesc = FamilyDesc {
     title: "LongCat",
     detect: Some(detect),
     parse: |f| parse(f, keys_of(f)),
+    site_layer: |site| matches!(site.family, HashFamily::LongCat { .. }).then_some(DESC.title),
 };
 
 /// The key spelling of a claimed config.

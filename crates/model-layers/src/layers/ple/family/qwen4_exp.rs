@@ -36,6 +36,7 @@ pub static DESC: FamilyDesc = FamilyDesc {
     title: "Qwen4-Exp",
     detect: None,
     parse,
+    site_layer: |site| (site.family == HashFamily::Qwen4Exp).then_some(DESC.title),
 };
 
 /// The Qwen4-Exp family: its config adds nothing to the shared fields of

@@ -190,13 +190,13 @@ pub fn engram_ids_bounded_into(
     bounds: Boundaries<'_>,
     out: &mut [u64],
 ) -> Result<()> {
-    let HashFamily::Engram { token_map, .. } = family else {
+    if !family.takes_boundaries() {
         id_bail!(
             Params,
             "look-back boundaries are defined for the Engram family, not {}",
             family.name()
         );
-    };
+    }
     validate_family(family, dims)?;
     let positions = history.len() + tokens.len();
     bounds.check(positions)?;
@@ -212,7 +212,7 @@ pub fn engram_ids_bounded_into(
     check_tokens(family, "history", history)?;
     check_tokens(family, "tokens", tokens)?;
 
-    let map = token_map.as_deref();
+    let map = family.token_map().map(|m| &m[..]);
     let mapped = |t: u32| match map {
         // Tokens were checked against the map's length.
         Some(m) => u64::from(m[t as usize]),

@@ -100,6 +100,65 @@ impl HashFamily {
             HashFamily::LongCat { vocab_size } => Some(*vocab_size),
         }
     }
+
+    /// The compressed-token map the rule hashes through (Engram's, when it
+    /// has one).
+    pub fn token_map(&self) -> Option<&TokenMap> {
+        match self {
+            HashFamily::Engram { token_map, .. } => token_map.as_ref(),
+            HashFamily::Qwen4Exp | HashFamily::LongCat { .. } => None,
+        }
+    }
+
+    /// Whether the rule defines look-back boundaries (document starts and
+    /// masked positions, `Boundaries`): Engram only.
+    pub fn takes_boundaries(&self) -> bool {
+        matches!(self, HashFamily::Engram { .. })
+    }
+
+    /// Whether the heads of each order reduce one shared mixed value (the
+    /// XOR mixing of Qwen4Exp and Engram), which the AVX2 head reduction
+    /// needs; LongCat's polynomial gives every head a sum of its own.
+    pub fn mixes_once_per_order(&self) -> bool {
+        match self {
+            HashFamily::Qwen4Exp | HashFamily::Engram { .. } => true,
+            HashFamily::LongCat { .. } => false,
+        }
+    }
+
+    /// Whether the rule's sites take the mean with the word embedding
+    /// (LongCat's published layer) instead of a gate (the others').
+    pub fn takes_mean(&self) -> bool {
+        match self {
+            HashFamily::LongCat { .. } => true,
+            HashFamily::Qwen4Exp | HashFamily::Engram { .. } => false,
+        }
+    }
+
+    /// Append the rule's part of a site's canonical encoding to `out`: a
+    /// tag and every parameter, vectors with their lengths. Nothing for
+    /// Qwen4Exp, so fingerprints of existing snapshots stay valid.
+    pub fn encode_canonical(&self, out: &mut Vec<u8>) {
+        match self {
+            HashFamily::Qwen4Exp => {}
+            HashFamily::Engram {
+                token_map,
+                hashed_vocab,
+            } => {
+                out.extend_from_slice(b"engram");
+                out.extend_from_slice(&hashed_vocab.to_le_bytes());
+                let map: &[u32] = token_map.as_deref().unwrap_or(&[]);
+                out.extend_from_slice(&(map.len() as u64).to_le_bytes());
+                for v in map {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            HashFamily::LongCat { vocab_size } => {
+                out.extend_from_slice(b"longcat");
+                out.extend_from_slice(&vocab_size.to_le_bytes());
+            }
+        }
+    }
 }
 
 /// Check that `dims` and `family` describe a usable hash together

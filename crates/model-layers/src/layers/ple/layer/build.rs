@@ -319,6 +319,8 @@ impl PleLayer {
         if bias.is_some() {
             kernels.bias_add = Some(k("bias_add")?);
         }
+        // The combination's kernel dispatch: each variant resolves the
+        // kernels its per-element loops run (forward.rs launches them).
         match spec.combine {
             Combine::Gated(g) => {
                 let [q, k_eps, c_eps] = g.eps(spec.rms_eps);

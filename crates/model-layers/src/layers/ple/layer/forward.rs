@@ -495,23 +495,28 @@ impl PleLayer {
                 .run(stream)
                 .device(|| format!("launching PLE projection bias over {t} rows"))?;
         }
-        let Combine::Gated(g) = self.spec.combine else {
-            let divisor = (1 + self.dims.ngram_heads()) as f32;
-            let k = self
-                .kernels
-                .mean_add
-                .expect("resolved at build for a mean site");
-            let a = MeanAddArgs {
-                highway,
-                value: self.bufs.kv,
-                n: (t * c) as u32,
-                divisor,
-            };
-            return gpu
-                .launch(k, shapes.elementwise(t * c))
-                .args(&a)
-                .run(stream)
-                .device(|| format!("launching PLE mean over {t} rows of highway {highway}"));
+        // The combination's launch dispatch, over the kernels build.rs
+        // resolved for its variant.
+        let g = match self.spec.combine {
+            Combine::Gated(g) => g,
+            Combine::Mean => {
+                let divisor = (1 + self.dims.ngram_heads()) as f32;
+                let k = self
+                    .kernels
+                    .mean_add
+                    .expect("resolved at build for a mean site");
+                let a = MeanAddArgs {
+                    highway,
+                    value: self.bufs.kv,
+                    n: (t * c) as u32,
+                    divisor,
+                };
+                return gpu
+                    .launch(k, shapes.elementwise(t * c))
+                    .args(&a)
+                    .run(stream)
+                    .device(|| format!("launching PLE mean over {t} rows of highway {highway}"));
+            }
         };
         let (t32, h, hc) = (t as u32, self.hidden as u32, self.hc_mult as u32);
         match self.kernels.gate_norms {

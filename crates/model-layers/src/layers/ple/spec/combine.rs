@@ -17,6 +17,8 @@
 //! §5, so a Qwen4Exp site computes what it did before the combination was
 //! a parameter; a site without a conv carries no conv state.
 
+use super::{HashFamily, SpecError};
+
 /// How a grouped RMS norm applies its weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum NormForm {
@@ -219,6 +221,87 @@ impl Combine {
     /// Whether the site has a key projection and the three norms.
     pub fn has_key(&self) -> bool {
         self.gated().is_some()
+    }
+
+    /// Whether the site takes the mean with the word embedding.
+    pub fn is_mean(&self) -> bool {
+        matches!(self, Combine::Mean)
+    }
+
+    /// Check the combination against the rest of its site: it goes with the
+    /// hash rule `family` (the mean where the rule takes it, with one
+    /// stream; gated otherwise), and its epsilons are finite and
+    /// non-negative.
+    pub fn check_site(&self, family: &HashFamily, hc_mult: usize) -> Result<(), SpecError> {
+        let bad = |field: &'static str, problem: String| Err(SpecError::Site { field, problem });
+        if family.takes_mean() != self.is_mean() {
+            return bad(
+                "combine",
+                format!(
+                    "{self:?} does not go with the {} hash: LongCat sites take the mean \
+                     with the word embedding, the others are gated",
+                    family.name()
+                ),
+            );
+        }
+        match self {
+            Combine::Mean if hc_mult != 1 => bad(
+                "hc_mult",
+                format!(
+                    "= {hc_mult}, but a site that takes the mean with the word embedding has one \
+                     stream"
+                ),
+            ),
+            Combine::Mean => Ok(()),
+            Combine::Gated(g) => {
+                for (name, eps) in [
+                    ("query norm eps", g.query_eps),
+                    ("key norm eps", g.key_eps),
+                    ("conv norm eps", g.conv_eps),
+                ] {
+                    if let Some(e) = eps.filter(|e| !(e.is_finite() && *e >= 0.0)) {
+                        return bad(name, format!("must be finite and >= 0, got {e}"));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// The combination in words, as `inspect` prints it.
+    pub fn describe(&self) -> String {
+        match self {
+            Combine::Gated(g) => format!(
+                "gated: a key per stream, {} norms{}{}",
+                match g.norm {
+                    NormForm::OnePlusWeight => "(1 + w)",
+                    NormForm::Weight => "w",
+                },
+                match (g.key_bias, g.value_bias) {
+                    (true, true) => ", key and value biases",
+                    (true, false) => ", a key bias",
+                    (false, true) => ", a value bias",
+                    (false, false) => "",
+                },
+                if g.conv {
+                    ", dilated short conv"
+                } else {
+                    ", no conv"
+                }
+            ),
+            Combine::Mean => {
+                "mean: (word embedding + projected sub-table rows) / (1 + sub-tables)".to_string()
+            }
+        }
+    }
+
+    /// Append the combination's part of a site's canonical encoding to
+    /// `out`: [`Self::encode_canonical`], except nothing for the Qwen4Exp
+    /// combination, so fingerprints of existing snapshots stay valid.
+    pub fn encode_site(&self, out: &mut Vec<u8>) {
+        if *self != Combine::qwen4exp() {
+            self.encode_canonical(out);
+        }
     }
 
     /// Append a canonical encoding (what changes a carry's meaning) to

@@ -63,6 +63,14 @@ impl SiteSpec {
         }
     }
 
+    /// The published layer the site follows, as messages name it
+    /// (`"Qwen4-Exp"`, `"Engram demo"`, `"DeepSeek-V4.1 Engram"`, ...): its
+    /// family decides from the site's hash rule and combination
+    /// ([`family::site_layer`]), so a site built by hand is named too.
+    pub fn published_layer(&self) -> &'static str {
+        family::site_layer(self)
+    }
+
     /// `(N - 1) * K`: ids (table rows) per token.
     pub fn ngram_heads(&self) -> usize {
         self.dims.ngram_heads()
@@ -132,41 +140,7 @@ impl SiteSpec {
                 format!("= {} is outside 1..={MAX_HC_MULT}", self.hc_mult),
             );
         }
-        match (&self.family, &self.combine) {
-            (HashFamily::LongCat { .. }, Combine::Mean) => {}
-            (HashFamily::LongCat { .. }, _) | (_, Combine::Mean) => {
-                return bad(
-                    "combine",
-                    format!(
-                        "{:?} does not go with the {} hash: LongCat sites take the mean \
-                         with the word embedding, the others are gated",
-                        self.combine,
-                        self.family.name()
-                    ),
-                );
-            }
-            _ => {}
-        }
-        if self.combine == Combine::Mean && self.hc_mult != 1 {
-            return bad(
-                "hc_mult",
-                format!(
-                    "= {}, but a site that takes the mean with the word embedding has one stream",
-                    self.hc_mult
-                ),
-            );
-        }
-        if let Combine::Gated(g) = &self.combine {
-            for (name, eps) in [
-                ("query norm eps", g.query_eps),
-                ("key norm eps", g.key_eps),
-                ("conv norm eps", g.conv_eps),
-            ] {
-                if let Some(e) = eps.filter(|e| !(e.is_finite() && *e >= 0.0)) {
-                    return bad(name, format!("must be finite and >= 0, got {e}"));
-                }
-            }
-        }
+        self.combine.check_site(&self.family, self.hc_mult)?;
         if self.combine.has_conv() {
             if self.kernel < 2 {
                 return bad(
@@ -238,29 +212,7 @@ impl SiteSpec {
         ] {
             out.extend_from_slice(&(v as u64).to_le_bytes());
         }
-        match &self.family {
-            HashFamily::Qwen4Exp => {}
-            HashFamily::Engram {
-                token_map,
-                hashed_vocab,
-            } => {
-                out.extend_from_slice(b"engram");
-                out.extend_from_slice(&hashed_vocab.to_le_bytes());
-                let map: &[u32] = token_map.as_deref().unwrap_or(&[]);
-                out.extend_from_slice(&(map.len() as u64).to_le_bytes());
-                for v in map {
-                    out.extend_from_slice(&v.to_le_bytes());
-                }
-            }
-            HashFamily::LongCat { vocab_size } => {
-                out.extend_from_slice(b"longcat");
-                out.extend_from_slice(&vocab_size.to_le_bytes());
-            }
-        }
-        // Left out for the Qwen4Exp layer, so fingerprints of existing
-        // snapshots stay valid.
-        if self.combine != Combine::qwen4exp() {
-            self.combine.encode_canonical(out);
-        }
+        self.family.encode_canonical(out);
+        self.combine.encode_site(out);
     }
 }

@@ -208,6 +208,48 @@ fn each_family_derives_its_combination() {
 }
 
 #[test]
+fn each_site_is_named_by_its_family() {
+    let q = ModelSpec::from_json_str(FLAGSHIP, "config.json").unwrap();
+    let specs = [
+        q,
+        family_config("engram_demo.json"),
+        family_config("deepseek_v41.json"),
+        family_config("longcat_flash_lite.json"),
+    ];
+    let names: Vec<&str> = specs
+        .iter()
+        .map(|spec| {
+            let name = spec.site(0).unwrap().published_layer();
+            assert_eq!(name, spec.family.desc().title);
+            name
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "Qwen4-Exp",
+            "Engram demo",
+            "DeepSeek-V4.1 Engram",
+            "LongCat"
+        ]
+    );
+
+    // V4.1's gate with this project's conv is not the published layer.
+    let mut s = specs[2].site(0).unwrap();
+    s.combine = Combine::Gated(GatedSpec::deepseek_v41(true));
+    assert_eq!(
+        s.published_layer(),
+        "DeepSeek-V4.1 Engram with a short conv"
+    );
+    // An Engram site with any other gate follows the demo; a site built by
+    // hand is named by its hash rule's family.
+    s.combine = Combine::qwen4exp();
+    assert_eq!(s.published_layer(), "Engram demo");
+    let hand = SiteSpec::new(specs[0].site(0).unwrap().dims, 8, 16, 2, 4, 3);
+    assert_eq!(hand.published_layer(), "Qwen4-Exp");
+}
+
+#[test]
 fn a_site_fingerprint_names_its_combination() {
     let demo = family_config("engram_demo.json");
     let s = demo.site(0).unwrap();
